@@ -1,0 +1,285 @@
+"""``hosts.toml``: where it is found, what it may say, and errors that name file and key.
+
+A mistake in the config is the user's to fix, so it is reported as one line naming the
+file, the key (and the line where TOML gives one) and exits 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+import platformdirs
+
+APP = "gputop"
+ENV_CONFIG = "GPUTOP_CONFIG"
+ENV_RESERVATIONS = "GPUTOP_RESERVATIONS"
+
+
+class ConfigError(Exception):
+    """A config mistake: ``str()`` is the one-line message shown to the user."""
+
+    def __init__(self, path: Path | str, key: str | None, message: str) -> None:
+        self.path, self.key, self.message = str(path), key, message
+        where = f"{self.path}: {key}" if key else self.path
+        super().__init__(f"{where}: {message}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_SECONDS = {"": 60.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"90m"``, ``"2h"``, ``"1.5d"``, ``"45"`` (minutes) to seconds; ValueError otherwise."""
+    m = _DURATION.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90m, 2h, 1d)")
+    return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.@-][A-Za-z0-9_.@+-]*$")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    name: str
+    #: Overrides ~/.ssh/config's HostName; by default ``name`` is resolved like ``ssh name``.
+    address: str | None = None
+    port: int | None = None
+    user: str | None = None
+    tags: tuple[str, ...] = ()
+    #: Read this host in-process through NVML instead of SSH.
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None
+    hosts: tuple[HostConfig, ...]
+    interval: float = 2.0
+    timeout: float = 10.0
+    #: Cap on simultaneous SSH handshakes (a shared bastion drops beyond MaxStartups).
+    max_connecting: int = 16
+    ssh_config: tuple[Path, ...] | None = None
+    theme: str | None = None
+    reservations_path: Path = field(
+        default_factory=lambda: Path(platformdirs.user_data_dir(APP)) / "reservations.json"
+    )
+    reservation_default_s: float = 4 * 3600.0
+    reservation_max_s: float = 7 * 86400.0
+    #: How long a GPU must hold memory at ~0 % utilisation to be flagged ``idle-holder``.
+    idle_holder_s: float = 1800.0
+    #: True when no config file was found: only the local machine is monitored.
+    implicit: bool = False
+
+    def host(self, name: str) -> HostConfig | None:
+        return next((h for h in self.hosts if h.name == name), None)
+
+
+def default_config_path() -> Path:
+    return Path(platformdirs.user_config_dir(APP)) / "hosts.toml"
+
+
+def find_config(cli_path: str | None) -> Path | None:
+    """``--config``, else ``$GPUTOP_CONFIG``, else the user config dir's hosts.toml if present."""
+    if cli_path:
+        return Path(cli_path).expanduser()
+    env = os.environ.get(ENV_CONFIG)
+    if env:
+        return Path(env).expanduser()
+    p = default_config_path()
+    return p if p.exists() else None
+
+
+NO_CONFIG_HINT = (
+    "no hosts.toml found: monitoring this machine only. To add hosts, copy "
+    "hosts.example.toml to {path} (or pass --config FILE)."
+)
+
+
+def load_config(cli_path: str | None = None) -> Config:
+    path = find_config(cli_path)
+    if path is None:
+        return Config(
+            path=None,
+            hosts=(HostConfig(name="localhost", local=True),),
+            reservations_path=_reservations_path(None, None),
+            implicit=True,
+        )
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(path, None, "file not found") from None
+    except OSError as exc:
+        raise ConfigError(path, None, f"cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(path, None, "not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, None, f"invalid TOML: {exc}") from None
+    return parse_config(data, path)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+class _Table:
+    """Reads one TOML table, checking types and rejecting unknown keys, naming the key."""
+
+    def __init__(self, path: Path, prefix: str, data: Any) -> None:
+        self.path, self.prefix = path, prefix
+        if not isinstance(data, dict):
+            raise ConfigError(path, prefix, f"must be a table, not {_tname(data)}")
+        self.data = data
+        self.used: set[str] = set()
+
+    def key(self, k: str) -> str:
+        return f"{self.prefix}.{k}" if self.prefix else k
+
+    def get(self, k: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+        self.used.add(k)
+        if k not in self.data:
+            return default
+        v = self.data[k]
+        if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            raise ConfigError(self.path, self.key(k), f"must be {_names(types)}, not a boolean")
+        if not isinstance(v, types):
+            raise ConfigError(self.path, self.key(k), f"must be {_names(types)}, not {_tname(v)}")
+        return v
+
+    def number(self, k: str, default: float, *, minimum: float) -> float:
+        v = float(self.get(k, (int, float), default))
+        if v < minimum:
+            raise ConfigError(self.path, self.key(k), f"must be at least {minimum:g}")
+        return v
+
+    def duration(self, k: str, default: float) -> float:
+        v = self.get(k, (str, int, float), None)
+        if v is None:
+            return default
+        try:
+            return parse_duration(str(v))
+        except ValueError as exc:
+            raise ConfigError(self.path, self.key(k), str(exc)) from None
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            known = ", ".join(sorted(self.used))
+            raise ConfigError(
+                self.path, self.key(unknown[0]), f"unknown key (known keys here: {known})"
+            )
+
+
+def _tname(v: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(v), type(v).__name__
+    )
+
+
+def _names(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    words = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+             list: "an array", dict: "a table"}
+    return " or ".join(dict.fromkeys(words.get(t, t.__name__) for t in ts))
+
+
+def _reservations_path(value: str | None, base: Path | None) -> Path:
+    if value:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() or base is None else base.parent / p
+    env = os.environ.get(ENV_RESERVATIONS)
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_data_dir(APP)) / "reservations.json"
+
+
+def _host(path: Path, key: str, item: Any) -> HostConfig:
+    if isinstance(item, str):
+        item = {"name": item}
+    t = _Table(path, key, item)
+    name = t.get("name", str)
+    if name is None:
+        raise ConfigError(path, t.key("name"), "is required")
+    if not _NAME.match(name):
+        raise ConfigError(
+            path, t.key("name"),
+            f"{name!r} is not a host name (letters, digits, '.', '-', '_', '@' only)",
+        )
+    port = t.get("port", int)
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(path, t.key("port"), "must be between 1 and 65535")
+    tags = t.get("tags", list, [])
+    if not all(isinstance(x, str) for x in tags):
+        raise ConfigError(path, t.key("tags"), "must be an array of strings")
+    address = t.get("address", str)
+    if address is not None and (not address or any(c.isspace() for c in address)):
+        raise ConfigError(path, t.key("address"), "must be a host name or IP address")
+    user = t.get("user", str)
+    local = t.get("local", bool, False)
+    t.done()
+    return HostConfig(name, address, port, user, tuple(tags), local)
+
+
+def parse_config(data: dict[str, Any], path: Path) -> Config:
+    top = _Table(path, "", data)
+    d = _Table(path, "defaults", top.get("defaults", dict, {}))
+    interval = d.number("interval", 2.0, minimum=0.1)
+    timeout = d.number("timeout", 10.0, minimum=0.5)
+    max_connecting = int(d.number("max_connecting", 16, minimum=1))
+    theme = d.get("theme", str)
+    idle_holder_s = d.duration("idle_holder_after", 1800.0)
+    ssh_cfg = d.get("ssh_config", (str, list))
+    if isinstance(ssh_cfg, list) and not all(isinstance(x, str) for x in ssh_cfg):
+        raise ConfigError(path, d.key("ssh_config"), "must be a path or an array of paths")
+    d.done()
+
+    r = _Table(path, "reservations", top.get("reservations", dict, {}))
+    rpath = _reservations_path(r.get("path", str), path)
+    rdefault = r.duration("default_duration", 4 * 3600.0)
+    rmax = r.duration("max_duration", 7 * 86400.0)
+    if rdefault > rmax:
+        raise ConfigError(path, "reservations.default_duration", "is longer than max_duration")
+    r.done()
+
+    raw_hosts = top.get("hosts", list, [])
+    top.done()
+    hosts: list[HostConfig] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw_hosts):
+        h = _host(path, f"hosts[{i}]", item)
+        if h.name in seen:
+            raise ConfigError(path, f"hosts[{i}].name", f"duplicate host name {h.name!r}")
+        seen.add(h.name)
+        hosts.append(h)
+    if not hosts:
+        raise ConfigError(path, "hosts", "no hosts configured (add [[hosts]] tables)")
+
+    ssh_paths: tuple[Path, ...] | None = None
+    if ssh_cfg is not None:
+        items = [ssh_cfg] if isinstance(ssh_cfg, str) else ssh_cfg
+        ssh_paths = tuple(Path(x).expanduser() for x in items)
+
+    return Config(
+        path=path,
+        hosts=tuple(hosts),
+        interval=interval,
+        timeout=timeout,
+        max_connecting=max_connecting,
+        ssh_config=ssh_paths,
+        theme=theme,
+        reservations_path=rpath,
+        reservation_default_s=rdefault,
+        reservation_max_s=rmax,
+        idle_holder_s=idle_holder_s,
+    )

@@ -1,0 +1,142 @@
+"""The snapshot model: frozen, JSON-serialisable records shared by every layer.
+
+A value that a GPU or driver could not report is ``None`` (JSON ``null``), never 0:
+"0 % busy" and "unknown" must stay distinguishable on the board and in scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+SCHEMA_VERSION = 1
+
+#: Classified reasons a host produced no (or partial) data. The JSON schema lists the same.
+ErrorKind = Literal[
+    "unreachable",  # connection refused, no route, DNS failure
+    "timeout",  # no SSH banner, or a query that did not return in time
+    "auth",  # authentication refused
+    "host-key",  # unknown or changed host key
+    "no-nvidia-smi",  # nvidia-smi not on the remote PATH
+    "driver",  # nvidia-smi / NVML cannot talk to the driver
+    "no-devices",  # "No devices were found"
+    "parse",  # output that is not what was asked for
+    "no-nvml",  # local host: the NVML library is missing
+    "ssh",  # any other SSH protocol failure
+    "error",  # anything else, with the message
+]
+ERROR_KINDS: tuple[str, ...] = ErrorKind.__args__  # type: ignore[attr-defined]
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def iso(ts: datetime | None) -> str | None:
+    """UTC ISO-8601 with a ``Z``, second precision: stable and sortable in JSON."""
+    if ts is None:
+        return None
+    return ts.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    user: str | None = None
+    command: str | None = None
+    gpu_memory_mib: int | None = None
+    elapsed_s: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int | None
+    uuid: str | None = None
+    name: str | None = None
+    bus_id: str | None = None
+    utilization_percent: int | None = None
+    memory_utilization_percent: int | None = None
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    temperature_c: int | None = None
+    power_draw_w: float | None = None
+    power_limit_w: float | None = None
+    fan_percent: int | None = None
+    pstate: str | None = None
+    mig_mode: str | None = None
+    driver_version: str | None = None
+    #: The driver could not get a handle for this GPU ("GPU is lost", "Unknown Error").
+    lost: bool = False
+    lost_reason: str | None = None
+    processes: tuple[ProcessInfo, ...] = ()
+
+    @property
+    def users(self) -> tuple[str, ...]:
+        """Distinct process owners, in first-seen order."""
+        seen: dict[str, None] = {}
+        for p in self.processes:
+            if p.user:
+                seen.setdefault(p.user, None)
+        return tuple(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["processes"] = [p.to_dict() for p in self.processes]
+        return d
+
+
+@dataclass(frozen=True)
+class HostError:
+    kind: ErrorKind
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message}
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """One host's state at one poll. ``error`` set means ``gpus`` is empty."""
+
+    name: str
+    time: datetime = field(default_factory=utcnow)
+    gpus: tuple[GpuInfo, ...] = ()
+    error: HostError | None = None
+    #: When this host last answered successfully (kept across errors by the poller).
+    last_ok: datetime | None = None
+    source: Literal["ssh", "nvml", "demo", "none"] = "ssh"
+    tags: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": "ok" if self.error is None else "error",
+            "error": None if self.error is None else self.error.to_dict(),
+            "time": iso(self.time),
+            "last_ok": iso(self.last_ok),
+            "source": self.source,
+            "tags": list(self.tags),
+            "gpus": [g.to_dict() for g in self.gpus],
+        }
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    hosts: tuple[HostSnapshot, ...]
+    time: datetime = field(default_factory=utcnow)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": SCHEMA_VERSION,
+            "time": iso(self.time),
+            "hosts": [h.to_dict() for h in self.hosts],
+        }

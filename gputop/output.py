@@ -1,0 +1,20 @@
+"""The headless writer: one JSON document per snapshot, one per line in ``--watch``.
+
+``ensure_ascii`` keeps every non-ASCII or control character of remote text as a ``\\u``
+escape, so a hostile process name cannot reach the reader's terminal through ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Any
+
+
+def dumps(document: dict[str, Any], *, pretty: bool = False) -> str:
+    return json.dumps(document, ensure_ascii=True, indent=2 if pretty else None,
+                      separators=None if pretty else (",", ":"))
+
+
+def write_document(document: dict[str, Any], stream: IO[str], *, pretty: bool = False) -> None:
+    stream.write(dumps(document, pretty=pretty) + "\n")
+    stream.flush()

@@ -1,0 +1,113 @@
+"""Poll every host concurrently and hand out host snapshots as they arrive.
+
+Each host has its own loop: query, publish, sleep what is left of the interval, repeat. A
+query is re-armed only after the previous one finished, so a slow host never has two
+queries in flight and never delays the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from gputop.config import Config, HostConfig
+from gputop.model import FleetSnapshot, HostSnapshot, utcnow
+from gputop.sources import Source
+
+if TYPE_CHECKING:
+    from gputop.sources.ssh import JumpPool
+
+
+def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
+    """One source per configured host, sharing the handshake cap and jump connections."""
+    from gputop.sources.nvml import NvmlSource
+
+    handshakes = asyncio.Semaphore(config.max_connecting)
+    jumps: JumpPool | None = None
+    sources: list[Source] = []
+    for h in config.hosts:
+        if h.local:
+            sources.append(NvmlSource(h.name, timeout=config.timeout))
+            continue
+        from gputop.sources.ssh import JumpPool, SshSource
+
+        if jumps is None:
+            jumps = JumpPool(config.ssh_config, handshakes)
+        sources.append(
+            SshSource(h, timeout=config.timeout, interval=config.interval,
+                      ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps)
+        )
+    return sources, jumps
+
+
+class Poller:
+    def __init__(self, config: Config, sources: Sequence[Source] | None = None) -> None:
+        self.config = config
+        self._jumps: JumpPool | None = None
+        if sources is None:
+            built, self._jumps = build_sources(config)
+            sources = built
+        self.sources = list(sources)
+        self._hosts: dict[str, HostConfig] = {h.name: h for h in config.hosts}
+        self._last_ok: dict[str, datetime] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def poll_host(self, source: Source) -> HostSnapshot:
+        gpus, err = await source.query()
+        now = utcnow()
+        if err is None:
+            self._last_ok[source.name] = now
+        host = self._hosts.get(source.name)
+        kind = type(source).__name__
+        return HostSnapshot(
+            name=source.name,
+            time=now,
+            gpus=tuple(gpus),
+            error=err,
+            last_ok=self._last_ok.get(source.name),
+            source="nvml" if kind == "NvmlSource" else "demo" if kind == "DemoSource" else "ssh",
+            tags=host.tags if host else (),
+        )
+
+    async def snapshot(self) -> FleetSnapshot:
+        """Every host once, concurrently; hosts in config order."""
+        hosts = await asyncio.gather(*(self.poll_host(s) for s in self.sources))
+        return FleetSnapshot(hosts=tuple(hosts))
+
+    async def updates(self) -> AsyncIterator[HostSnapshot]:
+        """Host snapshots forever, each as soon as its host answers."""
+        queue: asyncio.Queue[HostSnapshot] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._loop(s, queue)) for s in self.sources]
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            await self._stop_tasks()
+
+    async def _loop(self, source: Source, queue: asyncio.Queue[HostSnapshot]) -> None:
+        while True:
+            started = time.monotonic()
+            queue.put_nowait(await self.poll_host(source))
+            await asyncio.sleep(max(0.0, self.config.interval - (time.monotonic() - started)))
+
+    async def _stop_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    @property
+    def connects(self) -> int:
+        return sum(s.connects for s in self.sources)
+
+    async def aclose(self) -> None:
+        await self._stop_tasks()
+        await asyncio.gather(*(s.close() for s in self.sources), return_exceptions=True)
+        if self._jumps is not None:
+            await self._jumps.close()

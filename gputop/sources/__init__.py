@@ -1,0 +1,19 @@
+"""Where host snapshots come from: SSH + nvidia-smi, local NVML, or the built-in demo."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gputop.model import GpuInfo, HostError
+
+
+class Source(Protocol):
+    """One host. ``query`` never raises for the host's own failures: it returns them."""
+
+    name: str
+    #: Connections this source opened so far (SSH); lets tests and the bench prove reuse.
+    connects: int
+
+    async def query(self) -> tuple[list[GpuInfo], HostError | None]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,295 @@
+"""Read a remote host's GPUs over one persistent SSH connection (asyncssh).
+
+Per host: one connection, kept open and reused; per refresh: one exec of a constant POSIX
+shell script (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`). ``~/.ssh/config`` is
+honoured the way ``ssh NAME`` would (HostName, User, Port, IdentityFile, IdentitiesOnly,
+ProxyJump, the agent), except that hosts behind the same ProxyJump share one connection to
+the jump host: a bastion drops unauthenticated connections beyond ``MaxStartups``.
+
+Host keys are always checked against known_hosts: even a config that says
+``UserKnownHostsFile none`` does not switch checking off here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import re
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from gputop.config import HostConfig
+from gputop.model import GpuInfo, HostError
+from gputop.sources.nvidia_smi import MARK, REMOTE_SCRIPT, parse_remote_output
+from gputop.text import excerpt
+
+#: Largest remote output accepted for one refresh (a host with thousands of processes
+#: stays far below this; anything larger is not nvidia-smi talking).
+MAX_OUTPUT = 4 * 1024 * 1024
+
+#: Errors worth a long pause before retrying: sshd penalises repeated auth failures, and
+#: a host key will not fix itself.
+SLOW_RETRY_KINDS = frozenset({"auth", "host-key"})
+
+
+def classify_exception(exc: BaseException) -> HostError:
+    """Map what asyncssh / the socket layer raised to a classified host error."""
+    msg = excerpt(str(exc) or type(exc).__name__)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return HostError("timeout", "no answer in time")
+    if isinstance(exc, asyncssh.HostKeyNotVerifiable):
+        return HostError("host-key", f"host key not verified against known_hosts: {msg}")
+    if isinstance(exc, asyncssh.PermissionDenied):
+        return HostError("auth", f"authentication refused: {msg}")
+    if isinstance(exc, asyncssh.ChannelOpenError):
+        # Raised by a jump host that could not reach the target.
+        if exc.code == asyncssh.OPEN_CONNECT_FAILED:
+            return HostError("unreachable", f"via jump host: {msg}")
+        return HostError("ssh", msg)
+    if isinstance(exc, socket.gaierror):
+        return HostError("unreachable", f"name resolution failed: {msg}")
+    if isinstance(exc, ConnectionRefusedError):
+        return HostError("unreachable", "connection refused")
+    if isinstance(exc, OSError) and exc.errno in (
+        errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNRESET,
+    ):
+        return HostError("unreachable", msg)
+    if isinstance(exc, asyncssh.DisconnectError):
+        return HostError("ssh", msg)
+    if isinstance(exc, FileNotFoundError):
+        return HostError("auth", f"cannot read {exc.filename}: {exc.strerror}")
+    if isinstance(exc, OSError):
+        return HostError("unreachable", msg)
+    return HostError("error", msg)
+
+
+def resolve_options(
+    destination: str,
+    *,
+    ssh_config: Sequence[Path] | None,
+    port: int | None = None,
+    user: str | None = None,
+) -> asyncssh.SSHClientConnectionOptions:
+    """Options as ``ssh destination`` would resolve them, with host-key checking forced on."""
+    # config=() means "the default ~/.ssh/config", as connect() does; omitting it reads none.
+    kwargs: dict[str, Any] = {
+        "host": destination,
+        "config": () if ssh_config is None else [str(p) for p in ssh_config],
+    }
+    if port:
+        kwargs["port"] = port
+    if user:
+        kwargs["username"] = user
+    opts = asyncssh.SSHClientConnectionOptions(**kwargs)
+    if opts.known_hosts is None:  # "UserKnownHostsFile none": never silently accept
+        kwargs["known_hosts"] = str(Path("~/.ssh/known_hosts").expanduser())
+        opts = asyncssh.SSHClientConnectionOptions(**kwargs)
+    return opts
+
+
+_HOP = re.compile(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port>\d+))?$")
+
+
+class JumpPool:
+    """One shared connection per distinct ProxyJump spec, opened on first use."""
+
+    def __init__(self, ssh_config: Sequence[Path] | None, handshakes: asyncio.Semaphore) -> None:
+        self._ssh_config = ssh_config
+        self._handshakes = handshakes
+        self._conns: dict[str, asyncssh.SSHClientConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.opened = 0
+
+    async def get(self, spec: str) -> asyncssh.SSHClientConnection:
+        lock = self._locks.setdefault(spec, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(spec)
+            if conn is not None and not conn.is_closed():
+                return conn
+            conn = await self._open(spec)
+            self._conns[spec] = conn
+            return conn
+
+    async def _open(self, spec: str) -> asyncssh.SSHClientConnection:
+        prev: asyncssh.SSHClientConnection | None = None
+        for hop in spec.split(","):
+            m = _HOP.match(hop.strip())
+            if not m:
+                raise ValueError(f"cannot parse ProxyJump {spec!r}")
+            opts = resolve_options(
+                m.group("host").strip("[]"),
+                ssh_config=self._ssh_config,
+                port=int(m.group("port")) if m.group("port") else None,
+                user=m.group("user"),
+            )
+            async with self._handshakes:
+                conn = await asyncssh.connect(
+                    opts.host, opts.port, options=opts, tunnel=prev or (),
+                    keepalive_interval=30,
+                )
+            self.opened += 1
+            prev = conn
+        assert prev is not None
+        return prev
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        for conn in self._conns.values():
+            await conn.wait_closed()
+        self._conns.clear()
+
+
+class SshSource:
+    """One remote host: a persistent connection, one query in flight at most."""
+
+    def __init__(
+        self,
+        host: HostConfig,
+        *,
+        timeout: float,
+        interval: float,
+        ssh_config: Sequence[Path] | None,
+        handshakes: asyncio.Semaphore,
+        jumps: JumpPool,
+    ) -> None:
+        self.host = host
+        self.name = host.name
+        self.timeout = timeout
+        self.interval = interval
+        self._ssh_config = ssh_config
+        self._handshakes = handshakes
+        self._jumps = jumps
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error: HostError | None = None
+        #: SSH connections this source opened (to the host itself), for tests and the bench.
+        self.connects = 0
+
+    # -- connection ------------------------------------------------------------------------
+
+    async def _connect(self) -> asyncssh.SSHClientConnection:
+        opts = resolve_options(
+            self.host.address or self.host.name,
+            ssh_config=self._ssh_config,
+            port=self.host.port,
+            user=self.host.user,
+        )
+        spec = opts.tunnel if isinstance(opts.tunnel, str) else None
+        tunnel: Any = ()
+        if spec and spec.lower() != "none":
+            tunnel = await self._jumps.get(spec)
+        async with self._handshakes:
+            conn = await asyncssh.connect(
+                opts.host, opts.port, options=opts, tunnel=tunnel,
+                keepalive_interval=max(30.0, self.interval * 5),
+            )
+        self.connects += 1
+        return conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- one refresh -----------------------------------------------------------------------
+
+    async def query(self) -> tuple[list[GpuInfo], HostError | None]:
+        """This host's GPUs, or its classified error. Never raises (but CancelledError)."""
+        now = time.monotonic()
+        if now < self._retry_at and self._last_error is not None:
+            wait = self._retry_at - now
+            return [], HostError(self._last_error.kind,
+                                 f"{self._last_error.message} (retrying in {wait:.0f}s)")
+        try:
+            gpus, err = await asyncio.wait_for(self._query(), self.timeout)
+        except Exception as exc:  # every failure is this host's alone
+            err = classify_exception(exc)
+            gpus = []
+            if err.kind != "timeout" or self._conn is None or self._conn.is_closed():
+                self._drop()
+            self._backoff(err)
+            return gpus, err
+        self._failures = 0
+        self._last_error = None
+        return gpus, err
+
+    def _backoff(self, err: HostError) -> None:
+        self._failures += 1
+        self._last_error = err
+        if err.kind in SLOW_RETRY_KINDS:
+            delay = min(300.0, 60.0 * 2 ** (self._failures - 1))
+        else:
+            delay = min(60.0, self.interval * 2 ** (self._failures - 1)) if self._failures > 1 else 0
+        self._retry_at = time.monotonic() + delay
+
+    async def _query(self) -> tuple[list[GpuInfo], HostError | None]:
+        reused = self._conn is not None and not self._conn.is_closed()
+        if not reused:
+            self._drop()
+            self._conn = await self._connect()
+        assert self._conn is not None
+        try:
+            text = await self._run(self._conn)
+        except (asyncssh.ConnectionLost, asyncssh.ChannelOpenError, BrokenPipeError):
+            if not reused:
+                raise
+            # The kept connection died since the last refresh: reconnect once, now.
+            self._drop()
+            self._conn = await self._connect()
+            text = await self._run(self._conn)
+        return parse_remote_output(text)
+
+    async def _run(self, conn: asyncssh.SSHClientConnection) -> str:
+        proc = await conn.create_process(
+            REMOTE_SCRIPT, stderr=asyncssh.STDOUT, encoding="utf-8", errors="replace"
+        )
+        remote_pid: int | None = None
+        try:
+            first = await proc.stdout.readline()
+            m = re.match(rf"{MARK} start (\d+)", first)
+            remote_pid = int(m.group(1)) if m else None
+            chunks = [first]
+            size = len(first)
+            while True:
+                chunk = await proc.stdout.read(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_OUTPUT:
+                    raise OverflowError
+            return "".join(chunks)
+        except OverflowError:
+            await self._kill_remote(conn, remote_pid)
+            return f"{MARK} start 0\noutput larger than {MAX_OUTPUT} bytes\n"
+        except asyncio.CancelledError:
+            # Timed out: the query must not pile up on the remote host.
+            await asyncio.shield(self._kill_remote(conn, remote_pid))
+            raise
+        finally:
+            proc.close()
+
+    @staticmethod
+    async def _kill_remote(conn: asyncssh.SSHClientConnection, pid: int | None) -> None:
+        """Kill the remote script's process group (sshd made it a session leader)."""
+        if not pid or pid <= 1:
+            return
+        try:
+            await asyncio.wait_for(
+                conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5
+            )
+        except Exception:  # noqa: S110 - best effort; the connection may be gone too
+            pass
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            await conn.wait_closed()

@@ -1,0 +1,381 @@
+"""A test fleet of real OpenSSH ``sshd`` processes on loopback.
+
+Each host is an ``sshd`` on its own 127.0.x.y address with its own generated host key. The
+client side is a generated ``HOME`` with ``~/.ssh/config``, ``known_hosts`` and a key. Each
+host's sessions get a stand-in ``nvidia-smi`` first on PATH (sshd's ``SetEnv``) that replays
+real captures from ``tests/data/nvidia-smi`` (projected onto the fields gputop asks for, the
+way ``--format=csv,noheader,nounits`` prints them) and real failure texts and exit codes.
+GPU processes are real processes owned by real test users, so the remote ``ps`` tells the
+truth about them.
+
+Used by the tests (``conftest.py``) and by the benchmark (``bench/``).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "nvidia-smi"
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+TEST_USERS = ("gtalice", "gtbob")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY  # noqa: E402
+
+GPU_ARGS = f"--query-gpu={GPU_QUERY} --format=csv,noheader,nounits"
+APPS_ARGS = f"--query-compute-apps={APPS_QUERY} --format=csv,noheader,nounits"
+
+STANDIN = r"""#!/bin/sh
+# Stand-in nvidia-smi for the gputop test fleet: replays recorded output for this host.
+d={smi_dir}
+if [ -f "$d/delay" ]; then sleep "$(cat "$d/delay")"; fi
+case "$1" in
+  --query-gpu=*) k=gpu ;;
+  --query-compute-apps=*) k=apps ;;
+  *) k=default ;;
+esac
+if [ -f "$d/$k.args" ] && [ "$*" != "$(cat "$d/$k.args")" ]; then
+  echo "Field in \"$1\" is not a valid field to query."
+  echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
+  exit 2
+fi
+cat "$d/$k.out"
+exit "$(cat "$d/$k.rc")"
+"""
+
+
+def sshd_available() -> str | None:
+    """None if the fleet can run here, else the reason it cannot."""
+    if not Path(SSHD).exists():
+        return f"OpenSSH sshd not found at {SSHD} (apt-get install openssh-server)"
+    if not shutil.which("ssh-keygen"):
+        return "ssh-keygen not found (apt-get install openssh-client)"
+    return None
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def ensure_test_users() -> list[str]:
+    """Create the test users if we may (root); return the ones that exist."""
+    users = []
+    for u in TEST_USERS:
+        try:
+            pwd.getpwnam(u)
+        except KeyError:
+            if not is_root():
+                continue
+            subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", u], check=True,
+                           capture_output=True)
+        users.append(u)
+    return users
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- what a host replays ------------------------------------------------------------------
+
+
+def project_capture(capture: Path, fields: str) -> str:
+    """A ``--format=csv`` capture (header with units) as ``csv,noheader,nounits`` rows."""
+    lines = [ln for ln in capture.read_text().splitlines() if ln.strip()]
+    header = [h.strip() for h in lines[0].split(", ")]
+    names = [h.split(" [")[0] for h in header]
+    units = [h.split(" [")[1].rstrip("]") if " [" in h else "" for h in header]
+    out = []
+    for row in lines[1:]:
+        cells = row.split(", ")
+        picked = []
+        for f in fields.split(","):
+            i = names.index(f)
+            v = cells[i]
+            if units[i] and v.endswith(" " + units[i]):
+                v = v[: -len(units[i]) - 1]
+            picked.append(v)
+        out.append(", ".join(picked))
+    return "\n".join(out) + "\n"
+
+
+CAPTURES = {
+    "h100": DATA / "csv/h100-80gb-hbm3-driver-590.48.01-query-gpu-all-fields-load.csv",
+    "h100-mig": DATA / "csv/h100-80gb-hbm3-mig-driver-590.48.01-query-gpu-all-fields-load.csv",
+    "l40s": DATA / "csv/l40s-driver-595.80-query-gpu-all-fields-idle.csv",
+    "rtx2080": DATA / "csv/rtx-2080-super-linux-driver-610.57.04-query-gpu-all-fields-idle.csv",
+    "rtx2080-win": DATA / "csv/rtx-2080-super-windows-driver-591.86-query-gpu-all-fields-load.csv",
+}
+ERRORS = {
+    # scenario: (file, exit code). Codes per nvidia-smi(1): 6 query unsuccessful,
+    # 9 driver not loaded, 18 NVML driver/library version mismatch.
+    "driver": ("errors/driver-communication-failure.txt", 9),
+    "no-devices": ("errors/no-devices-were-found.txt", 6),
+    "nvml-mismatch": ("errors/nvml-driver-library-version-mismatch-with-nvml-library-version.txt",
+                      18),
+}
+
+
+@dataclass
+class GpuProcess:
+    user: str | None  # None: the fleet's own user
+    argv0: str  # what ps shows as the command line
+    gpu: int = 0
+    mem_mib: int = 1024
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+
+@dataclass
+class Host:
+    name: str
+    address: str
+    scenario: str = "ok"  # ok lost parse hang no-nvidia-smi driver no-devices nvml-mismatch
+    #                       auth host-key-changed host-key-unknown unreachable banner-timeout
+    gpus: tuple[str, ...] = ("h100",)
+    processes: list[GpuProcess] = field(default_factory=list)
+    behind: str | None = None  # name of the bastion host it is reached through
+    delay: float = 0.0  # seconds each stand-in nvidia-smi call takes
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def runs_sshd(self) -> bool:
+        return self.scenario not in ("unreachable", "banner-timeout")
+
+
+class Fleet:
+    def __init__(self, root: Path, hosts: Iterable[Host], port: int | None = None) -> None:
+        self.root = root
+        self.hosts = {h.name: h for h in hosts}
+        self.port = port or free_port()
+        self.home = root / "home"
+        self.ssh = self.home / ".ssh"
+        self._listeners: list[socket.socket] = []
+        self.users = ensure_test_users()
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def start(self) -> Fleet:
+        self.ssh.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.home, 0o755)
+        self.ssh.chmod(0o700)
+        key = self.ssh / "id_ed25519"
+        _keygen(key)
+        other = self.root / "stranger_key"
+        _keygen(other)
+        (self.root / "authorized_keys").write_text((key.with_suffix(".pub")).read_text())
+        (self.root / "stranger_authorized_keys").write_text(other.with_suffix(".pub").read_text())
+        if is_root():
+            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        self._start_processes()
+        known, config = [], []
+        for h in self.hosts.values():
+            h.port = self.port
+            hdir = self.root / h.name
+            if h.scenario == "banner-timeout":
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((h.address, h.port))
+                s.listen(64)  # accepted by the kernel, never answered
+                self._listeners.append(s)
+            elif h.runs_sshd:
+                self._write_host(h, hdir)
+                pub = (hdir / "ssh_host_ed25519_key.pub").read_text().split()
+                if h.scenario == "host-key-changed":
+                    _keygen(hdir / "impostor_key")
+                    pub = (hdir / "impostor_key.pub").read_text().split()
+                if h.scenario != "host-key-unknown":
+                    known.append(f"[{h.address}]:{h.port} {pub[0]} {pub[1]}")
+            config.append(f"Host {h.name}\n  HostName {h.address}\n  Port {h.port}\n"
+                          f"  IdentityFile {key}\n  IdentitiesOnly yes\n"
+                          + (f"  ProxyJump {h.behind}\n" if h.behind else ""))
+        (self.ssh / "known_hosts").write_text("\n".join(known) + "\n")
+        (self.ssh / "config").write_text("\n".join(config))
+        for h in self.hosts.values():
+            if h.runs_sshd:
+                self._start_sshd(h)
+        for h in self.hosts.values():
+            if h.runs_sshd:
+                _wait_port(h.address, h.port)
+        return self
+
+    def _start_processes(self) -> None:
+        for h in self.hosts.values():
+            for p in h.processes:
+                user = p.user if p.user in self.users else None
+                p.popen = subprocess.Popen(
+                    ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} sleep 86400"],
+                    user=user, start_new_session=True, cwd="/",
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                )
+
+    def _write_host(self, h: Host, hdir: Path) -> None:
+        smi = hdir / "smi"
+        bindir = hdir / "bin"
+        smi.mkdir(parents=True, exist_ok=True)
+        bindir.mkdir(exist_ok=True)
+        _keygen(hdir / "ssh_host_ed25519_key")
+        if h.scenario != "no-nvidia-smi":
+            standin = bindir / "nvidia-smi"
+            standin.write_text(STANDIN.format(smi_dir=shlex.quote(str(smi))))
+            standin.chmod(0o755)
+        self.set_scenario(h, h.scenario)
+        auth = "stranger_authorized_keys" if h.scenario == "auth" else "authorized_keys"
+        (hdir / "sshd_config").write_text(
+            f"ListenAddress {h.address}:{h.port}\n"
+            f"HostKey {hdir / 'ssh_host_ed25519_key'}\n"
+            f"PidFile {hdir / 'sshd.pid'}\n"
+            f"AuthorizedKeysFile {self.root / auth}\n"
+            "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel ERROR\n"
+            "AllowTcpForwarding yes\n"
+            f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin\n"
+        )
+
+    def set_scenario(self, h: Host, scenario: str, delay: float | None = None) -> None:
+        """(Re)write what the host's stand-in nvidia-smi replays; takes effect at once."""
+        smi = self.root / h.name / "smi"
+        h.scenario = scenario
+        if delay is not None:
+            h.delay = delay
+        files: dict[str, str] = {}
+        if scenario in ERRORS:
+            name, rc = ERRORS[scenario]
+            text = (DATA / name).read_text()
+            files.update({"gpu.out": text, "gpu.rc": str(rc), "apps.out": text,
+                          "apps.rc": str(rc)})
+        elif scenario == "parse":
+            # A wrapper that ignores its arguments and prints the default table.
+            table = (DATA / "table/a10-driver-550.127.05-no-processes.txt").read_text()
+            files.update({"default.out": table, "default.rc": "0"})
+            for k in ("gpu", "apps"):
+                files[f"{k}.out"], files[f"{k}.rc"] = table, "0"
+        else:
+            rows = [project_capture(CAPTURES[g], GPU_QUERY) for g in h.gpus]
+            uuids = []
+            gpu_out = ""
+            for i, row in enumerate(rows):
+                cells = row.rstrip("\n").split(", ")
+                cells[0] = str(i)  # index
+                cells[1] = f"GPU-{h.name[:8]:0>8}-0000-4000-8000-{i:012d}"  # distinct UUID
+                uuids.append(cells[1])
+                gpu_out += ", ".join(cells) + "\n"
+            rc = "0"
+            if scenario == "lost":
+                gpu_out += (DATA / "errors/device-handle-unknown-error-busid-no-space.txt"
+                            ).read_text()
+                rc = "15"
+            apps = "".join(
+                f"{uuids[p.gpu]}, {p.pid}, {p.mem_mib}, {p.argv0.split()[0]}\n"
+                for p in h.processes if p.popen is not None and p.gpu < len(uuids)
+            )
+            files.update({"gpu.out": gpu_out, "gpu.rc": rc, "apps.out": apps, "apps.rc": "0",
+                          "gpu.args": GPU_ARGS, "apps.args": APPS_ARGS})
+        if scenario == "hang":
+            files["delay"] = "86400"
+        elif h.delay:
+            files["delay"] = f"{h.delay:g}"
+        for old in smi.iterdir():
+            old.unlink()
+        for name, text in files.items():
+            (smi / name).write_text(text)
+
+    def _start_sshd(self, h: Host) -> None:
+        hdir = self.root / h.name
+        h.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(hdir / "sshd_config")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(hdir / "sshd.log", "wb"),  # noqa: SIM115
+        )
+
+    # -- use ------------------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """Environment for a gputop process that should see this fleet's ~/.ssh."""
+        env = dict(os.environ)
+        env["HOME"] = str(self.home)
+        env.pop("SSH_AUTH_SOCK", None)
+        env.pop("GPUTOP_CONFIG", None)
+        return env
+
+    def write_config(self, names: Iterable[str] | None = None, *, timeout: float = 3.0,
+                     interval: float = 1.0, extra: str = "") -> Path:
+        path = self.root / "hosts.toml"
+        names = list(names) if names is not None else list(self.hosts)
+        body = f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n{extra}\n"
+        body += f"[reservations]\npath = \"{self.root / 'reservations.json'}\"\n\n"
+        body += "".join(f'[[hosts]]\nname = "{n}"\n\n' for n in names)
+        path.write_text(body)
+        return path
+
+    def remote_processes(self, h: Host) -> list[str]:
+        """Processes still running the host's stand-in (a hung query must not pile up)."""
+        needle = str(self.root / h.name / "bin" / "nvidia-smi")
+        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        return [ln for ln in out.splitlines() if needle in ln]
+
+    def stop_sshd(self, h: Host) -> None:
+        if h.proc is not None:
+            h.proc.terminate()
+            h.proc.wait(5)
+            h.proc = None
+
+    def restart_sshd(self, h: Host) -> None:
+        self._start_sshd(h)
+        _wait_port(h.address, h.port)
+
+    def stop(self) -> None:
+        for h in self.hosts.values():
+            self.stop_sshd(h)
+            for p in h.processes:
+                if p.popen is not None:
+                    p.popen.kill()
+                    p.popen.wait(5)
+        for s in self._listeners:
+            s.close()
+        # Anything the stand-ins left (they should not): kill by path.
+        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        for ln in out.splitlines():
+            if str(self.root) in ln:
+                pid = int(ln.split()[0])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _keygen(path: Path) -> None:
+    if path.exists():
+        return
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gputop-test",
+                    "-f", str(path)], check=True, capture_output=True)
+
+
+def _wait_port(address: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {address}:{port} did not start") from None
+            time.sleep(0.02)
