@@ -55,7 +55,7 @@ class ProcessInfo:
 
 @dataclass(frozen=True)
 class GpuInfo:
-    index: int | None
+    index: int | None = None
     uuid: str | None = None
     name: str | None = None
     bus_id: str | None = None

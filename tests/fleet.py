@@ -245,7 +245,7 @@ class Fleet:
             f"PidFile {hdir / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {self.root / auth}\n"
             "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel ERROR\n"
+            "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel INFO\n"
             "AllowTcpForwarding yes\n"
             f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin\n"
         )
@@ -333,7 +333,13 @@ class Fleet:
         return [ln for ln in out.splitlines() if needle in ln]
 
     def stop_sshd(self, h: Host) -> None:
+        """The host goes down: its sshd and every session it serves."""
         if h.proc is not None:
+            out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True)
+            for ln in out.stdout.splitlines():
+                pid, ppid = (int(x) for x in ln.split())
+                if ppid == h.proc.pid:
+                    os.kill(pid, signal.SIGKILL)
             h.proc.terminate()
             h.proc.wait(5)
             h.proc = None

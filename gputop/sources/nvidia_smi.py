@@ -107,6 +107,8 @@ def parse_gpu_rows(
 ) -> list[GpuInfo]:
     """Rows of ``--query-gpu=<fields> --format=csv,noheader,nounits``.
 
+    A field whose attribute is ``""`` is expected in the output but not kept.
+
     A GPU the driver lost is reported as a line of its own; it becomes a ``lost`` GpuInfo
     identified by its bus id, and the other GPUs are parsed normally.
     """
@@ -125,7 +127,7 @@ def parse_gpu_rows(
             raise ParseError(
                 f"expected {len(fields)} comma-separated fields, got {len(cells)}: {excerpt(line)}"
             )
-        values = {attr: conv(cell) for (_, attr, conv), cell in zip(fields, cells)}
+        values = {attr: conv(cell) for (_, attr, conv), cell in zip(fields, cells) if attr}
         gpus.append(GpuInfo(**values))
     return gpus
 

@@ -1,0 +1,294 @@
+"""End to end against real OpenSSH: every fault fails alone, healthy hosts are complete."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from conftest import FAULTS, HOSTILE
+from fleet import Fleet, GpuProcess, Host
+
+from gputop.config import load_config
+from gputop.poller import Poller
+
+TIMEOUT = 3.0
+
+
+def run_json(fleet: Fleet, *args: str, timeout: float = TIMEOUT) -> tuple[dict, float, str]:
+    cfg = fleet.write_config(timeout=timeout)
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "gputop", "--json", "--config", str(cfg), *args],
+        env=fleet.env(), capture_output=True, text=True, timeout=60,
+    )
+    elapsed = time.monotonic() - started
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), elapsed, r.stderr
+
+
+@pytest.fixture(scope="module")
+def document(fleet: Fleet) -> dict:
+    doc, elapsed, _ = run_json(fleet)
+    doc["_elapsed"] = elapsed
+    return doc
+
+
+def hosts(doc: dict) -> dict[str, dict]:
+    return {h["name"]: h for h in doc["hosts"]}
+
+
+def test_document_validates_against_schema(document: dict, schema: dict) -> None:
+    doc = {k: v for k, v in document.items() if not k.startswith("_")}
+    jsonschema.validate(doc, schema)
+    assert [h["name"] for h in doc["hosts"]][:3] == ["gpu-h100", "gpu-mixed", "gpu-lost"]
+
+
+def test_returns_within_timeout_plus_two_seconds(document: dict) -> None:
+    # Not a speed benchmark: the contract that a hung host cannot hold the snapshot.
+    assert document["_elapsed"] < TIMEOUT + 2
+
+
+@pytest.mark.parametrize(("name", "kind"), sorted(FAULTS.items()))
+def test_every_fault_is_its_own_classified_error(document: dict, name: str, kind: str) -> None:
+    h = hosts(document)[name]
+    assert h["status"] == "error"
+    assert h["error"]["kind"] == kind, h["error"]
+    assert h["gpus"] == []
+    assert h["error"]["message"]
+
+
+def test_healthy_host_has_gpus_and_real_process_owners(document: dict, fleet: Fleet) -> None:
+    h = hosts(document)["gpu-h100"]
+    assert h["status"] == "ok" and h["error"] is None
+    g0, g1 = h["gpus"]
+    assert (g0["index"], g1["index"]) == (0, 1)
+    assert g0["name"] == "NVIDIA H100 80GB HBM3"
+    assert g0["memory_total_mib"] == 81559 and g0["memory_used_mib"] == 19818
+    assert g0["utilization_percent"] == 100 and g0["power_draw_w"] == 631.95
+    assert g0["fan_percent"] is None  # [N/A] in the capture: null, never 0
+    procs = fleet.hosts["gpu-h100"].processes
+    (p0,) = g0["processes"]
+    assert p0["pid"] == procs[0].pid
+    assert p0["gpu_memory_mib"] == 19000
+    assert p0["command"].startswith("python train.py --epochs 90")
+    assert p0["elapsed_s"] is not None and p0["elapsed_s"] >= 0
+    (p1,) = g1["processes"]
+    assert p1["pid"] == procs[1].pid
+    if fleet.users:  # real test users exist (CI runs as root)
+        assert p0["user"] == "gtalice" and p1["user"] == "gtbob"
+
+
+def test_hostile_process_name_stays_data(document: dict) -> None:
+    (p,) = hosts(document)["gpu-h100"]["gpus"][1]["processes"]
+    assert "[bold red]x[/]" in p["command"]
+    assert "\x1b" not in p["command"]  # ps itself shows control bytes as '?' or '.'
+
+
+def test_raw_json_has_no_control_bytes(fleet: Fleet) -> None:
+    cfg = fleet.write_config(["gpu-h100"], timeout=TIMEOUT)
+    out = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                         env=fleet.env(), capture_output=True, timeout=60).stdout
+    assert out and all(b >= 0x20 or b == 0x0A for b in out)
+
+
+def test_mixed_models_and_mig(document: dict) -> None:
+    gpus = hosts(document)["gpu-mixed"]["gpus"]
+    assert [g["name"] for g in gpus] == [
+        "NVIDIA H100 80GB HBM3", "NVIDIA L40S",
+        "NVIDIA GeForce RTX 2080 SUPER", "NVIDIA GeForce RTX 2080 SUPER",
+    ]
+    assert gpus[0]["mig_mode"] == "Enabled"
+    assert gpus[0]["utilization_percent"] is None  # [N/A] under MIG
+    assert gpus[1]["mig_mode"] is None
+    assert gpus[2]["pstate"] == "P8" and gpus[2]["fan_percent"] == 38
+    assert [g["driver_version"] for g in gpus] == ["590.48.01", "595.80", "610.57.04", "591.86"]
+
+
+def test_lost_gpu_marks_only_that_gpu(document: dict) -> None:
+    h = hosts(document)["gpu-lost"]
+    assert h["status"] == "ok"
+    good, lost = h["gpus"]
+    assert good["name"] == "NVIDIA L40S" and not good["lost"]
+    assert lost["lost"] and lost["bus_id"] == "0000:07:00.0"
+    assert lost["lost_reason"] == "Unknown Error"
+
+
+def test_parse_error_carries_sanitised_excerpt(document: dict) -> None:
+    msg = hosts(document)["parse"]["error"]["message"]
+    assert "NVIDIA-SMI" in msg or "Jan" in msg
+    assert len(msg) < 300 and "\n" not in msg
+
+
+def test_no_remote_query_left_running(document: dict, fleet: Fleet) -> None:
+    # The module fixture already ran the snapshot with the hanging host in it.
+    assert fleet.remote_processes(fleet.hosts["hang"]) == []
+
+
+async def test_connections_are_reused_across_refreshes(fleet_home: Fleet) -> None:
+    cfg = fleet_home.write_config(["gpu-h100", "gpu-mixed", "driver"], timeout=TIMEOUT)
+    poller = Poller(load_config(str(cfg)))
+    try:
+        for _ in range(3):
+            snap = await poller.snapshot()
+            assert [h.ok for h in snap.hosts] == [True, True, False]
+        assert poller.connects == 3  # one per host, none per refresh
+    finally:
+        await poller.aclose()
+
+
+async def test_updates_arrive_per_host_without_waiting_for_the_slowest(
+    fleet_home: Fleet,
+) -> None:
+    cfg = fleet_home.write_config(["hang", "gpu-h100", "gpu-lost"], timeout=TIMEOUT)
+    poller = Poller(load_config(str(cfg)))
+    seen: list[str] = []
+    try:
+        async for snap in poller.updates():
+            seen.append(snap.name)
+            if snap.name == "hang":
+                assert snap.error is not None and snap.error.kind == "timeout"
+                break
+    finally:
+        await poller.aclose()
+    # The healthy hosts answered (and were re-polled every interval) while "hang" hung.
+    assert seen[:2] in (["gpu-h100", "gpu-lost"], ["gpu-lost", "gpu-h100"])
+    assert seen.count("gpu-h100") >= 2 and seen.count("gpu-lost") >= 2
+
+
+async def test_host_that_recovers_is_picked_up_again(
+    small_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(small_fleet.home))
+    cfg = small_fleet.write_config(timeout=TIMEOUT)
+    poller = Poller(load_config(str(cfg)))
+    alpha = small_fleet.hosts["alpha"]
+    try:
+        assert all(h.ok for h in (await poller.snapshot()).hosts)
+        small_fleet.stop_sshd(alpha)  # also drops the kept connection
+        snap = await poller.snapshot()
+        assert snap.hosts[0].error is not None and snap.hosts[1].ok
+        small_fleet.restart_sshd(alpha)
+        for src in poller.sources:  # skip the backoff wait instead of sleeping through it
+            src._retry_at = 0.0  # type: ignore[attr-defined]
+        snap = await poller.snapshot()
+        assert snap.hosts[0].ok, snap.hosts[0].error
+        assert snap.hosts[0].last_ok == snap.hosts[0].time
+    finally:
+        await poller.aclose()
+
+
+async def test_stand_in_scenario_change_is_seen_on_the_same_connection(
+    small_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(small_fleet.home))
+    poller = Poller(load_config(str(small_fleet.write_config(timeout=TIMEOUT))))
+    beta = small_fleet.hosts["beta"]
+    try:
+        assert (await poller.snapshot()).hosts[1].ok
+        small_fleet.set_scenario(beta, "driver")
+        assert (await poller.snapshot()).hosts[1].error.kind == "driver"  # type: ignore[union-attr]
+        small_fleet.set_scenario(beta, "ok")
+        assert (await poller.snapshot()).hosts[1].ok
+        assert poller.connects == 2
+    finally:
+        await poller.aclose()
+
+
+async def test_auth_failure_is_not_retried_in_a_tight_loop(fleet_home: Fleet) -> None:
+    poller = Poller(load_config(str(fleet_home.write_config(["auth"], timeout=TIMEOUT))))
+    try:
+        first = (await poller.snapshot()).hosts[0]
+        again = (await poller.snapshot()).hosts[0]
+    finally:
+        await poller.aclose()
+    assert first.error is not None and first.error.kind == "auth"
+    assert again.error is not None and again.error.kind == "auth"
+    assert "retrying in" in again.error.message  # answered from backoff, no new attempt
+    assert poller.sources[0].connects == 0
+
+
+async def test_known_hosts_none_in_ssh_config_does_not_disable_checking(
+    fleet_home: Fleet, tmp_path: Path
+) -> None:
+    """``UserKnownHostsFile none`` would make asyncssh accept any key; gputop refuses."""
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(
+        (fleet_home.ssh / "config").read_text() + "\nHost *\n  UserKnownHostsFile none\n"
+        "  StrictHostKeyChecking no\n"
+    )
+    cfg = fleet_home.write_config(["hostkey-unknown"], timeout=TIMEOUT,
+                                  extra=f'ssh_config = "{ssh_config}"')
+    poller = Poller(load_config(str(cfg)))
+    try:
+        (h,) = (await poller.snapshot()).hosts
+    finally:
+        await poller.aclose()
+    assert h.error is not None and h.error.kind == "host-key"
+
+
+def test_watch_prints_one_document_per_refresh(fleet: Fleet) -> None:
+    cfg = fleet.write_config(["gpu-h100", "driver"], timeout=TIMEOUT, interval=0.2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "--json", "--watch", "--config", str(cfg)],
+        env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    docs = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    proc.send_signal(2)  # Ctrl-C
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode in (0, 130)
+    assert "Traceback" not in err
+    assert [len(d["hosts"]) for d in docs] == [2, 2, 2]
+    assert docs[0]["time"] <= docs[2]["time"]
+
+
+def test_unknown_dns_name_is_unreachable(tmp_path: Path) -> None:
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text('[defaults]\ntimeout = 3\n[[hosts]]\nname = "x"\naddress = "no-such-host.invalid"\n')
+    r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=30,
+                       env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    (h,) = json.loads(r.stdout)["hosts"]
+    assert h["error"]["kind"] == "unreachable", h
+
+
+@pytest.mark.parametrize("n_behind", [40])
+def test_forty_hosts_behind_one_bastion(tmp_path: Path, n_behind: int) -> None:
+    """40 hosts through one ProxyJump bastion running sshd's default MaxStartups (10:30:100).
+
+    Without a shared jump connection 40 simultaneous handshakes to the bastion would be
+    dropped in part; gputop opens one connection to the bastion and tunnels all 40 through it.
+    """
+    from conftest import _need_sshd, _world_readable
+
+    _need_sshd()
+    hosts = [Host("bastion", "127.0.2.1")] + [
+        Host(f"node{i:02d}", f"127.0.3.{i + 1}", behind="bastion",
+             processes=[GpuProcess("gtalice", f"python job{i}.py")] if i % 10 == 0 else [])
+        for i in range(n_behind)
+    ]
+    fleet = Fleet(_world_readable(tmp_path), hosts).start()
+    try:
+        names = [h.name for h in hosts[1:]]
+        cfg = fleet.write_config(names, timeout=10.0)
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                           env=fleet.env(), capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - started
+        doc = json.loads(r.stdout)
+        bad = {h["name"]: h["error"] for h in doc["hosts"] if h["status"] != "ok"}
+        assert bad == {}
+        assert len(doc["hosts"]) == n_behind
+        owners = [p["user"] for h in doc["hosts"] for g in h["gpus"] for p in g["processes"]]
+        assert len(owners) == n_behind // 10
+        assert elapsed < 10.0 + 2
+        log = (tmp_path / "bastion" / "sshd.log").read_text()
+        assert log.count("Accepted publickey") == 1, log  # ONE connection to the bastion
+        assert "MaxStartups" not in log
+    finally:
+        fleet.stop()
