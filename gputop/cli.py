@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="show the board on a built-in simulated fleet (no SSH, no GPU needed)")
     p.add_argument("--theme", metavar="NAME", help="board theme (see themes/)")
+    from gputop.commands import add_subcommands
+
+    add_subcommands(p)
     return p
 
 
@@ -59,30 +62,38 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
     return config
 
 
-async def _json_once(config: Config, pretty: bool) -> None:
-    from gputop.output import write_document
-    from gputop.poller import Poller
-
-    poller = Poller(config)
-    try:
-        snap = await poller.snapshot()
-        write_document(snap.to_dict(), sys.stdout, pretty=pretty)
-    finally:
-        await poller.aclose()
-
-
-async def _json_watch(config: Config, pretty: bool) -> None:
+async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
+    """One document, or (``watch``) one per refresh, each with reservations and flags."""
     import time
 
     from gputop.output import write_document
     from gputop.poller import Poller
+    from gputop.reservations import Store, StoreError
+    from gputop.reservations.flags import IdleTracker, annotate
 
     poller = Poller(config)
+    store = Store(config.reservations_path)
+    tracker = IdleTracker(config.idle_holder_s)
+    reported: str | None = None
     try:
         while True:
             started = time.monotonic()
             snap = await poller.snapshot()
-            write_document(snap.to_dict(), sys.stdout, pretty=pretty)
+            for host in snap.hosts:
+                tracker.observe(host)
+            try:
+                state, problem = store.read(), None
+            except StoreError as exc:
+                state, problem = None, str(exc)
+                if problem != reported:
+                    print(f"gputop: {problem}", file=sys.stderr)
+            reported = problem
+            doc = annotate(snap, state, tracker)
+            if problem:
+                doc["reservations_error"] = problem
+            write_document(doc, sys.stdout, pretty=pretty)
+            if not watch:
+                return
             await asyncio.sleep(max(0.0, config.interval - (time.monotonic() - started)))
     finally:
         await poller.aclose()
@@ -91,8 +102,7 @@ async def _json_watch(config: Config, pretty: bool) -> None:
 def _run_json(config: Config, args: argparse.Namespace) -> int:
     if config.implicit:
         print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()), file=sys.stderr)
-    coro = _json_watch(config, args.pretty) if args.watch else _json_once(config, args.pretty)
-    asyncio.run(coro)
+    asyncio.run(_json(config, watch=args.watch, pretty=args.pretty))
     return EXIT_OK
 
 
@@ -114,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.demo:
             return _run_board(None, args)
         config = _apply_overrides(load_config(args.config), args)
+        if args.command:
+            from gputop.commands import run_command
+
+            return run_command(config, args)
         if args.json:
             return _run_json(config, args)
         return _run_board(config, args)

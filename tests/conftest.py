@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fleet import Fleet, GpuProcess, Host, sshd_available  # noqa: E402
+from fleet import Fleet, GpuProcess, Host, sshd_available
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "gputop" / "schema" / "snapshot.schema.json"

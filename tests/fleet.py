@@ -205,6 +205,7 @@ class Fleet:
                 if h.scenario != "host-key-unknown":
                     known.append(f"[{h.address}]:{h.port} {pub[0]} {pub[1]}")
             config.append(f"Host {h.name}\n  HostName {h.address}\n  Port {h.port}\n"
+                          f"  User {pwd.getpwuid(os.geteuid()).pw_name}\n"
                           f"  IdentityFile {key}\n  IdentitiesOnly yes\n"
                           + (f"  ProxyJump {h.behind}\n" if h.behind else ""))
         (self.ssh / "known_hosts").write_text("\n".join(known) + "\n")

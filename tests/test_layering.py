@@ -34,7 +34,8 @@ def test_json_mode_does_not_load_textual(tmp_path: Path) -> None:
                    'port = 1\n')
     code = ("import sys, io, contextlib\nfrom gputop.cli import main\n"
             "out = io.StringIO()\n"
-            f"with contextlib.redirect_stdout(out): rc = main(['--json', '--config', {str(cfg)!r}])\n"
+            "with contextlib.redirect_stdout(out):\n"
+            f"    rc = main(['--json', '--config', {str(cfg)!r}])\n"
             "assert rc == 0, rc\nassert '\"hosts\"' in out.getvalue()\n"
             "print('textual' in sys.modules)\n")
     r = _fresh(code)

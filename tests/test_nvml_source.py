@@ -20,19 +20,19 @@ class NVMLError(Exception):
     pass
 
 
-class NVMLError_NotSupported(NVMLError):  # noqa: N801 - pynvml's names
+class NVMLError_NotSupported(NVMLError):
     pass
 
 
-class NVMLError_GpuIsLost(NVMLError):  # noqa: N801
+class NVMLError_GpuIsLost(NVMLError):
     pass
 
 
-class NVMLError_DriverNotLoaded(NVMLError):  # noqa: N801
+class NVMLError_DriverNotLoaded(NVMLError):
     pass
 
 
-class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801
+class NVMLError_LibraryNotFound(NVMLError):
     pass
 
 
@@ -51,13 +51,13 @@ class Mem:
 
 @dataclass
 class Pci:
-    busId: str  # noqa: N815
+    busId: str
 
 
 @dataclass
 class Proc:
     pid: int
-    usedGpuMemory: int | None  # noqa: N815
+    usedGpuMemory: int | None
 
 
 def fake_nvml(pid: int, *, init_error: Exception | None = None) -> types.ModuleType:

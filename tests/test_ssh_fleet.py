@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FAULTS, HOSTILE
+from conftest import FAULTS
 from fleet import Fleet, GpuProcess, Host
 
 from gputop.config import load_config
@@ -249,7 +249,8 @@ def test_watch_prints_one_document_per_refresh(fleet: Fleet) -> None:
 
 def test_unknown_dns_name_is_unreachable(tmp_path: Path) -> None:
     cfg = tmp_path / "hosts.toml"
-    cfg.write_text('[defaults]\ntimeout = 3\n[[hosts]]\nname = "x"\naddress = "no-such-host.invalid"\n')
+    cfg.write_text('[defaults]\ntimeout = 3\n[[hosts]]\nname = "x"\n'
+                   'address = "no-such-host.invalid"\n')
     r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=30,
                        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})

@@ -97,8 +97,8 @@ class ParseError(ValueError):
 
 
 _LOST = re.compile(
-    r"Unable to determine the device handle for GPU\s*([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)"
-    r"\s*:\s*(.*)$"
+    r"Unable to determine the device handle for GPU\s*"
+    r"([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*:\s*(.*)$"
 )
 
 

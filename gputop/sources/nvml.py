@@ -23,7 +23,7 @@ MIB = 1024 * 1024
 def _load_pynvml() -> ModuleType:
     import pynvml
 
-    return pynvml
+    return pynvml  # type: ignore[no-any-return]
 
 
 class NvmlSource:
@@ -104,7 +104,8 @@ class NvmlSource:
             memory_utilization_percent=util.memory if util is not None else None,
             memory_used_mib=mem.used // MIB if mem is not None else None,
             memory_total_mib=mem.total // MIB if mem is not None else None,
-            temperature_c=self._opt(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+            temperature_c=self._opt(
+                lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
             power_draw_w=power / 1000.0 if power is not None else None,
             power_limit_w=limit / 1000.0 if limit is not None else None,
             fan_percent=self._opt(lambda: nv.nvmlDeviceGetFanSpeed(h)),

@@ -225,8 +225,10 @@ class SshSource:
         self._last_error = err
         if err.kind in SLOW_RETRY_KINDS:
             delay = min(300.0, 60.0 * 2 ** (self._failures - 1))
+        elif self._failures > 1:
+            delay = min(60.0, self.interval * 2 ** (self._failures - 1))
         else:
-            delay = min(60.0, self.interval * 2 ** (self._failures - 1)) if self._failures > 1 else 0
+            delay = 0.0
         self._retry_at = time.monotonic() + delay
 
     async def _query(self) -> tuple[list[GpuInfo], HostError | None]:

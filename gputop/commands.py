@@ -1,0 +1,220 @@
+"""The reservation commands for scripts: reserve, release, reservations, free.
+
+Each returns an exit code (0 done, 1 refused, 2 usage/config/store error) and prints what
+a script needs on stdout (``host:index`` lines or JSON), diagnostics on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from collections.abc import Sequence
+
+from gputop.config import Config, parse_duration
+from gputop.model import HostSnapshot, iso, utcnow
+from gputop.output import write_document
+from gputop.poller import Poller
+from gputop.reservations import (
+    Invalid,
+    Refused,
+    Reservation,
+    Store,
+    StoreError,
+    Target,
+    release,
+    reserve,
+)
+from gputop.reservations.flags import free_gpus
+from gputop.reservations.ops import format_duration, whoami
+from gputop.text import clean
+
+EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
+
+_SPEC = re.compile(r"^(?P<host>[^:\s]+):(?P<gpus>\d+(?:,\d+)*)$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_targets(specs: Sequence[str]) -> list[Target]:
+    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept)."""
+    out: dict[tuple[str, int], Target] = {}
+    for spec in specs:
+        m = _SPEC.match(spec)
+        if not m:
+            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] (e.g. gpu-01:0,1)")
+        for g in m.group("gpus").split(","):
+            out.setdefault((m.group("host"), int(g)), Target(m.group("host"), int(g)))
+    return list(out.values())
+
+
+def parse_size_mib(text: str) -> int:
+    """``20G``, ``512M``, ``1.5T``, ``4096`` (MiB) to MiB."""
+    m = _SIZE.match(text)
+    if not m:
+        raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
+    factor = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    return int(float(m.group(1)) * factor)
+
+
+def _check_hosts(config: Config, targets: Sequence[Target]) -> None:
+    names = [h.name for h in config.hosts]
+    for t in targets:
+        if t.host not in names:
+            raise Invalid(f"unknown host {t.host!r}; hosts in {config.path or 'the config'}: "
+                          + ", ".join(names))
+
+
+async def _poll(config: Config, names: set[str] | None = None) -> list[HostSnapshot]:
+    from dataclasses import replace
+
+    if names is not None:
+        config = replace(config, hosts=tuple(h for h in config.hosts if h.name in names))
+    poller = Poller(config)
+    try:
+        return list((await poller.snapshot()).hosts)
+    finally:
+        await poller.aclose()
+
+
+def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
+    """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
+    A host that does not answer cannot be checked: say so and keep the index."""
+    snaps = {h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))}
+    out = []
+    for t in targets:
+        h = snaps[t.host]
+        if not h.ok:
+            assert h.error is not None
+            print(f"gputop: warning: could not check {t.host}:{t.gpu} ({h.error.kind}: "
+                  f"{clean(h.error.message)}); reserving by index only", file=sys.stderr)
+            out.append(t)
+            continue
+        by_index = {g.index: g for g in h.gpus if g.index is not None}
+        if t.gpu not in by_index:
+            raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
+                          + ", ".join(str(i) for i in sorted(by_index)))
+        out.append(Target(t.host, t.gpu, by_index[t.gpu].uuid))
+    return out
+
+
+def _print_reservations(made: Sequence[Reservation], verb: str) -> None:
+    now = utcnow()
+    for r in made:
+        left = format_duration((r.expires - now).total_seconds())
+        print(f"{verb} {clean(r.host)}:{r.gpu} until {iso(r.expires)} ({left})")
+
+
+def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
+    targets = parse_targets(args.targets)
+    _check_hosts(config, targets)
+    seconds = parse_duration(args.duration) if args.duration else config.reservation_default_s
+    targets = _validate_gpus(config, targets)
+    made = reserve(Store(config.reservations_path), targets, seconds=seconds,
+                   max_seconds=config.reservation_max_s, note=args.note or "")
+    _print_reservations(made, "reserved")
+    return EXIT_OK
+
+
+def cmd_release(config: Config, args: argparse.Namespace) -> int:
+    if args.mine == bool(args.targets):
+        raise Invalid("give HOST:GPU arguments or --mine (not both)")
+    targets = None if args.mine else parse_targets(args.targets)
+    if targets:
+        _check_hosts(config, targets)
+    gone = release(Store(config.reservations_path), targets, force=args.force)
+    for r in gone:
+        print(f"released {clean(r.host)}:{r.gpu}" + (f" (held by {clean(r.user)})"
+                                                     if r.user != whoami()[0] else ""))
+    if not gone:
+        print("nothing to release", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
+    state = Store(config.reservations_path).read()
+    now = utcnow()
+    active = sorted(state.active(now), key=lambda r: (r.host, r.gpu))
+    if args.json:
+        write_document({"version": 1, "time": iso(now),
+                        "reservations": [r.to_dict() for r in active]}, sys.stdout)
+        return EXIT_OK
+    if not active:
+        print("no reservations", file=sys.stderr)
+        return EXIT_OK
+    rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
+        (f"{clean(r.host)}:{r.gpu}", clean(r.user), iso(r.expires) or "",
+         format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
+        for r in active]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+    return EXIT_OK
+
+
+def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    if args.count < 1:
+        raise Invalid("--count must be at least 1")
+    min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
+    hosts = asyncio.run(_poll(config))
+    store = Store(config.reservations_path)
+    me = whoami()[0]
+    found = free_gpus(hosts, store.read(), min_mib, user=me)[: args.count]
+    if len(found) < args.count:
+        print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted", file=sys.stderr)
+        if args.json:
+            write_document({"version": 1, "free": []}, sys.stdout)
+        return EXIT_REFUSED
+    if args.reserve:
+        seconds = parse_duration(args.duration) if args.duration else config.reservation_default_s
+        reserve(store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in found],
+                seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+    if args.json:
+        write_document({"version": 1, "reserved": bool(args.reserve), "free": [
+            {"host": f.host, "gpu": f.gpu.index, "uuid": f.gpu.uuid, "name": f.gpu.name,
+             "memory_free_mib": f.free_mib} for f in found]}, sys.stdout)
+    else:
+        for f in found:
+            print(f"{f.host}:{f.gpu.index}")
+    return EXIT_OK
+
+
+COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
+            "free": cmd_free}
+
+
+def add_subcommands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("reserve", help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing)")
+    p.add_argument("targets", nargs="+", metavar="HOST:GPU[,GPU...]")
+    p.add_argument("--for", dest="duration", metavar="DURATION",
+                   help="how long, e.g. 90m, 2h, 1d (default from the config: 4h)")
+    p.add_argument("--note", help="what it is for (shown to the team)")
+    p = sub.add_parser("release", help="release GPUs you reserved")
+    p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
+    p.add_argument("--mine", action="store_true", help="release all of your reservations")
+    p.add_argument("--force", action="store_true",
+                   help="release someone else's reservation (recorded with your name)")
+    p = sub.add_parser("reservations", help="list current reservations")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("free", help="list idle, unreserved GPUs, best first")
+    p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
+    p.add_argument("--min-free-memory", metavar="SIZE", help="e.g. 20G")
+    p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
+    p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
+    p.add_argument("--note", help="with --reserve")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run_command(config: Config, args: argparse.Namespace) -> int:
+    try:
+        return COMMANDS[args.command](config, args)
+    except Refused as exc:
+        print(f"gputop: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (Invalid, ValueError) as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except StoreError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_ERROR

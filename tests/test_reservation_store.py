@@ -1,0 +1,312 @@
+"""The shared reservations file under concurrency, crashes, hostile content and permissions."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gputop.model import iso, utcnow
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations.store import MAX_FILE_BYTES, nfs_lock_problem
+
+H = 3600.0
+
+
+def make(store: Store, host: str, gpu: int, user: str, note: str = "") -> None:
+    reserve(store, [Target(host, gpu)], seconds=H, max_seconds=7 * 86400, user=user, note=note)
+
+
+def test_reserve_extend_release(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 0, "ann", "first")
+    (r,) = store.read().active()
+    reserve(store, [Target("h", 0)], seconds=2 * H, max_seconds=86400, user="ann")
+    (again,) = store.read().active()
+    assert again.id == r.id and again.expires > r.expires and again.note == "first"
+    assert release(store, [Target("h", 0)], user="ann")[0].id == r.id
+    assert store.read().active() == []
+
+
+def test_conflict_names_holder_until_and_note(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 1, "ann", "training run 7")
+    with pytest.raises(Refused) as exc:
+        make(store, "h", 1, "bob")
+    msg = str(exc.value)
+    assert "ann" in msg and "training run 7" in msg and "h:1" in msg and "until" in msg
+
+
+def test_several_gpus_all_or_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 2, "ann")
+    before = (tmp_path / "r.json").read_bytes()
+    with pytest.raises(Refused):
+        reserve(store, [Target("h", 0), Target("h", 1), Target("h", 2)], seconds=H,
+                max_seconds=86400, user="bob")
+    assert (tmp_path / "r.json").read_bytes() == before
+    assert [(r.host, r.gpu) for r in store.read().active()] == [("h", 2)]
+
+
+def test_release_someone_elses_needs_force_and_is_recorded(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 0, "ann")
+    with pytest.raises(Refused, match="--force"):
+        release(store, [Target("h", 0)], user="bob")
+    (gone,) = release(store, [Target("h", 0)], user="bob", force=True)
+    assert gone.user == "ann"
+    (event,) = json.loads((tmp_path / "r.json").read_text())["events"]
+    assert event["action"] == "force-release" and event["by"] == "bob"
+    assert event["reservation"]["user"] == "ann"
+
+
+def test_release_mine_only_touches_mine(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 0, "ann")
+    make(store, "h", 1, "bob")
+    make(store, "g", 0, "ann")
+    assert {(r.host, r.gpu) for r in release(store, None, user="ann")} == {("h", 0), ("g", 0)}
+    assert [r.user for r in store.read().active()] == ["bob"]
+
+
+def test_expired_are_ignored_then_pruned(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    past = utcnow() - timedelta(hours=5)
+    path.write_text(json.dumps({"version": 1, "events": [], "reservations": [{
+        "id": "old", "host": "h", "gpu": 0, "user": "ann", "machine": "m",
+        "created": iso(past), "expires": iso(past + timedelta(hours=4)), "note": ""}]}))
+    store = Store(path)
+    assert store.read().active() == [] and len(store.read().reservations) == 1
+    make(store, "h", 0, "bob")  # not a conflict: ann's has expired
+    assert [r.user for r in store.read().reservations] == ["bob"]
+
+
+def test_duration_and_note_limits(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    with pytest.raises(Invalid):
+        reserve(store, [Target("h", 0)], seconds=8 * 86400, max_seconds=7 * 86400, user="a")
+    with pytest.raises(Invalid, match="at most"):
+        reserve(store, [Target("h", 0)], seconds=H, max_seconds=86400, user="a", note="x" * 501)
+    with pytest.raises(Invalid, match="control"):
+        reserve(store, [Target("h", 0)], seconds=H, max_seconds=86400, user="a",
+                note="\x1b]0;owned\x07")
+    assert not (tmp_path / "r.json").exists()
+
+
+# -- hostile and broken files: a clear error, and the bytes stay as they were --------------
+
+BROKEN = {
+    "not-json": b'{"version": 1, "reservations": [',
+    "wrong-version": b'{"version": 2, "reservations": []}',
+    "not-object": b"[1, 2, 3]",
+    "missing-field": b'{"version": 1, "reservations": [{"id": "x", "host": "h", "gpu": 0}]}',
+    "bad-type": (b'{"version": 1, "reservations": [{"id": "x", "host": "h", "gpu": "0", '
+                 b'"user": "u", "machine": "m", "created": "2026-01-01T00:00:00Z", '
+                 b'"expires": "2026-01-01T04:00:00Z"}]}'),
+    "huge-note": (b'{"version": 1, "reservations": [{"id": "x", "host": "h", "gpu": 0, '
+                  b'"user": "u", "machine": "m", "created": "2026-01-01T00:00:00Z", '
+                  b'"expires": "2099-01-01T04:00:00Z", "note": "' + b"A" * 100_000 + b'"}]}'),
+    "oversized": b'{"version": 1, "reservations": [], "pad": "' + b" " * MAX_FILE_BYTES + b'"}',
+    "binary": b"\xff\xfe\x00garbage",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_broken_file_is_reported_and_left_untouched(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "r.json"
+    path.write_bytes(BROKEN[kind])
+    store = Store(path)
+    with pytest.raises(StoreError) as exc:
+        store.read()
+    assert str(path) in str(exc.value)
+    with pytest.raises(StoreError):
+        make(store, "h", 0, "ann")
+    with pytest.raises(StoreError):
+        release(store, None, user="ann")
+    assert path.read_bytes() == BROKEN[kind]
+
+
+def test_cli_on_broken_file_exits_2_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_bytes(BROKEN["wrong-version"])
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
+    for args in (["reservations"], ["release", "--mine"]):
+        r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), *args],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2, r.stderr
+        assert "unknown version 2" in r.stderr and str(path) in r.stderr
+        assert "Traceback" not in r.stderr
+    assert path.read_bytes() == BROKEN["wrong-version"]
+
+
+def test_hostile_note_in_file_is_shown_as_plain_text(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"version": 1, "events": [], "reservations": [{
+        "id": "x", "host": "h", "gpu": 0, "user": "[red]mallory[/]\x1b[2J",
+        "machine": "m", "created": iso(utcnow()), "expires": iso(utcnow() + timedelta(hours=1)),
+        "note": "[bold]hi[/bold] \x1b]0;pwned\x07 \u202eevil"}]}))
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "reservations"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    assert "[bold]hi[/bold]" in r.stdout and "[red]mallory[/]" in r.stdout
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\u202e" not in r.stdout
+
+
+# -- links and permissions -------------------------------------------------------------------
+
+
+def test_symlinked_lock_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("x")
+    (tmp_path / "r.json.lock").symlink_to(target)
+    with pytest.raises(StoreError, match="symbolic link"):
+        make(Store(tmp_path / "r.json"), "h", 0, "ann")
+    assert target.read_text() == "x"
+
+
+def test_files_are_created_group_writable(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        make(Store(tmp_path / "r.json"), "h", 0, "ann")
+    finally:
+        os.umask(old)
+    for name in ("r.json", "r.json.lock"):
+        assert (tmp_path / name).stat().st_mode & 0o060 == 0o060, name
+
+
+def _as_user_release(path: str, uid: int, gid: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    os.setgid(gid)
+    os.setuid(uid)  # a real other user from here on: the kernel enforces permissions
+    try:
+        release(Store(Path(path)), None, user="gtbob")
+        out.put("no error")
+    except StoreError as exc:
+        out.put(str(exc))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_permission_problem_names_path_and_fix(tmp_path: Path) -> None:
+    import pwd
+
+    from fleet import ensure_test_users
+
+    if "gtbob" not in ensure_test_users():
+        pytest.skip("test user gtbob unavailable")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for d in (tmp_path, shared):
+        d.chmod(0o755)  # root's directory: readable, not writable, for gtbob
+    pw = pwd.getpwnam("gtbob")
+    ctx = multiprocessing.get_context("fork")
+    out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    child = ctx.Process(target=_as_user_release,
+                        args=(str(shared / "r.json"), pw.pw_uid, pw.pw_gid, out))
+    child.start()
+    child.join(30)
+    msg = out.get(timeout=5)
+    assert "permission denied" in msg and str(shared) in msg and "chmod g+w" in msg
+    assert not (shared / "r.json").exists()
+
+
+def test_nfs_without_locks_is_reported(tmp_path: Path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/vda / ext4 rw,relatime 0 0\n"
+        "fs:/export/team /shared/team nfs4 rw,vers=4.2,local_lock=all,addr=10.0.0.1 0 0\n"
+        "fs:/export/ok /shared/ok nfs4 rw,vers=4.2,local_lock=none 0 0\n")
+    assert nfs_lock_problem(Path("/shared/team/gputop"), str(mounts)) is not None
+    assert "local_lock=all" in (nfs_lock_problem(Path("/shared/team"), str(mounts)) or "")
+    assert nfs_lock_problem(Path("/shared/ok/x"), str(mounts)) is None
+    assert nfs_lock_problem(Path("/home/me"), str(mounts)) is None
+
+
+# -- concurrency: 16 processes x 25 operations, zero lost updates ---------------------------
+
+WORKERS, OPS = 16, 25
+
+
+def _worker(path: str, p: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    store = Store(Path(path))
+    won = 0
+    try:
+        make(store, "shared", 0, f"user{p}")
+        won = 1
+    except Refused:
+        pass
+    for i in range(OPS):
+        make(store, f"host{p}", i, f"user{p}")
+        if i % 3 == 0:
+            release(store, [Target(f"host{p}", i)], user=f"user{p}")
+    results.put(won)
+
+
+def test_sixteen_writers_lose_no_update(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    ctx = multiprocessing.get_context("fork")
+    results: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_worker, args=(str(path), p, results)) for p in range(WORKERS)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(120)
+        assert pr.exitcode == 0
+    assert sum(results.get(timeout=5) for _ in procs) == 1  # exactly one won the shared GPU
+    state = Store(path).read()
+    got = {(r.host, r.gpu) for r in state.active() if r.host != "shared"}
+    want = {(f"host{p}", i) for p in range(WORKERS) for i in range(OPS) if i % 3}
+    assert got == want
+    assert len(state.reservations) == len(want) + 1
+    assert not list(tmp_path.glob(".r.json.tmp.*"))
+
+
+# -- crashes: kill -9 at random moments never leaves a broken file --------------------------
+
+CRASH_WRITER = """
+import sys
+from pathlib import Path
+from gputop.reservations import Store, Target, reserve, release
+store = Store(Path(sys.argv[1]))
+n = int(sys.argv[2])
+print("ready", flush=True)
+i = 0
+while True:
+    reserve(store, [Target(f"w{n}", i % 50)], seconds=3600, max_seconds=86400, user="crash",
+            note="x" * (i % 400))
+    if i % 2:
+        release(store, [Target(f"w{n}", (i - 1) % 50)], user="crash")
+    i += 1
+"""
+
+
+def test_sigkill_at_random_moments_leaves_a_valid_file(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    make(Store(path), "keep", 0, "ann", "must survive")
+    rng = random.Random(1234)
+    for round_ in range(25):
+        procs = [subprocess.Popen([sys.executable, "-c", CRASH_WRITER, str(path), str(k)],
+                                  stdout=subprocess.PIPE, text=True) for k in range(2)]
+        for pr in procs:
+            assert pr.stdout is not None and pr.stdout.readline() == "ready\n"
+        # The random moment is the point of this test: not a wait for an event.
+        import time
+
+        time.sleep(rng.uniform(0.0, 0.08))
+        for pr in procs:
+            pr.send_signal(signal.SIGKILL)
+            pr.wait()
+        state = Store(path).read()  # always parses and validates
+        assert ("keep", 0) in {(r.host, r.gpu) for r in state.active()}, round_
+    # A later writer cleans up the temp files of the killed ones.
+    make(Store(path), "after", 0, "ann")
+    assert not list(tmp_path.glob(".r.json.tmp.*"))
