@@ -1,0 +1,112 @@
+"""A simulated fleet for ``gputop --demo``: realistic models, changing load, a host down.
+
+The demo feeds the same poller and board as a real fleet; only the sources are simulated.
+It writes its reservations to a temporary file, never to the team's.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+from gputop.config import Config, HostConfig
+from gputop.model import GpuInfo, HostError, ProcessInfo, utcnow
+from gputop.reservations.store import Store, StoreState, new_reservation
+
+#: (host, model, GPU count, memory MiB, power limit W, tags)
+FLEET = (
+    ("atlas", "NVIDIA H100 80GB HBM3", 8, 81559, 700.0, ("h100", "training")),
+    ("boreas", "NVIDIA A100-SXM4-80GB", 4, 81920, 400.0, ("a100",)),
+    ("cirrus", "NVIDIA L40S", 4, 46068, 350.0, ("l40s", "inference")),
+    ("dorado", "NVIDIA GeForce RTX 4090", 2, 24564, 450.0, ("rtx", "dev")),
+    ("eridani", "Tesla V100-PCIE-32GB", 4, 32768, 250.0, ("v100",)),
+    ("fornax", "NVIDIA H100 80GB HBM3", 8, 81559, 700.0, ("h100",)),
+)
+DOWN = "fornax"
+USERS = ("amira", "bjorn", "chen", "dana", "emeka", "farah")
+JOBS = ("python train.py --config configs/vit_l.yaml", "python -m torch.distributed.run "
+        "--nproc_per_node 4 finetune.py", "jupyter-kernel --ip 0.0.0.0",
+        "python eval.py --ckpt runs/42/best.pt", "vllm serve meta-llama/Llama-3-8B")
+
+
+class DemoSource:
+    """One simulated host; each query advances its own clock a step."""
+
+    def __init__(self, name: str, model: str, count: int, memory: int, power: float,
+                 seed: int = 0) -> None:
+        self.name = name
+        self.connects = 0
+        self._model, self._count, self._memory, self._power = model, count, memory, power
+        self._rng = random.Random(f"{seed}:{name}")
+        self._tick = 0
+        self._jobs: dict[int, list[ProcessInfo]] = {}
+        for i in range(count):
+            if self._rng.random() < 0.65:
+                self._jobs[i] = [self._job(i)]
+
+    def _job(self, gpu: int) -> ProcessInfo:
+        r = self._rng
+        return ProcessInfo(pid=r.randint(2000, 90000), user=r.choice(USERS),
+                           command=r.choice(JOBS), gpu_memory_mib=r.randint(4000,
+                                                                             self._memory - 2000),
+                           elapsed_s=r.randint(60, 200000))
+
+    async def query(self) -> tuple[list[GpuInfo], HostError | None]:
+        if self.name == DOWN:
+            return [], HostError("unreachable", "connection refused")
+        self._tick += 1
+        r = self._rng
+        if r.random() < 0.05 and self._jobs:  # a job ends now and then
+            self._jobs.pop(r.choice(list(self._jobs)))
+        elif r.random() < 0.05 and len(self._jobs) < self._count:
+            gpu = r.choice([i for i in range(self._count) if i not in self._jobs])
+            self._jobs[gpu] = [self._job(gpu)]
+        gpus = []
+        for i in range(self._count):
+            procs = tuple(self._jobs.get(i, ()))
+            squatter = i == 1 and self.name == "boreas"  # memory held, no work
+            if procs and not squatter:
+                util = max(0, min(100, int(60 + 35 * r.random())))
+            else:
+                util = 0
+            mem = sum(p.gpu_memory_mib or 0 for p in procs) + (0 if procs else 3)
+            gpus.append(GpuInfo(
+                index=i, uuid=f"GPU-demo-{self.name}-{i}",
+                name=self._model, bus_id=f"00000000:{i + 1:02X}:00.0",
+                utilization_percent=util, memory_utilization_percent=util // 3,
+                memory_used_mib=min(mem, self._memory), memory_total_mib=self._memory,
+                temperature_c=32 + util // 3, power_draw_w=round(self._power * (0.1 + 0.8 *
+                                                                               util / 100), 1),
+                power_limit_w=self._power, fan_percent=None, pstate="P0" if util else "P8",
+                mig_mode="Disabled" if "A100" in self._model or "H100" in self._model else None,
+                driver_version="550.90.07", processes=procs))
+        return gpus, None
+
+    async def close(self) -> None:
+        return None
+
+
+def demo_config(reservations: Path | None = None, interval: float = 1.0) -> Config:
+    path = reservations or Path(tempfile.mkdtemp(prefix="gputop-demo-")) / "reservations.json"
+    return Config(path=None, interval=interval, timeout=5.0,
+                  hosts=tuple(HostConfig(name=n, tags=tags) for n, *_, tags in FLEET),
+                  reservations_path=path, idle_holder_s=20.0)
+
+
+def demo_sources(seed: int = 0) -> list[DemoSource]:
+    return [DemoSource(n, m, c, mem, p, seed) for n, m, c, mem, p, _ in FLEET]
+
+
+def seed_reservations(store: Store) -> None:
+    """A couple of teammates' reservations, so the board has some to show."""
+    def change(state: StoreState, now: object) -> StoreState:
+        t = utcnow()
+        return StoreState(reservations=(
+            new_reservation("atlas", 3, "chen", "laptop-chen", t, 3 * 3600, None,
+                            "ablation sweep, please ask first"),
+            new_reservation("cirrus", 0, "dana", "ws-dana", t - timedelta(hours=1), 2 * 3600,
+                            None, "demo for the review on Friday"),
+        ))
+    store.update(change)

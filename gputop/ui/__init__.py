@@ -1,0 +1,1 @@
+"""The board: a Textual app over the data layer. Only this package imports Textual."""

@@ -1,0 +1,333 @@
+"""The Textual app: one live board of every GPU, fed by the poller as hosts answer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Sequence
+from datetime import datetime
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.color import Color, ColorParseError
+from textual.widgets import DataTable, Footer, Input
+
+from gputop.config import Config
+from gputop.model import HostSnapshot, utcnow
+from gputop.poller import Poller
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations.ops import whoami
+from gputop.sources import Source
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow
+from gputop.ui.cells import Palette
+from gputop.ui.messages import HostUpdated
+from gputop.ui.screens import HelpScreen, ReserveRequest, ReserveScreen
+from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
+from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+
+RENDER_PERIOD = 0.25  # seconds: host updates arriving faster are drawn together
+
+
+class GputopApp(App[int]):
+    CSS_PATH = "gputop.tcss"
+    TITLE = "gputop"
+    BINDINGS = [
+        Binding("r", "reserve", "Reserve"),
+        Binding("u", "release", "Release"),
+        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("s", "sort", "Sort"),
+        Binding("f", "free_only", "Free only"),
+        Binding("enter", "details", "Details", show=False),
+        Binding("t", "next_theme", "Theme"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+    ]
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        sources: Sequence[Source] | None = None,
+        feed: bool = True,
+        clock: Callable[[], datetime] = utcnow,
+        theme: str | None = None,
+        user: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self._sources = sources
+        self._feed = feed
+        self.clock = clock
+        self.me = user or whoami()[0]
+        self.model = BoardModel(host_order=[h.name for h in config.hosts],
+                                interval=config.interval, idle_holder_s=config.idle_holder_s,
+                                clock=clock, me=self.me)
+        self.store = Store(config.reservations_path, warn=self._warn)
+        self._store_sig: tuple[int, int, int] | None = None
+        self._store_problem: str | None = None
+        self._dirty = True
+        self._wanted_theme = theme or config.theme or FALLBACK
+        self._theme_names: list[str] = []
+        self.palette = Palette()
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        """The gpu-* colours exist under every theme (Textual's own ones too)."""
+        return {**super().get_theme_variable_defaults(), **BUILTIN.variables}
+
+    # -- layout --------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield SummaryBar(id="summary")
+        yield BoardTable(id="board")
+        yield DetailPane(id="detail")
+        yield Input(placeholder="filter: host, model, user or tag (esc clears)", id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        loaded = load_themes()
+        for theme in loaded.themes.values():
+            self.register_theme(theme)
+        self._theme_names = sorted(loaded.themes)
+        for problem in loaded.problems:
+            self.notify(problem, severity="warning", markup=False, timeout=8)
+        if self._wanted_theme not in loaded.themes:
+            self.notify(f"unknown theme {self._wanted_theme!r}; using {FALLBACK}",
+                        severity="warning", markup=False)
+            self._wanted_theme = FALLBACK
+        self.theme = self._wanted_theme
+        self._update_palette()
+        self.reload_store()
+        self.query_one(BoardTable).focus()
+        self.set_interval(RENDER_PERIOD, self._flush)
+        self.set_interval(max(0.5, self.config.interval), self.reload_store)
+        if self._feed:
+            self._run_feed()
+        self.render_board()
+
+    # -- data in -------------------------------------------------------------------------
+
+    @work(exclusive=True, group="feed")
+    async def _run_feed(self) -> None:
+        poller = Poller(self.config, self._sources)
+        try:
+            async for snap in poller.updates():
+                self.post_message(HostUpdated(snap))
+        finally:
+            await poller.aclose()
+
+    def on_host_updated(self, message: HostUpdated) -> None:
+        self.ingest(message.snapshot)
+
+    def ingest(self, snap: HostSnapshot) -> None:
+        self.model.ingest(snap)
+        self._dirty = True
+
+    def reload_store(self) -> None:
+        """Re-read the shared file when it changed (a teammate reserved something)."""
+        try:
+            st = os.stat(self.store.path)
+            sig: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            sig = None
+        if sig == self._store_sig and self._store_problem is None:
+            return
+        try:
+            state = self.store.read()
+        except StoreError as exc:
+            if str(exc) != self._store_problem:
+                self._store_problem = str(exc)
+                self.notify(str(exc), title="reservations", severity="error", markup=False,
+                            timeout=15)
+            return
+        self._store_problem = None
+        self._store_sig = sig
+        self.model.set_state(state)
+        self._dirty = True
+
+    def _warn(self, message: str) -> None:
+        self.notify(message, severity="warning", markup=False, timeout=20)
+
+    # -- drawing -------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._dirty:
+            self.render_board()
+
+    def render_board(self) -> None:
+        self._dirty = False
+        now = self.clock()
+        table = self.query_one(BoardTable)
+        table.show_rows(self.model.rows(), now, self.palette)
+        note = f"filter: {self.model.filter_text}" if self.model.filter_text else ""
+        if self.model.free_only:
+            note = (note + "  free only").strip()
+        if self.model.sort_mode != "host":
+            note = (note + f"  sort: {self.model.sort_mode}").strip()
+        self.query_one(SummaryBar).show(self.model.summary(), self.palette, note)
+        detail = self.query_one(DetailPane)
+        if detail.display:
+            detail.show(self._selected(), self.model, now)
+
+    def _update_palette(self) -> None:
+        v = self.theme_variables
+
+        def color(name: str, default: str) -> str:
+            try:  # a Rich style needs a plain colour ("auto 60%" is Textual-only)
+                return Color.parse(v.get(name, default)).hex
+            except ColorParseError:
+                return default
+
+        self.palette = Palette(
+            free=color("gpu-free", "green"), busy=color("gpu-busy", "yellow"),
+            reserved=color("gpu-reserved", "magenta"), error=color("gpu-error", "red"),
+            muted=color("secondary", "grey50"))
+
+    def watch_theme(self, _theme: str) -> None:
+        self._update_palette()
+        self._dirty = True
+
+    def _selected(self) -> GpuRow | HostRow | None:
+        key = self.query_one(BoardTable).selected_key()
+        return None if key is None else self.model.find(key)
+
+    def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+        detail = self.query_one(DetailPane)
+        if detail.display:
+            detail.show(self._selected(), self.model, self.clock())
+
+    def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
+        self.action_details()
+
+    # -- actions -------------------------------------------------------------------------
+
+    def action_details(self) -> None:
+        row = self._selected()
+        if isinstance(row, HostRow) and not row.error and row.snapshot is not None:
+            self.model.toggle_collapsed(row.host)
+            self.render_board()
+            return
+        detail = self.query_one(DetailPane)
+        detail.display = not detail.display
+        if detail.display:
+            detail.show(row, self.model, self.clock())
+
+    def action_sort(self) -> None:
+        mode = self.model.cycle_sort()
+        self.notify(f"sorted by {mode}", timeout=2)
+        self.render_board()
+
+    def action_free_only(self) -> None:
+        self.model.free_only = not self.model.free_only
+        self.render_board()
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        box.display = False
+        self.model.filter_text = ""
+        self.query_one(BoardTable).focus()
+        self.render_board()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "filter":
+            self.model.filter_text = event.value
+            self.render_board()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter":
+            if not event.value:
+                event.input.display = False
+            self.query_one(BoardTable).focus()
+
+    def action_next_theme(self) -> None:
+        names = self._theme_names or [FALLBACK]
+        i = names.index(self.theme) if self.theme in names else -1
+        self.theme = names[(i + 1) % len(names)]
+        self.notify(f"theme: {self.theme}", timeout=2, markup=False)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_reserve(self) -> None:
+        row = self._selected()
+        if not isinstance(row, GpuRow) or row.gpu.index is None:
+            self.notify("select a GPU row to reserve", severity="warning")
+            return
+        host, gpu, uuid = row.host, row.gpu.index, row.gpu.uuid
+        holder = row.reservation
+        if holder is not None and holder.user != self.me:
+            self.notify(Text(f"{host}:{gpu} is reserved by {holder.user}").plain,
+                        severity="warning", markup=False)
+
+        def done(req: ReserveRequest | None) -> None:
+            if req is not None:
+                self._reserve(Target(host, gpu, uuid), req)
+
+        self.push_screen(ReserveScreen(f"{host}:{gpu}", self.config.reservation_default_s,
+                                       self.config.reservation_max_s), done)
+
+    @work(group="store")
+    async def _reserve(self, target: Target, req: ReserveRequest) -> None:
+        try:
+            await asyncio.to_thread(
+                reserve, self.store, [target], seconds=req.seconds,
+                max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
+        except Refused as exc:
+            self.notify(f"refused: {exc}", severity="error", markup=False, timeout=10)
+            return
+        except (Invalid, StoreError) as exc:
+            self.notify(str(exc), severity="error", markup=False, timeout=10)
+            return
+        self.notify(f"reserved {target.host}:{target.gpu}", markup=False)
+        self._store_sig = None
+        self.reload_store()
+        self.render_board()
+
+    def action_release(self) -> None:
+        row = self._selected()
+        if not isinstance(row, GpuRow) or row.reservation is None:
+            self.notify("no reservation on the selected GPU", severity="warning")
+            return
+        if row.reservation.user != self.me:
+            self.notify(f"reserved by {row.reservation.user}, not you; use "
+                        "`gputop release --force` to take it back", severity="warning",
+                        markup=False)
+            return
+        self._release(Target(row.host, row.reservation.gpu))
+
+    @work(group="store")
+    async def _release(self, target: Target) -> None:
+        try:
+            await asyncio.to_thread(release, self.store, [target], user=self.me)
+        except (Refused, StoreError) as exc:
+            self.notify(str(exc), severity="error", markup=False, timeout=10)
+            return
+        self.notify(f"released {target.host}:{target.gpu}", markup=False)
+        self._store_sig = None
+        self.reload_store()
+        self.render_board()
+
+
+def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
+    sources: list[Source] | None = None
+    if demo or config is None:
+        from gputop.demo import demo_config, demo_sources, seed_reservations
+
+        config = demo_config()
+        sources = list(demo_sources())
+        seed_reservations(Store(config.reservations_path))
+    elif config.implicit:
+        from gputop.config import NO_CONFIG_HINT, default_config_path
+
+        print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()))
+    app = GputopApp(config, sources=sources, theme=theme)
+    app.run()
+    return app.return_code or 0

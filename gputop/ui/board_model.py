@@ -1,0 +1,255 @@
+"""What the board shows, computed without Textual: rows, order, filter, summary, history.
+
+The app feeds host snapshots and reservation state in, and asks for rows out. Keeping this
+free of widgets makes it cheap to test and lets the table update only the rows that changed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from gputop.model import GpuInfo, HostSnapshot, utcnow
+from gputop.reservations.flags import IdleTracker, gpu_flags, is_free
+from gputop.reservations.store import Reservation, StoreState
+from gputop.text import clean
+
+SortMode = Literal["host", "utilization", "free-memory"]
+SORT_MODES: tuple[SortMode, ...] = ("host", "utilization", "free-memory")
+HISTORY = 120  # samples kept per GPU for the sparklines (one per refresh)
+STALE_AFTER_INTERVALS = 3
+
+
+def short_model(name: str | None) -> str:
+    """"NVIDIA GeForce RTX 2080 SUPER" -> "RTX 2080 SUPER": the part people say aloud."""
+    if not name:
+        return "?"
+    n = clean(name)
+    for prefix in ("NVIDIA ", "GeForce ", "Tesla ", "Quadro "):
+        if n.startswith(prefix):
+            n = n[len(prefix):]
+    return n
+
+
+@dataclass
+class GpuRow:
+    """One GPU as the board sees it right now."""
+
+    host: str
+    gpu: GpuInfo
+    reservation: Reservation | None
+    flags: list[str]
+    stale: bool
+    free: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.host}\x00{self.gpu.index if self.gpu.index is not None else self.gpu.bus_id}"
+
+    @property
+    def users(self) -> tuple[str, ...]:
+        return tuple(clean(u) for u in self.gpu.users)
+
+    @property
+    def free_mib(self) -> int:
+        g = self.gpu
+        if g.memory_total_mib is None:
+            return 0
+        return g.memory_total_mib - (g.memory_used_mib or 0)
+
+
+@dataclass
+class HostRow:
+    """A host header (collapsible), or a host in error when ``error`` is set."""
+
+    host: str
+    snapshot: HostSnapshot | None
+    gpu_count: int
+    collapsed: bool
+    stale: bool
+    last_seen: datetime | None
+
+    @property
+    def key(self) -> str:
+        return self.host
+
+    @property
+    def error(self) -> bool:
+        return self.snapshot is not None and not self.snapshot.ok
+
+
+Row = GpuRow | HostRow
+
+
+@dataclass
+class Summary:
+    hosts_up: int = 0
+    hosts_down: int = 0
+    hosts_waiting: int = 0
+    gpus: int = 0
+    free: int = 0
+    busy: int = 0
+    reserved: int = 0
+    util_percent: float | None = None
+    mem_used_mib: int = 0
+    mem_total_mib: int = 0
+
+
+@dataclass
+class BoardModel:
+    host_order: list[str]
+    interval: float = 2.0
+    idle_holder_s: float = 1800.0
+    clock: Callable[[], datetime] = utcnow
+    me: str = ""
+    snapshots: dict[str, HostSnapshot] = field(default_factory=dict)
+    #: The last snapshot that had GPUs, per host: shown dimmed when the host fails.
+    last_good: dict[str, HostSnapshot] = field(default_factory=dict)
+    history: dict[tuple[str, int | None], tuple[deque[float], deque[float]]] = field(
+        default_factory=dict)
+    state: StoreState = field(default_factory=StoreState)
+    filter_text: str = ""
+    sort_mode: SortMode = "host"
+    free_only: bool = False
+    collapsed: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.tracker = IdleTracker(self.idle_holder_s)
+
+    # -- input ---------------------------------------------------------------------------
+
+    def ingest(self, snap: HostSnapshot) -> None:
+        if snap.name not in self.host_order:
+            self.host_order.append(snap.name)
+        self.snapshots[snap.name] = snap
+        if snap.ok:
+            self.last_good[snap.name] = snap
+            self.tracker.observe(snap)
+            for g in snap.gpus:
+                util, mem = self.history.setdefault(
+                    (snap.name, g.index), (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+                util.append(float(g.utilization_percent or 0))
+                mem.append(100.0 * (g.memory_used_mib or 0) / g.memory_total_mib
+                           if g.memory_total_mib else 0.0)
+
+    def set_state(self, state: StoreState) -> None:
+        self.state = state
+
+    # -- queries -------------------------------------------------------------------------
+
+    def is_stale(self, snap: HostSnapshot | None, now: datetime) -> bool:
+        if snap is None:
+            return False
+        age = (now - snap.time).total_seconds()
+        return age > max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
+
+    def gpu_rows(self, host: str, now: datetime) -> list[GpuRow]:
+        snap = self.snapshots.get(host)
+        if snap is None or not snap.ok:
+            return []
+        held = {(r.host, r.gpu): r for r in self.state.active(now)}
+        stale = self.is_stale(snap, now)
+        rows = []
+        for g in snap.gpus:
+            r = held.get((host, g.index)) if g.index is not None else None
+            idle = self.tracker.is_idle_holder(host, g.index, now)
+            free = is_free(g) and (r is None or r.user == self.me)
+            rows.append(GpuRow(host, g, r, gpu_flags(g, r, idle), stale, free))
+        return rows
+
+    def _matches(self, host: str, row: GpuRow | None) -> bool:
+        q = self.filter_text.strip().lower()
+        if not q:
+            return True
+        snap = self.snapshots.get(host)
+        words = [host, *(snap.tags if snap else ())]
+        if row is not None:
+            words += [row.gpu.name or "", *row.users]
+            if row.reservation:
+                words.append(row.reservation.user)
+        return all(any(term in w.lower() for w in words) for term in q.split())
+
+    def rows(self) -> list[Row]:
+        """The rows to show, in order. Grouped by host when sorting by host, else flat."""
+        now = self.clock()
+        grouped = self.sort_mode == "host"
+        out: list[Row] = []
+        flat: list[GpuRow] = []
+        errors: list[Row] = []
+        for host in self.host_order:
+            snap = self.snapshots.get(host)
+            gpus = [r for r in self.gpu_rows(host, now)
+                    if (r.free or not self.free_only) and self._matches(host, r)]
+            if snap is not None and not snap.ok:
+                if not self.free_only and self._matches(host, None):
+                    last = self.last_good.get(host)
+                    errors.append(HostRow(host, snap, len(last.gpus) if last else 0, False,
+                                          False, snap.last_ok))
+                continue
+            if snap is None:
+                if not self.free_only and self._matches(host, None) and grouped:
+                    out.append(HostRow(host, None, 0, False, False, None))
+                continue
+            if not gpus:
+                continue
+            if grouped:
+                collapsed = host in self.collapsed
+                out.append(HostRow(host, snap, len(gpus), collapsed,
+                                   self.is_stale(snap, now), snap.time))
+                if not collapsed:
+                    out.extend(gpus)
+            else:
+                flat.extend(gpus)
+        if not grouped:
+            if self.sort_mode == "utilization":
+                flat.sort(key=lambda r: (-(r.gpu.utilization_percent or 0), r.host,
+                                         r.gpu.index or 0))
+            else:
+                flat.sort(key=lambda r: (-r.free_mib, r.host, r.gpu.index or 0))
+            out.extend(flat)
+        return out + errors
+
+    def summary(self) -> Summary:
+        now = self.clock()
+        s = Summary()
+        utils: list[int] = []
+        for host in self.host_order:
+            snap = self.snapshots.get(host)
+            if snap is None:
+                s.hosts_waiting += 1
+                continue
+            if not snap.ok:
+                s.hosts_down += 1
+                continue
+            s.hosts_up += 1
+            for row in self.gpu_rows(host, now):
+                g = row.gpu
+                s.gpus += 1
+                if row.reservation is not None:
+                    s.reserved += 1
+                elif row.free:
+                    s.free += 1
+                else:
+                    s.busy += 1
+                if g.utilization_percent is not None:
+                    utils.append(g.utilization_percent)
+                s.mem_used_mib += g.memory_used_mib or 0
+                s.mem_total_mib += g.memory_total_mib or 0
+        s.util_percent = sum(utils) / len(utils) if utils else None
+        return s
+
+    def find(self, key: str) -> Row | None:
+        return next((r for r in self.rows() if r.key == key), None)
+
+    def cycle_sort(self) -> SortMode:
+        self.sort_mode = SORT_MODES[(SORT_MODES.index(self.sort_mode) + 1) % len(SORT_MODES)]
+        return self.sort_mode
+
+    def toggle_collapsed(self, host: str) -> None:
+        self.collapsed.symmetric_difference_update({host})
+
+    def known_hosts(self) -> Iterable[str]:
+        return list(self.host_order)

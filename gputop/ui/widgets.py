@@ -1,0 +1,156 @@
+"""The board's widgets: the GPU table (updated in place), the summary bar, the detail pane."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import DataTable, Sparkline, Static
+
+from gputop.model import iso
+from gputop.reservations.ops import format_duration
+from gputop.text import clean
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
+from gputop.ui.cells import COLUMNS, FLAG_LABELS, Palette, RankedText, gib, row_cells
+
+
+class BoardTable(DataTable[Text]):
+    """The GPU table. ``show_rows`` diffs against what is on screen: new rows are added,
+    gone rows removed, order fixed by one sort, and only changed cells are rewritten, so
+    the cursor and scroll position stay where the user left them."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)  # type: ignore[arg-type]
+        self._shown: dict[str, tuple[Text, ...]] = {}
+        self._order: list[str] = []
+        self.cell_updates = 0  # for tests: proves unchanged cells are left alone
+
+    def on_mount(self) -> None:
+        for key, label, width in COLUMNS:
+            self.add_column(label, key=key, width=width)
+
+    def selected_key(self) -> str | None:
+        if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):
+            return None
+        return self.coordinate_to_cell_key((self.cursor_row, 0)).row_key.value
+
+    def show_rows(self, rows: list[Row], now: datetime, palette: Palette) -> None:
+        selected = self.selected_key()
+        keys = [r.key for r in rows]
+        wanted = set(keys)
+        for gone in [k for k in self._shown if k not in wanted]:
+            self.remove_row(gone)
+            del self._shown[gone]
+        for rank, row in enumerate(rows):
+            cells = row_cells(row, now, palette)
+            old = self._shown.get(row.key)
+            if old is None:
+                self.add_row(*cells, key=row.key)
+            else:
+                for (col, _, _), new, was in zip(COLUMNS, cells, old):
+                    if new != was:
+                        self.update_cell(row.key, col, new)
+                        self.cell_updates += 1
+            shown = self.get_cell(row.key, "gpu")  # the cell the sort below reads
+            if isinstance(shown, RankedText):
+                shown.rank = rank
+            self._shown[row.key] = cells
+        if keys != self._order:
+            self.sort("gpu", key=lambda cell: cell.rank)
+            self._order = keys
+            if selected in wanted:
+                self.move_cursor(row=self.get_row_index(selected), animate=False)
+
+
+class SummaryBar(Static):
+    def show(self, s: Summary, palette: Palette, note: str = "") -> None:
+        t = Text()
+        t.append(" hosts ", style="bold")
+        t.append(f"{s.hosts_up} up")
+        if s.hosts_down:
+            t.append(f" · {s.hosts_down} down", style=palette.error)
+        if s.hosts_waiting:
+            t.append(f" · {s.hosts_waiting} waiting", style=palette.muted)
+        t.append("   GPUs ", style="bold")
+        t.append(f"{s.free} free", style=palette.free)
+        t.append(" · ")
+        t.append(f"{s.busy} busy", style=palette.busy)
+        t.append(" · ")
+        t.append(f"{s.reserved} reserved", style=palette.reserved)
+        t.append(f" of {s.gpus}")
+        util = "n/a" if s.util_percent is None else f"{s.util_percent:.0f}%"
+        t.append("   util ", style="bold")
+        t.append(util)
+        t.append("   mem ", style="bold")
+        t.append(f"{gib(s.mem_used_mib)}/{gib(s.mem_total_mib)} GiB")
+        if note:
+            t.append(f"   {note}", style=palette.muted)
+        self.update(t)
+
+
+class DetailPane(Vertical):
+    """The selected GPU: processes, history, reservation, details."""
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="detail-head")
+        yield Static("utilisation", classes="spark-label")
+        yield Sparkline([], id="spark-util")
+        yield Static("memory", classes="spark-label")
+        yield Sparkline([], id="spark-mem")
+        yield Static(id="detail-procs")
+
+    def show(self, row: Row | None, model: BoardModel, now: datetime) -> None:
+        head = self.query_one("#detail-head", Static)
+        procs = self.query_one("#detail-procs", Static)
+        if isinstance(row, HostRow) and row.error and row.snapshot is not None:
+            err = row.snapshot.error
+            assert err is not None
+            t = Text(f"{clean(row.host)} is down: {err.kind}\n", style="bold")
+            t.append(clean(err.message))
+            t.append(f"\nlast answered: {iso(row.last_seen) or 'never'}")
+            head.update(t)
+            procs.update("")
+            return
+        if not isinstance(row, GpuRow):
+            head.update(Text("Select a GPU row to see its details."))
+            procs.update("")
+            return
+        g = row.gpu
+        t = Text()
+        t.append(f"{clean(row.host)} GPU {g.index}  ", style="bold")
+        t.append(short_model(g.name))
+        t.append(f"\nuuid {clean(g.uuid) or '?'}  bus {clean(g.bus_id) or '?'}  driver "
+                 f"{clean(g.driver_version) or '?'}  {clean(g.pstate) or ''}")
+        if g.power_limit_w is not None:
+            t.append(f"  power limit {g.power_limit_w:.0f} W")
+        if g.mig_mode:
+            t.append(f"  MIG {clean(g.mig_mode)}")
+        r = row.reservation
+        if r is not None:
+            left = format_duration((r.expires - now).total_seconds())
+            t.append(f"\nreserved by {clean(r.user)} (from {clean(r.machine)}) until "
+                     f"{iso(r.expires)}, {left} left")
+            if r.note:
+                t.append(f"\nnote: {clean(r.note)}")
+        else:
+            t.append("\nnot reserved")
+        if row.flags:
+            t.append("\n" + "  ".join(FLAG_LABELS.get(f, f) for f in row.flags), style="bold")
+        head.update(t)
+        util, mem = model.history.get((row.host, g.index), ([], []))
+        self.query_one("#spark-util", Sparkline).data = list(util)
+        self.query_one("#spark-mem", Sparkline).data = list(mem)
+        p = Text()
+        if not g.processes:
+            p.append("no processes")
+        else:
+            p.append(f"{'PID':>8}  {'USER':<12} {'GPU MEM':>8}  {'ELAPSED':>8}  COMMAND\n",
+                     style="bold")
+            for proc in g.processes:
+                mem_s = "?" if proc.gpu_memory_mib is None else f"{proc.gpu_memory_mib}M"
+                el = "?" if proc.elapsed_s is None else format_duration(proc.elapsed_s)
+                p.append(f"{proc.pid:>8}  {clean(proc.user)[:12] or '?':<12} {mem_s:>8}  "
+                         f"{el:>8}  {clean(proc.command)}\n")
+        procs.update(p)
