@@ -67,10 +67,7 @@ class DemoSource:
         for i in range(self._count):
             procs = tuple(self._jobs.get(i, ()))
             squatter = i == 1 and self.name == "boreas"  # memory held, no work
-            if procs and not squatter:
-                util = max(0, min(100, int(60 + 35 * r.random())))
-            else:
-                util = 0
+            util = int(60 + 35 * r.random()) if procs and not squatter else 0
             mem = sum(p.gpu_memory_mib or 0 for p in procs) + (0 if procs else 3)
             gpus.append(GpuInfo(
                 index=i, uuid=f"GPU-demo-{self.name}-{i}",

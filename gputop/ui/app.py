@@ -101,7 +101,7 @@ class GputopApp(App[int]):
         self._update_palette()
         self.reload_store()
         self.query_one(BoardTable).focus()
-        self.set_interval(RENDER_PERIOD, self._flush)
+        self.set_interval(RENDER_PERIOD, self._render_if_dirty)
         self.set_interval(max(0.5, self.config.interval), self.reload_store)
         if self._feed:
             self._run_feed()
@@ -152,7 +152,7 @@ class GputopApp(App[int]):
 
     # -- drawing -------------------------------------------------------------------------
 
-    def _flush(self) -> None:
+    def _render_if_dirty(self) -> None:
         if self._dirty:
             self.render_board()
 
@@ -183,7 +183,7 @@ class GputopApp(App[int]):
         self.palette = Palette(
             free=color("gpu-free", "green"), busy=color("gpu-busy", "yellow"),
             reserved=color("gpu-reserved", "magenta"), error=color("gpu-error", "red"),
-            muted=color("secondary", "grey50"))
+            muted=color("gpu-muted", "grey50"))
 
     def watch_theme(self, _theme: str) -> None:
         self._update_palette()

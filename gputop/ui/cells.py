@@ -31,7 +31,7 @@ BLOCKS = " ▏▎▍▌▋▊▉█"
 FLAG_LABELS = {
     "unreserved-use": "⚠ unreserved use",
     "idle-reservation": "◌ idle reservation",
-    "idle-holder": "⏾ idle holder",
+    "idle-holder": "◔ idle holder",
     "lost": "✖ lost",
     "renumbered": "⚠ renumbered",
 }

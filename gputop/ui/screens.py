@@ -82,7 +82,7 @@ gputop: every GPU on your team's servers, live.
 Colours: free · busy · reserved · error. Dim rows are stale: the host
 has not answered for a few refreshes. Flags: ⚠ unreserved use (someone
 else runs on a reserved GPU), ◌ idle reservation (reserved, nothing
-running), ⏾ idle holder (memory held at ~0% load for a long time).
+running), ◔ idle holder (memory held at ~0% load for a long time).
 
 Reservations are advisory and shared: the whole team's gputop reads
 the same file, and `gputop reservations` lists them in a terminal.

@@ -22,7 +22,7 @@ from textual.theme import Theme
 from gputop.config import APP
 
 FALLBACK = "gputop-dark"
-STATE_VARIABLES = ("gpu-free", "gpu-busy", "gpu-reserved", "gpu-error")
+STATE_VARIABLES = ("gpu-free", "gpu-busy", "gpu-reserved", "gpu-error", "gpu-muted")
 _COLOR_KEYS = ("primary", "secondary", "accent", "foreground", "background", "surface",
                "panel", "boost", "warning", "error", "success")
 
@@ -32,7 +32,7 @@ BUILTIN = Theme(
     foreground="#E6EDF3", background="#0D1117", surface="#161B22", panel="#1F2630",
     success="#3FB950", warning="#D29922", error="#F85149", dark=True,
     variables={"gpu-free": "#3FB950", "gpu-busy": "#D29922", "gpu-reserved": "#D2A8FF",
-               "gpu-error": "#F85149"},
+               "gpu-error": "#F85149", "gpu-muted": "#8B949E"},
 )
 
 

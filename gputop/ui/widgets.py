@@ -7,6 +7,7 @@ from datetime import datetime
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Sparkline, Static
 
 from gputop.model import iso
@@ -34,7 +35,7 @@ class BoardTable(DataTable[Text]):
     def selected_key(self) -> str | None:
         if not self._order or self.cursor_row < 0 or self.cursor_row >= len(self._order):
             return None
-        return self.coordinate_to_cell_key((self.cursor_row, 0)).row_key.value
+        return self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value
 
     def show_rows(self, rows: list[Row], now: datetime, palette: Palette) -> None:
         selected = self.selected_key()
@@ -140,8 +141,9 @@ class DetailPane(Vertical):
             t.append("\n" + "  ".join(FLAG_LABELS.get(f, f) for f in row.flags), style="bold")
         head.update(t)
         util, mem = model.history.get((row.host, g.index), ([], []))
-        self.query_one("#spark-util", Sparkline).data = list(util)
-        self.query_one("#spark-mem", Sparkline).data = list(mem)
+        # One sample draws as a full bar; wait for a second before drawing a history.
+        self.query_one("#spark-util", Sparkline).data = list(util) if len(util) > 1 else []
+        self.query_one("#spark-mem", Sparkline).data = list(mem) if len(mem) > 1 else []
         p = Text()
         if not g.processes:
             p.append("no processes")

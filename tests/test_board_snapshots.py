@@ -1,0 +1,58 @@
+"""SVG snapshots of the board (pytest-textual-snapshot): fixed fleet, fixed clock.
+
+Update after a deliberate change with ``python -m pytest tests/test_board_snapshots.py
+--snapshot-update`` and look at the result (``tests/__snapshots__``) before committing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from board_data import NOW, board_config, fixed_snapshots, seed
+
+from gputop.reservations import Store
+from gputop.ui.app import GputopApp
+from gputop.ui.widgets import BoardTable
+
+SIZES = {"120x40": (120, 40), "80x24": (80, 24)}
+K = "\x00"
+
+
+def app_for(tmp_path: Path) -> GputopApp:
+    seed(Store(tmp_path / "reservations.json"))
+    return GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
+
+
+def loader(select: str | None = None, keys: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    async def run_before(pilot) -> None:  # type: ignore[no-untyped-def]
+        app = pilot.app
+        for snap in fixed_snapshots():
+            app.ingest(snap)
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        if select is not None:
+            table = app.query_one(BoardTable)
+            table.move_cursor(row=table.get_row_index(select), animate=False)
+        for k in keys:
+            await pilot.press(k)
+        await pilot.pause()
+    return run_before
+
+
+SCENES = {
+    "board": loader(),
+    "detail": loader(f"gpu-h100{K}1", ("enter",)),
+    "reserve-modal": loader(f"gpu-h100{K}2", ("r",)),
+    "help": loader(None, ("question_mark",)),
+    "host-error": loader("gpu-down", ("enter",)),
+    "hostile-strings": loader(f"gpu-h100{K}3", ("enter",)),
+}
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+@pytest.mark.parametrize("scene", sorted(SCENES))
+def test_snapshot(snap_compare, tmp_path: Path, scene: str, size: str) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(app_for(tmp_path), terminal_size=SIZES[size],
+                        run_before=SCENES[scene])
