@@ -76,6 +76,13 @@ class GpuInfo:
     processes: tuple[ProcessInfo, ...] = ()
 
     @property
+    def memory_free_mib(self) -> int:
+        """Free memory, 0 when the total is unknown (such a GPU is never "best free")."""
+        if self.memory_total_mib is None:
+            return 0
+        return self.memory_total_mib - (self.memory_used_mib or 0)
+
+    @property
     def users(self) -> tuple[str, ...]:
         """Distinct process owners, in first-seen order."""
         seen: dict[str, None] = {}

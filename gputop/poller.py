@@ -36,7 +36,7 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
         from gputop.sources.ssh import JumpPool, SshSource
 
         if jumps is None:
-            jumps = JumpPool(config.ssh_config, handshakes)
+            jumps = JumpPool(config.ssh_config)
         sources.append(
             SshSource(h, timeout=config.timeout, interval=config.interval,
                       ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps)

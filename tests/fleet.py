@@ -207,6 +207,8 @@ class Fleet:
             config.append(f"Host {h.name}\n  HostName {h.address}\n  Port {h.port}\n"
                           f"  User {pwd.getpwuid(os.geteuid()).pw_name}\n"
                           f"  IdentityFile {key}\n  IdentitiesOnly yes\n"
+                          # OpenSSH's client finds ~ through passwd, not $HOME: be explicit.
+                          f"  UserKnownHostsFile {self.ssh / 'known_hosts'}\n"
                           + (f"  ProxyJump {h.behind}\n" if h.behind else ""))
         (self.ssh / "known_hosts").write_text("\n".join(known) + "\n")
         (self.ssh / "config").write_text("\n".join(config))

@@ -137,6 +137,8 @@ async def test_connections_are_reused_across_refreshes(fleet_home: Fleet) -> Non
             snap = await poller.snapshot()
             assert [h.ok for h in snap.hosts] == [True, True, False]
         assert poller.connects == 3  # one per host, none per refresh
+        # ...and one exec channel per host, kept: a refresh opens no new session remotely
+        assert [s.channels for s in poller.sources] == [1, 1, 1]  # type: ignore[attr-defined]
     finally:
         await poller.aclose()
 
@@ -293,3 +295,43 @@ def test_forty_hosts_behind_one_bastion(tmp_path: Path, n_behind: int) -> None:
         assert "MaxStartups" not in log
     finally:
         fleet.stop()
+
+
+def test_ssh_agent_is_used(fleet: Fleet, tmp_path: Path) -> None:
+    """No IdentityFile in the config: the key comes from a real ssh-agent."""
+    import shutil
+
+    if not shutil.which("ssh-agent"):
+        pytest.skip("ssh-agent not installed")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        empty_home = tmp_path / "home"  # no ~/.ssh/id_*: the agent is the only key source
+        empty_home.mkdir()
+        env = fleet.env() | {"SSH_AUTH_SOCK": str(sock), "HOME": str(empty_home)}
+        assert agent.stdout is not None
+        assert "SSH_AUTH_SOCK" in agent.stdout.readline()  # printed once it listens
+        subprocess.run(["ssh-add", str(fleet.ssh / "id_ed25519")], env=env, check=True,
+                       capture_output=True)
+        h = fleet.hosts["gpu-h100"]
+        ssh_config = tmp_path / "ssh_config"
+        import getpass
+
+        ssh_config.write_text(f"Host via-agent\n  HostName {h.address}\n  Port {h.port}\n"
+                              f"  User {getpass.getuser()}\n"
+                              f"  UserKnownHostsFile {fleet.ssh / 'known_hosts'}\n")
+        cfg = tmp_path / "hosts.toml"
+        cfg.write_text(f'[defaults]\ntimeout = 5\nssh_config = "{ssh_config}"\n'
+                       '[[hosts]]\nname = "via-agent"\n')
+        r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                           env=env, capture_output=True, text=True, timeout=60)
+        (host,) = json.loads(r.stdout)["hosts"]
+        assert host["status"] == "ok", host["error"]
+        r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                           env=env | {"SSH_AUTH_SOCK": str(tmp_path / "none")},
+                           capture_output=True, text=True, timeout=60)
+        assert json.loads(r.stdout)["hosts"][0]["error"]["kind"] == "auth"
+    finally:
+        agent.terminate()
+        agent.wait(5)

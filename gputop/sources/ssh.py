@@ -1,10 +1,13 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection, kept open and reused; per refresh: one exec of a constant POSIX
-shell script (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`). ``~/.ssh/config`` is
-honoured the way ``ssh NAME`` would (HostName, User, Port, IdentityFile, IdentitiesOnly,
-ProxyJump, the agent), except that hosts behind the same ProxyJump share one connection to
-the jump host: a bastion drops unauthenticated connections beyond ``MaxStartups``.
+Per host: one connection and one exec channel running a constant POSIX shell loop
+(:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`), both kept open. Per refresh: one line
+sent, one block of output read back: one round trip, and no new session on the host.
+
+``~/.ssh/config`` is honoured the way ``ssh NAME`` would (HostName, User, Port,
+IdentityFile, IdentitiesOnly, ProxyJump, the agent), except that hosts behind the same
+ProxyJump share one connection to the jump host: a bastion drops unauthenticated
+connections beyond ``MaxStartups``.
 
 Host keys are always checked against known_hosts: even a config that says
 ``UserKnownHostsFile none`` does not switch checking off here.
@@ -25,16 +28,20 @@ import asyncssh
 
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
-from gputop.sources.nvidia_smi import MARK, REMOTE_SCRIPT, parse_remote_output
+from gputop.sources.nvidia_smi import END, MARK, REMOTE_SCRIPT, parse_remote_output
 from gputop.text import excerpt
 
-#: Largest remote output accepted for one refresh (a host with thousands of processes
-#: stays far below this; anything larger is not nvidia-smi talking).
+#: Largest output accepted for one refresh (a host with thousands of processes stays far
+#: below this; anything larger is not nvidia-smi talking).
 MAX_OUTPUT = 4 * 1024 * 1024
 
 #: Errors worth a long pause before retrying: sshd penalises repeated auth failures, and
 #: a host key will not fix itself.
 SLOW_RETRY_KINDS = frozenset({"auth", "host-key"})
+
+
+class _ChannelClosed(Exception):
+    """The streaming channel ended before a refresh was complete."""
 
 
 def classify_exception(exc: BaseException) -> HostError:
@@ -61,6 +68,8 @@ def classify_exception(exc: BaseException) -> HostError:
         return HostError("unreachable", msg)
     if isinstance(exc, asyncssh.DisconnectError):
         return HostError("ssh", msg)
+    if isinstance(exc, _ChannelClosed):
+        return HostError("ssh", f"the remote script ended: {msg}")
     if isinstance(exc, FileNotFoundError):
         return HostError("auth", f"cannot read {exc.filename}: {exc.strerror}")
     if isinstance(exc, OSError):
@@ -96,11 +105,11 @@ _HOP = re.compile(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port
 
 
 class JumpPool:
-    """One shared connection per distinct ProxyJump spec, opened on first use."""
+    """One shared connection per distinct ProxyJump spec, opened on first use (by a host
+    that already holds a handshake slot, so it takes none of its own)."""
 
-    def __init__(self, ssh_config: Sequence[Path] | None, handshakes: asyncio.Semaphore) -> None:
+    def __init__(self, ssh_config: Sequence[Path] | None) -> None:
         self._ssh_config = ssh_config
-        self._handshakes = handshakes
         self._conns: dict[str, asyncssh.SSHClientConnection] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.opened = 0
@@ -127,13 +136,10 @@ class JumpPool:
                 port=int(m.group("port")) if m.group("port") else None,
                 user=m.group("user"),
             )
-            async with self._handshakes:
-                conn = await asyncssh.connect(
-                    opts.host, opts.port, options=opts, tunnel=prev or (),
-                    keepalive_interval=30,
-                )
+            prev = await asyncssh.connect(
+                opts.host, opts.port, options=opts, tunnel=prev or (), keepalive_interval=30,
+            )
             self.opened += 1
-            prev = conn
         assert prev is not None
         return prev
 
@@ -146,7 +152,7 @@ class JumpPool:
 
 
 class SshSource:
-    """One remote host: a persistent connection, one query in flight at most."""
+    """One remote host: a persistent connection and channel, one refresh in flight at most."""
 
     def __init__(
         self,
@@ -166,11 +172,14 @@ class SshSource:
         self._handshakes = handshakes
         self._jumps = jumps
         self._conn: asyncssh.SSHClientConnection | None = None
+        self._proc: asyncssh.SSHClientProcess[str] | None = None
+        self._remote_pid: int | None = None
         self._failures = 0
         self._retry_at = 0.0
         self._last_error: HostError | None = None
-        #: SSH connections this source opened (to the host itself), for tests and the bench.
+        #: SSH connections and exec channels opened, for tests and the benchmark.
         self.connects = 0
+        self.channels = 0
 
     # -- connection ------------------------------------------------------------------------
 
@@ -185,15 +194,23 @@ class SshSource:
         tunnel: Any = ()
         if spec and spec.lower() != "none":
             tunnel = await self._jumps.get(spec)
-        async with self._handshakes:
-            conn = await asyncssh.connect(
-                opts.host, opts.port, options=opts, tunnel=tunnel,
-                keepalive_interval=max(30.0, self.interval * 5),
-            )
+        conn = await asyncssh.connect(
+            opts.host, opts.port, options=opts, tunnel=tunnel,
+            keepalive_interval=max(30.0, self.interval * 5),
+        )
         self.connects += 1
         return conn
 
+    def _connected(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    def _close_channel(self) -> None:
+        if self._proc is not None:
+            self._proc.close()  # stdin EOF: the remote loop ends
+        self._proc, self._remote_pid = None, None
+
     def _drop(self) -> None:
+        self._close_channel()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -208,14 +225,19 @@ class SshSource:
             return [], HostError(self._last_error.kind,
                                  f"{self._last_error.message} (retrying in {wait:.0f}s)")
         try:
-            gpus, err = await asyncio.wait_for(self._query(), self.timeout)
+            if self._connected():
+                gpus, err = await asyncio.wait_for(self._query(), self.timeout)
+            else:
+                # Waiting for a handshake slot is not this host's fault: its timeout
+                # (connect + one query) starts once it has one.
+                async with self._handshakes:
+                    gpus, err = await asyncio.wait_for(self._query(), self.timeout)
         except Exception as exc:  # every failure is this host's alone
             err = classify_exception(exc)
-            gpus = []
-            if err.kind != "timeout" or self._conn is None or self._conn.is_closed():
+            if err.kind != "timeout" or not self._connected():
                 self._drop()
             self._backoff(err)
-            return gpus, err
+            return [], err
         self._failures = 0
         self._last_error = None
         return gpus, err
@@ -232,55 +254,67 @@ class SshSource:
         self._retry_at = time.monotonic() + delay
 
     async def _query(self) -> tuple[list[GpuInfo], HostError | None]:
-        reused = self._conn is not None and not self._conn.is_closed()
+        reused = self._connected()
         if not reused:
             self._drop()
             self._conn = await self._connect()
         assert self._conn is not None
         try:
-            text = await self._run(self._conn)
-        except (asyncssh.ConnectionLost, asyncssh.ChannelOpenError, BrokenPipeError):
+            text = await self._refresh(self._conn)
+        except (asyncssh.Error, BrokenPipeError, _ChannelClosed):
             if not reused:
                 raise
-            # The kept connection died since the last refresh: reconnect once, now.
+            # The kept connection or channel died since the last refresh: reopen once, now.
             self._drop()
             self._conn = await self._connect()
-            text = await self._run(self._conn)
+            text = await self._refresh(self._conn)
         return parse_remote_output(text)
 
-    async def _run(self, conn: asyncssh.SSHClientConnection) -> str:
-        proc = await conn.create_process(
-            REMOTE_SCRIPT, stderr=asyncssh.STDOUT, encoding="utf-8", errors="replace"
-        )
-        remote_pid: int | None = None
+    async def _refresh(self, conn: asyncssh.SSHClientConnection) -> str:
+        """One refresh on the streaming channel: send a line, read up to the end mark."""
         try:
-            first = await proc.stdout.readline()
-            m = re.match(rf"{MARK} start (\d+)", first)
-            remote_pid = int(m.group(1)) if m else None
-            chunks = [first]
-            size = len(first)
-            while True:
-                chunk = await proc.stdout.read(65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > MAX_OUTPUT:
-                    raise OverflowError
-            return "".join(chunks)
-        except OverflowError:
-            await self._kill_remote(conn, remote_pid)
-            return f"{MARK} start 0\noutput larger than {MAX_OUTPUT} bytes\n"
+            if self._proc is None:
+                # The script sends its own stderr to stdout, in order. What arrives on the
+                # channel's stderr comes from the user's shell startup files: not ours.
+                proc = await conn.create_process(
+                    REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding="utf-8", errors="replace")
+                self._proc = proc
+                self.channels += 1
+                self._remote_pid = await self._read_start(proc)
+                if self._remote_pid is None:  # not a POSIX shell running our script
+                    self._close_channel()
+                    return "the remote shell did not run the gputop script"
+            assert self._proc is not None
+            self._proc.stdin.write("\n")
+            text = str(await self._proc.stdout.readuntil(f"{END}\n"))
+        except asyncio.IncompleteReadError as exc:
+            self._close_channel()
+            raise _ChannelClosed(str(exc.partial)) from None
         except asyncio.CancelledError:
-            # Timed out: the query must not pile up on the remote host.
-            await asyncio.shield(self._kill_remote(conn, remote_pid))
+            # Timed out: the refresh must not pile up on the remote host.
+            await asyncio.shield(self._kill_remote(conn))
             raise
-        finally:
-            proc.close()
+        if len(text) > MAX_OUTPUT:
+            return f"output larger than {MAX_OUTPUT} bytes"
+        return text
 
     @staticmethod
-    async def _kill_remote(conn: asyncssh.SSHClientConnection, pid: int | None) -> None:
-        """Kill the remote script's process group (sshd made it a session leader)."""
+    async def _read_start(proc: asyncssh.SSHClientProcess[str]) -> int | None:
+        """The script's pid from its first line; lines a shell startup file printed before
+        it (a banner in ~/.bashrc, say) are skipped."""
+        for _ in range(200):
+            line = await proc.stdout.readline()
+            if not line:
+                return None
+            m = re.match(rf"{MARK} start (\d+)$", line.strip())
+            if m:
+                return int(m.group(1))
+        return None
+
+    async def _kill_remote(self, conn: asyncssh.SSHClientConnection) -> None:
+        """Kill the remote loop's whole process group (sshd made it a session leader)."""
+        pid = self._remote_pid
+        self._close_channel()
         if not pid or pid <= 1:
             return
         try:
@@ -291,6 +325,7 @@ class SshSource:
             pass
 
     async def close(self) -> None:
+        self._close_channel()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

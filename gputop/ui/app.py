@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
-from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -20,6 +19,7 @@ from gputop.poller import Poller
 from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
+from gputop.text import clean
 from gputop.ui.board_model import BoardModel, GpuRow, HostRow
 from gputop.ui.cells import Palette
 from gputop.ui.messages import HostUpdated
@@ -264,7 +264,7 @@ class GputopApp(App[int]):
         host, gpu, uuid = row.host, row.gpu.index, row.gpu.uuid
         holder = row.reservation
         if holder is not None and holder.user != self.me:
-            self.notify(Text(f"{host}:{gpu} is reserved by {holder.user}").plain,
+            self.notify(f"{clean(host)}:{gpu} is reserved by {clean(holder.user)}",
                         severity="warning", markup=False)
 
         def done(req: ReserveRequest | None) -> None:
@@ -286,10 +286,7 @@ class GputopApp(App[int]):
         except (Invalid, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=10)
             return
-        self.notify(f"reserved {target.host}:{target.gpu}", markup=False)
-        self._store_sig = None
-        self.reload_store()
-        self.render_board()
+        self._store_changed(f"reserved {clean(target.host)}:{target.gpu}")
 
     def action_release(self) -> None:
         row = self._selected()
@@ -297,7 +294,7 @@ class GputopApp(App[int]):
             self.notify("no reservation on the selected GPU", severity="warning")
             return
         if row.reservation.user != self.me:
-            self.notify(f"reserved by {row.reservation.user}, not you; use "
+            self.notify(f"reserved by {clean(row.reservation.user)}, not you; use "
                         "`gputop release --force` to take it back", severity="warning",
                         markup=False)
             return
@@ -310,7 +307,11 @@ class GputopApp(App[int]):
         except (Refused, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=10)
             return
-        self.notify(f"released {target.host}:{target.gpu}", markup=False)
+        self._store_changed(f"released {clean(target.host)}:{target.gpu}")
+
+    def _store_changed(self, message: str) -> None:
+        """We wrote the shared file: show it now rather than at the next re-read."""
+        self.notify(message, markup=False)
         self._store_sig = None
         self.reload_store()
         self.render_board()

@@ -55,10 +55,7 @@ class GpuRow:
 
     @property
     def free_mib(self) -> int:
-        g = self.gpu
-        if g.memory_total_mib is None:
-            return 0
-        return g.memory_total_mib - (g.memory_used_mib or 0)
+        return self.gpu.memory_free_mib
 
 
 @dataclass

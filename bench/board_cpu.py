@@ -1,0 +1,71 @@
+"""CPU the board spends per refresh: the Textual app, headless, fed N hosts x G GPUs.
+
+The hosts are simulated sources (``gputop.demo.DemoSource``: load changes every refresh)
+behind the real poller, so this measures the board's own work: ingesting snapshots, diffing
+rows and redrawing. Prints one JSON line.
+
+    python bench/board_cpu.py --hosts 200 --gpus 8 --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gputop.config import Config, HostConfig
+from gputop.demo import DemoSource
+from gputop.ui.app import GputopApp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=200)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--interval", type=float, default=2.0)
+    args = ap.parse_args()
+    names = [f"node{i:03d}" for i in range(args.hosts)]
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
+                 timeout=5.0,
+                 reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
+    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
+    app = GputopApp(cfg, sources=sources, user="bench")
+    updates = 0
+    original = app.ingest
+
+    def counting(snap):  # type: ignore[no-untyped-def]
+        nonlocal updates
+        updates += 1
+        original(snap)
+
+    app.ingest = counting  # type: ignore[method-assign]
+    marks: dict[str, float] = {}
+
+    def start_clock() -> None:  # after startup, so import/mount cost is not counted
+        marks["cpu0"], marks["wall0"] = time.process_time(), time.monotonic()
+        marks["updates0"] = updates
+        app.set_timer(args.seconds, app.exit)
+
+    app.call_later(lambda: app.set_timer(args.interval * 2, start_clock))
+    app.run(headless=True, size=(200, 60))
+    cpu = time.process_time() - marks["cpu0"]
+    wall = time.monotonic() - marks["wall0"]
+    refreshes = (updates - marks["updates0"]) / args.hosts
+    print(json.dumps({
+        "hosts": args.hosts, "gpus": args.gpus, "seconds": round(wall, 1),
+        "refreshes": round(refreshes, 1), "cpu_s": round(cpu, 3),
+        "cpu_per_refresh_s": round(cpu / refreshes, 4) if refreshes else None,
+        "cpu_percent_of_core": round(100 * cpu / wall, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

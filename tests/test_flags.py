@@ -1,0 +1,67 @@
+"""Misuse flags and "free" as ``--json``, ``gputop free`` and the board compute them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, ProcessInfo, utcnow
+from gputop.reservations.flags import IdleTracker, annotate, free_gpus, gpu_flags, is_free
+from gputop.reservations.store import StoreState, new_reservation
+
+T0 = utcnow()
+IDLE_JOB = GpuInfo(index=0, uuid="GPU-a", utilization_percent=0, memory_used_mib=30000,
+                   memory_total_mib=81559, processes=(ProcessInfo(1, "sam", "sleep", 30000),))
+
+
+def host(at_s: float, *gpus: GpuInfo) -> HostSnapshot:
+    return HostSnapshot(name="h", time=T0 + timedelta(seconds=at_s), gpus=gpus)
+
+
+def test_idle_holder_needs_a_long_stretch_and_resets_on_work() -> None:
+    tr = IdleTracker(after_s=600)
+    tr.observe(host(0, IDLE_JOB))
+    tr.observe(host(300, IDLE_JOB))
+    assert not tr.is_idle_holder("h", 0, T0 + timedelta(seconds=300))
+    tr.observe(host(600, IDLE_JOB))
+    assert tr.is_idle_holder("h", 0, T0 + timedelta(seconds=600))
+    tr.observe(host(620, replace(IDLE_JOB, utilization_percent=80)))  # it woke up
+    assert not tr.is_idle_holder("h", 0, T0 + timedelta(seconds=620))
+    tr.observe(host(700, replace(IDLE_JOB, processes=())))  # memory freed
+    assert tr.idle_for("h", 0, T0 + timedelta(seconds=700)) == 0
+
+
+def test_flags_for_reserved_gpus() -> None:
+    r = new_reservation("h", 0, "ann", "m", T0, 3600, "GPU-a", "")
+    assert gpu_flags(IDLE_JOB, r, False) == ["unreserved-use"]  # sam runs on ann's GPU
+    assert gpu_flags(replace(IDLE_JOB, processes=()), r, False) == ["idle-reservation"]
+    mine = replace(IDLE_JOB, processes=(ProcessInfo(2, "ann", "python", 10),))
+    assert gpu_flags(mine, r, True) == ["idle-holder"]
+    assert "renumbered" in gpu_flags(replace(mine, uuid="GPU-b"), r, False)
+    assert gpu_flags(GpuInfo(index=None, lost=True), None, False) == ["lost"]
+
+
+def test_annotate_puts_reservation_and_flags_on_each_gpu() -> None:
+    r = new_reservation("h", 0, "ann", "m", T0, 3600, None, "note")
+    tr = IdleTracker(after_s=0)
+    snap = host(0, IDLE_JOB, replace(IDLE_JOB, index=1, processes=()))
+    tr.observe(snap)
+    doc = annotate(FleetSnapshot(hosts=(snap,), time=T0), StoreState((r,)), tr)
+    g0, g1 = doc["hosts"][0]["gpus"]
+    assert g0["reservation"]["user"] == "ann"
+    assert g0["flags"] == ["unreserved-use", "idle-holder"]
+    assert g1["reservation"] is None and g1["flags"] == []
+
+
+def test_free_is_idle_and_unreserved_best_first() -> None:
+    small = GpuInfo(index=0, utilization_percent=0, memory_used_mib=3, memory_total_mib=24564)
+    big = replace(small, index=1, memory_total_mib=81559)
+    busy = replace(small, index=2, utilization_percent=90)
+    unknown_mem = replace(small, index=3, memory_used_mib=None)
+    assert is_free(small) and not is_free(busy) and not is_free(unknown_mem)
+    snap = host(0, small, big, busy, unknown_mem)
+    assert [f.gpu.index for f in free_gpus([snap], None)] == [1, 0]
+    held = StoreState((new_reservation("h", 1, "bob", "m", utcnow(), 3600, None, ""),))
+    assert [f.gpu.index for f in free_gpus([snap], held, user="ann")] == [0]
+    assert [f.gpu.index for f in free_gpus([snap], held, user="bob")] == [1, 0]
+    assert [f.gpu.index for f in free_gpus([snap], None, min_free_mib=30000)] == [1]
