@@ -169,7 +169,7 @@ class GputopApp(App[int]):
         self.query_one(SummaryBar).show(self.model.summary(), self.palette, note)
         detail = self.query_one(DetailPane)
         if detail.display:
-            detail.show(self._selected(), self.model, now)
+            detail.show(self._selected(), self.model, now, self.palette)
 
     def _update_palette(self) -> None:
         v = self.theme_variables
@@ -196,7 +196,7 @@ class GputopApp(App[int]):
     def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
         detail = self.query_one(DetailPane)
         if detail.display:
-            detail.show(self._selected(), self.model, self.clock())
+            detail.show(self._selected(), self.model, self.clock(), self.palette)
 
     def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
         self.action_details()
@@ -212,7 +212,7 @@ class GputopApp(App[int]):
         detail = self.query_one(DetailPane)
         detail.display = not detail.display
         if detail.display:
-            detail.show(row, self.model, self.clock())
+            detail.show(row, self.model, self.clock(), self.palette)
 
     def action_sort(self) -> None:
         mode = self.model.cycle_sort()

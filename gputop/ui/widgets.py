@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.coordinate import Coordinate
-from textual.widgets import DataTable, Sparkline, Static
+from textual.widgets import DataTable, Static
 
 from gputop.model import iso
 from gputop.reservations.ops import format_duration
@@ -50,9 +51,9 @@ class BoardTable(DataTable[Text]):
             if old is None:
                 self.add_row(*cells, key=row.key)
             else:
-                for (col, _, _), new, was in zip(COLUMNS, cells, old):
+                for (col, _, width), new, was in zip(COLUMNS, cells, old):
                     if new != was:
-                        self.update_cell(row.key, col, new)
+                        self.update_cell(row.key, col, new, update_width=width is None)
                         self.cell_updates += 1
             shown = self.get_cell(row.key, "gpu")  # the cell the sort below reads
             if isinstance(shown, RankedText):
@@ -67,28 +68,39 @@ class BoardTable(DataTable[Text]):
 
 class SummaryBar(Static):
     def show(self, s: Summary, palette: Palette, note: str = "") -> None:
-        t = Text()
-        t.append(" hosts ", style="bold")
-        t.append(f"{s.hosts_up} up")
+        # Fits 80 columns: "2 up · 2 down │ 1 free · 6 busy · 0 reserved of 7 GPUs │ ..."
+        t = Text(" ")
+        t.append(f"{s.hosts_up} up", style="bold")
         if s.hosts_down:
-            t.append(f" · {s.hosts_down} down", style=palette.error)
+            t.append(f" · {s.hosts_down} down", style=f"bold {palette.error}")
         if s.hosts_waiting:
             t.append(f" · {s.hosts_waiting} waiting", style=palette.muted)
-        t.append("   GPUs ", style="bold")
-        t.append(f"{s.free} free", style=palette.free)
+        t.append(" │ ", style=palette.muted)
+        t.append(f"{s.free} free", style=f"bold {palette.free}")
         t.append(" · ")
         t.append(f"{s.busy} busy", style=palette.busy)
         t.append(" · ")
         t.append(f"{s.reserved} reserved", style=palette.reserved)
-        t.append(f" of {s.gpus}")
+        t.append(f" of {s.gpus} GPUs")
         util = "n/a" if s.util_percent is None else f"{s.util_percent:.0f}%"
-        t.append("   util ", style="bold")
-        t.append(util)
-        t.append("   mem ", style="bold")
-        t.append(f"{gib(s.mem_used_mib)}/{gib(s.mem_total_mib)} GiB")
+        t.append(" │ ", style=palette.muted)
+        t.append(f"util {util}")
+        t.append(" │ ", style=palette.muted)
+        t.append(f"mem {gib(s.mem_used_mib)}/{gib(s.mem_total_mib)}G")
         if note:
-            t.append(f"   {note}", style=palette.muted)
+            t.append(f" │ {note}", style=palette.muted)
         self.update(t)
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: Iterable[float], width: int, style: str) -> Text:
+    """The last ``width`` percentages as a sparkline on a fixed 0-100 scale (a flat 100 %
+    must not look like a flat 0 %)."""
+    vals = list(values)[-width:]
+    chars = "".join(SPARK[min(7, max(0, round(v / 100 * 7)))] for v in vals)
+    return Text(chars, style=style)
 
 
 class DetailPane(Vertical):
@@ -96,13 +108,13 @@ class DetailPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
-        yield Static("utilisation", classes="spark-label")
-        yield Sparkline([], id="spark-util")
-        yield Static("memory", classes="spark-label")
-        yield Sparkline([], id="spark-mem")
+        yield Static("utilisation %, this session", classes="spark-label")
+        yield Static(id="spark-util", classes="spark")
+        yield Static("memory used %", classes="spark-label")
+        yield Static(id="spark-mem", classes="spark")
         yield Static(id="detail-procs")
 
-    def show(self, row: Row | None, model: BoardModel, now: datetime) -> None:
+    def show(self, row: Row | None, model: BoardModel, now: datetime, palette: Palette) -> None:
         head = self.query_one("#detail-head", Static)
         procs = self.query_one("#detail-procs", Static)
         if isinstance(row, HostRow) and row.error and row.snapshot is not None:
@@ -141,9 +153,9 @@ class DetailPane(Vertical):
             t.append("\n" + "  ".join(FLAG_LABELS.get(f, f) for f in row.flags), style="bold")
         head.update(t)
         util, mem = model.history.get((row.host, g.index), ([], []))
-        # One sample draws as a full bar; wait for a second before drawing a history.
-        self.query_one("#spark-util", Sparkline).data = list(util) if len(util) > 1 else []
-        self.query_one("#spark-mem", Sparkline).data = list(mem) if len(mem) > 1 else []
+        width = max(10, self.size.width - 2)
+        self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
+        self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
         p = Text()
         if not g.processes:
             p.append("no processes")
