@@ -15,8 +15,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from gputop.config import Config, HostConfig
-from gputop.model import FleetSnapshot, HostSnapshot, utcnow
+from gputop.model import FleetSnapshot, HostError, HostSnapshot, utcnow
 from gputop.sources import Source
+from gputop.text import excerpt
 
 if TYPE_CHECKING:
     from gputop.sources.ssh import JumpPool
@@ -57,7 +58,10 @@ class Poller:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def poll_host(self, source: Source) -> HostSnapshot:
-        gpus, err = await source.query()
+        try:
+            gpus, err = await source.query()
+        except Exception as exc:  # a source bug must not stop this host's loop for good
+            gpus, err = [], HostError("error", f"{type(exc).__name__}: {excerpt(str(exc))}")
         now = utcnow()
         if err is None:
             self._last_ok[source.name] = now

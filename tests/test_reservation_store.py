@@ -185,6 +185,25 @@ def test_files_are_created_group_writable(tmp_path: Path) -> None:
         assert (tmp_path / name).stat().st_mode & 0o060 == 0o060, name
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a directory to a group")
+def test_setgid_team_directory_gives_files_the_team_group(tmp_path: Path) -> None:
+    import grp
+
+    from fleet import ensure_test_users
+
+    if "gtbob" not in ensure_test_users():
+        pytest.skip("test user gtbob unavailable")
+    team = tmp_path / "team"
+    team.mkdir()
+    gid = grp.getgrnam("gtbob").gr_gid
+    os.chown(team, -1, gid)
+    team.chmod(0o2775)  # setgid: new files take the directory's group
+    make(Store(team / "r.json"), "h", 0, "ann")
+    for name in ("r.json", "r.json.lock"):
+        st = (team / name).stat()
+        assert st.st_gid == gid and st.st_mode & 0o060 == 0o060, name
+
+
 def _as_user_release(path: str, uid: int, gid: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     os.setgid(gid)
     os.setuid(uid)  # a real other user from here on: the kernel enforces permissions

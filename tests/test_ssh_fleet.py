@@ -335,3 +335,22 @@ def test_ssh_agent_is_used(fleet: Fleet, tmp_path: Path) -> None:
     finally:
         agent.terminate()
         agent.wait(5)
+
+
+async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
+    from gputop.config import Config, HostConfig
+    from gputop.model import GpuInfo, HostError
+
+    class Broken:
+        name, connects = "broken", 0
+
+        async def query(self) -> tuple[list[GpuInfo], HostError | None]:
+            raise RuntimeError("boom")
+
+        async def close(self) -> None:
+            return None
+
+    cfg = Config(path=None, hosts=(HostConfig("broken"),))
+    poller = Poller(cfg, [Broken()])
+    (h,) = (await poller.snapshot()).hosts
+    assert h.error is not None and h.error.kind == "error" and "boom" in h.error.message

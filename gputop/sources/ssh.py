@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
+import os
 import re
+import shlex
 import socket
 import time
 from collections.abc import Sequence
@@ -98,17 +101,78 @@ def resolve_options(
     if user:
         kwargs["username"] = user
     opts = asyncssh.SSHClientConnectionOptions(**kwargs)
-    again = False
-    if opts.known_hosts is None:  # "UserKnownHostsFile none": never silently accept
-        kwargs["known_hosts"] = str(Path("~/.ssh/known_hosts").expanduser())
-        again = True
+    overrides: dict[str, Any] = {}
+    # "UserKnownHostsFile none" (None here) must not switch checking off: use the default.
+    files = opts.known_hosts or ["~/.ssh/known_hosts"]
+    if isinstance(files, (list, tuple)) and all(isinstance(f, str) for f in files):
+        overrides["known_hosts"] = KNOWN_HOSTS.get(files)
+    elif opts.known_hosts is None:
+        overrides["known_hosts"] = str(Path("~/.ssh/known_hosts").expanduser())
     if opts.config.get("Ciphers") is None:
         # Unless ~/.ssh/config chooses: AES-GCM first. asyncssh's chacha20-poly1305 builds
         # cipher contexts in Python for every packet; AES-GCM costs a fraction of that CPU
         # per refresh, and is just as standard (OpenSSH offers both).
-        kwargs["encryption_algs"] = PREFERRED_CIPHERS
-        again = True
-    return asyncssh.SSHClientConnectionOptions(**kwargs) if again else opts
+        overrides["encryption_algs"] = PREFERRED_CIPHERS
+    if not overrides:
+        return opts
+    # Derived from opts: the config file already read is reused, not parsed again.
+    return asyncssh.SSHClientConnectionOptions(opts, host=destination, **overrides)
+
+
+class _MemoShlex:
+    """shlex for asyncssh's config reader, memoised: it re-reads ~/.ssh/config for every
+    host it resolves and splits every line again, so a config listing 200 hosts cost
+    200 x 1,200 slow ``shlex.split`` calls at start-up. Same results, each line split once."""
+
+    @staticmethod
+    @functools.lru_cache(maxsize=65536)
+    def _split(line: str) -> tuple[str, ...]:
+        return tuple(shlex.split(line))
+
+    @classmethod
+    def split(cls, line: str) -> list[str]:
+        return list(cls._split(line))  # a fresh list: callers may modify it
+
+
+def _memoise_config_tokenizer() -> None:
+    import asyncssh.config as ssh_config_module
+
+    if getattr(ssh_config_module, "shlex", None) is shlex:  # only the layout we know
+        ssh_config_module.shlex = _MemoShlex  # type: ignore[assignment,attr-defined]
+
+
+_memoise_config_tokenizer()
+
+
+class _KnownHostsCache:
+    """known_hosts files read once and shared by every connection (asyncssh would parse
+    them again per connection: 200 hosts x 200 entries); re-read when a file changes, so
+    a key accepted with ``ssh NAME`` while gputop runs is seen at the next connect."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, ...], tuple[tuple[float, ...], Any]] = {}
+
+    def get(self, paths: Sequence[str]) -> Any:
+        files = tuple(str(Path(p).expanduser()) for p in paths)
+        stamps = tuple(_mtime(f) for f in files)
+        hit = self._cache.get(files)
+        if hit is not None and hit[0] == stamps:
+            return hit[1]
+        readable = [f for f, m in zip(files, stamps) if m >= 0]
+        value = asyncssh.import_known_hosts("") if not readable else \
+            asyncssh.read_known_hosts(readable)
+        self._cache[files] = (stamps, value)
+        return value
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0
+
+
+KNOWN_HOSTS = _KnownHostsCache()
 
 
 _HOP = re.compile(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port>\d+))?$")
@@ -184,6 +248,7 @@ class SshSource:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._proc: asyncssh.SSHClientProcess[str] | None = None
         self._remote_pid: int | None = None
+        self._options: asyncssh.SSHClientConnectionOptions | None = None
         self._failures = 0
         self._retry_at = 0.0
         self._last_error: HostError | None = None
@@ -194,12 +259,14 @@ class SshSource:
     # -- connection ------------------------------------------------------------------------
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
-        opts = resolve_options(
-            self.host.address or self.host.name,
-            ssh_config=self._ssh_config,
-            port=self.host.port,
-            user=self.host.user,
-        )
+        if self._options is None:  # resolved once: reconnects skip re-reading ~/.ssh/config
+            self._options = resolve_options(
+                self.host.address or self.host.name,
+                ssh_config=self._ssh_config,
+                port=self.host.port,
+                user=self.host.user,
+            )
+        opts = self._options
         spec = opts.tunnel if isinstance(opts.tunnel, str) else None
         tunnel: Any = ()
         if spec and spec.lower() != "none":
@@ -236,12 +303,13 @@ class SshSource:
                                  f"{self._last_error.message} (retrying in {wait:.0f}s)")
         try:
             if self._connected():
-                gpus, err = await asyncio.wait_for(self._query(), self.timeout)
+                gpus, err = await asyncio.wait_for(self._query(fresh=False), self.timeout)
             else:
-                # Waiting for a handshake slot is not this host's fault: its timeout
-                # (connect + one query) starts once it has one.
+                # A new connection holds a slot for its handshake and first refresh (session
+                # setup is the costly part for sshd and a shared bastion). Waiting for a slot
+                # is not this host's fault: its timeout starts once it has one.
                 async with self._handshakes:
-                    gpus, err = await asyncio.wait_for(self._query(), self.timeout)
+                    gpus, err = await asyncio.wait_for(self._first_query(), self.timeout)
         except Exception as exc:  # every failure is this host's alone
             err = classify_exception(exc)
             if err.kind != "timeout" or not self._connected():
@@ -263,16 +331,17 @@ class SshSource:
             delay = 0.0
         self._retry_at = time.monotonic() + delay
 
-    async def _query(self) -> tuple[list[GpuInfo], HostError | None]:
-        reused = self._connected()
-        if not reused:
-            self._drop()
-            self._conn = await self._connect()
+    async def _first_query(self) -> tuple[list[GpuInfo], HostError | None]:
+        self._drop()
+        self._conn = await self._connect()
+        return await self._query(fresh=True)
+
+    async def _query(self, fresh: bool) -> tuple[list[GpuInfo], HostError | None]:
         assert self._conn is not None
         try:
             text = await self._refresh(self._conn)
         except (asyncssh.Error, BrokenPipeError, _ChannelClosed):
-            if not reused:
+            if fresh:
                 raise
             # The kept connection or channel died since the last refresh: reopen once, now.
             self._drop()

@@ -101,6 +101,11 @@ class GputopApp(App[int]):
         self._update_palette()
         self.reload_store()
         self.query_one(BoardTable).focus()
+        if self.config.implicit:
+            from gputop.config import NO_CONFIG_HINT, default_config_path
+
+            self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
+                        timeout=15)
         self.set_interval(RENDER_PERIOD, self._render_if_dirty)
         self.set_interval(max(0.5, self.config.interval), self.reload_store)
         if self._feed:
@@ -325,10 +330,6 @@ def run_board(config: Config | None, *, demo: bool = False, theme: str | None = 
         config = demo_config()
         sources = list(demo_sources())
         seed_reservations(Store(config.reservations_path))
-    elif config.implicit:
-        from gputop.config import NO_CONFIG_HINT, default_config_path
-
-        print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()))
     app = GputopApp(config, sources=sources, theme=theme)
     app.run()
     return app.return_code or 0
