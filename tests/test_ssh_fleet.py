@@ -354,3 +354,26 @@ async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
     poller = Poller(cfg, [Broken()])
     (h,) = (await poller.snapshot()).hosts
     assert h.error is not None and h.error.kind == "error" and "boom" in h.error.message
+
+
+async def test_a_host_key_accepted_meanwhile_is_seen_at_the_next_connect(
+    small_fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """known_hosts is cached across connections, but a change to it is read again."""
+    monkeypatch.setenv("HOME", str(small_fleet.home))
+    known = small_fleet.ssh / "known_hosts"
+    full = known.read_text()
+    beta = small_fleet.hosts["beta"]
+    known.write_text("".join(ln + "\n" for ln in full.splitlines() if beta.address not in ln))
+    poller = Poller(load_config(str(small_fleet.write_config(timeout=TIMEOUT))))
+    try:
+        snap = await poller.snapshot()
+        assert snap.hosts[0].ok
+        assert snap.hosts[1].error is not None and snap.hosts[1].error.kind == "host-key"
+        known.write_text(full)  # the user ran `ssh beta` and accepted the key
+        for src in poller.sources:
+            src._retry_at = 0.0  # type: ignore[attr-defined]
+        snap = await poller.snapshot()
+        assert snap.hosts[1].ok, snap.hosts[1].error
+    finally:
+        await poller.aclose()

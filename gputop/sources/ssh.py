@@ -83,6 +83,14 @@ def classify_exception(exc: BaseException) -> HostError:
     return HostError("error", msg)
 
 
+def known_hosts_for(opts: asyncssh.SSHClientConnectionOptions) -> Any:
+    """The trusted keys for a connection, from the (cached) known_hosts files."""
+    files = opts.known_hosts or ["~/.ssh/known_hosts"]
+    if isinstance(files, (list, tuple)) and all(isinstance(f, str) for f in files):
+        return KNOWN_HOSTS.get(files)
+    return files
+
+
 def resolve_options(
     destination: str,
     *,
@@ -102,12 +110,8 @@ def resolve_options(
         kwargs["username"] = user
     opts = asyncssh.SSHClientConnectionOptions(**kwargs)
     overrides: dict[str, Any] = {}
-    # "UserKnownHostsFile none" (None here) must not switch checking off: use the default.
-    files = opts.known_hosts or ["~/.ssh/known_hosts"]
-    if isinstance(files, (list, tuple)) and all(isinstance(f, str) for f in files):
-        overrides["known_hosts"] = KNOWN_HOSTS.get(files)
-    elif opts.known_hosts is None:
-        overrides["known_hosts"] = str(Path("~/.ssh/known_hosts").expanduser())
+    if opts.known_hosts is None:  # "UserKnownHostsFile none": never silently accept
+        overrides["known_hosts"] = ["~/.ssh/known_hosts"]
     if opts.config.get("Ciphers") is None:
         # Unless ~/.ssh/config chooses: AES-GCM first. asyncssh's chacha20-poly1305 builds
         # cipher contexts in Python for every packet; AES-GCM costs a fraction of that CPU
@@ -150,7 +154,7 @@ class _KnownHostsCache:
     a key accepted with ``ssh NAME`` while gputop runs is seen at the next connect."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, ...], tuple[tuple[float, ...], Any]] = {}
+        self._cache: dict[tuple[str, ...], tuple[tuple[tuple[int, int], ...], Any]] = {}
 
     def get(self, paths: Sequence[str]) -> Any:
         files = tuple(str(Path(p).expanduser()) for p in paths)
@@ -158,18 +162,19 @@ class _KnownHostsCache:
         hit = self._cache.get(files)
         if hit is not None and hit[0] == stamps:
             return hit[1]
-        readable = [f for f, m in zip(files, stamps) if m >= 0]
+        readable = [f for f, m in zip(files, stamps) if m[0] >= 0]
         value = asyncssh.import_known_hosts("") if not readable else \
             asyncssh.read_known_hosts(readable)
         self._cache[files] = (stamps, value)
         return value
 
 
-def _mtime(path: str) -> float:
+def _mtime(path: str) -> tuple[int, int]:
     try:
-        return os.stat(path).st_mtime
+        st = os.stat(path)
     except OSError:
-        return -1.0
+        return (-1, -1)
+    return (st.st_mtime_ns, st.st_size)
 
 
 KNOWN_HOSTS = _KnownHostsCache()
@@ -212,6 +217,7 @@ class JumpPool:
             )
             prev = await asyncssh.connect(
                 opts.host, opts.port, options=opts, tunnel=prev or (), keepalive_interval=30,
+                known_hosts=known_hosts_for(opts),
             )
             self.opened += 1
         assert prev is not None
@@ -273,7 +279,7 @@ class SshSource:
             tunnel = await self._jumps.get(spec)
         conn = await asyncssh.connect(
             opts.host, opts.port, options=opts, tunnel=tunnel,
-            keepalive_interval=max(30.0, self.interval * 5),
+            keepalive_interval=max(30.0, self.interval * 5), known_hosts=known_hosts_for(opts),
         )
         self.connects += 1
         return conn
