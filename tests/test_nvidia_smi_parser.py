@@ -238,3 +238,8 @@ def test_remote_script_is_constant_posix_sh() -> None:
     assert sh
     r = subprocess.run([sh, "-n", "-c", REMOTE_SCRIPT], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_not_a_number_is_not_a_reading() -> None:
+    assert to_float("nan") is None and to_float("inf") is None and to_int("-inf") is None
+    assert to_float(" 42.5 ") == 42.5 and to_int("7") == 7

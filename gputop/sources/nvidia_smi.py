@@ -8,6 +8,7 @@ through it in tests. nvidia-smi reports a value it cannot read as ``[N/A]``,
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -37,11 +38,15 @@ _NUM = re.compile(r"^[-+]?\d+(?:\.\d+)?")
 
 def to_float(value: str | None) -> float | None:
     """Leading number of a cell ("631.95 W" -> 631.95); None for sentinels or junk."""
-    v = _clean(value)
-    if v is None:
+    if value is None:
         return None
-    m = _NUM.match(v)
-    return float(m.group()) if m else None
+    try:  # the common case (``nounits``): a bare number, converted without a regex
+        f = float(value)
+    except ValueError:
+        v = _clean(value)
+        m = _NUM.match(v) if v is not None else None
+        return float(m.group()) if m else None
+    return f if math.isfinite(f) else None  # "nan"/"inf" are not readings
 
 
 def to_int(value: str | None) -> int | None:
