@@ -27,7 +27,7 @@ from gputop.ui.screens import HelpScreen, ReserveRequest, ReserveScreen
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
-RENDER_PERIOD = 0.25  # seconds: host updates arriving faster are drawn together
+RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 
 
 class GputopApp(App[int]):
@@ -165,7 +165,7 @@ class GputopApp(App[int]):
         self._dirty = False
         now = self.clock()
         table = self.query_one(BoardTable)
-        table.show_rows(self.model.rows(), now, self.palette)
+        table.show_rows(self.model.rows(), now, self.palette, self.model.signature)
         note = f"filter: {self.model.filter_text}" if self.model.filter_text else ""
         if self.model.free_only:
             note = (note + "  free only").strip()

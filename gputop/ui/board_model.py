@@ -115,6 +115,10 @@ class BoardModel:
 
     def __post_init__(self) -> None:
         self.tracker = IdleTracker(self.idle_holder_s)
+        #: Bumped on every change a row's look depends on, so the table can skip rows whose
+        #: inputs did not change (most of them: hosts answer one at a time).
+        self.host_version: dict[str, int] = {}
+        self.state_version = 0
 
     # -- input ---------------------------------------------------------------------------
 
@@ -122,6 +126,7 @@ class BoardModel:
         if snap.name not in self.host_order:
             self.host_order.append(snap.name)
         self.snapshots[snap.name] = snap
+        self.host_version[snap.name] = self.host_version.get(snap.name, 0) + 1
         if snap.ok:
             self.last_good[snap.name] = snap
             self.tracker.observe(snap)
@@ -134,6 +139,17 @@ class BoardModel:
 
     def set_state(self, state: StoreState) -> None:
         self.state = state
+        self.state_version += 1
+
+    def signature(self, row: Row, now: datetime) -> tuple[object, ...]:
+        """Everything a row's cells depend on; equal signatures mean equal cells."""
+        minute = int(now.timestamp() // 60)
+        if isinstance(row, GpuRow):
+            return ("g", self.host_version.get(row.host), self.state_version, row.stale,
+                    tuple(row.flags), row.free, minute if row.reservation else 0)
+        seconds = int(now.timestamp()) if row.error or row.stale else 0
+        return ("h", self.host_version.get(row.host), row.collapsed, row.stale,
+                row.gpu_count, seconds)
 
     # -- queries -------------------------------------------------------------------------
 

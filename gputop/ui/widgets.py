@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from rich.text import Text
@@ -26,6 +26,8 @@ class BoardTable(DataTable[Text]):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)  # type: ignore[arg-type]
         self._shown: dict[str, tuple[Text, ...]] = {}
+        self._sigs: dict[str, tuple[object, ...]] = {}
+        self._palette: Palette | None = None
         self._order: list[str] = []
         self.cell_updates = 0  # for tests: proves unchanged cells are left alone
 
@@ -38,14 +40,22 @@ class BoardTable(DataTable[Text]):
             return None
         return self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value
 
-    def show_rows(self, rows: list[Row], now: datetime, palette: Palette) -> None:
+    def show_rows(self, rows: list[Row], now: datetime, palette: Palette,
+                  signature: Callable[[Row, datetime], tuple[object, ...]]) -> None:
         selected = self.selected_key()
         keys = [r.key for r in rows]
         wanted = set(keys)
+        if palette != self._palette:  # a new theme: every cell's colours change
+            self._palette, self._sigs = palette, {}
         for gone in [k for k in self._shown if k not in wanted]:
             self.remove_row(gone)
             del self._shown[gone]
-        for rank, row in enumerate(rows):
+            self._sigs.pop(gone, None)
+        for row in rows:
+            sig = signature(row, now)
+            if self._sigs.get(row.key) == sig:
+                continue  # nothing it depends on changed: no cells to build or compare
+            self._sigs[row.key] = sig
             cells = row_cells(row, now, palette)
             old = self._shown.get(row.key)
             if old is None:
@@ -55,11 +65,12 @@ class BoardTable(DataTable[Text]):
                     if new != was:
                         self.update_cell(row.key, col, new, update_width=width is None)
                         self.cell_updates += 1
-            shown = self.get_cell(row.key, "gpu")  # the cell the sort below reads
-            if isinstance(shown, RankedText):
-                shown.rank = rank
             self._shown[row.key] = cells
         if keys != self._order:
+            for rank, key in enumerate(keys):
+                shown = self.get_cell(key, "gpu")  # the cell the sort below reads
+                if isinstance(shown, RankedText):
+                    shown.rank = rank
             self.sort("gpu", key=lambda cell: cell.rank)
             self._order = keys
             if selected in wanted:
