@@ -10,6 +10,7 @@ import random
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, ProcessInfo, utcnow
@@ -33,6 +34,8 @@ JOBS = ("python train.py --config configs/vit_l.yaml", "python -m torch.distribu
 
 class DemoSource:
     """One simulated host; each query advances its own clock a step."""
+
+    kind: Literal["demo"] = "demo"
 
     def __init__(self, name: str, model: str, count: int, memory: int, power: float,
                  seed: int = 0) -> None:

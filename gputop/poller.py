@@ -66,14 +66,13 @@ class Poller:
         if err is None:
             self._last_ok[source.name] = now
         host = self._hosts.get(source.name)
-        kind = type(source).__name__
         return HostSnapshot(
             name=source.name,
             time=now,
             gpus=tuple(gpus),
             error=err,
             last_ok=self._last_ok.get(source.name),
-            source="nvml" if kind == "NvmlSource" else "demo" if kind == "DemoSource" else "ssh",
+            source=source.kind,
             tags=host.tags if host else (),
         )
 

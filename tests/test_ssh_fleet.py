@@ -342,7 +342,7 @@ async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
     from gputop.model import GpuInfo, HostError
 
     class Broken:
-        name, connects = "broken", 0
+        name, connects, kind = "broken", 0, "ssh"
 
         async def query(self) -> tuple[list[GpuInfo], HostError | None]:
             raise RuntimeError("boom")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from gputop.model import GpuInfo, HostError
 
@@ -11,6 +11,10 @@ class Source(Protocol):
     """One host. ``query`` never raises for the host's own failures: it returns them."""
 
     name: str
+    @property
+    def kind(self) -> Literal["ssh", "nvml", "demo"]:
+        """Where the data comes from, as the snapshot reports it."""
+        ...
     #: Connections this source opened so far (SSH); lets tests and the bench prove reuse.
     connects: int
 

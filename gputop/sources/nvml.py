@@ -11,7 +11,7 @@ import os
 import pwd
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
 from gputop.text import excerpt
@@ -28,6 +28,8 @@ def _load_pynvml() -> ModuleType:
 
 class NvmlSource:
     """The local machine. ``nvml`` may be given for tests (no GPU here), else pynvml."""
+
+    kind: Literal["nvml"] = "nvml"
 
     def __init__(self, name: str, *, timeout: float, nvml: ModuleType | None = None,
                  proc_root: str = "/proc") -> None:

@@ -25,7 +25,7 @@ import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import asyncssh
 
@@ -233,6 +233,8 @@ class JumpPool:
 
 class SshSource:
     """One remote host: a persistent connection and channel, one refresh in flight at most."""
+
+    kind: Literal["ssh"] = "ssh"
 
     def __init__(
         self,

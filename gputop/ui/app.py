@@ -72,6 +72,7 @@ class GputopApp(App[int]):
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
+        self._rows: dict[str, GpuRow | HostRow] = {}
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -165,13 +166,15 @@ class GputopApp(App[int]):
         self._dirty = False
         now = self.clock()
         table = self.query_one(BoardTable)
-        table.show_rows(self.model.rows(), now, self.palette, self.model.signature)
+        rows, summary = self.model.view()
+        self._rows = {r.key: r for r in rows}
+        table.show_rows(rows, now, self.palette, self.model.signature)
         note = f"filter: {self.model.filter_text}" if self.model.filter_text else ""
         if self.model.free_only:
             note = (note + "  free only").strip()
         if self.model.sort_mode != "host":
             note = (note + f"  sort: {self.model.sort_mode}").strip()
-        self.query_one(SummaryBar).show(self.model.summary(), self.palette, note)
+        self.query_one(SummaryBar).show(summary, self.palette, note)
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, now, self.palette)
@@ -196,7 +199,7 @@ class GputopApp(App[int]):
 
     def _selected(self) -> GpuRow | HostRow | None:
         key = self.query_one(BoardTable).selected_key()
-        return None if key is None else self.model.find(key)
+        return None if key is None else self._rows.get(key)  # as last drawn
 
     def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
         detail = self.query_one(DetailPane)

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Literal
 
 from gputop.model import GpuInfo, HostSnapshot, utcnow
-from gputop.reservations.flags import IdleTracker, gpu_flags, is_free
+from gputop.reservations.flags import IdleTracker, gpu_flags, is_free, reservation_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 
@@ -159,11 +159,11 @@ class BoardModel:
         age = (now - snap.time).total_seconds()
         return age > max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
 
-    def gpu_rows(self, host: str, now: datetime) -> list[GpuRow]:
+    def gpu_rows(self, host: str, now: datetime,
+                 held: dict[tuple[str, int], Reservation]) -> list[GpuRow]:
         snap = self.snapshots.get(host)
         if snap is None or not snap.ok:
             return []
-        held = {(r.host, r.gpu): r for r in self.state.active(now)}
         stale = self.is_stale(snap, now)
         rows = []
         for g in snap.gpus:
@@ -185,16 +185,29 @@ class BoardModel:
                 words.append(row.reservation.user)
         return all(any(term in w.lower() for w in words) for term in q.split())
 
-    def rows(self) -> list[Row]:
-        """The rows to show, in order. Grouped by host when sorting by host, else flat."""
+    def view(self) -> tuple[list[Row], Summary]:
+        """The rows to show and the summary, from one pass over the hosts (this runs on
+        every redraw: each GPU's row, flags and reservation are worked out once)."""
         now = self.clock()
+        held = reservation_index(self.state, now)
+        per_host = {host: self.gpu_rows(host, now, held) for host in self.host_order}
+        return self._rows(per_host, now), self._summary(per_host)
+
+    def rows(self) -> list[Row]:
+        return self.view()[0]
+
+    def summary(self) -> Summary:
+        return self.view()[1]
+
+    def _rows(self, per_host: dict[str, list[GpuRow]], now: datetime) -> list[Row]:
+        """In order: grouped by host when sorting by host, else flat; hosts in error last."""
         grouped = self.sort_mode == "host"
         out: list[Row] = []
         flat: list[GpuRow] = []
         errors: list[Row] = []
         for host in self.host_order:
             snap = self.snapshots.get(host)
-            gpus = [r for r in self.gpu_rows(host, now)
+            gpus = [r for r in per_host[host]
                     if (r.free or not self.free_only) and self._matches(host, r)]
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
@@ -225,8 +238,7 @@ class BoardModel:
             out.extend(flat)
         return out + errors
 
-    def summary(self) -> Summary:
-        now = self.clock()
+    def _summary(self, per_host: dict[str, list[GpuRow]]) -> Summary:
         s = Summary()
         utils: list[int] = []
         for host in self.host_order:
@@ -238,7 +250,7 @@ class BoardModel:
                 s.hosts_down += 1
                 continue
             s.hosts_up += 1
-            for row in self.gpu_rows(host, now):
+            for row in per_host[host]:
                 g = row.gpu
                 s.gpus += 1
                 if row.reservation is not None:
