@@ -81,6 +81,8 @@ class SummaryBar(Static):
     def show(self, s: Summary, palette: Palette, note: str = "") -> None:
         # Fits 80 columns: "2 up · 2 down │ 1 free · 6 busy · 0 reserved of 7 GPUs │ ..."
         t = Text(" ")
+        if note:  # first: a filtered or re-sorted view must never look like the whole board
+            t.append(f"[{note}] ", style=f"bold {palette.reserved}")
         t.append(f"{s.hosts_up} up", style="bold")
         if s.hosts_down:
             t.append(f" · {s.hosts_down} down", style=f"bold {palette.error}")
@@ -98,8 +100,6 @@ class SummaryBar(Static):
         t.append(f"util {util}")
         t.append(" │ ", style=palette.muted)
         t.append(f"mem {gib(s.mem_used_mib)}/{gib(s.mem_total_mib)}G")
-        if note:
-            t.append(f" │ {note}", style=palette.muted)
         self.update(t)
 
 
