@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.ui.board_model import UserLoad
+from gputop.ui.cells import gib
 
 
 @dataclass(frozen=True)
@@ -26,13 +28,15 @@ class ReserveScreen(ModalScreen[ReserveRequest | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, target: str, default_s: float, max_s: float) -> None:
+    def __init__(self, target: str, default_s: float, max_s: float, about: str = "") -> None:
         super().__init__()
-        self.target, self.default_s, self.max_s = target, default_s, max_s
+        self.target, self.default_s, self.max_s, self.about = target, default_s, max_s, about
 
     def compose(self) -> ComposeResult:
         with Vertical(id="reserve-dialog"):
             yield Label(Text(f"Reserve {self.target}"), id="reserve-title")
+            if self.about:  # which GPU exactly: model and uuid, as the board last saw it
+                yield Label(Text(self.about), id="reserve-about")
             yield Label(Text(f"For how long? (e.g. 90m, 2h, 1d; at most "
                              f"{format_duration(self.max_s)})"))
             yield Input(value=format_duration(self.default_s).replace("h00m", "h"),
@@ -72,12 +76,14 @@ class ReserveScreen(ModalScreen[ReserveRequest | None]):
 HELP = """\
 gputop: every GPU on your team's servers, live.
 
-  ↑ ↓ PgUp PgDn  move            enter  details / fold a host
-  r  reserve the selected GPU    u      release my reservation
-  /  filter (host, model, user, tag)    esc   clear the filter
-  s  sort: host → utilisation → free memory
-  f  free GPUs only              t      next theme
-  ?  this help                   q      quit
+  ↑ ↓ j k  move        PgUp PgDn  page        Home End  first / last row
+  enter  details / fold a host                esc   close details, clear filter
+  r  reserve the selected GPU                 u     release my reservation
+  c  reconnect the selected host now (skips its retry wait)
+  w  who holds what: GPUs per person, reservations, what they run
+  /  filter (host, model, user, tag)          f     free GPUs only
+  s  sort: host → utilisation → free memory   t     next theme
+  ?  this help                                q  ctrl+c  quit
 
 Colours: free · busy · reserved · error. Dim rows are stale: the host
 has not answered for a few refreshes. Flags: ⚠ unreserved use (someone
@@ -87,6 +93,73 @@ running), ◔ idle holder (memory held at ~0% load for a long time).
 Reservations are advisory and shared: the whole team's gputop reads
 the same file, and `gputop reservations` lists them in a terminal.
 """
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; no (esc) is the default."""
+
+    BINDINGS = [Binding("escape,n", "answer(False)", "No"), Binding("y", "answer(True)", "Yes")]
+
+    def __init__(self, question: Text, yes: str) -> None:
+        super().__init__()
+        self.question, self.yes = question, yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-dialog"):
+            yield Static(self.question, id="confirm-text")
+            with Horizontal(id="confirm-buttons"):
+                yield Button(self.yes, variant="warning", id="confirm-yes")
+                yield Button("Cancel", id="confirm-no")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+def users_text(loads: list[UserLoad]) -> Text:
+    """The per-user view: who holds how many GPUs, and what they run."""
+    if not loads:
+        return Text("Nobody runs anything or holds a reservation right now.")
+    t = Text()
+    t.append(f"{'USER':<14}{'GPUS':>5}{'PROCS':>6}{'GPU MEM':>9}  RESERVED / RUNNING ON\n",
+             style="bold")
+    for u in loads:
+        mem = f"{gib(u.memory_mib)}G" if u.memory_mib else "-"
+        t.append(f"{u.user[:13]:<14}", style="bold")
+        t.append(f"{u.gpus:>5}{u.processes:>6}{mem:>9}  ")
+        if u.reserved:
+            t.append("reserved " + ", ".join(u.reserved))
+        if u.running:
+            t.append(("; " if u.reserved else "") + "on " + ", ".join(u.running))
+        t.append("\n")
+        if u.commands:
+            runs = ", ".join(f"{cmd[:60]}" + (f" ({n})" if n > 1 else "")
+                             for cmd, n in sorted(u.commands.items(), key=lambda c: -c[1]))
+            t.append(f"{'':14}runs: {runs}\n", style="dim")
+    return t
+
+
+class UsersScreen(ModalScreen[None]):
+    """Who holds how many GPUs across the fleet (processes and reservations)."""
+
+    BINDINGS = [Binding("escape,q,w", "close", "Close")]
+
+    def __init__(self, loads: list[UserLoad]) -> None:
+        super().__init__()
+        self.loads = loads
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="users-dialog"):
+            yield Static(Text("Who holds what", style="bold"), id="users-title")
+            yield Static(users_text(self.loads), id="users-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
 
 
 class HelpScreen(ModalScreen[None]):
