@@ -21,7 +21,7 @@ from gputop.reservations import Invalid, Refused, Store, StoreError, Target, rel
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
 from gputop.text import clean
-from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_key, host_of, short_model
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_keys, host_of, short_model
 from gputop.ui.cells import Palette, time_left
 from gputop.ui.messages import HostUpdated
 from gputop.ui.screens import (
@@ -353,7 +353,7 @@ class GputopApp(App[int]):
         host = host_of(key)
         snap = self.model.snapshots.get(host)
         gpu = None if snap is None or not snap.ok else next(
-            (g for g in snap.gpus if gpu_key(host, g) == key), None)
+            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == key), None)
         if snap is None or not snap.ok:
             problem = f"{clean(host)} is down now"
         elif gpu is None or gpu.index is None:

@@ -44,6 +44,20 @@ def gpu_key(host: str, g: GpuInfo) -> str:
     return f"{host}\x00@{g.bus_id}"
 
 
+def gpu_keys(host: str, gpus: Iterable[GpuInfo]) -> list[str]:
+    """``gpu_key`` of each GPU, made unique: a uuid (or index) listed twice, as broken or
+    hostile output may, falls back to index, then position, and never merges two rows."""
+    keys: list[str] = []
+    for pos, g in enumerate(gpus):
+        key = gpu_key(host, g)
+        if key in keys:
+            key = f"{host}\x00#{g.index}" if g.index is not None else key
+        if key in keys:
+            key = f"{host}\x00%{pos}"
+        keys.append(key)
+    return keys
+
+
 def host_of(key: str) -> str:
     return key.split("\x00", 1)[0]
 
@@ -53,6 +67,7 @@ class GpuRow:
     """One GPU as the board sees it right now."""
 
     host: str
+    key: str  # see gpu_keys
     gpu: GpuInfo
     reservation: Reservation | None
     flags: list[str]
@@ -60,10 +75,6 @@ class GpuRow:
     free: bool
     #: No host header above it (sorted views): the row names its host itself.
     show_host: bool = False
-
-    @property
-    def key(self) -> str:
-        return gpu_key(self.host, self.gpu)
 
     @property
     def label(self) -> str:
@@ -170,15 +181,15 @@ class BoardModel:
         if snap.ok:
             self.last_good[snap.name] = snap
             self.tracker.observe(snap)
-            for g in snap.gpus:
+            for g, key in zip(snap.gpus, gpu_keys(snap.name, snap.gpus)):
                 util, mem = self.history.setdefault(
-                    gpu_key(snap.name, g), (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+                    key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
                 u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
                 util.append(None if u is None else float(u))
                 mem.append(100.0 * used / total if used is not None and total else None)
         elif (last := self.last_good.get(snap.name)) is not None:
-            for g in last.gpus:  # the host did not answer: a gap in each GPU's history
-                for series in self.history.get(gpu_key(snap.name, g), ()):
+            for key in gpu_keys(snap.name, last.gpus):  # no answer: a gap in each history
+                for series in self.history.get(key, ()):
                     series.append(None)
 
     def set_state(self, state: StoreState) -> None:
@@ -211,11 +222,11 @@ class BoardModel:
             return []
         stale = self.is_stale(snap, now)
         rows = []
-        for g in snap.gpus:
+        for g, key in zip(snap.gpus, gpu_keys(host, snap.gpus)):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, g, r, gpu_flags(g, r, idle), stale, free))
+            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle), stale, free))
         return rows
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:
