@@ -640,3 +640,50 @@ async def test_per_user_view(tmp_path: Path) -> None:
         await pilot.press("escape")
         await pilot.pause()
         assert type(app.screen).__name__ == "Screen"
+
+
+async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
+        small_fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """alpha's sshd dies: the board shows alpha in its place, the selected GPU's host row
+    selected; sshd comes back while gputop waits out its backoff; `c` on alpha's row
+    connects at once instead of seconds later."""
+    import asyncio
+    import time
+
+    from gputop.config import load_config
+
+    monkeypatch.setenv("HOME", str(small_fleet.home))
+    config = load_config(str(small_fleet.write_config(timeout=2.0, interval=0.5)))
+    app = GputopApp(config, user="ann")
+    alpha = small_fleet.hosts["alpha"]
+
+    async def until(pilot: object, ok: object, limit: float) -> float:
+        start = time.monotonic()
+        while not ok():  # type: ignore[operator]
+            assert time.monotonic() - start < limit, "timed out"
+            await asyncio.sleep(0.05)
+        app.render_board()
+        await pilot.pause()  # type: ignore[attr-defined]
+        return time.monotonic() - start
+
+    def alpha_ok() -> bool:
+        s = app.model.snapshots.get("alpha")
+        return s is not None and s.ok
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = app.query_one(BoardTable)
+        await until(pilot, lambda: len(app.model.snapshots) == 2 and alpha_ok(), 20)
+        select(app, table, "alpha", 0)
+        small_fleet.stop_sshd(alpha)
+        assert app.poller is not None
+        (source,) = [s for s in app.poller.sources if s.name == "alpha"]
+        # Down, and retried until the backoff is long (0.5 s x 2^n): several seconds.
+        await until(pilot, lambda: source._retry_at - time.monotonic() > 3.0, 30)  # type: ignore[attr-defined]
+        assert chosen(app) == ("alpha", None, None)
+        assert keys(table).index("alpha") == 0  # kept its place, above beta
+        small_fleet.restart_sshd(alpha)
+        backoff_left = source._retry_at - time.monotonic()  # type: ignore[attr-defined]
+        await pilot.press("c")
+        took = await until(pilot, alpha_ok, 2.5)
+        assert took < 2.5 < backoff_left
+        assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
