@@ -392,30 +392,30 @@ def down(name: str) -> HostSnapshot:
 
 
 async def test_selection_stays_off_other_hosts_when_its_host_goes_down(tmp_path: Path) -> None:
-    """gpu-mixed:1 selected, gpu-mixed fails: the cursor goes to gpu-mixed's own row (not
-    gpu-h100:1 or any other GPU), `r` reserves nothing, and the GPU is selected again when
-    the host comes back."""
+    """gpu-h100:1 selected, gpu-h100 fails: the cursor goes to gpu-h100's own row (not to
+    gpu-mixed:1, now at the same position, or any other GPU), `r` reserves nothing, and the
+    GPU is selected again when the host comes back."""
     app = make_app(tmp_path)
     seen: list[str] = []
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
         app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
-        select(app, table, "gpu-mixed", 1)
+        select(app, table, "gpu-h100", 1)
         await pilot.pause()
-        assert chosen(app) == ("gpu-mixed", 1, "GPU-00000001-test")
+        assert chosen(app) == ("gpu-h100", 1, "GPU-00000001-test")
         for _ in range(2):  # the host in error keeps its place in the list
-            app.ingest(down("gpu-mixed"))
+            app.ingest(down("gpu-h100"))
             app.render_board()
             await pilot.pause()
-            assert chosen(app) == ("gpu-mixed", None, None)
+            assert chosen(app) == ("gpu-h100", None, None)
         await pilot.press("r")
         await pilot.pause()
         assert type(app.screen).__name__ == "Screen" and seen[-1] == "select a GPU row to reserve"
         assert not Store(tmp_path / "reservations.json").read().reservations
-        app.ingest(fixed_snapshots()[1])  # back
+        app.ingest(fixed_snapshots()[0])  # back
         app.render_board()
         await pilot.pause()
-        assert chosen(app) == ("gpu-mixed", 1, "GPU-00000001-test")
+        assert chosen(app) == ("gpu-h100", 1, "GPU-00000001-test")
 
 
 async def test_selection_follows_the_uuid_through_sort_filter_and_renumbering(
