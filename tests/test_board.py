@@ -369,8 +369,8 @@ def select(app: GputopApp, table: BoardTable, host: str, index: int | None = Non
     """Move the cursor to a host row (index None) or to GPU ``index`` of ``host``, found by
     what the rows show, not by their keys."""
     for key, row in app._rows.items():
-        if row.host == host and (isinstance(row, GpuRow) and row.gpu.index == index
-                                 or isinstance(row, HostRow) and index is None):
+        if row.host == host and ((isinstance(row, GpuRow) and row.gpu.index == index)
+                                 or (isinstance(row, HostRow) and index is None)):
             table.move_cursor(row=table.get_row_index(key))
             return
     raise AssertionError(f"no row {host}:{index}")
