@@ -53,6 +53,9 @@ SCENES = {
     "help": loader(None, ("question_mark",)),
     "host-error": loader("gpu-down", ("enter",)),
     "hostile-strings": loader(gk("gpu-h100", 3), ("enter",)),
+    "sorted": loader(None, ("s",)),
+    "users": loader(None, ("w",)),
+    "confirm-in-use": loader(gk("gpu-h100", 0), ("r",)),
 }
 
 

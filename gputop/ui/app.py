@@ -46,11 +46,11 @@ class GputopApp(App[int]):
         Binding("u", "release", "Release"),
         Binding("slash", "filter", "Filter", key_display="/"),
         Binding("s", "sort", "Sort"),
-        Binding("f", "free_only", "Free only"),
-        Binding("w", "users", "Who"),
+        Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
+        Binding("w", "users", "Who"),  # `?` lists every key
         Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
-        Binding("t", "next_theme", "Theme"),
+        Binding("t", "next_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
@@ -340,9 +340,10 @@ class GputopApp(App[int]):
             ask()
             return
         who = ", ".join(sorted({clean(p.user) or "?" for p in others}))
-        q = Text(f"{label} is in use by {who}:\n", style="bold")
+        q = Text()
+        q.append(f"{label} is in use by {who}:\n", style="bold")
         for p in others[:5]:
-            q.append(f"  {p.pid} {clean(p.user) or '?'}  {clean(p.command)[:50]}\n", style="")
+            q.append(f"  {p.pid} {clean(p.user) or '?'}  {clean(p.command)[:50]}\n")
         q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
         self.push_screen(ConfirmScreen(q, "Reserve anyway"),
                          lambda yes: ask() if yes else None)

@@ -178,8 +178,11 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
     arrow = "▸" if row.collapsed else "▾"
     label = RankedText(f"{arrow} {name}", style="bold")
     tags = Text(" ".join(clean(t) for t in row.snapshot.tags), style=p.muted)
-    state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
     count = Text(f"{row.gpu_count} GPU" + ("s" if row.gpu_count != 1 else ""), style=p.muted)
+    if row.stale and narrow:  # in the wide columns, where 80 columns show it whole
+        return (label, count, tags, Text("stale", style=p.error),
+                Text("seen " + _ago(row.last_seen, now), style=p.error), blank)
+    state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
     return (label, count, tags, blank, blank, *extra, state)
 
 

@@ -108,8 +108,8 @@ class ConfirmScreen(ModalScreen[bool]):
         with Vertical(id="confirm-dialog"):
             yield Static(self.question, id="confirm-text")
             with Horizontal(id="confirm-buttons"):
-                yield Button(self.yes, variant="warning", id="confirm-yes")
-                yield Button("Cancel", id="confirm-no")
+                yield Button(f"{self.yes} (y)", variant="warning", id="confirm-yes")
+                yield Button("Cancel (n)", id="confirm-no")
 
     def on_mount(self) -> None:
         self.query_one("#confirm-no", Button).focus()

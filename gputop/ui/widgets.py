@@ -256,6 +256,8 @@ class DetailPane(Vertical):
         """Only ``row``'s own data: a host row never shows the previous GPU's history."""
         head = self.query_one("#detail-head", Static)
         procs = self.query_one("#detail-procs", Static)
+        for part in self.query(".spark-label, .spark"):  # a host row has no history
+            part.display = isinstance(row, GpuRow)
         if not isinstance(row, GpuRow):
             for name in ("#spark-util", "#spark-mem"):
                 self.query_one(name, Static).update("")
