@@ -482,7 +482,7 @@ async def test_sorted_view_names_each_gpus_host_and_no_match_says_so(tmp_path: P
         assert "zzz: nothing matches" in str(app.query_one(SummaryBar).render())
         await pilot.press("escape")
         await pilot.pause()
-        assert cell(table, gk("gpu-h100", 0), "gpu").startswith("   0 ")  # headers again
+        assert cell(table, gk("gpu-h100", 0), "gpu").startswith("  0 ")  # headers again
 
 
 async def test_detail_pane_shows_only_the_selected_rows_own_data(tmp_path: Path) -> None:
@@ -631,11 +631,12 @@ async def test_per_user_view(tmp_path: Path) -> None:
         text = app.screen.query_one("#users-text").render()
         plain = text.plain if isinstance(text, Text) else str(text)
         lines = plain.splitlines()
-        bob = next(ln for ln in lines if ln.startswith("bob "))
-        assert bob.split()[1] == "1"  # reserved gpu-h100:1 and runs there: one GPU
-        assert "reserved gpu-h100:1; on gpu-h100:1" in bob
-        assert any("runs: python -m torch.distributed.run finetune.py" in ln for ln in lines)
-        assert any(ln.startswith("erin ") and "reserved gpu-mixed:1" in ln for ln in lines)
+        at = lines.index("bob  1 GPU  (1 process, 29G)")  # reserved gpu-h100:1, runs there
+        assert lines[at + 1:at + 4] == ["    reserved  gpu-h100:1", "    runs on   gpu-h100:1",
+                                        "    runs      python -m torch.distributed.run "
+                                        "finetune.py"]
+        at = lines.index("erin  1 GPU")
+        assert lines[at + 1] == "    reserved  gpu-mixed:1"
         assert "[red]x[/]" in plain and "\x1b" not in plain  # inert
         await pilot.press("escape")
         await pilot.pause()

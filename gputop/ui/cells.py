@@ -32,11 +32,11 @@ COLUMNS: Columns = (
 #: GPU, util, memory, users, reservation and flags fit 80 columns without sideways scrolling.
 WIDE_FROM = 110
 NARROW: Columns = (
-    ("gpu", "GPU", 18),
+    ("gpu", "GPU", 17),
     ("util", "Util", 8),
-    ("mem", "Memory", 11),
+    ("mem", "Memory", 11),  # "unreachable": an error's kind shows whole
     ("users", "Users", 10),
-    ("resv", "Reserved", 11),
+    ("resv", "Reserved", 10),
     ("flags", "Flags", None),
 )
 
@@ -51,11 +51,11 @@ def columns_for(width: int) -> Columns:
 
 BLOCKS = " ▏▎▍▌▋▊▉█"
 SHORT_FLAG_LABELS = {
-    "unreserved-use": "⚠ unreserved",
+    "unreserved-use": "⚠ unresvd",  # 11 columns at most: the flags column at 80
     "idle-reservation": "◌ idle resv",
     "idle-holder": "◔ idle hold",
     "lost": "✖ lost",
-    "renumbered": "⚠ renumbered",
+    "renumbered": "⚠ new index",
 }
 FLAG_LABELS = {
     "unreserved-use": "⚠ unreserved use",
@@ -131,7 +131,7 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     if row.show_host:  # a sorted or flat view has no host headers: every row names it
         label = RankedText(f"{row.label} ", style="bold")
     else:
-        label = RankedText(f"  {idx:>2} ", style="bold")
+        label = RankedText(f" {idx:>2} ", style="bold")
     label.append(short_model(g.name) if not g.lost else f"lost {clean(g.bus_id)}",
                  style=label_style or (p.error if g.lost else ""))
     if g.mig_mode == "Enabled":

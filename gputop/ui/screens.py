@@ -126,21 +126,22 @@ def users_text(loads: list[UserLoad]) -> Text:
     if not loads:
         return Text("Nobody runs anything or holds a reservation right now.")
     t = Text()
-    t.append(f"{'USER':<14}{'GPUS':>5}{'PROCS':>6}{'GPU MEM':>9}  RESERVED / RUNNING ON\n",
-             style="bold")
     for u in loads:
-        mem = f"{gib(u.memory_mib)}G" if u.memory_mib else "-"
-        t.append(f"{u.user[:13]:<14}", style="bold")
-        t.append(f"{u.gpus:>5}{u.processes:>6}{mem:>9}  ")
-        if u.reserved:
-            t.append("reserved " + ", ".join(u.reserved))
-        if u.running:
-            t.append(("; " if u.reserved else "") + "on " + ", ".join(u.running))
+        t.append(f"{u.user}", style="bold")
+        t.append(f"  {u.gpus} GPU{'s' if u.gpus != 1 else ''}")
+        if u.processes:
+            mem = f", {gib(u.memory_mib)}G" if u.memory_mib else ""
+            t.append(f"  ({u.processes} process{'es' if u.processes != 1 else ''}{mem})",
+                     style="dim")
         t.append("\n")
+        if u.reserved:
+            t.append("    reserved  " + ", ".join(u.reserved) + "\n")
+        if u.running:
+            t.append("    runs on   " + ", ".join(u.running) + "\n")
         if u.commands:
-            runs = ", ".join(f"{cmd[:60]}" + (f" ({n})" if n > 1 else "")
+            runs = ", ".join(cmd[:60] + (f" ({n})" if n > 1 else "")
                              for cmd, n in sorted(u.commands.items(), key=lambda c: -c[1]))
-            t.append(f"{'':14}runs: {runs}\n", style="dim")
+            t.append(f"    runs      {runs}\n", style="dim")
     return t
 
 
