@@ -613,6 +613,7 @@ async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
         assert table.virtual_size.width <= table.size.width  # no sideways scrolling
         assert cell(table, "gpu-down", "mem") == "unreachable"
         assert cell(table, "gpu-down", "users").startswith("connection refused")
+        assert cell(table, "gpu-down", "resv") == "seen 7m"  # fits its 10 columns
         assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
         await pilot.resize_terminal(160, 40)
         await pilot.pause()

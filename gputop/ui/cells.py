@@ -11,7 +11,7 @@ from datetime import datetime
 
 from rich.text import Text
 
-from gputop.model import GpuInfo, iso
+from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration
 from gputop.text import clean
 from gputop.ui.board_model import GpuRow, HostRow, Row, short_model
@@ -173,7 +173,8 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
         label = RankedText(f"✖ {name}", style=f"bold {p.error}")
         kind = Text(err.kind, style=f"bold {p.error}")
         if narrow:  # the kind and the start of the reason before anything else
-            return (label, Text("down", style=p.error), kind, reason, seen, blank)
+            short = Text(f"seen {_ago(row.last_seen, now).removesuffix(' ago')}", style=p.muted)
+            return (label, Text("down", style=p.error), kind, reason, short, blank)
         return (label, Text("down", style=p.error), kind, seen, blank, blank, blank, reason)
     arrow = "▸" if row.collapsed else "▾"
     label = RankedText(f"{arrow} {name}", style="bold")
@@ -200,4 +201,6 @@ def _ago(t: datetime | None, now: datetime) -> str:
         return f"{s}s ago"
     if s < 3600:
         return f"{s // 60}m ago"
-    return iso(t) or "?"
+    if s < 2 * 86400:
+        return f"{s // 3600}h ago"
+    return f"{s // 86400}d ago"
