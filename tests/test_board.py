@@ -546,6 +546,45 @@ async def test_reserving_a_gpu_someone_else_uses_asks_first(tmp_path: Path) -> N
         await pilot.pause()
         (r,) = Store(tmp_path / "reservations.json").read().reservations
         assert (r.host, r.gpu, r.uuid, r.user) == ("gpu-h100", 0, "GPU-00000000-test", "ann")
+        select(app, table, "gpu-h100", 3)  # a hostile user and command: shown inert
+        await pilot.press("r")
+        await pilot.pause()
+        text = app.screen.query_one("#confirm-text").render()
+        assert "in use by [red]x[/]" in str(text) and "[link=http://evil]click[/link]" in str(text)
+        assert "\x1b" not in str(text) and "\u202e" not in str(text)
+
+
+async def test_a_lasting_problem_stays_in_the_bar_not_over_the_rows(tmp_path: Path) -> None:
+    """An unreadable reservations file is shown in the summary bar for as long as it lasts;
+    the notification about it goes away after a few seconds."""
+    from gputop.ui.widgets import SummaryBar
+
+    path = tmp_path / "reservations.json"
+    app = make_app(tmp_path)
+    timeouts: list[float] = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        orig = app.notify
+
+        def notify(msg: str, **kw: object) -> None:
+            timeouts.append(kw.get("timeout") or app.NOTIFICATION_TIMEOUT)  # type: ignore[arg-type]
+            orig(msg, **kw)  # type: ignore[arg-type]
+
+        app.notify = notify  # type: ignore[method-assign, assignment]
+        await load(app, pilot)
+        path.write_text('{"version": 1, "reservations": [{"host": 7}]}')
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        assert "reservations unreadable" in str(app.query_one(SummaryBar).render())
+        assert timeouts and max(timeouts) <= 6
+        app.reload_store()  # still broken: no second notification, the bar keeps saying it
+        app.render_board()
+        assert len(timeouts) == 1
+        path.write_text('{"version": 1, "reservations": []}')
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        assert "reservations unreadable" not in str(app.query_one(SummaryBar).render())
 
 
 async def test_submit_rechecks_the_gpu_against_the_latest_data(tmp_path: Path) -> None:
