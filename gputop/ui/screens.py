@@ -73,22 +73,34 @@ class ReserveScreen(ModalScreen[ReserveRequest | None]):
         self.dismiss(None)
 
 
-HELP = """\
+KEYS = (  # (key, what): every binding of the board, two to a line in the help
+    ("↑ ↓ j k", "move"), ("Home End", "first / last row"),
+    ("PgUp PgDn", "page"), ("enter", "details / fold a host"),
+    ("r", "reserve the GPU"), ("u", "release my reservation"),
+    ("c", "reconnect host now"), ("w", "who holds what"),
+    ("/", "filter"), ("esc", "close details, filter"),
+    ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
+    ("t", "next theme"), ("?", "this help"),
+    ("q ctrl+c", "quit"),
+)
+
+
+def _key_lines() -> str:
+    cells = [f"{k:<10}{what:<22}" for k, what in KEYS]
+    return "\n".join("  " + "".join(cells[i:i + 2]).rstrip() for i in range(0, len(cells), 2))
+
+
+HELP = f"""\
 gputop: every GPU on your team's servers, live.
 
-  ↑ ↓ j k  move        PgUp PgDn  page        Home End  first / last row
-  enter  details / fold a host                esc   close details, clear filter
-  r  reserve the selected GPU                 u     release my reservation
-  c  reconnect the selected host now (skips its retry wait)
-  w  who holds what: GPUs per person, reservations, what they run
-  /  filter (host, model, user, tag)          f     free GPUs only
-  s  sort: host → utilisation → free memory   t     next theme
-  ?  this help                                q  ctrl+c  quit
+{_key_lines()}
 
-Colours: free · busy · reserved · error. Dim rows are stale: the host
-has not answered for a few refreshes. Flags: ⚠ unreserved use (someone
-else runs on a reserved GPU), ◌ idle reservation (reserved, nothing
-running), ◔ idle holder (memory held at ~0% load for a long time).
+Colours: free · busy · reserved · error. Dim rows are stale: the
+host has not answered for a few refreshes. Flags: ⚠ unreserved use
+(someone else runs on a reserved GPU), ◌ idle reservation (reserved,
+nothing running), ◔ idle holder (memory held at ~0% load for long).
+c reconnects the selected host at once, skipping its retry wait;
+w: per person, the GPUs they run on or reserved, and what runs.
 
 Reservations are advisory and shared: the whole team's gputop reads
 the same file, and `gputop reservations` lists them in a terminal.
@@ -167,7 +179,7 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help-dialog"):
+        with VerticalScroll(id="help-dialog"):
             yield Static(Text(HELP), id="help-text")
             yield Button("Close", id="help-close")
 
