@@ -105,6 +105,10 @@ class BoardTable(DataTable[Text]):
             self.show_cursor = True
             self.chosen = self._key_at(min(self.cursor_row, self.row_count - 1))
 
+    async def _on_click(self, event: events.Click) -> None:
+        self._wake()
+        await super()._on_click(event)
+
     def action_cursor_up(self) -> None:
         self._wake()
         super().action_cursor_up()
@@ -194,7 +198,9 @@ class BoardTable(DataTable[Text]):
         for key in (self.chosen, host_of(self.chosen)):
             if key in wanted:
                 self.show_cursor = True
-                self.move_cursor(row=self.get_row_index(key), animate=False)
+                row = self.get_row_index(key)
+                if row != self.cursor_row:  # (moving scrolls: leave a mouse scroll alone)
+                    self.move_cursor(row=row, animate=False)
                 return
         self.show_cursor = False  # the choice is gone and so is its host: nothing selected
 
