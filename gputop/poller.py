@@ -56,6 +56,7 @@ class Poller:
         self._hosts: dict[str, HostConfig] = {h.name: h for h in config.hosts}
         self._last_ok: dict[str, datetime] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._wake: dict[str, asyncio.Event] = {}
 
     async def poll_host(self, source: Source) -> HostSnapshot:
         try:
@@ -92,10 +93,27 @@ class Poller:
             await self._stop_tasks()
 
     async def _loop(self, source: Source, queue: asyncio.Queue[HostSnapshot]) -> None:
+        wake = self._wake.setdefault(source.name, asyncio.Event())
         while True:
             started = time.monotonic()
+            wake.clear()
             queue.put_nowait(await self.poll_host(source))
-            await asyncio.sleep(max(0.0, self.config.interval - (time.monotonic() - started)))
+            left = max(0.0, self.config.interval - (time.monotonic() - started))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake.wait(), left)
+
+    def reconnect(self, name: str) -> bool:
+        """Query host ``name`` now: its source forgets its backoff (``reset``, where it has
+        one) and its loop stops waiting. False when no such host is polled."""
+        for source in self.sources:
+            if source.name == name:
+                reset = getattr(source, "reset", None)
+                if callable(reset):
+                    reset()
+                if (wake := self._wake.get(name)) is not None:
+                    wake.set()
+                return True
+        return False
 
     async def _stop_tasks(self) -> None:
         for t in self._tasks:

@@ -52,34 +52,45 @@ def goto(app: GputopApp, table: BoardTable, key: str) -> None:
 K = "\x00"
 
 
+def gk(host: str, index: int) -> str:
+    """The row key of a fixture GPU: host + uuid (board_data numbers the uuids)."""
+    return f"{host}{K}GPU-{index:08d}-test"
+
+
+def fk(host: str, index: int) -> str:
+    """The row key of a GPU of the real test fleet (tests/fleet.py numbers its uuids)."""
+    return f"{host}{K}GPU-{host[:8]:0>8}-0000-4000-8000-{index:012d}"
+
+
 async def test_rows_grouped_by_host_with_error_and_stale(tmp_path: Path) -> None:
     seed(Store(tmp_path / "reservations.json"))
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
         ks = keys(table)
-        assert ks[:6] == ["gpu-h100", f"gpu-h100{K}0", f"gpu-h100{K}1", f"gpu-h100{K}2",
-                          f"gpu-h100{K}3", "gpu-mixed"]
-        assert ks[-1] == "gpu-down"  # hosts in error after the healthy ones
+        assert ks[:6] == ["gpu-h100", gk("gpu-h100", 0), gk("gpu-h100", 1), gk("gpu-h100", 2),
+                          gk("gpu-h100", 3), "gpu-mixed"]
+        # A host in error keeps its place (config order), between its neighbours.
+        assert ks[-3:] == ["gpu-down", "gpu-stale", f"gpu-stale{K}#0"]
         assert cell(table, "gpu-down", "mem") == "unreachable"
         assert cell(table, "gpu-down", "users") == "seen 7m ago"
         assert "connection refused" in cell(table, "gpu-down", "flags")
         assert "stale" in cell(table, "gpu-stale", "flags")
-        stale = table.get_cell(f"gpu-stale{K}0", "util")
+        stale = table.get_cell(f"gpu-stale{K}#0", "util")
         assert isinstance(stale, Text) and any("dim" in str(s.style) for s in stale.spans)
-        assert cell(table, f"gpu-h100{K}0", "users") == "alice"
-        assert cell(table, f"gpu-h100{K}1", "resv") == "bob 3h00m"
-        assert "unreserved use" not in cell(table, f"gpu-h100{K}1", "flags")
-        assert "MIG" in cell(table, f"gpu-mixed{K}2", "gpu")
+        assert cell(table, gk("gpu-h100", 0), "users") == "alice"
+        assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
+        assert "unreserved use" not in cell(table, gk("gpu-h100", 1), "flags")
+        assert "MIG" in cell(table, gk("gpu-mixed", 2), "gpu")
 
 
 async def test_hostile_strings_stay_literal(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
-        users = cell(table, f"gpu-h100{K}3", "users")
+        users = cell(table, gk("gpu-h100", 3), "users")
         assert users == "[red]x[/]"  # the OSC title sequence is gone, markup stays literal
-        goto(app, table, f"gpu-h100{K}3")
+        goto(app, table, gk("gpu-h100", 3))
         await pilot.press("enter")
         await pilot.pause()
         text = app.query_one("#detail-procs").render()
@@ -95,7 +106,7 @@ async def test_reserve_writes_the_store_and_the_row_shows_it(tmp_path: Path) -> 
     app = make_app(tmp_path, clock=utcnow)  # the store stamps real times
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
-        goto(app, table, f"gpu-h100{K}2")
+        goto(app, table, gk("gpu-h100", 2))
         await pilot.press("r")
         await pilot.pause()
         dur = app.screen.query_one("#reserve-duration")
@@ -107,27 +118,47 @@ async def test_reserve_writes_the_store_and_the_row_shows_it(tmp_path: Path) -> 
         (r,) = [r for r in Store(tmp_path / "reservations.json").read().reservations
                 if r.host == "gpu-h100" and r.gpu == 2]
         assert r.user == "ann" and r.note == "eval run" and r.uuid == "GPU-00000002-test"
-        assert cell(table, f"gpu-h100{K}2", "resv").startswith("ann ")
-        assert "idle reservation" in cell(table, f"gpu-h100{K}2", "flags")
+        assert cell(table, gk("gpu-h100", 2), "resv").startswith("ann ")
+        assert "idle reservation" in cell(table, gk("gpu-h100", 2), "flags")
 
 
 async def test_conflict_shows_the_holder(tmp_path: Path) -> None:
+    """A GPU someone else holds says so (who, how long, their note) before any dialog."""
     seed(Store(tmp_path / "reservations.json"))
     app = make_app(tmp_path)
     seen: list[str] = []
     async with app.run_test(size=(120, 40)) as pilot:
         app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
         table = await load(app, pilot)
-        goto(app, table, f"gpu-h100{K}1")
+        goto(app, table, gk("gpu-h100", 1))
         await pilot.press("r")
         await pilot.pause()
-        await pilot.press("enter")  # accept the default duration
+        assert type(app.screen).__name__ == "Screen"  # no dialog opened
+    assert seen and "reserved by bob" in seen[-1] and "ablation [i]sweep[/i]" in seen[-1]
+    assert "gpu-h100:1" in seen[-1]
+    assert [r.user for r in Store(tmp_path / "reservations.json").read().reservations
+            if r.gpu == 1 and r.host == "gpu-h100"] == ["bob"]
+
+
+async def test_store_race_is_refused_with_the_holder(tmp_path: Path) -> None:
+    """Someone reserves the GPU while our dialog is open: the write is refused, naming them."""
+    from gputop.reservations import Target, reserve
+
+    app = make_app(tmp_path, user="erin")
+    seen: list[str] = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
+        table = await load(app, pilot)
+        goto(app, table, gk("gpu-h100", 2))
+        await pilot.press("r")
+        await pilot.pause()
+        reserve(Store(tmp_path / "reservations.json"), [Target("gpu-h100", 2)], seconds=60,
+                max_seconds=3600, note="mine [b]now[/b]", user="bob")
+        await pilot.press("enter")
         await app.workers.wait_for_complete()
         await pilot.pause()
     refused = [m for m in seen if m.startswith("refused")]
-    assert refused and "bob" in refused[0] and "ablation [i]sweep[/i]" in refused[0]
-    assert [r.user for r in Store(tmp_path / "reservations.json").read().reservations
-            if r.gpu == 1 and r.host == "gpu-h100"] == ["bob"]
+    assert refused and "bob" in refused[0] and "mine [b]now[/b]" in refused[0]
 
 
 async def test_release_own_but_not_others(tmp_path: Path) -> None:
@@ -135,16 +166,16 @@ async def test_release_own_but_not_others(tmp_path: Path) -> None:
     app = make_app(tmp_path, user="erin")
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
-        goto(app, table, f"gpu-h100{K}1")  # bob's
+        goto(app, table, gk("gpu-h100", 1))  # bob's
         await pilot.press("u")
         await app.workers.wait_for_complete()
-        goto(app, table, f"gpu-mixed{K}1")  # erin's own
+        goto(app, table, gk("gpu-mixed", 1))  # erin's own
         await pilot.press("u")
         await app.workers.wait_for_complete()
         await pilot.pause()
         left = Store(tmp_path / "reservations.json").read().reservations
         assert [(r.host, r.gpu) for r in left] == [("gpu-h100", 1)]
-        assert cell(table, f"gpu-mixed{K}1", "resv") == "—"
+        assert cell(table, gk("gpu-mixed", 1), "resv") == "—"
 
 
 async def test_filter_sort_and_free_only(tmp_path: Path) -> None:
@@ -153,14 +184,14 @@ async def test_filter_sort_and_free_only(tmp_path: Path) -> None:
         table = await load(app, pilot)
         await pilot.press("slash", "c", "a", "r", "o", "l")
         await pilot.pause()
-        assert keys(table) == ["gpu-mixed", f"gpu-mixed{K}2"]  # carol runs only there
+        assert keys(table) == ["gpu-mixed", gk("gpu-mixed", 2)]  # carol runs only there
         await pilot.press("escape")
         await pilot.pause()
         assert len(keys(table)) == 12
         await pilot.press("s")  # utilisation, flat
         await pilot.pause()
         ks = keys(table)
-        assert "gpu-h100" not in ks and ks[0] == f"gpu-h100{K}0"
+        assert "gpu-h100" not in ks and ks[0] == gk("gpu-h100", 0)
         utils = [app.model.find(k).gpu.utilization_percent or 0  # type: ignore[union-attr]
                  for k in ks if K in k]
         assert utils == sorted(utils, reverse=True)
@@ -170,8 +201,8 @@ async def test_filter_sort_and_free_only(tmp_path: Path) -> None:
         assert frees == sorted(frees, reverse=True)
         await pilot.press("s", "f")  # back to host order, free GPUs only
         await pilot.pause()
-        assert keys(table) == ["gpu-h100", f"gpu-h100{K}2", "gpu-mixed", f"gpu-mixed{K}0",
-                               f"gpu-mixed{K}1"]
+        assert keys(table) == ["gpu-h100", gk("gpu-h100", 2), "gpu-mixed", gk("gpu-mixed", 0),
+                               gk("gpu-mixed", 1)]
 
 
 async def test_collapse_a_host(tmp_path: Path) -> None:
@@ -189,7 +220,7 @@ async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Pa
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
-        goto(app, table, f"gpu-mixed{K}1")
+        goto(app, table, gk("gpu-mixed", 1))
         before = table.cell_updates
         for snap in fixed_snapshots():  # the same data again: nothing to redraw
             app.ingest(snap)
@@ -201,10 +232,10 @@ async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Pa
         app.render_board()
         await pilot.pause()
         assert table.cell_updates == before + 1  # just the one utilisation cell
-        assert table.selected_key() == f"gpu-mixed{K}1"
+        assert table.selected_key() == gk("gpu-mixed", 1)
         await pilot.press("s")  # re-sorting keeps the selected GPU selected
         await pilot.pause()
-        assert table.selected_key() == f"gpu-mixed{K}1"
+        assert table.selected_key() == gk("gpu-mixed", 1)
 
 
 async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
@@ -240,7 +271,7 @@ async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Pat
         for u in (10, 50, 90):
             app.ingest(replace(snap, gpus=(replace(snap.gpus[0], utilization_percent=u),
                                            *snap.gpus[1:])))
-        goto(app, table, f"gpu-h100{K}1")
+        goto(app, table, gk("gpu-h100", 1))
         await pilot.press("enter")
         await pilot.pause()
         detail = app.query_one(DetailPane)
@@ -249,7 +280,7 @@ async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Pat
         assert "reserved by bob" in str(head) and "ablation [i]sweep[/i]" in str(head)
         procs = str(detail.query_one("#detail-procs").render())
         assert "4300" in procs and "finetune.py" in procs
-        goto(app, table, f"gpu-h100{K}0")
+        goto(app, table, gk("gpu-h100", 0))
         await pilot.pause()
         line = str(detail.query_one("#spark-util").render())
         assert line.endswith("▂▅▇")  # 10 %, 50 %, 90 % on a fixed 0-100 scale
@@ -303,8 +334,8 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
         app.render_board()
         await pilot.pause()
         assert cell(table, "driver", "mem") == "driver"
-        assert cell(table, f"gpu-h100{K}0", "gpu").endswith("H100 80GB HBM3")
-        assert isinstance(app.model.find(f"gpu-lost{K}0000:07:00.0"), GpuRow)
+        assert cell(table, fk("gpu-h100", 0), "gpu").endswith("H100 80GB HBM3")
+        assert isinstance(app.model.find(f"gpu-lost{K}@0000:07:00.0"), GpuRow)
         env = fleet_home.env() | {"LOGNAME": "bob", "USER": "bob"}
         r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg_path),
                             "reserve", "gpu-h100:1", "--note", "from the CLI"],
@@ -313,7 +344,7 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
         app.reload_store()
         app.render_board()
         await pilot.pause()
-        assert cell(table, f"gpu-h100{K}1", "resv").startswith("bob ")
+        assert cell(table, fk("gpu-h100", 1), "resv").startswith("bob ")
         row = app.model.find("driver")
         assert isinstance(row, HostRow) and row.error
     listed = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg_path),
@@ -329,3 +360,371 @@ def test_stale_threshold_is_a_few_intervals(tmp_path: Path) -> None:
     fresh = HostSnapshot(name="a", time=NOW - timedelta(seconds=3))
     old = HostSnapshot(name="a", time=NOW - timedelta(seconds=60))
     assert not m.is_stale(fresh, NOW) and m.is_stale(old, NOW)
+
+
+# -- the board never acts on a GPU the user did not choose ---------------------------------
+
+
+def select(app: GputopApp, table: BoardTable, host: str, index: int | None = None) -> None:
+    """Move the cursor to a host row (index None) or to GPU ``index`` of ``host``, found by
+    what the rows show, not by their keys."""
+    for key, row in app._rows.items():
+        if row.host == host and ((isinstance(row, GpuRow) and row.gpu.index == index)
+                                 or (isinstance(row, HostRow) and index is None)):
+            table.move_cursor(row=table.get_row_index(key))
+            return
+    raise AssertionError(f"no row {host}:{index}")
+
+
+def chosen(app: GputopApp) -> tuple[str, int | None, str | None] | None:
+    row = app._selected()
+    if row is None:
+        return None
+    return (row.host, row.gpu.index, row.gpu.uuid) if isinstance(row, GpuRow) else (
+        row.host, None, None)
+
+
+def down(name: str) -> HostSnapshot:
+    from gputop.model import HostError
+
+    return HostSnapshot(name=name, time=NOW, error=HostError("timeout", "no answer in 3s"),
+                        last_ok=NOW - timedelta(seconds=30))
+
+
+async def test_selection_stays_off_other_hosts_when_its_host_goes_down(tmp_path: Path) -> None:
+    """gpu-h100:1 selected, gpu-h100 fails: the cursor goes to gpu-h100's own row (not to
+    gpu-mixed:1, now at the same position, or any other GPU), `r` reserves nothing, and the
+    GPU is selected again when the host comes back."""
+    app = make_app(tmp_path)
+    seen: list[str] = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
+        select(app, table, "gpu-h100", 1)
+        await pilot.pause()
+        assert chosen(app) == ("gpu-h100", 1, "GPU-00000001-test")
+        for _ in range(2):  # the host in error keeps its place in the list
+            app.ingest(down("gpu-h100"))
+            app.render_board()
+            await pilot.pause()
+            assert chosen(app) == ("gpu-h100", None, None)
+        await pilot.press("r")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Screen" and seen[-1] == "select a GPU row to reserve"
+        assert not Store(tmp_path / "reservations.json").read().reservations
+        app.ingest(fixed_snapshots()[0])  # back
+        app.render_board()
+        await pilot.pause()
+        assert chosen(app) == ("gpu-h100", 1, "GPU-00000001-test")
+
+
+async def test_selection_follows_the_uuid_through_sort_filter_and_renumbering(
+        tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        select(app, table, "gpu-h100", 2)
+        for k in ("s", "s"):  # utilisation, then free memory: other positions
+            await pilot.press(k)
+            await pilot.pause()
+            assert chosen(app) == ("gpu-h100", 2, "GPU-00000002-test")
+        await pilot.press("s", "slash", "m", "i", "x")  # host order; filter hides gpu-h100
+        await pilot.pause()
+        assert chosen(app) is None  # nothing of its host is shown: nothing selected
+        await pilot.press("escape")
+        await pilot.pause()
+        assert chosen(app) == ("gpu-h100", 2, "GPU-00000002-test")
+        # The driver renumbers: the same GPU (uuid) is index 0 now; the selection follows it.
+        snap = fixed_snapshots()[0]
+        g = snap.gpus
+        renumbered = (replace(g[2], index=0), replace(g[0], index=2), g[1], g[3])
+        app.ingest(replace(snap, gpus=renumbered))
+        app.render_board()
+        await pilot.pause()
+        assert chosen(app) == ("gpu-h100", 0, "GPU-00000002-test")
+
+
+async def test_a_gpu_gone_from_a_sorted_view_leaves_nothing_selected(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    seen: list[str] = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
+        await pilot.press("s")  # flat: no host rows to fall back on
+        await pilot.pause()
+        select(app, table, "gpu-mixed", 0)
+        await pilot.pause()
+        snap = fixed_snapshots()[1]
+        app.ingest(replace(snap, gpus=snap.gpus[1:]))  # GPU 0 fell off the bus
+        app.render_board()
+        await pilot.pause()
+        assert chosen(app) is None and not table.show_cursor
+        await pilot.press("r")
+        assert seen[-1] == "select a GPU row to reserve"
+        await pilot.press("j")  # a key brings the cursor back, on a row the user sees
+        await pilot.pause()
+        assert table.show_cursor and chosen(app) is not None
+
+
+async def test_sorted_view_names_each_gpus_host_and_no_match_says_so(tmp_path: Path) -> None:
+    from gputop.ui.widgets import SummaryBar
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        await pilot.press("s")
+        await pilot.pause()
+        assert cell(table, gk("gpu-mixed", 2), "gpu").startswith("gpu-mixed:2 ")
+        assert cell(table, gk("gpu-h100", 0), "gpu").startswith("gpu-h100:0 ")
+        await pilot.press("s", "s", "slash", "z", "z", "z")
+        await pilot.pause()
+        assert table.row_count == 0
+        assert "zzz: nothing matches" in str(app.query_one(SummaryBar).render())
+        await pilot.press("escape")
+        await pilot.pause()
+        assert cell(table, gk("gpu-h100", 0), "gpu").startswith("  0 ")  # headers again
+
+
+async def test_detail_pane_shows_only_the_selected_rows_own_data(tmp_path: Path) -> None:
+    """A host header or a down host never shows the previous GPU's history; an unknown
+    value is a gap in the sparkline, not a 0 % bar."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        snap = fixed_snapshots()[0]
+        g0 = snap.gpus[0]
+        for u in (100, None, 100):
+            app.ingest(replace(snap, gpus=(replace(g0, utilization_percent=u), *snap.gpus[1:])))
+        select(app, table, "gpu-h100", 0)
+        await pilot.press("enter")
+        await pilot.pause()
+        detail = app.query_one(DetailPane)
+        assert str(detail.query_one("#spark-util").render()).endswith("█ █")
+        select(app, table, "gpu-h100")  # the host header
+        await pilot.pause()
+        assert str(detail.query_one("#spark-util").render()).strip() == ""
+        assert str(detail.query_one("#detail-head").render()).startswith("gpu-h100  4 GPUs")
+        select(app, table, "gpu-down")
+        await pilot.pause()
+        assert str(detail.query_one("#spark-util").render()).strip() == ""
+        assert "gpu-down is down: unreachable" in str(detail.query_one("#detail-head").render())
+        app.ingest(down("gpu-h100"))  # no answer: a gap in each of its GPUs' history
+        select(app, table, "gpu-mixed", 0)
+        app.ingest(fixed_snapshots()[0])
+        select(app, table, "gpu-h100", 0)
+        await pilot.pause()
+        assert str(detail.query_one("#spark-util").render())[-5:-1] == "█ █ "
+        await pilot.press("escape")  # esc closes the pane
+        await pilot.pause()
+        assert not detail.display
+
+
+# -- reserving: confirm someone else's GPU, re-check on submit -----------------------------
+
+
+async def test_reserving_a_gpu_someone_else_uses_asks_first(tmp_path: Path) -> None:
+    from gputop.model import utcnow
+
+    app = make_app(tmp_path, clock=utcnow)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        select(app, table, "gpu-h100", 0)  # alice runs train.py there
+        await pilot.press("r")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "ConfirmScreen"
+        assert "in use by alice" in str(app.screen.query_one("#confirm-text").render())
+        await pilot.press("n")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Screen"
+        await pilot.press("r", "y")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "ReserveScreen"
+        about = str(app.screen.query_one("#reserve-about").render())
+        assert "GPU-00000000-test" in about and "H100" in about
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        (r,) = Store(tmp_path / "reservations.json").read().reservations
+        assert (r.host, r.gpu, r.uuid, r.user) == ("gpu-h100", 0, "GPU-00000000-test", "ann")
+        select(app, table, "gpu-h100", 3)  # a hostile user and command: shown inert
+        await pilot.press("r")
+        await pilot.pause()
+        text = app.screen.query_one("#confirm-text").render()
+        assert "in use by [red]x[/]" in str(text) and "[link=http://evil]click[/link]" in str(text)
+        assert "\x1b" not in str(text) and "\u202e" not in str(text)
+
+
+async def test_a_lasting_problem_stays_in_the_bar_not_over_the_rows(tmp_path: Path) -> None:
+    """An unreadable reservations file is shown in the summary bar for as long as it lasts;
+    the notification about it goes away after a few seconds."""
+    from gputop.ui.widgets import SummaryBar
+
+    path = tmp_path / "reservations.json"
+    app = make_app(tmp_path)
+    timeouts: list[float] = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        orig = app.notify
+
+        def notify(msg: str, **kw: object) -> None:
+            timeouts.append(kw.get("timeout") or app.NOTIFICATION_TIMEOUT)  # type: ignore[arg-type]
+            orig(msg, **kw)  # type: ignore[arg-type]
+
+        app.notify = notify  # type: ignore[method-assign, assignment]
+        await load(app, pilot)
+        path.write_text('{"version": 1, "reservations": [{"host": 7}]}')
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        assert "reservations unreadable" in str(app.query_one(SummaryBar).render())
+        assert timeouts and max(timeouts) <= 6
+        app.reload_store()  # still broken: no second notification, the bar keeps saying it
+        app.render_board()
+        assert len(timeouts) == 1
+        path.write_text('{"version": 1, "reservations": []}')
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        assert "reservations unreadable" not in str(app.query_one(SummaryBar).render())
+
+
+async def test_submit_rechecks_the_gpu_against_the_latest_data(tmp_path: Path) -> None:
+    """The dialog was open while the host renumbered its GPUs, then while it went down:
+    neither submit reserves a GPU the user did not choose."""
+    from gputop.model import utcnow
+
+    app = make_app(tmp_path, clock=utcnow)
+    seen: list[str] = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        app.notify = lambda msg, **kw: seen.append(str(msg))  # type: ignore[method-assign]
+        select(app, table, "gpu-mixed", 0)
+        await pilot.press("r")
+        await pilot.pause()
+        snap = fixed_snapshots()[1]
+        g = snap.gpus
+        app.ingest(replace(snap, gpus=(replace(g[1], index=0), replace(g[0], index=1), g[2])))
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "not reserved: gpu-mixed:0 is now gpu-mixed:1 (renumbered)" in seen
+        select(app, table, "gpu-mixed", 1)  # (the same GPU, by uuid)
+        await pilot.press("r")
+        await pilot.pause()
+        app.ingest(down("gpu-mixed"))
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        assert "not reserved: gpu-mixed is down now" in seen
+        assert not Store(tmp_path / "reservations.json").read().reservations
+
+
+# -- keys, small terminals, the per-user view ----------------------------------------------
+
+
+async def test_keys_move_close_and_quit(tmp_path: Path) -> None:
+    from gputop.ui.screens import HELP
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        await pilot.press("end")
+        assert table.cursor_row == table.row_count - 1
+        await pilot.press("home", "j", "j")
+        assert table.cursor_row == 2
+        await pilot.press("k")
+        assert table.cursor_row == 1
+        for b in app.BINDINGS:  # the help names every key
+            key = b.key_display or b.key  # type: ignore[union-attr]
+            shown = {"question_mark": "?", "escape": "esc", "enter": "enter"}.get(key, key)
+            assert f"{shown} " in HELP, key
+        assert set(app.available_themes) == {"gputop-dark", "gputop-light", "gputop-contrast"}
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+    assert app.return_code == 0 and not app.is_running
+
+
+async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
+    seed(Store(tmp_path / "reservations.json"))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = await load(app, pilot)
+        assert [c.key.value for c in table.ordered_columns] == [
+            "gpu", "util", "mem", "users", "resv", "flags"]
+        assert table.virtual_size.width <= table.size.width  # no sideways scrolling
+        assert cell(table, "gpu-down", "mem") == "unreachable"
+        assert cell(table, "gpu-down", "users").startswith("connection refused")
+        assert cell(table, "gpu-down", "resv") == "seen 7m"  # fits its 10 columns
+        assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
+        await pilot.resize_terminal(160, 40)
+        await pilot.pause()
+        assert "power" in [c.key.value for c in table.ordered_columns]
+        assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
+
+
+async def test_per_user_view(tmp_path: Path) -> None:
+    seed(Store(tmp_path / "reservations.json"))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("w")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "UsersScreen"
+        text = app.screen.query_one("#users-text").render()
+        plain = text.plain if isinstance(text, Text) else str(text)
+        lines = plain.splitlines()
+        at = lines.index("bob  1 GPU  (1 process, 29G)")  # reserved gpu-h100:1, runs there
+        assert lines[at + 1:at + 4] == ["    reserved  gpu-h100:1", "    runs on   gpu-h100:1",
+                                        "    runs      python -m torch.distributed.run "
+                                        "finetune.py"]
+        at = lines.index("erin  1 GPU")
+        assert lines[at + 1] == "    reserved  gpu-mixed:1"
+        assert "[red]x[/]" in plain and "\x1b" not in plain  # inert
+        await pilot.press("escape")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Screen"
+
+
+async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
+        small_fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """alpha's sshd dies: the board shows alpha in its place, the selected GPU's host row
+    selected; sshd comes back while gputop waits out its backoff; `c` on alpha's row
+    connects at once instead of seconds later."""
+    import asyncio
+    import time
+
+    from gputop.config import load_config
+
+    monkeypatch.setenv("HOME", str(small_fleet.home))
+    config = load_config(str(small_fleet.write_config(timeout=3.0, interval=1.0)))
+    app = GputopApp(config, user="ann")
+    alpha = small_fleet.hosts["alpha"]
+
+    async def until(pilot: object, ok: object, limit: float) -> float:
+        start = time.monotonic()
+        while not ok():  # type: ignore[operator]
+            assert time.monotonic() - start < limit, "timed out"
+            await asyncio.sleep(0.05)
+        app.render_board()
+        await pilot.pause()  # type: ignore[attr-defined]
+        return time.monotonic() - start
+
+    def alpha_ok() -> bool:
+        s = app.model.snapshots.get("alpha")
+        return s is not None and s.ok
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = app.query_one(BoardTable)
+        await until(pilot, lambda: len(app.model.snapshots) == 2 and alpha_ok(), 20)
+        select(app, table, "alpha", 0)
+        small_fleet.stop_sshd(alpha)
+        assert app.poller is not None
+        (source,) = [s for s in app.poller.sources if s.name == "alpha"]
+        # Down, and retried until the backoff is long (1 s x 2^n): 8 s or more.
+        await until(pilot, lambda: source._retry_at - time.monotonic() > 7.0, 40)  # type: ignore[attr-defined]
+        assert chosen(app) == ("alpha", None, None)
+        assert keys(table).index("alpha") == 0  # kept its place, above beta
+        small_fleet.restart_sshd(alpha)
+        backoff_left = source._retry_at - time.monotonic()  # type: ignore[attr-defined]
+        await pilot.press("c")
+        took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
+        assert took < backoff_left - 1.0
+        assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]

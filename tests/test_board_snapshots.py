@@ -19,6 +19,11 @@ SIZES = {"120x40": (120, 40), "80x24": (80, 24)}
 K = "\x00"
 
 
+def gk(host: str, index: int) -> str:
+    """The row key of a fixture GPU: host + uuid (board_data numbers the uuids)."""
+    return f"{host}{K}GPU-{index:08d}-test"
+
+
 def app_for(tmp_path: Path) -> GputopApp:
     seed(Store(tmp_path / "reservations.json"))
     return GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
@@ -43,11 +48,14 @@ def loader(select: str | None = None, keys: tuple[str, ...] = ()):  # type: igno
 
 SCENES = {
     "board": loader(),
-    "detail": loader(f"gpu-h100{K}1", ("enter",)),
-    "reserve-modal": loader(f"gpu-h100{K}2", ("r",)),
+    "detail": loader(gk("gpu-h100", 1), ("enter",)),
+    "reserve-modal": loader(gk("gpu-h100", 2), ("r",)),
     "help": loader(None, ("question_mark",)),
     "host-error": loader("gpu-down", ("enter",)),
-    "hostile-strings": loader(f"gpu-h100{K}3", ("enter",)),
+    "hostile-strings": loader(gk("gpu-h100", 3), ("enter",)),
+    "sorted": loader(None, ("s",)),
+    "users": loader(None, ("w",)),
+    "confirm-in-use": loader(gk("gpu-h100", 0), ("r",)),
 }
 
 

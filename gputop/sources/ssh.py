@@ -328,6 +328,11 @@ class SshSource:
         self._last_error = None
         return gpus, err
 
+    def reset(self) -> None:
+        """Forget the backoff: the next query connects now (the board's reconnect key)."""
+        self._failures = 0
+        self._retry_at = 0.0
+
     def _backoff(self, err: HostError) -> None:
         self._failures += 1
         self._last_error = err

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
+from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -20,10 +21,16 @@ from gputop.reservations import Invalid, Refused, Store, StoreError, Target, rel
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
 from gputop.text import clean
-from gputop.ui.board_model import BoardModel, GpuRow, HostRow
-from gputop.ui.cells import Palette
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_keys, host_of, short_model
+from gputop.ui.cells import Palette, time_left
 from gputop.ui.messages import HostUpdated
-from gputop.ui.screens import HelpScreen, ReserveRequest, ReserveScreen
+from gputop.ui.screens import (
+    ConfirmScreen,
+    HelpScreen,
+    ReserveRequest,
+    ReserveScreen,
+    UsersScreen,
+)
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
@@ -33,17 +40,21 @@ RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 class GputopApp(App[int]):
     CSS_PATH = "gputop.tcss"
     TITLE = "gputop"
+    NOTIFICATION_TIMEOUT = 3  # toasts cover rows: short, and problems that last go in the bar
     BINDINGS = [
         Binding("r", "reserve", "Reserve"),
         Binding("u", "release", "Release"),
         Binding("slash", "filter", "Filter", key_display="/"),
         Binding("s", "sort", "Sort"),
-        Binding("f", "free_only", "Free only"),
+        Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
+        Binding("w", "users", "Who"),  # `?` lists every key
+        Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
-        Binding("t", "next_theme", "Theme"),
+        Binding("t", "next_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
-        Binding("escape", "clear_filter", "Clear filter", show=False),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("escape", "escape", "Close / clear", show=False),
     ]
 
     def __init__(
@@ -73,6 +84,7 @@ class GputopApp(App[int]):
         self._theme_names: list[str] = []
         self.palette = Palette()
         self._rows: dict[str, GpuRow | HostRow] = {}
+        self.poller: Poller | None = None
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -93,12 +105,15 @@ class GputopApp(App[int]):
             self.register_theme(theme)
         self._theme_names = sorted(loaded.themes)
         for problem in loaded.problems:
-            self.notify(problem, severity="warning", markup=False, timeout=8)
+            self.notify(problem, severity="warning", markup=False, timeout=6)
         if self._wanted_theme not in loaded.themes:
             self.notify(f"unknown theme {self._wanted_theme!r}; using {FALLBACK}",
                         severity="warning", markup=False)
             self._wanted_theme = FALLBACK
         self.theme = self._wanted_theme
+        for name in list(self.available_themes):  # the theme picker offers gputop's only
+            if name not in loaded.themes:
+                self.unregister_theme(name)
         self._update_palette()
         self.reload_store()
         self.query_one(BoardTable).focus()
@@ -106,7 +121,7 @@ class GputopApp(App[int]):
             from gputop.config import NO_CONFIG_HINT, default_config_path
 
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
-                        timeout=15)
+                        timeout=8)
         self.set_interval(RENDER_PERIOD, self._render_if_dirty)
         self.set_interval(max(0.5, self.config.interval), self.reload_store)
         if self._feed:
@@ -117,7 +132,7 @@ class GputopApp(App[int]):
 
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
-        poller = Poller(self.config, self._sources)
+        poller = self.poller = Poller(self.config, self._sources)
         try:
             async for snap in poller.updates():
                 self.post_message(HostUpdated(snap))
@@ -143,18 +158,21 @@ class GputopApp(App[int]):
         try:
             state = self.store.read()
         except StoreError as exc:
-            if str(exc) != self._store_problem:
+            if str(exc) != self._store_problem:  # stays in the summary bar until fixed
                 self._store_problem = str(exc)
                 self.notify(str(exc), title="reservations", severity="error", markup=False,
-                            timeout=15)
+                            timeout=6)
+                self._dirty = True
             return
-        self._store_problem = None
+        if self._store_problem is not None:
+            self._store_problem = None
+            self._dirty = True
         self._store_sig = sig
         self.model.set_state(state)
         self._dirty = True
 
     def _warn(self, message: str) -> None:
-        self.notify(message, severity="warning", markup=False, timeout=20)
+        self.notify(message, severity="warning", markup=False, timeout=8)
 
     # -- drawing -------------------------------------------------------------------------
 
@@ -169,15 +187,20 @@ class GputopApp(App[int]):
         rows, summary = self.model.view()
         self._rows = {r.key: r for r in rows}
         table.show_rows(rows, now, self.palette, self.model.signature)
-        note = f"filter: {self.model.filter_text}" if self.model.filter_text else ""
+        note = f"filter: {clean(self.model.filter_text)}" if self.model.filter_text else ""
         if self.model.free_only:
             note = (note + "  free only").strip()
+        if note and not rows:
+            note += ": nothing matches"
         if self.model.sort_mode != "host":
             note = (note + f"  sort: {self.model.sort_mode}").strip()
-        self.query_one(SummaryBar).show(summary, self.palette, note)
+        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem)
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, now, self.palette)
+
+    def on_board_table_layout_changed(self, _message: BoardTable.LayoutChanged) -> None:
+        self.render_board()
 
     def _update_palette(self) -> None:
         v = self.theme_variables
@@ -231,6 +254,29 @@ class GputopApp(App[int]):
         self.model.free_only = not self.model.free_only
         self.render_board()
 
+    def action_escape(self) -> None:
+        """Esc: clear the filter while typing it, else close the details, else clear."""
+        box = self.query_one("#filter", Input)
+        detail = self.query_one(DetailPane)
+        if detail.display and not box.has_focus:
+            detail.display = False
+        elif box.display or self.model.filter_text:
+            self.action_clear_filter()
+
+    def action_users(self) -> None:
+        self.push_screen(UsersScreen(self.model.users()))
+
+    def action_reconnect(self) -> None:
+        row = self._selected()
+        if row is None:
+            self.notify("select a host or one of its GPUs to reconnect", severity="warning")
+            return
+        if self.poller is None or not self.poller.reconnect(row.host):
+            self.notify(f"{clean(row.host)} is not polled here", severity="warning",
+                        markup=False)
+            return
+        self.notify(f"reconnecting {clean(row.host)} now", markup=False)
+
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
@@ -265,22 +311,60 @@ class GputopApp(App[int]):
         self.push_screen(HelpScreen())
 
     def action_reserve(self) -> None:
+        """Reserve the selected GPU: refuse at once if someone else holds it, ask first if
+        someone else runs on it, and check again on submit that it is still that GPU."""
         row = self._selected()
         if not isinstance(row, GpuRow) or row.gpu.index is None:
             self.notify("select a GPU row to reserve", severity="warning")
             return
-        host, gpu, uuid = row.host, row.gpu.index, row.gpu.uuid
         holder = row.reservation
         if holder is not None and holder.user != self.me:
-            self.notify(f"{clean(host)}:{gpu} is reserved by {clean(holder.user)}",
-                        severity="warning", markup=False)
+            note = f" ({clean(holder.note)})" if holder.note else ""
+            self.notify(f"{row.label} is reserved by {clean(holder.user)} for "
+                        f"{time_left(holder.expires, self.clock())} more{note}",
+                        severity="warning", markup=False, timeout=6)
+            return
+        key, label = row.key, row.label
+        about = f"{short_model(row.gpu.name)}  {clean(row.gpu.uuid) or 'no uuid'}"
 
         def done(req: ReserveRequest | None) -> None:
             if req is not None:
-                self._reserve(Target(host, gpu, uuid), req)
+                self._reserve_checked(key, label, req)
 
-        self.push_screen(ReserveScreen(f"{host}:{gpu}", self.config.reservation_default_s,
-                                       self.config.reservation_max_s), done)
+        def ask() -> None:
+            self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
+                                           self.config.reservation_max_s, about), done)
+
+        others = [p for p in row.gpu.processes if clean(p.user) != self.me]
+        if not others:
+            ask()
+            return
+        who = ", ".join(sorted({clean(p.user) or "?" for p in others}))
+        q = Text()
+        q.append(f"{label} is in use by {who}:\n", style="bold")
+        for p in others[:5]:
+            q.append(f"  {p.pid} {clean(p.user) or '?'}  {clean(p.command)[:50]}\n")
+        q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
+        self.push_screen(ConfirmScreen(q, "Reserve anyway"),
+                         lambda yes: ask() if yes else None)
+
+    def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
+        """The dialog was open a while: reserve only if the latest data still shows the GPU
+        the user chose, at the same index, on a host that answers."""
+        host = host_of(key)
+        snap = self.model.snapshots.get(host)
+        gpu = None if snap is None or not snap.ok else next(
+            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == key), None)
+        if snap is None or not snap.ok:
+            problem = f"{clean(host)} is down now"
+        elif gpu is None or gpu.index is None:
+            problem = f"{label} is gone from {clean(host)}"
+        elif f"{clean(host)}:{gpu.index}" != label:
+            problem = f"{label} is now {clean(host)}:{gpu.index} (renumbered)"
+        else:
+            self._reserve(Target(host, gpu.index, gpu.uuid), req)
+            return
+        self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
     @work(group="store")
     async def _reserve(self, target: Target, req: ReserveRequest) -> None:
@@ -289,10 +373,10 @@ class GputopApp(App[int]):
                 reserve, self.store, [target], seconds=req.seconds,
                 max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
         except Refused as exc:
-            self.notify(f"refused: {exc}", severity="error", markup=False, timeout=10)
+            self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
         except (Invalid, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=10)
+            self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
         self._store_changed(f"reserved {clean(target.host)}:{target.gpu}")
 
@@ -313,7 +397,7 @@ class GputopApp(App[int]):
         try:
             await asyncio.to_thread(release, self.store, [target], user=self.me)
         except (Refused, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=10)
+            self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
         self._store_changed(f"released {clean(target.host)}:{target.gpu}")
 

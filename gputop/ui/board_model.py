@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Literal
 
@@ -34,20 +34,52 @@ def short_model(name: str | None) -> str:
     return n
 
 
+def gpu_key(host: str, g: GpuInfo) -> str:
+    """A GPU's identity on the board: host + uuid, else host + index (else bus id). The
+    selection, the history and the reserve dialog follow this, never a row position."""
+    if g.uuid:
+        return f"{host}\x00{g.uuid}"
+    if g.index is not None:
+        return f"{host}\x00#{g.index}"
+    return f"{host}\x00@{g.bus_id}"
+
+
+def gpu_keys(host: str, gpus: Iterable[GpuInfo]) -> list[str]:
+    """``gpu_key`` of each GPU, made unique: a uuid (or index) listed twice, as broken or
+    hostile output may, falls back to index, then position, and never merges two rows."""
+    keys: list[str] = []
+    for pos, g in enumerate(gpus):
+        key = gpu_key(host, g)
+        if key in keys:
+            key = f"{host}\x00#{g.index}" if g.index is not None else key
+        if key in keys:
+            key = f"{host}\x00%{pos}"
+        keys.append(key)
+    return keys
+
+
+def host_of(key: str) -> str:
+    return key.split("\x00", 1)[0]
+
+
 @dataclass
 class GpuRow:
     """One GPU as the board sees it right now."""
 
     host: str
+    key: str  # see gpu_keys
     gpu: GpuInfo
     reservation: Reservation | None
     flags: list[str]
     stale: bool
     free: bool
+    #: No host header above it (sorted views): the row names its host itself.
+    show_host: bool = False
 
     @property
-    def key(self) -> str:
-        return f"{self.host}\x00{self.gpu.index if self.gpu.index is not None else self.gpu.bus_id}"
+    def label(self) -> str:
+        """``host:index``, the name people (and ``gputop reserve``) use."""
+        return f"{clean(self.host)}:{'?' if self.gpu.index is None else self.gpu.index}"
 
     @property
     def users(self) -> tuple[str, ...]:
@@ -96,6 +128,23 @@ class Summary:
 
 
 @dataclass
+class UserLoad:
+    """One person's share of the fleet, for the per-user view."""
+
+    user: str
+    running: list[str] = field(default_factory=list)  # "host:index" with their processes
+    reserved: list[str] = field(default_factory=list)  # "host:index" they reserved
+    processes: int = 0
+    memory_mib: int = 0
+    commands: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs held: running on or reserved (a reserved GPU they run on counts once)."""
+        return len(set(self.running) | set(self.reserved))
+
+
+@dataclass
 class BoardModel:
     host_order: list[str]
     interval: float = 2.0
@@ -105,7 +154,9 @@ class BoardModel:
     snapshots: dict[str, HostSnapshot] = field(default_factory=dict)
     #: The last snapshot that had GPUs, per host: shown dimmed when the host fails.
     last_good: dict[str, HostSnapshot] = field(default_factory=dict)
-    history: dict[tuple[str, int | None], tuple[deque[float], deque[float]]] = field(
+    #: Per GPU key: utilisation and memory-used percentages, one per refresh; ``None`` is
+    #: a gap (the value was unknown or the host did not answer), never 0.
+    history: dict[str, tuple[deque[float | None], deque[float | None]]] = field(
         default_factory=dict)
     state: StoreState = field(default_factory=StoreState)
     filter_text: str = ""
@@ -130,12 +181,16 @@ class BoardModel:
         if snap.ok:
             self.last_good[snap.name] = snap
             self.tracker.observe(snap)
-            for g in snap.gpus:
+            for g, key in zip(snap.gpus, gpu_keys(snap.name, snap.gpus)):
                 util, mem = self.history.setdefault(
-                    (snap.name, g.index), (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
-                util.append(float(g.utilization_percent or 0))
-                mem.append(100.0 * (g.memory_used_mib or 0) / g.memory_total_mib
-                           if g.memory_total_mib else 0.0)
+                    key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+                u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
+                util.append(None if u is None else float(u))
+                mem.append(100.0 * used / total if used is not None and total else None)
+        elif (last := self.last_good.get(snap.name)) is not None:
+            for key in gpu_keys(snap.name, last.gpus):  # no answer: a gap in each history
+                for series in self.history.get(key, ()):
+                    series.append(None)
 
     def set_state(self, state: StoreState) -> None:
         self.state = state
@@ -146,7 +201,8 @@ class BoardModel:
         minute = int(now.timestamp() // 60)
         if isinstance(row, GpuRow):
             return ("g", self.host_version.get(row.host), self.state_version, row.stale,
-                    tuple(row.flags), row.free, minute if row.reservation else 0)
+                    tuple(row.flags), row.free, minute if row.reservation else 0,
+                    row.show_host)
         seconds = int(now.timestamp()) if row.error or row.stale else 0
         return ("h", self.host_version.get(row.host), row.collapsed, row.stale,
                 row.gpu_count, seconds)
@@ -166,11 +222,11 @@ class BoardModel:
             return []
         stale = self.is_stale(snap, now)
         rows = []
-        for g in snap.gpus:
+        for g, key in zip(snap.gpus, gpu_keys(host, snap.gpus)):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, g, r, gpu_flags(g, r, idle), stale, free))
+            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle), stale, free))
         return rows
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:
@@ -200,7 +256,8 @@ class BoardModel:
         return self.view()[1]
 
     def _rows(self, per_host: dict[str, list[GpuRow]], now: datetime) -> list[Row]:
-        """In order: grouped by host when sorting by host, else flat; hosts in error last."""
+        """In order: grouped by host when sorting by host (a host in error keeps its place),
+        else flat, with the hosts in error after the GPUs."""
         grouped = self.sort_mode == "host"
         out: list[Row] = []
         flat: list[GpuRow] = []
@@ -212,8 +269,9 @@ class BoardModel:
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
-                    errors.append(HostRow(host, snap, len(last.gpus) if last else 0, False,
-                                          False, snap.last_ok))
+                    row = HostRow(host, snap, len(last.gpus) if last else 0, False, False,
+                                  snap.last_ok)
+                    (out if grouped else errors).append(row)
                 continue
             if snap is None:
                 if not self.free_only and self._matches(host, None) and grouped:
@@ -228,7 +286,7 @@ class BoardModel:
                 if not collapsed:
                     out.extend(gpus)
             else:
-                flat.extend(gpus)
+                flat.extend(replace(r, show_host=True) for r in gpus)
         if not grouped:
             if self.sort_mode == "utilization":
                 flat.sort(key=lambda r: (-(r.gpu.utilization_percent or 0), r.host,
@@ -265,6 +323,31 @@ class BoardModel:
                 s.mem_total_mib += g.memory_total_mib or 0
         s.util_percent = sum(utils) / len(utils) if utils else None
         return s
+
+    def users(self) -> list[UserLoad]:
+        """Who holds how many GPUs across the fleet (running processes or reservations) and
+        what they run: most GPUs first."""
+        now = self.clock()
+        loads: dict[str, UserLoad] = {}
+        for host in self.host_order:
+            snap = self.snapshots.get(host)
+            if snap is None or not snap.ok:
+                continue
+            for g in snap.gpus:
+                label = f"{clean(host)}:{'?' if g.index is None else g.index}"
+                for p in g.processes:
+                    load = loads.setdefault(clean(p.user) or "?", UserLoad(clean(p.user) or "?"))
+                    if label not in load.running:
+                        load.running.append(label)
+                    load.processes += 1
+                    load.memory_mib += p.gpu_memory_mib or 0
+                    cmd = clean(p.command or "?").split(" ", 1)
+                    name = cmd[0].rsplit("/", 1)[-1] + (" " + cmd[1] if len(cmd) > 1 else "")
+                    load.commands[name] = load.commands.get(name, 0) + 1
+        for r in self.state.active(now):
+            user = clean(r.user)
+            loads.setdefault(user, UserLoad(user)).reserved.append(f"{clean(r.host)}:{r.gpu}")
+        return sorted(loads.values(), key=lambda u: (-u.gpus, u.user))
 
     def find(self, key: str) -> Row | None:
         return next((r for r in self.rows() if r.key == key), None)

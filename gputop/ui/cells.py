@@ -11,14 +11,15 @@ from datetime import datetime
 
 from rich.text import Text
 
-from gputop.model import GpuInfo, iso
+from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration
 from gputop.text import clean
 from gputop.ui.board_model import GpuRow, HostRow, Row, short_model
 
-COLUMNS: tuple[tuple[str, str, int | None], ...] = (
-    # key, label, fixed width (None: as wide as its content)
-    ("gpu", "GPU", 20),
+Columns = tuple[tuple[str, str, int | None], ...]
+#: key, label, fixed width (None: as wide as its content). Wide terminals get everything.
+COLUMNS: Columns = (
+    ("gpu", "GPU", 22),
     ("util", "Util", 9),
     ("mem", "Memory", 16),
     ("users", "Users", 12),
@@ -27,7 +28,35 @@ COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("power", "Power", 9),
     ("flags", "Flags", None),
 )
+#: Below this many columns: temperature and power drop first, the rest narrows, so host,
+#: GPU, util, memory, users, reservation and flags fit 80 columns without sideways scrolling.
+WIDE_FROM = 110
+NARROW: Columns = (
+    ("gpu", "GPU", 17),
+    ("util", "Util", 8),
+    ("mem", "Memory", 11),  # "unreachable": an error's kind shows whole
+    ("users", "Users", 10),
+    ("resv", "Reserved", 10),
+    ("flags", "Flags", None),
+)
+
+
+def columns_for(width: int) -> Columns:
+    """The column set for a table this wide; the flags column takes what is left."""
+    if width >= WIDE_FROM:
+        return COLUMNS
+    used = sum(w + 2 for _, _, w in NARROW if w is not None) + 2 + 1  # padding, scrollbar
+    return (*NARROW[:-1], ("flags", "Flags", max(8, width - used)))
+
+
 BLOCKS = " ▏▎▍▌▋▊▉█"
+SHORT_FLAG_LABELS = {
+    "unreserved-use": "⚠ unresvd",  # 11 columns at most: the flags column at 80
+    "idle-reservation": "◌ idle resv",
+    "idle-holder": "◔ idle hold",
+    "lost": "✖ lost",
+    "renumbered": "⚠ new index",
+}
 FLAG_LABELS = {
     "unreserved-use": "⚠ unreserved use",
     "idle-reservation": "◌ idle reservation",
@@ -68,19 +97,19 @@ def gib(mib: int | None) -> str:
     return f"{g:.1f}" if g < 10 else f"{g:.0f}"
 
 
-def util_cell(g: GpuInfo, p: Palette) -> Text:
+def util_cell(g: GpuInfo, p: Palette, narrow: bool = False) -> Text:
     u = g.utilization_percent
     if u is None:
         return Text("  n/a", style=p.muted)
-    t = bar(u / 100, 4, p.busy if u > 10 else p.free)
+    t = bar(u / 100, 3 if narrow else 4, p.busy if u > 10 else p.free)
     t.append(f"{u:>4}%")
     return t
 
 
-def mem_cell(g: GpuInfo, p: Palette) -> Text:
+def mem_cell(g: GpuInfo, p: Palette, narrow: bool = False) -> Text:
     used, total = g.memory_used_mib, g.memory_total_mib
     frac = used / total if used is not None and total else None
-    t = bar(frac, 5, p.busy if frac and frac > 0.05 else p.free)
+    t = bar(frac, 2 if narrow else 5, p.busy if frac and frac > 0.05 else p.free)
     t.append(f" {gib(used)}/{gib(total)}G")
     return t
 
@@ -89,7 +118,8 @@ def time_left(r_expires: datetime, now: datetime) -> str:
     return format_duration(max(0.0, (r_expires - now).total_seconds()))
 
 
-def gpu_cells(row: GpuRow, now: datetime, p: Palette) -> tuple[Text, ...]:
+def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
+              ) -> tuple[Text, ...]:
     g = row.gpu
     if row.reservation is not None:
         label_style = p.reserved
@@ -98,7 +128,10 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette) -> tuple[Text, ...]:
     else:
         label_style = ""
     idx = "?" if g.index is None else str(g.index)
-    label = RankedText(f"  {idx:>2} ", style="bold")
+    if row.show_host:  # a sorted or flat view has no host headers: every row names it
+        label = RankedText(f"{row.label} ", style="bold")
+    else:
+        label = RankedText(f" {idx:>2} ", style="bold")
     label.append(short_model(g.name) if not g.lost else f"lost {clean(g.bus_id)}",
                  style=label_style or (p.error if g.lost else ""))
     if g.mig_mode == "Enabled":
@@ -111,40 +144,53 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette) -> tuple[Text, ...]:
     temp = Text("" if g.temperature_c is None else f"{g.temperature_c}°")
     power = Text("" if g.power_draw_w is None else f"{g.power_draw_w:.0f}W"
                  + ("" if g.power_limit_w is None else f"/{g.power_limit_w:.0f}"))
-    flags = Text(" ".join(FLAG_LABELS.get(f, f) for f in row.flags),
+    labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS
+    flags = Text(" ".join(labels.get(f, f) for f in row.flags),
                  style=p.error if row.flags else "")
-    cells = (label, util_cell(g, p) if not g.lost else Text(""),
-             mem_cell(g, p) if not g.lost else Text(""), Text(users), resv, temp, power, flags)
+    cells: tuple[Text, ...] = (
+        label, util_cell(g, p, narrow) if not g.lost else Text(""),
+        mem_cell(g, p, narrow) if not g.lost else Text(""), Text(users), resv)
+    cells += (flags,) if narrow else (temp, power, flags)
     if row.stale:
         for c in cells:
             c.stylize("dim")
     return cells
 
 
-def host_cells(row: HostRow, now: datetime, p: Palette) -> tuple[Text, ...]:
+def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
+               ) -> tuple[Text, ...]:
     name = clean(row.host)
     blank = Text("")
+    extra = () if narrow else (blank, blank)  # temperature, power
     if row.snapshot is None:
         return (RankedText(f"… {name}", style=p.muted), Text("waiting", style=p.muted), blank,
-                blank, blank, blank, blank, blank)
+                blank, blank, *extra, blank)
     if row.error:
         err = row.snapshot.error
         assert err is not None
-        seen = "never" if row.last_seen is None else _ago(row.last_seen, now)
-        return (RankedText(f"✖ {name}", style=f"bold {p.error}"),
-                Text("down", style=p.error), Text(err.kind, style=f"bold {p.error}"),
-                Text(f"seen {seen}", style=p.muted), blank, blank, blank,
-                Text(clean(err.message)[:120], style=p.error))
+        seen = Text(f"seen {_ago(row.last_seen, now)}", style=p.muted)
+        reason = Text(clean(err.message)[:160], style=p.error)
+        label = RankedText(f"✖ {name}", style=f"bold {p.error}")
+        kind = Text(err.kind, style=f"bold {p.error}")
+        if narrow:  # the kind and the start of the reason before anything else
+            short = Text(f"seen {_ago(row.last_seen, now).removesuffix(' ago')}", style=p.muted)
+            return (label, Text("down", style=p.error), kind, reason, short, blank)
+        return (label, Text("down", style=p.error), kind, seen, blank, blank, blank, reason)
     arrow = "▸" if row.collapsed else "▾"
     label = RankedText(f"{arrow} {name}", style="bold")
     tags = Text(" ".join(clean(t) for t in row.snapshot.tags), style=p.muted)
-    state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
     count = Text(f"{row.gpu_count} GPU" + ("s" if row.gpu_count != 1 else ""), style=p.muted)
-    return (label, count, tags, blank, blank, blank, blank, state)
+    if row.stale and narrow:  # in the wide columns, where 80 columns show it whole
+        return (label, count, tags, Text("stale", style=p.error),
+                Text("seen " + _ago(row.last_seen, now), style=p.error), blank)
+    state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
+    return (label, count, tags, blank, blank, *extra, state)
 
 
-def row_cells(row: Row, now: datetime, p: Palette) -> tuple[Text, ...]:
-    return gpu_cells(row, now, p) if isinstance(row, GpuRow) else host_cells(row, now, p)
+def row_cells(row: Row, now: datetime, p: Palette, narrow: bool = False) -> tuple[Text, ...]:
+    if isinstance(row, GpuRow):
+        return gpu_cells(row, now, p, narrow)
+    return host_cells(row, now, p, narrow)
 
 
 def _ago(t: datetime | None, now: datetime) -> str:
@@ -155,4 +201,6 @@ def _ago(t: datetime | None, now: datetime) -> str:
         return f"{s}s ago"
     if s < 3600:
         return f"{s // 60}m ago"
-    return iso(t) or "?"
+    if s < 2 * 86400:
+        return f"{s // 3600}h ago"
+    return f"{s // 86400}d ago"

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.ui.board_model import UserLoad
+from gputop.ui.cells import gib
 
 
 @dataclass(frozen=True)
@@ -26,13 +28,15 @@ class ReserveScreen(ModalScreen[ReserveRequest | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, target: str, default_s: float, max_s: float) -> None:
+    def __init__(self, target: str, default_s: float, max_s: float, about: str = "") -> None:
         super().__init__()
-        self.target, self.default_s, self.max_s = target, default_s, max_s
+        self.target, self.default_s, self.max_s, self.about = target, default_s, max_s, about
 
     def compose(self) -> ComposeResult:
         with Vertical(id="reserve-dialog"):
             yield Label(Text(f"Reserve {self.target}"), id="reserve-title")
+            if self.about:  # which GPU exactly: model and uuid, as the board last saw it
+                yield Label(Text(self.about), id="reserve-about")
             yield Label(Text(f"For how long? (e.g. 90m, 2h, 1d; at most "
                              f"{format_duration(self.max_s)})"))
             yield Input(value=format_duration(self.default_s).replace("h00m", "h"),
@@ -69,31 +73,113 @@ class ReserveScreen(ModalScreen[ReserveRequest | None]):
         self.dismiss(None)
 
 
-HELP = """\
+KEYS = (  # (key, what): every binding of the board, two to a line in the help
+    ("↑ ↓ j k", "move"), ("Home End", "first / last row"),
+    ("PgUp PgDn", "page"), ("enter", "details / fold a host"),
+    ("r", "reserve the GPU"), ("u", "release my reservation"),
+    ("c", "reconnect host now"), ("w", "who holds what"),
+    ("/", "filter"), ("esc", "close details, filter"),
+    ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
+    ("t", "next theme"), ("?", "this help"),
+    ("q ctrl+c", "quit"),
+)
+
+
+def _key_lines() -> str:
+    cells = [f"{k:<10}{what:<22}" for k, what in KEYS]
+    return "\n".join("  " + "".join(cells[i:i + 2]).rstrip() for i in range(0, len(cells), 2))
+
+
+HELP = f"""\
 gputop: every GPU on your team's servers, live.
 
-  ↑ ↓ PgUp PgDn  move            enter  details / fold a host
-  r  reserve the selected GPU    u      release my reservation
-  /  filter (host, model, user, tag)    esc   clear the filter
-  s  sort: host → utilisation → free memory
-  f  free GPUs only              t      next theme
-  ?  this help                   q      quit
+{_key_lines()}
 
-Colours: free · busy · reserved · error. Dim rows are stale: the host
-has not answered for a few refreshes. Flags: ⚠ unreserved use (someone
-else runs on a reserved GPU), ◌ idle reservation (reserved, nothing
-running), ◔ idle holder (memory held at ~0% load for a long time).
+Colours: free · busy · reserved · error. Dim rows are stale: the
+host has not answered for a few refreshes. Flags: ⚠ unreserved use
+(someone else runs on a reserved GPU), ◌ idle reservation (reserved,
+nothing running), ◔ idle holder (memory held at ~0% load for long).
+c reconnects the selected host at once, skipping its retry wait;
+w: per person, the GPUs they run on or reserved, and what runs.
 
 Reservations are advisory and shared: the whole team's gputop reads
 the same file, and `gputop reservations` lists them in a terminal.
 """
 
 
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; no (esc) is the default."""
+
+    BINDINGS = [Binding("escape,n", "answer(False)", "No"), Binding("y", "answer(True)", "Yes")]
+
+    def __init__(self, question: Text, yes: str) -> None:
+        super().__init__()
+        self.question, self.yes = question, yes
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-dialog"):
+            yield Static(self.question, id="confirm-text")
+            with Horizontal(id="confirm-buttons"):
+                yield Button(f"{self.yes} (y)", variant="warning", id="confirm-yes")
+                yield Button("Cancel (n)", id="confirm-no")
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "confirm-yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+def users_text(loads: list[UserLoad]) -> Text:
+    """The per-user view: who holds how many GPUs, and what they run."""
+    if not loads:
+        return Text("Nobody runs anything or holds a reservation right now.")
+    t = Text()
+    for u in loads:
+        t.append(f"{u.user}", style="bold")
+        t.append(f"  {u.gpus} GPU{'s' if u.gpus != 1 else ''}")
+        if u.processes:
+            mem = f", {gib(u.memory_mib)}G" if u.memory_mib else ""
+            t.append(f"  ({u.processes} process{'es' if u.processes != 1 else ''}{mem})",
+                     style="dim")
+        t.append("\n")
+        if u.reserved:
+            t.append("    reserved  " + ", ".join(u.reserved) + "\n")
+        if u.running:
+            t.append("    runs on   " + ", ".join(u.running) + "\n")
+        if u.commands:
+            runs = ", ".join(cmd[:60] + (f" ({n})" if n > 1 else "")
+                             for cmd, n in sorted(u.commands.items(), key=lambda c: -c[1]))
+            t.append(f"    runs      {runs}\n", style="dim")
+    return t
+
+
+class UsersScreen(ModalScreen[None]):
+    """Who holds how many GPUs across the fleet (processes and reservations)."""
+
+    BINDINGS = [Binding("escape,q,w", "close", "Close")]
+
+    def __init__(self, loads: list[UserLoad]) -> None:
+        super().__init__()
+        self.loads = loads
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="users-dialog"):
+            yield Static(Text("Who holds what", style="bold"), id="users-title")
+            yield Static(users_text(self.loads), id="users-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help-dialog"):
+        with VerticalScroll(id="help-dialog"):
             yield Static(Text(HELP), id="help-text")
             yield Button("Close", id="help-close")
 
