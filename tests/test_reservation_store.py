@@ -437,7 +437,7 @@ def test_fuzz_hostile_documents_give_store_error_or_a_valid_state(tmp_path: Path
             target[p[-1]] = value
             path.write_bytes(json.dumps(d).encode())
             try:
-                state = Store(path).read()
+                Store(path).read()
             except StoreError:
                 outcomes["error"] += 1
                 continue
@@ -445,7 +445,6 @@ def test_fuzz_hostile_documents_give_store_error_or_a_valid_state(tmp_path: Path
             make(Store(path), "fuzz", 0, "zed")  # what was read can be written back...
             Store(path).read()  # ...and read again
     assert outcomes["error"] > 100 and outcomes["ok"] > 5, outcomes
-    assert isinstance(state, object)
 
 
 def test_too_large_message_gives_the_real_size(tmp_path: Path) -> None:
