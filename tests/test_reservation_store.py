@@ -521,3 +521,19 @@ def test_cli_reserve_that_would_overflow_the_file_exits_2(tmp_path: Path) -> Non
     assert r.returncode == 2, r.stderr
     assert "refusing to write" in r.stderr and "Traceback" not in r.stderr
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_not_a_regular_file_is_a_store_error_not_a_hang(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "r.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
+    for args in (["reservations"], ["release", "--mine"]):
+        r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), *args],
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+    assert path.is_dir() if kind == "directory" else path.is_fifo()

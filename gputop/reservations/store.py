@@ -278,15 +278,24 @@ class Store:
 
     def read(self) -> StoreState:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted at the path must not hang every reader.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return StoreState()
         except OSError as exc:
             raise StoreError(self._os_message(exc, self.path, "read")) from None
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(MAX_FILE_BYTES + 1)
-        return decode(raw, self.path, size)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreError(f"{self.path}: not a regular file; gputop reads and "
+                                 "writes only a plain file there (it was left untouched)")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise StoreError(self._os_message(exc, self.path, "read")) from None
+        finally:
+            os.close(fd)
+        return decode(raw, self.path, st.st_size)
 
     # -- writing (under the lock) ----------------------------------------------------------
 
