@@ -73,7 +73,7 @@ async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
 
     poller = Poller(config)
     store = Store(config.reservations_path)
-    tracker = IdleTracker(config.idle_holder_s)
+    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
     reported: str | None = None
     try:
         while True:

@@ -11,6 +11,7 @@ import asyncio
 import re
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from gputop.config import Config, parse_duration
 from gputop.model import HostSnapshot, iso, utcnow
@@ -24,10 +25,9 @@ from gputop.reservations import (
     StoreError,
     Target,
     release,
-    reserve,
 )
-from gputop.reservations.flags import free_gpus
-from gputop.reservations.ops import format_duration, whoami
+from gputop.reservations.flags import free_gpus, other_users
+from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
 from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -77,9 +77,26 @@ async def _poll(config: Config, names: set[str] | None = None) -> list[HostSnaps
         await poller.aclose()
 
 
+def _duration(config: Config, text: str | None) -> float:
+    """``--for``: a clear message for what cannot be a reservation's length."""
+    if text is None:
+        return config.reservation_default_s
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds <= config.reservation_max_s:
+        raise Invalid(f"--for {text}: say how long to reserve, more than zero and at most "
+                      f"{format_duration(config.reservation_max_s)}: type e.g. --for 30m, "
+                      "--for 2h or --for 1d (to give a GPU back: gputop release HOST:GPU)")
+    return seconds
+
+
 def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
     """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
-    A host that does not answer cannot be checked: say so and keep the index."""
+    A host that does not answer cannot be checked: say so and keep the index. A GPU that
+    someone else is using can be reserved, with a warning naming them."""
+    me = whoami()[0]
     snaps = {h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))}
     out = []
     for t in targets:
@@ -94,31 +111,59 @@ def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
         if t.gpu not in by_index:
             raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
                           + ", ".join(str(i) for i in sorted(by_index)))
+        others = other_users(by_index[t.gpu], me)
+        if others:
+            print(f"gputop: warning: {t.host}:{t.gpu} is in use by "
+                  f"{', '.join(clean(u) for u in others)}; reserving it anyway",
+                  file=sys.stderr)
         out.append(Target(t.host, t.gpu, by_index[t.gpu].uuid))
     return out
 
 
-def _print_reservations(made: Sequence[Reservation], verb: str) -> None:
-    now = utcnow()
-    for r in made:
-        left = format_duration((r.expires - now).total_seconds())
-        print(f"{verb} {clean(r.host)}:{r.gpu} until {iso(r.expires)} ({left})")
+def _until(r: Reservation) -> str:
+    left = format_duration(max(0.0, (r.expires - utcnow()).total_seconds()))
+    return f"until {local_time(r.expires)} ({left} left)"
+
+
+def _print_outcomes(made: Sequence[Outcome], out: TextIO) -> None:
+    """One line per GPU saying what happened, in local time (``--json`` keeps UTC)."""
+    for o in made:
+        r, gpu = o.reservation, f"{clean(o.reservation.host)}:{o.reservation.gpu}"
+        if o.action == "reserved":
+            print(f"reserved {gpu} {_until(r)}", file=out)
+        elif o.action == "extended":
+            assert o.previous is not None
+            print(f"extended your reservation of {gpu} {_until(r)} (was until "
+                  f"{local_time(o.previous.expires)})", file=out)
+        else:
+            print(f"kept your reservation of {gpu} {_until(r)}: it already lasts longer "
+                  "than asked" + (" (note updated)" if o.previous and o.previous.note != r.note
+                                  else ""), file=out)
 
 
 def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     targets = parse_targets(args.targets)
     _check_hosts(config, targets)
-    seconds = parse_duration(args.duration) if args.duration else config.reservation_default_s
+    seconds = _duration(config, args.duration)
     targets = _validate_gpus(config, targets)
-    made = reserve(Store(config.reservations_path), targets, seconds=seconds,
-                   max_seconds=config.reservation_max_s, note=args.note or "")
-    _print_reservations(made, "reserved")
+    made = reserve_outcomes(Store(config.reservations_path), targets, seconds=seconds,
+                            max_seconds=config.reservation_max_s, note=args.note or "")
+    _print_outcomes(made, sys.stdout)
     return EXIT_OK
 
 
 def cmd_release(config: Config, args: argparse.Namespace) -> int:
-    if args.mine == bool(args.targets):
-        raise Invalid("give HOST:GPU arguments or --mine (not both)")
+    if args.mine and args.targets:
+        raise Invalid("give HOST:GPU arguments or --mine, not both")
+    if not args.mine and not args.targets:
+        now = utcnow()
+        mine = sorted((r for r in Store(config.reservations_path).read().active(now)
+                       if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu))
+        held = ("; yours now: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in mine)
+                if mine else "; you hold no reservations now")
+        raise Invalid("say what to release: gputop release HOST:GPU[,GPU...] (e.g. "
+                      "gputop release gpu-01:0,1), or gputop release --mine for all of yours"
+                      + held)
     targets = None if args.mine else parse_targets(args.targets)
     if targets:
         _check_hosts(config, targets)
@@ -143,7 +188,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
-        (f"{clean(r.host)}:{r.gpu}", clean(r.user), iso(r.expires) or "",
+        (f"{clean(r.host)}:{r.gpu}", clean(r.user), local_time(r.expires),
          format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -165,14 +210,21 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_REFUSED
+    expires: dict[tuple[str, int | None], str | None] = {}
     if args.reserve:
-        seconds = parse_duration(args.duration) if args.duration else config.reservation_default_s
-        reserve(store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in found],
-                seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+        seconds = _duration(config, args.duration)
+        made = reserve_outcomes(
+            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in found],
+            seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+        _print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
+        expires = {(o.reservation.host, o.reservation.gpu): iso(o.reservation.expires)
+                   for o in made}
     if args.json:
         write_document({"version": 1, "reserved": bool(args.reserve), "free": [
             {"host": f.host, "gpu": f.gpu.index, "uuid": f.gpu.uuid, "name": f.gpu.name,
-             "memory_free_mib": f.free_mib} for f in found]}, sys.stdout)
+             "memory_free_mib": f.free_mib}
+            | ({"expires": expires.get((f.host, f.gpu.index))} if args.reserve else {})
+            for f in found]}, sys.stdout)
     else:
         for f in found:
             print(f"{f.host}:{f.gpu.index}")

@@ -78,6 +78,9 @@ class Config:
     reservation_max_s: float = 7 * 86400.0
     #: How long a GPU must hold memory at ~0 % utilisation to be flagged ``idle-holder``.
     idle_holder_s: float = 1800.0
+    #: A reservation is flagged ``idle-reservation`` only after this long without a process
+    #: of its holder on the GPU (``[reservations] idle_grace``).
+    idle_grace_s: float = 900.0
     #: True when no config file was found: only the local machine is monitored.
     implicit: bool = False
 
@@ -250,6 +253,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     rmax = r.duration("max_duration", 7 * 86400.0)
     if rdefault > rmax:
         raise ConfigError(path, "reservations.default_duration", "is longer than max_duration")
+    idle_grace_s = r.duration("idle_grace", 900.0)
     r.done()
 
     raw_hosts = top.get("hosts", list, [])
@@ -282,4 +286,5 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         reservation_default_s=rdefault,
         reservation_max_s=rmax,
         idle_holder_s=idle_holder_s,
+        idle_grace_s=idle_grace_s,
     )

@@ -80,6 +80,8 @@ def seed(store: Store, now: datetime = NOW) -> None:
         return StoreState(reservations=(
             new_reservation("gpu-h100", 1, "bob", "ws-bob", now - timedelta(hours=1),
                             4 * 3600, None, "ablation [i]sweep[/i]"),
-            new_reservation("gpu-mixed", 1, "erin", "ws-erin", now, 90 * 60, None, ""),
+            # Made 30 min ago, unused: past the idle-reservation grace period (15 min).
+            new_reservation("gpu-mixed", 1, "erin", "ws-erin", now - timedelta(minutes=30),
+                            120 * 60, None, ""),
         ))
     store.update(change)

@@ -6,7 +6,14 @@ from dataclasses import replace
 from datetime import timedelta
 
 from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, ProcessInfo, utcnow
-from gputop.reservations.flags import IdleTracker, annotate, free_gpus, gpu_flags, is_free
+from gputop.reservations.flags import (
+    IdleTracker,
+    annotate,
+    free_gpus,
+    gpu_flags,
+    is_free,
+    other_users,
+)
 from gputop.reservations.store import StoreState, new_reservation
 
 T0 = utcnow()
@@ -34,7 +41,7 @@ def test_idle_holder_needs_a_long_stretch_and_resets_on_work() -> None:
 def test_flags_for_reserved_gpus() -> None:
     r = new_reservation("h", 0, "ann", "m", T0, 3600, "GPU-a", "")
     assert gpu_flags(IDLE_JOB, r, False) == ["unreserved-use"]  # sam runs on ann's GPU
-    assert gpu_flags(replace(IDLE_JOB, processes=()), r, False) == ["idle-reservation"]
+    assert gpu_flags(replace(IDLE_JOB, processes=()), r, False, True) == ["idle-reservation"]
     mine = replace(IDLE_JOB, processes=(ProcessInfo(2, "ann", "python", 10),))
     assert gpu_flags(mine, r, True) == ["idle-holder"]
     assert "renumbered" in gpu_flags(replace(mine, uuid="GPU-b"), r, False)
@@ -65,3 +72,48 @@ def test_free_is_idle_and_unreserved_best_first() -> None:
     assert [f.gpu.index for f in free_gpus([snap], held, user="ann")] == [0]
     assert [f.gpu.index for f in free_gpus([snap], held, user="bob")] == [1, 0]
     assert [f.gpu.index for f in free_gpus([snap], None, min_free_mib=30000)] == [1]
+
+
+EMPTY = replace(IDLE_JOB, processes=(), memory_used_mib=3, utilization_percent=0)
+
+
+def test_idle_reservation_only_after_the_grace_period() -> None:
+    """A reservation is not "idle" the moment it is made: only once no process of its
+    holder was seen on the GPU for the grace period (since creation or since last seen)."""
+    r = new_reservation("h", 0, "ann", "m", T0, 4 * 3600, None, "")
+    tr = IdleTracker(after_s=1800, grace_s=900)
+
+    def flags(at_s: float, g: GpuInfo) -> list[str]:
+        snap = host(at_s, g)
+        tr.observe(snap)
+        now = T0 + timedelta(seconds=at_s)
+        return gpu_flags(g, r, False, tr.reservation_idle("h", g, r, now))
+
+    assert flags(0, EMPTY) == []  # just reserved: the holder is starting the job
+    assert flags(899, EMPTY) == []
+    assert flags(900, EMPTY) == ["idle-reservation"]
+    ann = replace(EMPTY, processes=(ProcessInfo(7, "ann", "python", 900),))
+    assert flags(1000, ann) == []  # the holder's job runs
+    assert flags(1500, EMPTY) == []  # finished 500 s ago: still within the grace period
+    assert flags(1900, EMPTY) == ["idle-reservation"]
+    sam = replace(EMPTY, processes=(ProcessInfo(8, "sam", "python", 900),))
+    assert flags(2000, sam) == ["unreserved-use", "idle-reservation"]  # not the holder's
+    unknown = replace(EMPTY, processes=(ProcessInfo(9, None, "python", 900),))
+    assert flags(2100, unknown) == []  # an owner nobody could tell may be the holder
+
+
+def test_one_shot_json_counts_the_grace_from_creation() -> None:
+    old = new_reservation("h", 0, "ann", "m", T0 - timedelta(hours=1), 4 * 3600, None, "")
+    new = new_reservation("h", 1, "ann", "m", T0 - timedelta(minutes=5), 4 * 3600, None, "")
+    snap = host(0, EMPTY, replace(EMPTY, index=1))
+    tr = IdleTracker(after_s=1800)  # default grace: 15 minutes
+    tr.observe(snap)
+    doc = annotate(FleetSnapshot(hosts=(snap,), time=T0), StoreState((old, new)), tr)
+    assert [g["flags"] for g in doc["hosts"][0]["gpus"]] == [["idle-reservation"], []]
+
+
+def test_other_users_says_who_else_uses_a_gpu() -> None:
+    g = replace(EMPTY, processes=(ProcessInfo(1, "sam", "a", 1), ProcessInfo(2, "ann", "b", 1),
+                                  ProcessInfo(3, None, "c", 1), ProcessInfo(4, "sam", "d", 1)))
+    assert other_users(g, "ann") == ["?", "sam"]
+    assert other_users(EMPTY, "ann") == []

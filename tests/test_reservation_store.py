@@ -329,3 +329,211 @@ def test_sigkill_at_random_moments_leaves_a_valid_file(tmp_path: Path) -> None:
     # A later writer cleans up the temp files of the killed ones.
     make(Store(path), "after", 0, "ann")
     assert not list(tmp_path.glob(".r.json.tmp.*"))
+
+
+# -- valid JSON, hostile content: a StoreError naming the file, never another exception ------
+
+
+def rec(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "id": "a1", "host": "h", "gpu": 0, "user": "ann", "machine": "m",
+        "created": iso(utcnow()), "expires": iso(utcnow() + timedelta(hours=1)), "note": ""}
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not DROP}
+
+
+DROP = object()
+
+
+def doc(*records: object, **top: object) -> bytes:
+    d: dict[str, object] = {"version": 1, "reservations": list(records), "events": []}
+    d.update(top)
+    return json.dumps(d).encode()
+
+
+HOSTILE = {
+    "deep-nesting": (b'{"version": 1, "reservations": [], "events": '
+                     + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "time-underflows-utc": doc(rec(created="0001-01-01T00:00:00+01:00")),
+    "time-overflows-utc": doc(rec(expires="9999-12-31T23:59:59-01:00")),
+    "time-year-1": doc(rec(created="0001-01-01T00:00:00+00:00")),
+    "gpu-5000-digits": (b'{"version": 1, "reservations": [{"gpu": ' + b"9" * 5000 + b"}]}"),
+    "gpu-huge": doc(rec(gpu=2**63)),
+    "gpu-negative": doc(rec(gpu=-1)),
+    "gpu-float": doc(rec(gpu=1.0)),
+    "gpu-bool": doc(rec(gpu=True)),
+    "gpu-nan": b'{"version": 1, "reservations": [{"gpu": NaN}]}',
+    "infinity": b'{"version": 1, "reservations": [], "events": [Infinity]}',
+    "version-true": b'{"version": true, "reservations": []}',
+    "version-float": b'{"version": 1.0, "reservations": []}',
+    "duplicate-ids": doc(rec(id="same"), rec(id="same", gpu=1, user="bob")),
+    "two-on-one-gpu": doc(rec(id="a"), rec(id="b", user="bob")),
+    "record-not-object": doc("h:0"),
+    "record-null": doc(None),
+    "user-number": doc(rec(user=7)),
+    "host-empty": doc(rec(host="")),
+    "host-huge": doc(rec(host="h" * 100_000)),
+    "id-object": doc(rec(id={"a": 1})),
+    "note-array": doc(rec(note=["x"])),
+    "uuid-number": doc(rec(uuid=5)),
+    "created-missing": doc(rec(created=DROP)),
+    "created-number": doc(rec(created=1_700_000_000)),
+    "time-naive": doc(rec(expires="2099-01-01T00:00:00")),
+    "lone-surrogate": b'{"version": 1, "reservations": [{"id": "a", "host": "\\ud800", '
+                      b'"gpu": 0, "user": "u", "machine": "m", "created": "2026-01-01T00:00:00Z",'
+                      b' "expires": "2099-01-01T00:00:00Z"}]}',
+    "bom": b"\xef\xbb\xbf" + doc(rec()),
+    "unknown-top-level": doc(rec(), extra={"kept": "nowhere"}),
+    "reservations-object": b'{"version": 1, "reservations": {}}',
+    "event-not-object": doc(rec(), events=[1]),
+    "event-deep": doc(rec(), events=[{"time": iso(utcnow()), "action": "force-release",
+                                      "by": "b", "machine": "m",
+                                      "reservation": rec(note=DROP, uuid=[[[[[]]]]])}]),
+    # Deep enough to break json.dumps(indent=1) on the next write, shallow enough to parse.
+    "event-nested": doc(rec(), events=[{"x": json.loads("[" * 900 + "]" * 900)}]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_valid_json_is_a_store_error_and_left_untouched(tmp_path: Path,
+                                                                kind: str) -> None:
+    path = tmp_path / "r.json"
+    path.write_bytes(HOSTILE[kind])
+    store = Store(path)
+    with pytest.raises(StoreError) as exc:
+        store.read()
+    assert str(path) in str(exc.value) and "untouched" in str(exc.value)
+    with pytest.raises(StoreError):
+        make(store, "h", 3, "ann")
+    with pytest.raises(StoreError):
+        release(store, None, user="ann")
+    assert path.read_bytes() == HOSTILE[kind]
+
+
+def _mutations(rng: random.Random) -> list[object]:
+    return [None, True, False, 0, -1, 1.5, 2**40, "", "x" * 300, "\u202e", [], {}, [None],
+            {"a": [1]}, "2026-01-01T00:00:00Z", "9999-12-31T23:59:59-23:59",
+            rng.randint(-10, 10), rng.random()]
+
+
+def test_fuzz_hostile_documents_give_store_error_or_a_valid_state(tmp_path: Path) -> None:
+    """Replace every field at every level with hostile values: the store either reads a
+    state it can write back and read again, or says StoreError; nothing else escapes."""
+    rng = random.Random(8)
+    path = tmp_path / "r.json"
+    event = {"time": iso(utcnow()), "action": "force-release", "by": "b", "machine": "m",
+             "reservation": rec(id="e")}
+    base = {"version": 1, "reservations": [rec(), rec(id="b", gpu=1)], "events": [event]}
+    paths: list[tuple[object, ...]] = [("version",), ("reservations",), ("events",)]
+    paths += [("reservations", 0, k) for k in rec()] + [("events", 0, k) for k in event]
+    paths += [("events", 0, "reservation", k) for k in rec()]
+    outcomes = {"error": 0, "ok": 0}
+    for p in paths:
+        for value in _mutations(rng):
+            d = json.loads(json.dumps(base))
+            target = d
+            for k in p[:-1]:
+                target = target[k]
+            target[p[-1]] = value
+            path.write_bytes(json.dumps(d).encode())
+            try:
+                Store(path).read()
+            except StoreError:
+                outcomes["error"] += 1
+                continue
+            outcomes["ok"] += 1
+            make(Store(path), "fuzz", 0, "zed")  # what was read can be written back...
+            Store(path).read()  # ...and read again
+    assert outcomes["error"] > 100 and outcomes["ok"] > 5, outcomes
+
+
+def test_too_large_message_gives_the_real_size(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    size = MAX_FILE_BYTES * 2 + 17
+    path.write_bytes(b" " * size)
+    with pytest.raises(StoreError, match=f"{size} bytes is larger than"):
+        Store(path).read()
+
+
+def test_release_by_id_removes_exactly_that_reservation(tmp_path: Path) -> None:
+    store = Store(tmp_path / "r.json")
+    make(store, "h", 0, "ann")
+    make(store, "h", 1, "bob")
+    # A file where ann's and bob's share an id: releasing ann's must not take bob's.
+    d = json.loads((tmp_path / "r.json").read_text())
+    d["reservations"][1]["id"] = d["reservations"][0]["id"]
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    with pytest.raises(StoreError, match="duplicate id"):
+        release(store, [Target("h", 0)], user="ann")
+    assert len(json.loads((tmp_path / "r.json").read_text())["reservations"]) == 2
+
+
+# -- never write a file gputop would refuse to read ---------------------------------------
+
+
+def test_refuses_to_write_more_bytes_than_a_reader_accepts(tmp_path: Path) -> None:
+    """500-character notes of emoji are 12 bytes a character once escaped: about 670 of
+    them pass every per-request check but would make a file no reader accepts."""
+    path = tmp_path / "r.json"
+    store = Store(path)
+    note = "\U0001f600" * 500
+    reserve(store, [Target("h", i) for i in range(600)], seconds=H, max_seconds=86400,
+            user="ann", note=note)
+    before = path.read_bytes()
+    with pytest.raises(StoreError) as exc:
+        reserve(store, [Target("h", i) for i in range(600, 700)], seconds=H,
+                max_seconds=86400, user="ann", note=note)
+    msg = str(exc.value)
+    assert "refusing to write" in msg and str(MAX_FILE_BYTES) in msg and str(path) in msg
+    assert path.read_bytes() == before
+    make(store, "h", 600, "ann", note)  # one more still fits
+    assert len(store.read().reservations) == 601
+
+
+def test_refuses_to_write_more_reservations_than_a_reader_accepts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gputop.reservations.store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_RESERVATIONS", 5)
+    store = Store(tmp_path / "r.json")
+    reserve(store, [Target("h", i) for i in range(5)], seconds=H, max_seconds=86400,
+            user="ann")
+    with pytest.raises(StoreError, match="refusing to write 6 reservations"):
+        make(store, "h", 9, "ann")
+    assert len(store.read().reservations) == 5
+
+
+def test_cli_reserve_that_would_overflow_the_file_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    big = "\U0001f600" * 500
+    now = utcnow()
+    records = [rec(id=f"r{i}", host="h", gpu=i, note=big, created=iso(now),
+                   expires=iso(now + timedelta(hours=5))) for i in range(600)]
+    path.write_bytes(doc(*records))
+    assert Store(path).read()  # readable as it is
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[defaults]\ntimeout = 0.5\n[reservations]\n'
+                   f'path = "{path}"\n')
+    before = path.read_bytes()
+    spec = "h:" + ",".join(str(i) for i in range(700, 800))
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "reserve", spec,
+                        "--note", big], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "refusing to write" in r.stderr and "Traceback" not in r.stderr
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_not_a_regular_file_is_a_store_error_not_a_hang(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "r.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
+    for args in (["reservations"], ["release", "--mine"]):
+        r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), *args],
+                           capture_output=True, text=True, timeout=20)
+        assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+    assert path.is_dir() if kind == "directory" else path.is_fifo()

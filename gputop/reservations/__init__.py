@@ -1,7 +1,16 @@
 """Advisory GPU reservations in one shared file (no Textual here either)."""
 
-from gputop.reservations.ops import Invalid, Refused, Target, release, reserve
+from gputop.reservations.ops import (
+    Invalid,
+    Outcome,
+    Refused,
+    Target,
+    release,
+    reserve,
+    reserve_outcomes,
+    whoami,
+)
 from gputop.reservations.store import Reservation, Store, StoreError, StoreState
 
-__all__ = ["Invalid", "Refused", "Reservation", "Store", "StoreError", "StoreState", "Target",
-           "release", "reserve"]
+__all__ = ["Invalid", "Outcome", "Refused", "Reservation", "Store", "StoreError", "StoreState",
+           "Target", "release", "reserve", "reserve_outcomes", "whoami"]

@@ -17,6 +17,8 @@ from gputop.reservations.store import Reservation, StoreState
 IDLE_UTIL_PERCENT = 2
 #: A GPU with no processes using at most this much memory counts as free.
 FREE_MEMORY_SLACK_MIB = 512
+#: ``idle-reservation`` only after this long without a process of the holder on the GPU.
+IDLE_GRACE_S = 15 * 60.0
 
 
 def holds_memory_idle(g: GpuInfo) -> bool:
@@ -24,12 +26,26 @@ def holds_memory_idle(g: GpuInfo) -> bool:
             and g.utilization_percent <= IDLE_UTIL_PERCENT)
 
 
-class IdleTracker:
-    """Remembers since when each GPU has held memory at ~0 % utilisation."""
+def other_users(g: GpuInfo, me: str) -> list[str]:
+    """Who else runs processes on this GPU (sorted; ``"?"`` for an owner nobody could tell):
+    reserving it is allowed but deserves a warning, in the CLI and on the board alike."""
+    return sorted({p.user or "?" for p in g.processes if p.user != me})
 
-    def __init__(self, after_s: float) -> None:
+
+def _holder_present(g: GpuInfo, user: str) -> bool:
+    # A process whose owner is unknown may be the holder's: never call that idle.
+    return any(p.user == user or p.user is None for p in g.processes)
+
+
+class IdleTracker:
+    """Remembers since when each GPU has held memory at ~0 % utilisation, and when each
+    user's processes were last seen on it (for the idle-reservation grace period)."""
+
+    def __init__(self, after_s: float, grace_s: float = IDLE_GRACE_S) -> None:
         self.after_s = after_s
+        self.grace_s = grace_s
         self._since: dict[tuple[str, int | None], datetime] = {}
+        self._seen: dict[tuple[str, int | None], dict[str | None, datetime]] = {}
 
     def observe(self, host: HostSnapshot) -> None:
         if not host.ok:
@@ -40,6 +56,19 @@ class IdleTracker:
                 self._since.setdefault(key, host.time)
             else:
                 self._since.pop(key, None)
+            if g.processes:
+                seen = self._seen.setdefault(key, {})
+                for p in g.processes:
+                    seen[p.user] = host.time
+
+    def reservation_idle(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
+        """True once no process of the holder was seen on the GPU for ``grace_s``: since the
+        reservation was made, or since one was last seen, whichever is later."""
+        if g.lost or _holder_present(g, r.user):
+            return False
+        seen = self._seen.get((host, g.index), {})
+        last = max([r.created, *(t for u, t in seen.items() if u == r.user or u is None)])
+        return (now - last).total_seconds() >= self.grace_s
 
     def idle_for(self, host: str, gpu: int | None, now: datetime) -> float:
         since = self._since.get((host, gpu))
@@ -50,14 +79,16 @@ class IdleTracker:
         return since is not None and (now - since).total_seconds() >= self.after_s
 
 
-def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool) -> list[str]:
+def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
+              reservation_idle: bool = False) -> list[str]:
+    """``reservation_idle`` comes from ``IdleTracker.reservation_idle`` (it needs history)."""
     flags: list[str] = []
     if g.lost:
         flags.append("lost")
     if r is not None:
         if any(p.user and p.user != r.user for p in g.processes):
             flags.append("unreserved-use")
-        if not g.processes and not g.lost:
+        if reservation_idle:
             flags.append("idle-reservation")
         if r.uuid and g.uuid and r.uuid != g.uuid:
             flags.append("renumbered")
@@ -83,8 +114,10 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
         for g, gdoc in zip(host.gpus, hdoc["gpus"]):
             r = held.get((host.name, g.index)) if g.index is not None else None
             idle = tracker.is_idle_holder(host.name, g.index, now) if tracker else False
+            unused = (r is not None and tracker is not None
+                      and tracker.reservation_idle(host.name, g, r, now))
             gdoc["reservation"] = r.to_dict() if r else None
-            gdoc["flags"] = gpu_flags(g, r, idle)
+            gdoc["flags"] = gpu_flags(g, r, idle, unused)
     return doc
 
 

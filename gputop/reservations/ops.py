@@ -5,11 +5,13 @@ Used by the CLI commands and by the board alike, so both refuse and extend the s
 
 from __future__ import annotations
 
-import getpass
+import os
+import pwd
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Literal
 
 from gputop.model import iso
 from gputop.reservations.store import (
@@ -35,19 +37,29 @@ class Invalid(ValueError):
 
 
 def whoami() -> tuple[str, str]:
-    """(login name, machine) recorded in each reservation."""
+    """(user, machine) recorded in each reservation and used for every "is it mine" check.
+
+    The user comes from the real uid, never from ``$USER``/``$LOGNAME``: anyone can set
+    those, and then release a teammate's reservation without ``--force`` or a record.
+    """
+    uid = os.getuid()
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = "unknown"
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid without a passwd entry (containers): still a stable identity
+        user = f"uid{uid}"
     return user, socket.gethostname()
+
+
+def local_time(t: datetime) -> str:
+    """A time as people read it: local, to the minute, with the zone (JSON keeps UTC)."""
+    return t.astimezone().strftime("%Y-%m-%d %H:%M %Z").rstrip()
 
 
 def describe(r: Reservation, now: datetime) -> str:
     left = max(0, int((r.expires - now).total_seconds()))
     note = f' ("{clean(r.note)}")' if r.note else ""
-    return (f"{clean(r.host)}:{r.gpu} is reserved by {clean(r.user)} until {iso(r.expires)} "
-            f"({format_duration(left)} left){note}")
+    return (f"{clean(r.host)}:{r.gpu} is reserved by {clean(r.user)} until "
+            f"{local_time(r.expires)} ({format_duration(left)} left){note}")
 
 
 def format_duration(seconds: float) -> str:
@@ -74,11 +86,31 @@ class Target:
     uuid: str | None = None
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What ``reserve`` did to one GPU: a new reservation, or your own one extended or kept
+    (it already lasted longer than asked; ``previous`` is how it was before)."""
+
+    action: Literal["reserved", "extended", "kept"]
+    reservation: Reservation
+    previous: Reservation | None = None
+
+
 def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seconds: float,
             note: str = "", user: str | None = None, machine: str | None = None
             ) -> list[Reservation]:
+    """Reserve every target or none (see ``reserve_outcomes``)."""
+    return [o.reservation for o in reserve_outcomes(
+        store, targets, seconds=seconds, max_seconds=max_seconds, note=note, user=user,
+        machine=machine)]
+
+
+def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
+                     max_seconds: float, note: str = "", user: str | None = None,
+                     machine: str | None = None) -> list[Outcome]:
     """Reserve every target or none. Your own reservations are extended (note replaced if
-    given); anyone else's unexpired one refuses the whole request."""
+    given) or kept when they already last longer; anyone else's unexpired one refuses the
+    whole request."""
     if seconds <= 0 or seconds > max_seconds:
         raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
     check_note(note)
@@ -86,7 +118,7 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
         raise Invalid("no GPU given")
     me, here = whoami()
     user, machine = user or me, machine or here
-    made: list[Reservation] = []
+    made: list[Outcome] = []
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
@@ -94,17 +126,27 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
                      if (h := state.holder(t.host, t.gpu, now)) is not None and h.user != user]
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
+        try:
+            until = now + timedelta(seconds=seconds)
+        except OverflowError:
+            raise Invalid(f"duration too long: {seconds:g} seconds") from None
         keep = list(state.reservations)
+        ids = {r.id for r in keep}
         for t in targets:
             own = state.holder(t.host, t.gpu, now)
             if own is not None:
-                new = replace(own, expires=max(own.expires, now + timedelta(seconds=seconds)),
-                              note=note or own.note, uuid=t.uuid or own.uuid)
+                new = replace(own, expires=max(own.expires, until), note=note or own.note,
+                              uuid=t.uuid or own.uuid)
                 keep[keep.index(own)] = new
+                made.append(Outcome("extended" if until > own.expires else "kept", new, own))
             else:
                 new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note)
+                while new.id in ids:  # ids must stay unique: release goes by id
+                    new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
+                                          note)
+                ids.add(new.id)
                 keep.append(new)
-            made.append(new)
+                made.append(Outcome("reserved", new))
         return replace(state, reservations=tuple(keep))
 
     store.update(change)
@@ -140,6 +182,7 @@ def release(store: Store, targets: Sequence[Target] | None, *, force: bool = Fal
                 events.append({"time": iso(now), "action": "force-release", "by": user,
                                "machine": here, "reservation": r.to_dict()})
         released.extend(gone)
+        # Ids are unique (the store refuses a file where they are not): exactly these go.
         ids = {r.id for r in gone}
         return replace(state, reservations=tuple(r for r in state.reservations
                                                  if r.id not in ids), events=tuple(events))

@@ -39,16 +39,50 @@ class StoreError(Exception):
     """The store cannot be used as it is: bad file, permissions, lock. Exit code 2."""
 
 
-def parse_time(value: Any, where: str) -> datetime:
+#: Limits on every string in the file: long enough for any real name, short enough that a
+#: hostile file cannot make records huge.
+MAX_NAME = 256
+MAX_GPU_INDEX = 65_535
+#: Times outside these years are refused: local-time display and arithmetic stay in range.
+MIN_YEAR, MAX_YEAR = 1970, 9000
+_INT_DIGITS = 20  # a JSON integer longer than this is refused before int() sees it
+
+
+def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False) -> str:
+    """A string field: right type, bounded, and encodable (no lone surrogates)."""
     if not isinstance(value, str):
-        raise ValueError(f"{where}: expected a UTC time string")
+        raise ValueError(f"{where}: expected a string, not {_jtype(value)}")
+    if len(value) > limit:
+        raise ValueError(f"{where}: longer than {limit} characters")
+    if not value and not empty:
+        raise ValueError(f"{where}: empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: contains an unpaired surrogate") from None
+    return value
+
+
+def _jtype(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(v), "a value")
+
+
+def parse_time(value: Any, where: str) -> datetime:
+    value = _text(value, where, limit=64)
     try:
         t = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(f"{where}: not an ISO time: {value[:40]!r}") from None
     if t.tzinfo is None:
         raise ValueError(f"{where}: time without a timezone")
-    return t.astimezone(timezone.utc)
+    try:
+        t = t.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError(f"{where}: time out of range: {value[:40]!r}") from None
+    if not MIN_YEAR <= t.year <= MAX_YEAR:
+        raise ValueError(f"{where}: time out of range ({MIN_YEAR}-{MAX_YEAR}): {value[:40]!r}")
+    return t
 
 
 @dataclass(frozen=True)
@@ -74,27 +108,41 @@ class Reservation:
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Reservation:
         if not isinstance(d, dict):
-            raise ValueError(f"{where}: expected an object")
-        for key, typ in (("id", str), ("host", str), ("gpu", int), ("user", str),
-                         ("machine", str)):
-            v = d.get(key)
-            if not isinstance(v, typ) or isinstance(v, bool):
-                raise ValueError(f"{where}.{key}: expected {typ.__name__}")
-        note = d.get("note", "")
-        if not isinstance(note, str):
-            raise ValueError(f"{where}.note: expected a string")
-        if len(note) > MAX_NOTE:
-            raise ValueError(f"{where}.note: longer than {MAX_NOTE} characters")
-        uuid = d.get("uuid")
-        if uuid is not None and not isinstance(uuid, str):
-            raise ValueError(f"{where}.uuid: expected a string or null")
+            raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
                           "note"}
         if extra:
-            raise ValueError(f"{where}: unknown field {sorted(extra)[0]!r}")
-        return cls(id=d["id"], host=d["host"], gpu=d["gpu"], user=d["user"],
-                   machine=d["machine"], created=parse_time(d.get("created"), f"{where}.created"),
-                   expires=parse_time(d.get("expires"), f"{where}.expires"), uuid=uuid, note=note)
+            raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
+        gpu = d.get("gpu")
+        if not isinstance(gpu, int) or isinstance(gpu, bool):
+            raise ValueError(f"{where}.gpu: expected an integer, not {_jtype(gpu)}")
+        if not 0 <= gpu <= MAX_GPU_INDEX:
+            raise ValueError(f"{where}.gpu: out of range (0-{MAX_GPU_INDEX})")
+        uuid = d.get("uuid")
+        return cls(id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
+                   gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
+                   machine=_text(d.get("machine"), f"{where}.machine", empty=True),
+                   created=parse_time(d.get("created"), f"{where}.created"),
+                   expires=parse_time(d.get("expires"), f"{where}.expires"),
+                   uuid=None if uuid is None else _text(uuid, f"{where}.uuid"),
+                   note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True))
+
+
+_EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
+
+
+def check_event(e: Any, where: str) -> dict[str, Any]:
+    """An audit event is written back as it was read, so it is validated as strictly."""
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}: expected an object, not {_jtype(e)}")
+    if set(e) != _EVENT_KEYS:
+        raise ValueError(f"{where}: expected the fields {', '.join(sorted(_EVENT_KEYS))}")
+    parse_time(e["time"], f"{where}.time")
+    for k in ("action", "by"):
+        _text(e[k], f"{where}.{k}")
+    _text(e["machine"], f"{where}.machine", empty=True)
+    Reservation.from_dict(e["reservation"], f"{where}.reservation")
+    return e
 
 
 @dataclass(frozen=True)
@@ -117,36 +165,106 @@ class StoreState:
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
 
-def decode(raw: bytes, path: Path) -> StoreState:
-    """Validate a whole file; any problem is a StoreError naming the file (and record)."""
-    if len(raw) > MAX_FILE_BYTES:
-        raise StoreError(f"{path}: {len(raw)} bytes is larger than the {MAX_FILE_BYTES} "
-                         "allowed; refusing to read it (the file was left untouched)")
+def check_consistent(rs: tuple[Reservation, ...]) -> None:
+    """One record per id and per GPU: otherwise "release by id" and "who holds it" are
+    ambiguous, and a release could take away someone else's reservation."""
+    ids: set[str] = set()
+    gpus: dict[tuple[str, int], int] = {}
+    for i, r in enumerate(rs):
+        if r.id in ids:
+            raise ValueError(f"reservations[{i}].id: duplicate id {r.id[:40]!r}")
+        ids.add(r.id)
+        j = gpus.setdefault((r.host, r.gpu), i)
+        if j != i:
+            raise ValueError(f"reservations[{i}]: a second reservation of "
+                             f"{r.host[:40]!r}:{r.gpu} (reservations[{j}] holds it)")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > _INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _untouched(path: Path, what: str) -> StoreError:
+    return StoreError(f"{path}: {what}; the file was left untouched, fix or move it away")
+
+
+def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
+    """Validate a whole file; any problem is a StoreError naming the file (and record).
+
+    Valid JSON can still be hostile (nesting, huge numbers, NaN, odd types, surrogates):
+    nothing but StoreError or a valid state ever comes out of here.
+    """
+    size = len(raw) if size is None else size
+    if size > MAX_FILE_BYTES or len(raw) > MAX_FILE_BYTES:
+        raise StoreError(f"{path}: {max(size, len(raw))} bytes is larger than the "
+                         f"{MAX_FILE_BYTES} allowed; refusing to read it (the file was left "
+                         "untouched)")
     if not raw.strip():
         return StoreState()
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StoreError(f"{path}: not valid JSON ({exc}); the file was left untouched, "
-                         "fix or move it away") from None
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                         parse_int=_bounded_int)
+    except UnicodeDecodeError as exc:
+        raise _untouched(path, f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise _untouched(path, "not valid JSON for gputop (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError and the hooks above
+        raise _untouched(path, f"not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
-        raise StoreError(f"{path}: expected a JSON object; the file was left untouched")
+        raise _untouched(path, f"expected a JSON object, not {_jtype(doc)}")
     version = doc.get("version")
-    if version != FILE_VERSION:
-        raise StoreError(f"{path}: unknown version {version!r} (this gputop reads version "
-                         f"{FILE_VERSION}); the file was left untouched: upgrade gputop?")
+    if type(version) is not int or version != FILE_VERSION:
+        raise StoreError(f"{path}: unknown version {repr(version)[:40]} (this gputop reads "
+                         f"version {FILE_VERSION}); the file was left untouched: upgrade gputop?")
+    extra = set(doc) - {"version", "reservations", "events"}
+    if extra:  # writing back would drop it: refuse instead of losing it
+        raise _untouched(path, f"unknown top-level field {sorted(extra)[0][:40]!r}")
     items = doc.get("reservations")
     events = doc.get("events", [])
     if not isinstance(items, list) or not isinstance(events, list):
-        raise StoreError(f"{path}: 'reservations' and 'events' must be arrays; "
-                         "the file was left untouched")
+        raise _untouched(path, "'reservations' and 'events' must be arrays")
     if len(items) > MAX_RESERVATIONS:
-        raise StoreError(f"{path}: more than {MAX_RESERVATIONS} reservations; refusing")
+        raise _untouched(path, f"{len(items)} reservations, more than the {MAX_RESERVATIONS} "
+                         "allowed")
     try:
         rs = tuple(Reservation.from_dict(d, f"reservations[{i}]") for i, d in enumerate(items))
+        check_consistent(rs)
+        evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
     except ValueError as exc:
-        raise StoreError(f"{path}: invalid record {exc}; the file was left untouched") from None
-    return StoreState(rs, tuple(e for e in events if isinstance(e, dict)))
+        raise _untouched(path, f"invalid record {exc}") from None
+    return StoreState(rs, evs)
+
+
+def encode(state: StoreState, path: Path) -> bytes:
+    """The file's bytes, refused (StoreError) if gputop would refuse to read them back."""
+    n = len(state.reservations)
+    if n > MAX_RESERVATIONS:
+        raise StoreError(f"{path}: refusing to write {n} reservations, more than the "
+                         f"{MAX_RESERVATIONS} a reader accepts; nothing was changed")
+    try:
+        check_consistent(state.reservations)
+    except ValueError as exc:
+        raise StoreError(f"{path}: refusing to write an inconsistent file ({exc}); "
+                         "nothing was changed") from None
+    data = state.to_json().encode()
+    if len(data) > MAX_FILE_BYTES:
+        raise StoreError(f"{path}: refusing to write {len(data)} bytes, more than the "
+                         f"{MAX_FILE_BYTES} a reader accepts (notes with non-ASCII text take "
+                         "6-12 bytes a character); nothing was changed: release reservations "
+                         "or shorten notes")
+    try:  # by construction: never write what a reader would refuse
+        decode(data, path)
+    except StoreError as exc:
+        reason = str(exc).removeprefix(f"{path}: ").split("; the file was left")[0]
+        raise StoreError(f"{path}: refusing to write a file gputop could not read back "
+                         f"({reason}); nothing was changed") from None
+    return data
 
 
 class Store:
@@ -160,14 +278,24 @@ class Store:
 
     def read(self) -> StoreState:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted at the path must not hang every reader.
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return StoreState()
         except OSError as exc:
             raise StoreError(self._os_message(exc, self.path, "read")) from None
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-        return decode(raw, self.path)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreError(f"{self.path}: not a regular file; gputop reads and "
+                                 "writes only a plain file there (it was left untouched)")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise StoreError(self._os_message(exc, self.path, "read")) from None
+        finally:
+            os.close(fd)
+        return decode(raw, self.path, st.st_size)
 
     # -- writing (under the lock) ----------------------------------------------------------
 
@@ -184,7 +312,7 @@ class Store:
             new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
                           events=new.events[-MAX_EVENTS:])
             if new != state:
-                self._write(new.to_json().encode())
+                self._write(encode(new, self.path))
             return new
 
     @contextlib.contextmanager

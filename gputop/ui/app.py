@@ -75,7 +75,7 @@ class GputopApp(App[int]):
         self.me = user or whoami()[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
-                                clock=clock, me=self.me)
+                                idle_grace_s=config.idle_grace_s, clock=clock, me=self.me)
         self.store = Store(config.reservations_path, warn=self._warn)
         self._store_sig: tuple[int, int, int] | None = None
         self._store_problem: str | None = None

@@ -13,7 +13,13 @@ from datetime import datetime
 from typing import Literal
 
 from gputop.model import GpuInfo, HostSnapshot, utcnow
-from gputop.reservations.flags import IdleTracker, gpu_flags, is_free, reservation_index
+from gputop.reservations.flags import (
+    IDLE_GRACE_S,
+    IdleTracker,
+    gpu_flags,
+    is_free,
+    reservation_index,
+)
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 
@@ -149,6 +155,7 @@ class BoardModel:
     host_order: list[str]
     interval: float = 2.0
     idle_holder_s: float = 1800.0
+    idle_grace_s: float = IDLE_GRACE_S
     clock: Callable[[], datetime] = utcnow
     me: str = ""
     snapshots: dict[str, HostSnapshot] = field(default_factory=dict)
@@ -165,7 +172,7 @@ class BoardModel:
     collapsed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.tracker = IdleTracker(self.idle_holder_s)
+        self.tracker = IdleTracker(self.idle_holder_s, self.idle_grace_s)
         #: Bumped on every change a row's look depends on, so the table can skip rows whose
         #: inputs did not change (most of them: hosts answer one at a time).
         self.host_version: dict[str, int] = {}
@@ -225,8 +232,9 @@ class BoardModel:
         for g, key in zip(snap.gpus, gpu_keys(host, snap.gpus)):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
+            unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle), stale, free))
+            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle, unused), stale, free))
         return rows
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:

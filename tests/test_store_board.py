@@ -1,0 +1,68 @@
+"""The board survives a hostile reservations file: it shows the problem and keeps running.
+
+Hosts come from the fixed snapshots of board_data (no SSH needed); the file is real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from board_data import NOW, board_config, fixed_snapshots, seed
+
+from gputop.reservations import Store
+from gputop.ui.app import GputopApp
+from gputop.ui.widgets import BoardTable
+
+K = "\x00"
+
+HOSTILE = {
+    "deep-nesting": '{"version": 1, "reservations": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    "time-out-of-range": ('{"version": 1, "reservations": [{"id": "a", "host": "gpu-h100", '
+                          '"gpu": 0, "user": "u", "machine": "m", "created": '
+                          '"0001-01-01T00:00:00+01:00", "expires": "9999-12-31T23:59:59-01:00"}]}'),
+    "gpu-5000-digits": '{"version": 1, "reservations": [{"gpu": ' + "7" * 5000 + "}]}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+async def test_board_shows_a_hostile_store_and_keeps_running(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "reservations.json"
+    path.write_text(HOSTILE[kind])
+    app = GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
+    seen: list[str] = []
+    orig = app.notify
+
+    def notify(message: str, **kw: Any) -> None:
+        seen.append(str(message))
+        orig(message, **kw)
+
+    app.notify = notify  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 40)) as pilot:
+        for snap in fixed_snapshots():
+            app.ingest(snap)
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        assert table.row_count > 5  # the GPUs are shown
+        problems = [m for m in seen if str(path) in m]
+        assert len(problems) == 1 and "untouched" in problems[0], seen
+        # Reserving is refused with the same message; the board goes on.
+        table.move_cursor(row=table.get_row_index(f"gpu-h100{K}GPU-{2:08d}-test"))
+        await pilot.press("r")
+        await pilot.pause()
+        await pilot.click("#reserve-ok")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert len([m for m in seen if str(path) in m]) == 2, seen
+        assert path.read_text() == HOSTILE[kind]
+        # Someone fixes the file: the board picks it up at the next re-read.
+        path.unlink()
+        seed(Store(path))
+        app.reload_store()
+        app.render_board()
+        await pilot.pause()
+        assert app.model.state.reservations
+        assert app.is_running
