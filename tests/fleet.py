@@ -251,10 +251,12 @@ class Fleet:
         for h in self.hosts.values():
             for p in h.processes:
                 user = p.user if p.user in self.users else None
+                # `cat` on a pipe nobody writes to: waits forever, and its command line is
+                # exactly argv0, to the last byte (`sleep N` would add " N").
                 p.popen = subprocess.Popen(
-                    ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} sleep 86400"],
+                    ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"],
                     user=user, start_new_session=True, cwd="/",
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 )
 
     def _write_host(self, h: Host, hdir: Path) -> None:
@@ -407,6 +409,8 @@ class Fleet:
                 if p.popen is not None:
                     p.popen.kill()
                     p.popen.wait(5)
+                    if p.popen.stdin is not None:
+                        p.popen.stdin.close()
         for s in self._listeners:
             s.close()
         # Anything the stand-ins left (they should not): kill by path.
