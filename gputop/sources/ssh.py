@@ -310,6 +310,13 @@ class SshSource:
         spec = self._resolved().tunnel
         return spec if isinstance(spec, str) and spec.lower() != "none" else None
 
+    def _direct(self) -> bool:
+        """Whether gputop may open the TCP connection itself: not through a jump host or a
+        ProxyCommand, and with no BindAddress or hostname canonicalisation to honour."""
+        opts = self._resolved()
+        return not (self._tunnel_spec() or opts.proxy_command or opts.local_addr
+                    or opts.config.get("CanonicalizeHostname"))
+
     async def _connect(self, sock: socket.socket | None = None) -> asyncssh.SSHClientConnection:
         opts = self._resolved()
         spec = self._tunnel_spec()
@@ -328,7 +335,8 @@ class SshSource:
         tried address by address as ``ssh`` does."""
         opts = self._resolved()
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM)
+        infos = await loop.getaddrinfo(opts.host, opts.port, family=opts.family or 0,
+                                       type=socket.SOCK_STREAM)
         last: OSError | None = None
         for family, type_, proto, _, addr in infos:
             sock = socket.socket(family, type_, proto)
@@ -376,7 +384,7 @@ class SshSource:
         the network. Returns that time, spent from the host's ``timeout``.
         """
         self._drop()
-        if self._tunnel_spec():  # through a jump host: its channel is the TCP connection
+        if not self._direct():  # e.g. a jump host's channel is the TCP connection
             async with self._handshakes:
                 started = time.monotonic()
                 await asyncio.wait_for(self._handshake(None), self.timeout)
