@@ -52,6 +52,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     reads, the line being that refresh's nonce. The two nvidia-smi queries run side by side
     (one in the background); the pids for ``ps`` are picked out with shell builtins. Each
     marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
+    A refresh is collected and written at once: one SSH packet, not one per command.
     """
     refresh = (
         f"nvidia-smi {gpu_query} </dev/null & g=$!; "
@@ -63,12 +64,13 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
         'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
         'if [ -n "$pids" ]; then ps -o pid= -o args= -p "$pids" </dev/null; fi; '
-        f'printf "\\n{MARK} %s args %s\\n{MARK} %s end\\n" "$n" "$?" "$n"'
+        f'printf "\\n{MARK} %s args %s" "$n" "$?"'
     )
     # A nonce line is 32 hex digits; anything else read on stdin ends the loop.
     check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
     return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
-            f"while IFS= read -r n; do {check}; {{ {refresh}; }} 2>&1; done")
+            f'while IFS= read -r n; do {check}; r=$({{ {refresh}; }} 2>&1); '
+            f'printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
 
 
 class OutputTooLarge(FramingError):
