@@ -37,6 +37,7 @@ from gputop.sources.nvidia_smi import REMOTE_SCRIPT, RemoteResult, parse_section
 from gputop.sources.protocol import (
     FramingError,
     LineReader,
+    ParseError,
     end_line,
     new_nonce,
     split_frame,
@@ -97,6 +98,8 @@ def classify_exception(exc: BaseException) -> HostError:
         return HostError("ssh", msg)
     if isinstance(exc, _ChannelClosed):
         return HostError("ssh", f"the remote script ended early: {msg}")
+    if isinstance(exc, ParseError):
+        return HostError("parse", msg)
     if isinstance(exc, FileNotFoundError):
         return HostError("auth", f"cannot read {exc.filename}: {exc.strerror}")
     if isinstance(exc, OSError):
@@ -521,7 +524,8 @@ class SshSource:
         self.channels += 1
         nonce = new_nonce()
         proc.stdin.write(f"{nonce}\n".encode())
-        reader = LineReader(64 * 1024)  # a shell startup file's banner, then our start line
+        # A shell startup file's banner may come first; 64 KiB of it is more than enough.
+        reader = LineReader(64 * 1024)
         while True:
             data = await proc.stdout.read(65536)
             if not data:
