@@ -195,19 +195,22 @@ def test_dropped_packets_hold_no_handshake_slot(
     finally:
         fleet.stop()
     assert times["dropped"][1] == times["silent"][1] == "timeout"
+    assert times["dropped"][2].endswith("TCP did not connect")
+    assert times["silent"][2].endswith("the server sent no SSH banner")
     assert times["dropped"][0] >= timeout - 0.5
     assert times["ok1"][1] is None and times["ok2"][1] is None
     assert max(times["ok1"][0], times["ok2"][0]) < timeout / 2, times
 
 
-async def _time_each(cfg: str) -> dict[str, tuple[float, str | None]]:
+async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:
     poller = Poller(load_config(cfg))
     started = time.monotonic()
-    out: dict[str, tuple[float, str | None]] = {}
+    out: dict[str, tuple[float, str | None, str]] = {}
 
     async def one(src: object) -> None:
         h = await poller.poll_host(src)  # type: ignore[arg-type]
-        out[h.name] = (time.monotonic() - started, h.error.kind if h.error else None)
+        out[h.name] = (time.monotonic() - started, h.error.kind if h.error else None,
+                       h.error.message if h.error else "")
 
     try:
         await asyncio.gather(*(one(s) for s in poller.sources))

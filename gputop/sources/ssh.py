@@ -285,6 +285,7 @@ class SshSource:
         self._failures = 0
         self._retry_at = 0.0
         self._last_error: HostError | None = None
+        self._waiting_for = ""
         #: What the last refresh found odd in data it still shows (e.g. a GPU index twice).
         self.warnings: tuple[str, ...] = ()
         #: SSH connections and exec channels opened, for tests and the benchmark.
@@ -341,6 +342,7 @@ class SshSource:
         infos = await loop.getaddrinfo(opts.host, opts.port, family=opts.family or 0,
                                        type=socket.SOCK_STREAM)
         last: OSError | None = None
+        self._waiting_for = "TCP did not connect"
         for family, type_, proto, _, addr in infos:
             sock = socket.socket(family, type_, proto)
             sock.setblocking(False)
@@ -353,6 +355,7 @@ class SshSource:
             except BaseException:
                 sock.close()
                 raise
+            self._waiting_for = "TCP connected, but the server sent no SSH banner"
             try:
                 await self._readable(sock)
             except BaseException:
@@ -406,7 +409,7 @@ class SshSource:
             if not done:
                 opts = self._resolved()
                 raise _PhaseTimeout(f"no answer from {opts.host} port {opts.port} in "
-                                    f"{self.timeout:g}s (no TCP connection, or no SSH banner)")
+                                    f"{self.timeout:g}s: {self._waiting_for}")
             spent = time.monotonic() - started
             sock = tcp.result()
             async with self._handshakes:
