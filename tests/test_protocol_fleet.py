@@ -199,7 +199,8 @@ def test_dropped_packets_hold_no_handshake_slot(
     assert times["silent"][2].endswith("the server sent no SSH banner")
     assert times["dropped"][0] >= timeout - 0.5
     assert times["ok1"][1] is None and times["ok2"][1] is None
-    assert max(times["ok1"][0], times["ok2"][0]) < timeout / 2, times
+    # behind the bad hosts' slots they would wait >= timeout; without, about a second
+    assert max(times["ok1"][0], times["ok2"][0]) < timeout - 2, times
 
 
 async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:

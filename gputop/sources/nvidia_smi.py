@@ -268,7 +268,7 @@ def _message_lines(text: str) -> str:
     """The lines of a failed call that say something: data rows and lost-GPU lines are
     left out, so a message leads with its meaning, not with the data printed before it."""
     data, _ = _split_lost(text)
-    said = [ln for ln in data if len(ln.split(", ")) != len(GPU_FIELDS)]
+    said = [ln for ln in data if len(ln.split(", ")) not in (len(GPU_FIELDS), len(APPS_FIELDS))]
     return " ".join(said or data)
 
 
