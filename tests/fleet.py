@@ -140,6 +140,8 @@ class GpuProcess:
     argv0: str  # what ps shows as the command line
     gpu: int = 0
     mem_mib: int = 1024
+    #: Arguments after argv0: then the process is `sleep` (the last one must be its time).
+    args: tuple[str, ...] = ()
     popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -253,8 +255,11 @@ class Fleet:
                 user = p.user if p.user in self.users else None
                 # `cat` on a pipe nobody writes to: waits forever, and its command line is
                 # exactly argv0, to the last byte (`sleep N` would add " N").
+                cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
+                if p.args:
+                    cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
                 p.popen = subprocess.Popen(
-                    ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"],
+                    cmd,
                     user=user, start_new_session=True, cwd="/",
                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 )

@@ -50,6 +50,12 @@ def hosts() -> list[Host]:
         Host("dup-index", "127.0.4.7", scenario="dup-index", gpus=two),
         Host("huge", "127.0.4.8", scenario="huge"),
         Host("hostile-names", "127.0.4.9", scenario="hostile-names", gpus=("l40s",)),
+        # 36 jobs whose command lines ps shows up to its own cap (128 KiB each): 4.6 MiB,
+        # more than the output limit, if they were not cut.
+        Host("long-commands", "127.0.4.10", processes=[
+            GpuProcess("gtbob", f"python long{i}.py", args=("0" * 70_000,) * 2 + ("86400",))
+            for i in range(36)
+        ]),
     ]
 
 
@@ -127,6 +133,16 @@ async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(home: F
         assert (src.connects, src.channels) == (1, 2)  # type: ignore[attr-defined]
     finally:
         await poller.aclose()
+
+
+def test_huge_command_lines_do_not_knock_the_host_off(pfleet: Fleet) -> None:
+    h = run_json(pfleet, ["long-commands"])["long-commands"]
+    assert h["status"] == "ok", h["error"]
+    (g,) = h["gpus"]
+    assert len(g["processes"]) == 36
+    for p in g["processes"]:
+        assert p["command"].startswith("python long") and len(p["command"]) < 5000
+        assert p["user"] is not None
 
 
 def test_strings_from_hosts_are_clean_in_json(pfleet: Fleet, schema: dict) -> None:

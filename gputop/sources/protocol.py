@@ -52,6 +52,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     reads, the line being that refresh's nonce. The two nvidia-smi queries run side by side
     (one in the background); the pids for ``ps`` are picked out with shell builtins. Each
     marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
+    Command lines are cut at 4096 columns: jobs with huge ones cannot fill the output limit.
     A refresh is collected and written at once: one SSH packet, not one per command.
     """
     refresh = (
@@ -63,7 +64,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
         '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
         'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
-        'if [ -n "$pids" ]; then ps -o pid= -o args= -p "$pids" </dev/null; fi; '
+        'if [ -n "$pids" ]; then COLUMNS=4096 ps -o pid= -o args= -p "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s args %s" "$n" "$?"'
     )
     # A nonce line is 32 hex digits; anything else read on stdin ends the loop.
