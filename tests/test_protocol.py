@@ -41,6 +41,12 @@ LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
 ROW = project_capture(CAPTURES["l40s"], GPU_QUERY).strip()
 
 
+def row(index: int, uuid: str) -> str:
+    cells = ROW.split(", ")
+    cells[0], cells[1] = str(index), uuid
+    return ", ".join(cells)
+
+
 def test_line_reader_enforces_the_limit_as_bytes_arrive() -> None:
     r = LineReader(100)
     assert r.feed(b"x" * 60) == []  # no newline yet: nothing is a line, but it is counted
@@ -119,6 +125,8 @@ def test_owner_rows_are_strict_args_rows_lenient() -> None:
         parse_owner_rows("1 root 00:01\n", [42])  # a pid nobody asked about
     with pytest.raises(ParseError):
         parse_owner_rows("42 alice 00:01\n42 bob 00:01\n", [42])
+    # a process using two GPUs is asked for twice; a ps that repeats it is not an attack
+    assert parse_owner_rows("42 alice 00:01\n42 alice 00:01\n", [42, 42])[42].user == "alice"
     with pytest.raises(ParseError):
         parse_owner_rows("42 alice 00:01 python x.py\n", [42])
     # command lines: a continuation joins its row; a pid seen twice has no command at all
@@ -138,19 +146,23 @@ def test_the_script_runs_in_a_posix_shell_and_frames_its_output(tmp_path: Path) 
     refresh with another nonce is framed by that nonce only."""
     sh = shutil.which("dash") or shutil.which("sh")
     assert sh
-    (tmp_path / "nvidia-smi").write_text(
-        "#!/bin/sh\ncase $1 in --query-gpu=*) printf '%s\\n' \"$ROW\" ;; "
-        "*) echo \"GPU-x, $$, 5\" ;; esac\n")
+    (tmp_path / "nvidia-smi").write_text(  # pid 1 runs on both GPUs
+        "#!/bin/sh\ncase $1 in --query-gpu=*) printf '%s\\n%s\\n' \"$ROW\" \"$ROW2\" ;; "
+        "*) printf 'GPU-x, 1, 5\\nGPU-y, 1, 7\\n' ;; esac\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
     nonces = ["1" * 32, "2" * 32, "3" * 32]
     r = subprocess.run([sh, "-c", REMOTE_SCRIPT], input="\n".join(nonces) + "\n",
                        capture_output=True, text=True, timeout=30,
-                       env={"PATH": f"{tmp_path}:/usr/bin:/bin", "ROW": ROW})
+                       env={"PATH": f"{tmp_path}:/usr/bin:/bin", "ROW": row(0, "GPU-x"),
+                            "ROW2": row(1, "GPU-y")})
     lines = r.stdout.split("\n")
     assert start_pid(lines[0], nonces[0])
     first = lines[1: lines.index(end_line(nonces[1]))]
     result = parse_remote_output(first, nonces[1])
-    assert result.error is None and len(result.gpus) == 1
+    assert result.error is None, result.error
+    assert [[(p.pid, p.gpu_memory_mib) for p in g.processes] for g in result.gpus] == [
+        [(1, 5)], [(1, 7)]]
+    assert result.gpus[0].processes[0].user and result.gpus[0].processes[0].command
     second = lines[lines.index(end_line(nonces[1])) + 1: lines.index(end_line(nonces[2]))]
     assert parse_remote_output(second, nonces[2]).error is None
     assert parse_remote_output(second, nonces[1]).error is not None  # the wrong nonce

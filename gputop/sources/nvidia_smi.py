@@ -195,9 +195,11 @@ def parse_owner_rows(text: str, asked: Iterable[int]) -> dict[int, Owner]:
             continue
         parts = line.split()
         pid = int(parts[0]) if len(parts) == 3 and parts[0].isdigit() else None
-        if pid is None or pid not in wanted or pid in out:
+        if pid is None or pid not in wanted:
             raise ParseError(f"unexpected ps row: {excerpt(line)}")
-        out[pid] = Owner(pid, clean(parts[1]), parse_etime(parts[2]))
+        owner = Owner(pid, clean(parts[1]), parse_etime(parts[2]))
+        if out.setdefault(pid, owner) != owner:  # a process on two GPUs is asked for twice
+            raise ParseError(f"ps gave two owners for pid {pid}")
     return out
 
 
