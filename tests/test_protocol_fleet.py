@@ -290,3 +290,23 @@ async def test_host_key_and_auth_messages_name_the_host_and_the_fix(fleet_home: 
     assert "ssh-keygen -R '[127.0.0.9]:" in changed.error.message
     me = pwd.getpwuid(os.geteuid()).pw_name
     assert auth.error.message.startswith(f"authentication refused for user '{me}' on auth ")
+
+
+def test_login_name_comes_from_the_real_uid_not_the_environment(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """No ``User`` in ~/.ssh/config: ssh logs in as the real uid's name; so must gputop,
+    whatever $USER and $LOGNAME say."""
+    h = fleet.hosts["gpu-h100"]
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text(f"Host no-user\n  HostName {h.address}\n  Port {h.port}\n"
+                          f"  IdentityFile {fleet.ssh / 'id_ed25519'}\n  IdentitiesOnly yes\n"
+                          f"  UserKnownHostsFile {fleet.ssh / 'known_hosts'}\n")
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[defaults]\ntimeout = {TIMEOUT}\nssh_config = "{ssh_config}"\n'
+                   '[[hosts]]\nname = "no-user"\n')
+    env = fleet.env() | {"USER": "gtbob", "LOGNAME": "gtbob"}
+    r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                       env=env, capture_output=True, text=True, timeout=60)
+    (host,) = json.loads(r.stdout)["hosts"]
+    assert host["status"] == "ok", host["error"]

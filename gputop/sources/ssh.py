@@ -20,6 +20,7 @@ import asyncio
 import errno
 import functools
 import os
+import pwd
 import random
 import re
 import shlex
@@ -141,6 +142,12 @@ def resolve_options(
         # cipher contexts in Python for every packet; AES-GCM costs a fraction of that CPU
         # per refresh, and is just as standard (OpenSSH offers both).
         overrides["encryption_algs"] = PREFERRED_CIPHERS
+    if not user and opts.config.get("User") is None:
+        # asyncssh's default login name comes from $USER/$LOGNAME; ssh's, like every
+        # identity in gputop, from the real uid.
+        real = pwd.getpwuid(os.getuid()).pw_name
+        if opts.username != real:
+            overrides["username"] = real
     if not overrides:
         return opts
     # Derived from opts: the config file already read is reused, not parsed again.
