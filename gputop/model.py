@@ -124,6 +124,8 @@ class HostSnapshot:
     last_ok: datetime | None = None
     source: Literal["ssh", "nvml", "demo", "none"] = "ssh"
     tags: tuple[str, ...] = ()
+    #: What looked wrong in data that is still shown (e.g. two GPUs with one index).
+    warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -138,6 +140,7 @@ class HostSnapshot:
             "last_ok": iso(self.last_ok),
             "source": self.source,
             "tags": list(self.tags),
+            "warnings": list(self.warnings),
             "gpus": [g.to_dict() for g in self.gpus],
         }
 

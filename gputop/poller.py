@@ -75,6 +75,7 @@ class Poller:
             last_ok=self._last_ok.get(source.name),
             source=source.kind,
             tags=host.tags if host else (),
+            warnings=tuple(getattr(source, "warnings", ())) if err is None else (),
         )
 
     async def snapshot(self) -> FleetSnapshot:

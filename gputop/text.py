@@ -21,6 +21,8 @@ def clean(text: str | None, *, one_line: bool = True) -> str:
     """Printable form of untrusted text: escape sequences and control characters removed."""
     if not text:
         return ""
+    if text.isprintable():  # the common case, exactly: every character removed below is not
+        return text
     text = _ESC_SEQ.sub("", text)
     if one_line:
         text = text.replace("\t", " ").replace("\r", " ").replace("\n", " ")

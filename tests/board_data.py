@@ -15,7 +15,8 @@ from fleet import CAPTURES, project_capture
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Store, StoreState, new_reservation
-from gputop.sources.nvidia_smi import GPU_QUERY, MARK, parse_remote_output
+from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
+from gputop.sources.protocol import frame
 
 # In the future, so the store (which prunes by the wall clock) keeps the seeded reservations.
 NOW = datetime(2030, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -27,19 +28,20 @@ def gpus_from(captures: list[str], procs: dict[int, list[tuple[int, str, int, st
               ) -> list[GpuInfo]:
     """Rows from real captures, renumbered like a multi-GPU host, with processes by
     (pid, user, MiB, command) attached through the real parser."""
-    rows, apps, ps = [], [], []
+    rows, apps, owners, args = [], [], [], []
     for i, cap in enumerate(captures):
         cells = project_capture(CAPTURES[cap], GPU_QUERY).rstrip("\n").split(", ")
         cells[0], cells[1] = str(i), f"GPU-{i:08d}-test"
         rows.append(", ".join(cells))
         for pid, user, mib, cmd in procs.get(i, []):
-            apps.append(f"GPU-{i:08d}-test, {pid}, {mib}, {cmd.split()[0]}")
-            ps.append(f"{pid} {user} 01:02:03 {cmd}")
-    text = (f"{MARK} start 1\n" + "\n".join(rows) + f"\n{MARK} rc 0\n" + "\n".join(apps)
-            + f"\n{MARK} rc 0\n" + "\n".join(ps) + f"\n{MARK} rc 0\n")
-    gpus, err = parse_remote_output(text)
-    assert err is None, err
-    return gpus
+            apps.append(f"GPU-{i:08d}-test, {pid}, {mib}")
+            owners.append(f"{pid} {user} 01:02:03")
+            args.append(f"{pid} {cmd}")
+    lines = frame("0" * 32, gpu=("\n".join(rows), 0), apps=("\n".join(apps), 0),
+                  owners=("\n".join(owners), 0), args=("\n".join(args), 0))
+    result = parse_remote_output(lines, "0" * 32)
+    assert result.error is None, result.error
+    return result.gpus
 
 
 def fixed_snapshots(now: datetime = NOW) -> list[HostSnapshot]:

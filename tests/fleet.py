@@ -50,7 +50,12 @@ if [ -f "$d/$k.args" ] && [ "$*" != "$(cat "$d/$k.args")" ]; then
   echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
   exit 2
 fi
-cat "$d/$k.out"
+# What it prints is numbered chunks, replayed in order: *.err to stderr, the rest to stdout
+# (a lost GPU's line comes on stderr, wherever nvidia-smi happens to print it).
+for f in "$d/$k".[0-9]*; do
+  [ -f "$f" ] || continue
+  case $f in *.err) cat "$f" >&2 ;; *) cat "$f" ;; esac
+done
 exit "$(cat "$d/$k.rc")"
 """
 
@@ -135,6 +140,8 @@ class GpuProcess:
     argv0: str  # what ps shows as the command line
     gpu: int = 0
     mem_mib: int = 1024
+    #: Arguments after argv0: then the process is `sleep` (the last one must be its time).
+    args: tuple[str, ...] = ()
     popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -143,12 +150,25 @@ class GpuProcess:
         return self.popen.pid
 
 
+LOST_TEXT = "errors/device-handle-unknown-error-busid-no-space.txt"
+#: Where a lost GPU's line comes (on stderr), per scenario; "lost" is the original: stdout, last.
+LOST_AT = {"lost-first": 0, "lost-middle": 1, "lost-last": -1}
+HOSTILE_GPU_NAME = "NVIDIA \x1b]0;pwned\x07H100\x1b[2J \u202eevil"
+
+
+def gpu_uuid(name: str, i: int) -> str:
+    """The UUID the stand-in gives GPU ``i`` of host ``name`` (distinct per host)."""
+    return f"GPU-{name[:8]:0>8}-0000-4000-8000-{i:012d}"
+
+
 @dataclass
 class Host:
     name: str
     address: str
     scenario: str = "ok"  # ok lost parse hang no-nvidia-smi driver no-devices nvml-mismatch
     #                       auth host-key-changed host-key-unknown unreachable banner-timeout
+    #                       lost-first lost-middle lost-last dup-index huge hostile-names
+    #                       drop (TCP SYNs dropped: a full listen queue)
     gpus: tuple[str, ...] = ("h100",)
     processes: list[GpuProcess] = field(default_factory=list)
     behind: str | None = None  # name of the bastion host it is reached through
@@ -158,7 +178,7 @@ class Host:
 
     @property
     def runs_sshd(self) -> bool:
-        return self.scenario not in ("unreachable", "banner-timeout")
+        return self.scenario not in ("unreachable", "banner-timeout", "drop")
 
 
 class Fleet:
@@ -196,6 +216,15 @@ class Fleet:
                 s.bind((h.address, h.port))
                 s.listen(64)  # accepted by the kernel, never answered
                 self._listeners.append(s)
+            elif h.scenario == "drop":
+                # A listen queue of one, filled: the kernel drops every further SYN, as a
+                # firewall that drops packets would (no iptables needed).
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((h.address, h.port))
+                s.listen(0)
+                filler = socket.create_connection((h.address, h.port), timeout=2)
+                self._listeners += [s, filler]
             elif h.runs_sshd:
                 self._write_host(h, hdir)
                 pub = (hdir / "ssh_host_ed25519_key.pub").read_text().split()
@@ -224,10 +253,15 @@ class Fleet:
         for h in self.hosts.values():
             for p in h.processes:
                 user = p.user if p.user in self.users else None
+                # `cat` on a pipe nobody writes to: waits forever, and its command line is
+                # exactly argv0, to the last byte (`sleep N` would add " N").
+                cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
+                if p.args:
+                    cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
                 p.popen = subprocess.Popen(
-                    ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} sleep 86400"],
+                    cmd,
                     user=user, start_new_session=True, cwd="/",
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 )
 
     def _write_host(self, h: Host, hdir: Path) -> None:
@@ -263,34 +297,56 @@ class Fleet:
         if scenario in ERRORS:
             name, rc = ERRORS[scenario]
             text = (DATA / name).read_text()
-            files.update({"gpu.out": text, "gpu.rc": str(rc), "apps.out": text,
+            files.update({"gpu.0.out": text, "gpu.rc": str(rc), "apps.0.out": text,
                           "apps.rc": str(rc)})
         elif scenario == "parse":
             # A wrapper that ignores its arguments and prints the default table.
             table = (DATA / "table/a10-driver-550.127.05-no-processes.txt").read_text()
-            files.update({"default.out": table, "default.rc": "0"})
+            files.update({"default.0.out": table, "default.rc": "0"})
             for k in ("gpu", "apps"):
-                files[f"{k}.out"], files[f"{k}.rc"] = table, "0"
+                files[f"{k}.0.out"], files[f"{k}.rc"] = table, "0"
+        elif scenario == "huge":
+            # Far more than any nvidia-smi prints: 5 MiB of one letter, in lines.
+            files.update({"gpu.0.out": ("A" * 1023 + "\n") * 5 * 1024, "gpu.rc": "0",
+                          "apps.0.out": "", "apps.rc": "0"})
         else:
-            rows = [project_capture(CAPTURES[g], GPU_QUERY) for g in h.gpus]
-            uuids = []
-            gpu_out = ""
-            for i, row in enumerate(rows):
-                cells = row.rstrip("\n").split(", ")
-                cells[0] = str(i)  # index
-                cells[1] = f"GPU-{h.name[:8]:0>8}-0000-4000-8000-{i:012d}"  # distinct UUID
-                uuids.append(cells[1])
-                gpu_out += ", ".join(cells) + "\n"
+            rows: list[str] = []
+            for i, g in enumerate(h.gpus):
+                cells = project_capture(CAPTURES[g], GPU_QUERY).rstrip("\n").split(", ")
+                cells[0] = "0" if scenario == "dup-index" else str(i)  # index
+                cells[1] = gpu_uuid(h.name, i)  # distinct UUID
+                if scenario == "hostile-names":
+                    cells[2] = HOSTILE_GPU_NAME
+                rows.append(", ".join(cells) + "\n")
+            # process_name only where gputop still asks for it (as nvidia-smi would): it is
+            # argv[0], whatever its owner put there, newlines included.
+            named = "process_name" in APPS_QUERY
+            apps = [
+                f"{gpu_uuid(h.name, p.gpu)}, {p.pid}, {p.mem_mib}"
+                + (f", {p.argv0}" if named else "") + "\n"
+                for p in h.processes if p.popen is not None and p.gpu < len(rows)
+            ]
             rc = "0"
+            gpu_chunks: list[tuple[str, str]] = [("out", "".join(rows))]
+            apps_chunks: list[tuple[str, str]] = [("out", "".join(apps))]
+            lost = (DATA / LOST_TEXT).read_text()
+            if scenario == "hostile-names":
+                lost = lost.replace("Unknown Error", "Unknown \x1b[31mError\x1b[0m")
             if scenario == "lost":
-                gpu_out += (DATA / "errors/device-handle-unknown-error-busid-no-space.txt"
-                            ).read_text()
+                gpu_chunks = [("out", "".join(rows) + lost)]
                 rc = "15"
-            apps = "".join(
-                f"{uuids[p.gpu]}, {p.pid}, {p.mem_mib}, {p.argv0.split()[0]}\n"
-                for p in h.processes if p.popen is not None and p.gpu < len(uuids)
-            )
-            files.update({"gpu.out": gpu_out, "gpu.rc": rc, "apps.out": apps, "apps.rc": "0",
+            elif scenario in LOST_AT or scenario == "hostile-names":
+                at = LOST_AT.get(scenario, -1)
+                at = len(rows) if at < 0 else min(at, len(rows))
+                gpu_chunks = [("out", "".join(rows[:at])), ("err", lost),
+                              ("out", "".join(rows[at:]))]
+                apps_chunks = [("out", "".join(apps[:1])), ("err", lost),
+                               ("out", "".join(apps[1:]))]
+                rc = "15"
+            for k, chunks in (("gpu", gpu_chunks), ("apps", apps_chunks)):
+                for n, (stream, text) in enumerate(chunks):
+                    files[f"{k}.{n}.{stream}"] = text
+            files.update({"gpu.rc": rc, "apps.rc": rc if scenario != "lost" else "0",
                           "gpu.args": GPU_ARGS, "apps.args": APPS_ARGS})
         if scenario == "hang":
             files["delay"] = "86400"
@@ -358,6 +414,8 @@ class Fleet:
                 if p.popen is not None:
                     p.popen.kill()
                     p.popen.wait(5)
+                    if p.popen.stdin is not None:
+                        p.popen.stdin.close()
         for s in self._listeners:
             s.close()
         # Anything the stand-ins left (they should not): kill by path.

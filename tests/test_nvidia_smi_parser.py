@@ -7,32 +7,39 @@ from pathlib import Path
 import pytest
 from fleet import CAPTURES, project_capture
 
-from gputop.model import HostError
+from gputop.model import GpuInfo, HostError
 from gputop.sources.nvidia_smi import (
     APPS_QUERY,
     GPU_QUERY,
-    MARK,
     REMOTE_SCRIPT,
     ParseError,
     classify_failure,
     gpus_from_records,
     parse_apps_rows,
+    parse_args_rows,
     parse_etime,
     parse_gpu_rows,
-    parse_ps_rows,
+    parse_owner_rows,
     parse_query_csv,
     parse_remote_output,
     to_float,
     to_int,
 )
+from gputop.sources.protocol import MARK, frame
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nvidia-smi"
 
 
-def remote(gpu: str, gpu_rc: int = 0, apps: str = "", ps: str = "") -> str:
-    return (f"{MARK} start 42\n{gpu}\n{MARK} rc {gpu_rc}\n{apps}\n{MARK} rc 0\n"
-            f"{ps}\n{MARK} rc 0\n")
+NONCE = "0123456789abcdef" * 2
+
+
+def remote(gpu: str, gpu_rc: int = 0, apps: str = "", owners: str = "", args: str = "",
+           apps_rc: int = 0) -> tuple[list[GpuInfo], HostError | None]:
+    """What the parser makes of one refresh with these sections (framed as the script does)."""
+    r = parse_remote_output(frame(NONCE, gpu=(gpu, gpu_rc), apps=(apps, apps_rc),
+                                  owners=(owners, 0), args=(args, 0)), NONCE)
+    return r.gpus, r.error
 
 
 @pytest.mark.parametrize("cell", [
@@ -119,11 +126,9 @@ def test_compute_apps_rows_real_captures() -> None:
     assert len(recs) == 12
     assert any(r["process_name"] and " " in r["process_name"] for r in recs)  # Windows paths
     assert all(r["used_gpu_memory"] is None for r in recs)
-    rows = parse_apps_rows("GPU-1, 11327, 2566, /root/tools/memhog\n"
-                           "GPU-1, 7, [N/A], C:\\Program Files\\NZXT CAM\\NZXT CAM, v2.exe\n")
+    rows = parse_apps_rows("GPU-1, 11327, 2566\nGPU-1, 7, [N/A]\n")
     assert rows[0].pid == 11327 and rows[0].used_memory_mib == 2566
     assert rows[1].used_memory_mib is None
-    assert rows[1].process_name == "C:\\Program Files\\NZXT CAM\\NZXT CAM, v2.exe"
 
 
 def test_ps_rows_and_etime() -> None:
@@ -131,11 +136,11 @@ def test_ps_rows_and_etime() -> None:
     assert parse_etime("01:00:00") == 3600
     assert parse_etime("2-03:04:05") == 2 * 86400 + 3 * 3600 + 4 * 60 + 5
     assert parse_etime("junk") is None
-    rows = parse_ps_rows(" 123 alice     1-00:00:00 python train.py --lr 0.1\n"
-                         "garbage\n 9 1001 00:01 /bin/x\n")
-    assert rows[123].user == "alice" and rows[123].elapsed_s == 86400
-    assert rows[123].args == "python train.py --lr 0.1"
-    assert rows[9].user == "1001"
+    owners = parse_owner_rows(" 123 alice     1-00:00:00\n\n 9 1001 00:01\n", [123, 9])
+    assert owners[123].user == "alice" and owners[123].elapsed_s == 86400
+    assert owners[9].user == "1001"
+    args = parse_args_rows(" 123 python train.py --lr 0.1\n 9 /bin/x\n", [123, 9])
+    assert args == {123: "python train.py --lr 0.1", 9: "/bin/x"}
 
 
 @pytest.mark.parametrize(("name", "rc", "kind"), [
@@ -167,7 +172,7 @@ def test_command_not_found_forms() -> None:
 def test_lost_gpu_beside_a_healthy_one(name: str) -> None:
     healthy = project_capture(CAPTURES["l40s"], GPU_QUERY)
     text = healthy + (DATA / "errors" / name).read_text()
-    gpus, err = parse_remote_output(remote(text, 15))
+    gpus, err = remote(text, 15)
     assert err is None
     assert [g.lost for g in gpus] == [False, True]
     assert gpus[1].bus_id and gpus[1].lost_reason
@@ -175,9 +180,9 @@ def test_lost_gpu_beside_a_healthy_one(name: str) -> None:
 
 def test_processes_attach_to_their_gpu_with_owner() -> None:
     rows = project_capture(CAPTURES["h100"], GPU_QUERY)
-    gpus, err = parse_remote_output(remote(
-        rows, apps="GPU-00000000-0000-0000-0000-000000000000, 11327, 2566, /root/tools/memhog",
-        ps="11327 alice 10:00 /root/tools/memhog --size 2G"))
+    gpus, err = remote(
+        rows, apps="GPU-00000000-0000-0000-0000-000000000000, 11327, 2566",
+        owners="11327 alice 10:00", args="11327 /root/tools/memhog --size 2G")
     assert err is None
     (p,) = gpus[0].processes
     assert (p.pid, p.user, p.gpu_memory_mib, p.elapsed_s) == (11327, "alice", 2566, 600)
@@ -185,22 +190,24 @@ def test_processes_attach_to_their_gpu_with_owner() -> None:
     assert gpus[0].users == ("alice",)
 
 
-def test_process_without_ps_row_keeps_nvidia_smi_name() -> None:
+def test_process_without_ps_row_is_shown_without_owner() -> None:
     rows = project_capture(CAPTURES["h100"], GPU_QUERY)
-    gpus, _ = parse_remote_output(remote(
-        rows, apps="GPU-00000000-0000-0000-0000-000000000000, 5, [N/A], ./gpu_burn"))
+    gpus, _ = remote(rows, apps="GPU-00000000-0000-0000-0000-000000000000, 5, [N/A]")
     (p,) = gpus[0].processes
-    assert (p.user, p.command, p.gpu_memory_mib) == (None, "./gpu_burn", None)
+    assert (p.pid, p.user, p.command, p.gpu_memory_mib) == (5, None, None, None)
 
 
 @pytest.mark.parametrize("text", [
-    "", "garbage", f"{MARK} start 1\nonly one section\n{MARK} rc 0\n",
-    f"{MARK} start 1\n1, 2, 3\n{MARK} rc 0\n\n{MARK} rc 0\n\n{MARK} rc 0\n",
-    f"{MARK} start 1\n\n{MARK} rc 0\n\n{MARK} rc 0\n\n{MARK} rc 0\n",
+    "", "garbage", f"only one section\n{MARK} {NONCE} gpu 0",
+    "\n".join(frame(NONCE, gpu=("1, 2, 3", 0))),
+    "\n".join(frame(NONCE)),
+    "\n".join(frame(NONCE)).replace(" owners ", " args "),  # out of order
+    "\n".join(frame(NONCE)).replace(f" {NONCE} owners", f" {'f' * 32} owners"),  # old nonce
+    "\n".join(frame(NONCE)) + "\nafter the last section",
 ])
 def test_malformed_remote_output_is_a_parse_error(text: str) -> None:
-    gpus, err = parse_remote_output(text)
-    assert gpus == [] and isinstance(err, HostError) and err.kind == "parse"
+    r = parse_remote_output(text.split("\n"), NONCE)
+    assert r.gpus == [] and isinstance(r.error, HostError) and r.error.kind == "parse"
 
 
 def test_parse_error_excerpt_is_sanitised() -> None:
@@ -221,7 +228,7 @@ def test_whole_corpus_never_crashes_the_parser(path: Path) -> None:
     error, never an exception."""
     text = path.read_text(errors="replace")
     for rc in (0, 255):
-        gpus, err = parse_remote_output(remote(text, rc))
+        gpus, err = remote(text, rc)
         assert bool(gpus) != (err is not None)  # data or an error, exactly one
         if err is not None:
             assert err.kind in ("parse", "driver", "no-devices", "no-nvidia-smi", "error")

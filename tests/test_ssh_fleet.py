@@ -176,7 +176,7 @@ async def test_host_that_recovers_is_picked_up_again(
         assert snap.hosts[0].error is not None and snap.hosts[1].ok
         small_fleet.restart_sshd(alpha)
         for src in poller.sources:  # skip the backoff wait instead of sleeping through it
-            src._retry_at = 0.0  # type: ignore[attr-defined]
+            src.reset()  # type: ignore[attr-defined]
         snap = await poller.snapshot()
         assert snap.hosts[0].ok, snap.hosts[0].error
         assert snap.hosts[0].last_ok == snap.hosts[0].time
@@ -372,7 +372,7 @@ async def test_a_host_key_accepted_meanwhile_is_seen_at_the_next_connect(
         assert snap.hosts[1].error is not None and snap.hosts[1].error.kind == "host-key"
         known.write_text(full)  # the user ran `ssh beta` and accepted the key
         for src in poller.sources:
-            src._retry_at = 0.0  # type: ignore[attr-defined]
+            src.reset()  # type: ignore[attr-defined]
         snap = await poller.snapshot()
         assert snap.hosts[1].ok, snap.hosts[1].error
     finally:

@@ -8,7 +8,11 @@ from gputop.model import GpuInfo, HostError
 
 
 class Source(Protocol):
-    """One host. ``query`` never raises for the host's own failures: it returns them."""
+    """One host. ``query`` never raises for the host's own failures: it returns them.
+
+    A source may also have ``warnings: tuple[str, ...]``, what its last query found odd in
+    data it still returned; the poller copies it onto the host snapshot.
+    """
 
     name: str
     @property

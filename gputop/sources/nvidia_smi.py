@@ -1,5 +1,8 @@
 """Turn what ``nvidia-smi`` prints into model records, and classify how it fails.
 
+The framing of the remote script's output (markers, nonce, sections) is
+:mod:`gputop.sources.protocol`; this module parses the sections' rows.
+
 Everything here is pure (text in, records out) so the whole real-output corpus can be fed
 through it in tests. nvidia-smi reports a value it cannot read as ``[N/A]``,
 ``[Not Supported]``, ``[Unknown Error]``, ``N/A``, ``ERR!``, an empty cell, or (newer drivers)
@@ -15,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
-from gputop.text import excerpt
+from gputop.sources.protocol import ParseError, Section, remote_script, split_frame
+from gputop.text import clean, excerpt
 
 # (nvidia-smi field, GpuInfo attribute, converter)
 Converter = Callable[[str | None], Any]
@@ -31,6 +35,13 @@ def _clean(value: str | None) -> str | None:
     if v.startswith("[") and v.endswith("]"):
         return None
     return v
+
+
+def to_str(value: str | None) -> str | None:
+    """Text a host reported, cleaned of control characters once, here, where records are
+    built: the board, ``--json`` and every other reader get the same safe string."""
+    v = _clean(value)
+    return (clean(v) or None) if v is not None else None
 
 
 _NUM = re.compile(r"^[-+]?\d+(?:\.\d+)?")
@@ -54,10 +65,6 @@ def to_int(value: str | None) -> int | None:
     return None if f is None else round(f)
 
 
-def to_str(value: str | None) -> str | None:
-    return _clean(value)
-
-
 GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
     ("index", "index", to_int),
     ("uuid", "uuid", to_str),
@@ -76,46 +83,43 @@ GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
     ("driver_version", "driver_version", to_str),
 )
 GPU_QUERY = ",".join(f for f, _, _ in GPU_FIELDS)
-# process_name last: it is the only cell that may itself contain ", ".
-APPS_FIELDS = ("gpu_uuid", "pid", "used_memory", "process_name")
+# No process_name: it is text a user chooses (a newline in it would start a row). The
+# command line comes from ``ps``, in a section of its own.
+APPS_FIELDS = ("gpu_uuid", "pid", "used_memory")
 APPS_QUERY = ",".join(APPS_FIELDS)
 
-#: Section markers in the remote script's output. Constant text: nothing from the config or
-#: from other hosts is ever interpolated into the remote command.
-MARK = "@@gputop"
-END = f"{MARK} end"
-
-# One refresh. The two nvidia-smi queries run side by side (the GPU query in the
-# background), so a refresh costs the host one nvidia-smi latency, not two; the pids for
-# `ps` are picked out with shell builtins (no awk, no extra process).
-REFRESH = (
-    f"nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits </dev/null & g=$!; "
-    f"apps=$(nvidia-smi --query-compute-apps={APPS_QUERY} --format=csv,noheader,nounits "
-    "</dev/null 2>&1); "
-    f'arc=$?; wait "$g"; echo "{MARK} rc $?"; '
-    f'printf "%s\\n" "$apps"; echo "{MARK} rc $arc"; '
-    "pids=; while IFS=', ' read -r _u p _r; do case $p in ''|*[!0-9]*) ;; "
-    '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
-    'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -o args= -p "$pids" </dev/null; fi; '
-    f'echo "{MARK} rc $?"; echo "{END}"'
+REMOTE_SCRIPT = remote_script(
+    f"--query-gpu={GPU_QUERY} --format=csv,noheader,nounits",
+    f"--query-compute-apps={APPS_QUERY} --format=csv,noheader,nounits",
 )
-
-# The remote side of one host's streaming channel, opened once per connection: it says its
-# pid (sshd made it a process-group leader, so a hung refresh can be killed as a whole), then
-# runs one refresh per line the client sends, and exits when the channel closes. A refresh
-# therefore costs no new SSH session, no new shell and no polling sleep on the host.
-REMOTE_SCRIPT = f'echo "{MARK} start $$"; while read -r _; do {{ {REFRESH}; }} 2>&1; done'
-
-
-
-class ParseError(ValueError):
-    """Output that is not what was asked for; message carries a sanitised excerpt."""
-
 
 _LOST = re.compile(
     r"Unable to determine the device handle for GPU\s*"
     r"([0-9A-Fa-f]+:[0-9A-Fa-f]+:[0-9A-Fa-f]+\.[0-9A-Fa-f]+)\s*:\s*(.*)$"
 )
+
+
+def _split_lost(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """Data lines and (bus id, reason) of lost GPUs, wherever nvidia-smi's stderr put them.
+
+    stderr shares the pipe with stdout, so the lost line may come first, between rows, last,
+    or (stdout being block-buffered) even inside a row: the row's two halves are joined.
+    """
+    data: list[str] = []
+    lost: list[tuple[str, str]] = []
+    carry = ""
+    for line in text.splitlines():
+        m = _LOST.search(line)
+        if m:
+            lost.append((m.group(1), clean(m.group(2)).strip()))
+            carry += line[: m.start()]
+            continue
+        line, carry = carry + line, ""
+        if line.strip():
+            data.append(line)
+    if carry.strip():
+        data.append(carry)
+    return data, lost
 
 
 def parse_gpu_rows(
@@ -128,16 +132,9 @@ def parse_gpu_rows(
     A GPU the driver lost is reported as a line of its own; it becomes a ``lost`` GpuInfo
     identified by its bus id, and the other GPUs are parsed normally.
     """
+    rows, lost = _split_lost(text)
     gpus: list[GpuInfo] = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        lost = _LOST.search(line)
-        if lost:
-            gpus.append(
-                GpuInfo(index=None, bus_id=lost.group(1), lost=True, lost_reason=lost.group(2))
-            )
-            continue
+    for line in rows:
         cells = line.split(", ")
         if len(cells) != len(fields):
             raise ParseError(
@@ -145,6 +142,8 @@ def parse_gpu_rows(
             )
         values = {attr: conv(cell) for (_, attr, conv), cell in zip(fields, cells) if attr}
         gpus.append(GpuInfo(**values))
+    gpus.extend(GpuInfo(index=None, bus_id=clean(bus), lost=True, lost_reason=reason or None)
+                for bus, reason in lost)
     return gpus
 
 
@@ -153,20 +152,17 @@ class AppRow:
     gpu_uuid: str | None
     pid: int
     used_memory_mib: int | None
-    process_name: str | None
 
 
 def parse_apps_rows(text: str) -> list[AppRow]:
-    """Rows of ``--query-compute-apps=gpu_uuid,pid,used_memory,process_name``."""
+    """Rows of ``--query-compute-apps=gpu_uuid,pid,used_memory``; lost-GPU lines skipped."""
     rows: list[AppRow] = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        cells = line.split(", ", len(APPS_FIELDS) - 1)
+    for line in _split_lost(text)[0]:
+        cells = line.split(", ")
         pid = to_int(cells[1]) if len(cells) == len(APPS_FIELDS) else None
-        if pid is None:
+        if pid is None or not cells[1].strip().isdigit():
             raise ParseError(f"unexpected process row: {excerpt(line)}")
-        rows.append(AppRow(to_str(cells[0]), pid, to_int(cells[2]), to_str(cells[3])))
+        rows.append(AppRow(to_str(cells[0]), pid, to_int(cells[2])))
     return rows
 
 
@@ -180,39 +176,72 @@ def parse_etime(value: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class PsRow:
+class Owner:
     pid: int
     user: str
     elapsed_s: int | None
-    args: str
 
 
-def parse_ps_rows(text: str) -> dict[int, PsRow]:
-    """``ps -o pid= -o user= -o etime= -o args=``; lines that do not fit are skipped."""
-    out: dict[int, PsRow] = {}
+def parse_owner_rows(text: str, asked: Iterable[int]) -> dict[int, Owner]:
+    """``ps -o pid= -o user= -o etime= -p PIDS``: who runs each GPU process.
+
+    This section holds no text a user chooses, so it is read strictly: every row is a pid
+    that was asked for, once, with a user and an elapsed time; anything else is an error.
+    """
+    wanted = set(asked)
+    out: dict[int, Owner] = {}
     for line in text.splitlines():
-        parts = line.split(None, 3)
-        if len(parts) < 3 or not parts[0].isdigit():
+        if not line.strip():
             continue
-        args = parts[3] if len(parts) == 4 else ""
-        out[int(parts[0])] = PsRow(int(parts[0]), parts[1], parse_etime(parts[2]), args)
+        parts = line.split()
+        pid = int(parts[0]) if len(parts) == 3 and parts[0].isdigit() else None
+        if pid is None or pid not in wanted:
+            raise ParseError(f"unexpected ps row: {excerpt(line)}")
+        owner = Owner(pid, clean(parts[1]), parse_etime(parts[2]))
+        if out.setdefault(pid, owner) != owner:  # a process on two GPUs is asked for twice
+            raise ParseError(f"ps gave two owners for pid {pid}")
     return out
 
 
+def parse_args_rows(text: str, asked: Iterable[int]) -> dict[int, str]:
+    """``ps -o pid= -o args= -p PIDS``: command lines, for display only.
+
+    Users choose this text, so it is read leniently: a row starts with a pid asked for and
+    not yet seen; any other line continues the row before it. A pid that appears twice has
+    no trustworthy command line and is left out.
+    """
+    wanted = set(asked)
+    out: dict[int, list[str]] = {}
+    twice: set[int] = set()
+    current: list[str] | None = None
+    for line in text.splitlines():
+        head, _, rest = line.strip().partition(" ")
+        pid = int(head) if head.isdigit() else None
+        if pid is not None and pid in wanted:
+            if pid in out:
+                twice.add(pid)
+            current = out[pid] = [rest.strip()]
+        elif current is not None and line.strip():
+            current.append(line.strip())
+    return {pid: clean(" ".join(parts)) for pid, parts in out.items() if pid not in twice}
+
+
 def attach_processes(
-    gpus: Iterable[GpuInfo], apps: Iterable[AppRow], ps: dict[int, PsRow]
+    gpus: Iterable[GpuInfo], apps: Iterable[AppRow], owners: dict[int, Owner],
+    args: dict[int, str] | None = None,
 ) -> list[GpuInfo]:
-    """Hang each compute process on its GPU (by UUID), enriched with owner/cmdline/age."""
+    """Hang each compute process on its GPU (by UUID), with owner, command line and age."""
+    args = args or {}
     by_uuid: dict[str | None, list[ProcessInfo]] = {}
     for a in apps:
-        p = ps.get(a.pid)
+        o = owners.get(a.pid)
         by_uuid.setdefault(a.gpu_uuid, []).append(
             ProcessInfo(
                 pid=a.pid,
-                user=p.user if p else None,
-                command=(p.args or a.process_name) if p else a.process_name,
+                user=o.user if o else None,
+                command=args.get(a.pid) or None,
                 gpu_memory_mib=a.used_memory_mib,
-                elapsed_s=p.elapsed_s if p else None,
+                elapsed_s=o.elapsed_s if o else None,
             )
         )
     gpus = list(gpus)
@@ -237,59 +266,83 @@ _DRIVER_TEXTS = (
 )
 
 
+def _message_lines(text: str) -> str:
+    """The lines of a failed call that say something: data rows and lost-GPU lines are
+    left out, so a message leads with its meaning, not with the data printed before it."""
+    data, _ = _split_lost(text)
+    said = [ln for ln in data if len(ln.split(", ")) not in (len(GPU_FIELDS), len(APPS_FIELDS))]
+    return " ".join(said or data)
+
+
 def classify_failure(output: str, rc: int | None) -> HostError | None:
     """The host-level error a failed nvidia-smi call means, or None if it did not fail."""
     text = output.strip()
     if rc == 127 or re.search(r"nvidia-smi: (command )?not found", text):
         return HostError("no-nvidia-smi", "nvidia-smi was not found on the remote PATH")
     for needle in _DRIVER_TEXTS:
-        if needle in text:
-            return HostError("driver", excerpt(text))
+        at = text.find(needle)
+        if at >= 0:
+            line_start = text.rfind("\n", 0, at) + 1
+            return HostError("driver", excerpt(text[line_start:]))
     if "No devices were found" in text:
         return HostError("no-devices", "No devices were found")
-    if rc not in (0, None) and not _LOST.search(text):
-        return HostError("error", f"nvidia-smi exited with {rc}: {excerpt(text)}")
+    if rc not in (0, None) and not _split_lost(text)[1]:
+        said = _message_lines(text)
+        return HostError("error", f"nvidia-smi failed (exit {rc})"
+                         + (f": {excerpt(said)}" if said else ""))
     return None
 
 
 # --- the remote script's output -----------------------------------------------------------
 
 
-def split_sections(text: str) -> list[tuple[str, int | None]]:
-    """Split one refresh's output into (section text, exit code) pairs."""
-    lines = text.splitlines()
-    if lines and lines[0].startswith(f"{MARK} start"):
-        lines = lines[1:]
-    if lines and lines[-1] == END:
-        lines = lines[:-1]
-    sections: list[tuple[str, int | None]] = []
-    buf: list[str] = []
-    for line in lines:
-        if line.startswith(f"{MARK} rc "):
-            rc_text = line[len(MARK) + 4 :].strip()
-            sections.append(("\n".join(buf), int(rc_text) if rc_text.isdigit() else None))
-            buf = []
-        else:
-            buf.append(line)
-    if len(sections) != 3:
-        raise ParseError(f"incomplete output from the remote script: {excerpt(text)}")
-    return sections
+@dataclass(frozen=True)
+class RemoteResult:
+    """One refresh, parsed: the GPUs or the host's error, and warnings about the data."""
+
+    gpus: list[GpuInfo]
+    error: HostError | None = None
+    warnings: tuple[str, ...] = ()
 
 
-def parse_remote_output(text: str) -> tuple[list[GpuInfo], HostError | None]:
-    """GPUs with their processes from one refresh's output, or the host error."""
+def parse_sections(sections: dict[str, Section]) -> RemoteResult:
+    """GPUs with their processes from one refresh's sections, or the host error."""
+    gpu, apps_s = sections["gpu"], sections["apps"]
     try:
-        (gpu_text, gpu_rc), (apps_text, apps_rc), (ps_text, _) = split_sections(text)
-        failure = classify_failure(gpu_text, gpu_rc)
+        failure = classify_failure(gpu.text, gpu.rc)
         if failure:
-            return [], failure
-        gpus = parse_gpu_rows(gpu_text)
+            return RemoteResult([], failure)
+        gpus = parse_gpu_rows(gpu.text)
         if not gpus:
-            return [], HostError("parse", "nvidia-smi listed no GPUs")
-        apps = [] if classify_failure(apps_text, apps_rc) else parse_apps_rows(apps_text)
-        return attach_processes(gpus, apps, parse_ps_rows(ps_text)), None
+            return RemoteResult([], HostError("parse", "nvidia-smi listed no GPUs"))
+        warnings: list[str] = []
+        seen: dict[int, int] = {}
+        for g in gpus:
+            if g.index is not None:
+                seen[g.index] = seen.get(g.index, 0) + 1
+        warnings += [f"nvidia-smi listed GPU index {i} {n} times" for i, n in seen.items()
+                     if n > 1]
+        apps_failure = classify_failure(apps_s.text, apps_s.rc)
+        if apps_failure:
+            warnings.append(f"processes unknown: {apps_failure.message}")
+            apps: list[AppRow] = []
+        else:
+            apps = parse_apps_rows(apps_s.text)
+        pids = [a.pid for a in apps]
+        owners = parse_owner_rows(sections["owners"].text, pids)
+        args = parse_args_rows(sections["args"].text, pids)
+        return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
     except ParseError as exc:
-        return [], HostError("parse", str(exc))
+        return RemoteResult([], HostError("parse", str(exc)))
+
+
+def parse_remote_output(lines: list[str], nonce: str) -> RemoteResult:
+    """One refresh's lines (without its end line), framed with ``nonce``."""
+    try:
+        sections = split_frame(lines, nonce)
+    except ParseError as exc:
+        return RemoteResult([], HostError("parse", str(exc)))
+    return parse_sections(sections)
 
 
 # --- header-aware parsing (any --query-* CSV with a header, e.g. the fixture corpus) ------

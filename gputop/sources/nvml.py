@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any, Literal, TypeVar
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
-from gputop.text import excerpt
+from gputop.text import clean, excerpt
 
 T = TypeVar("T")
 MIB = 1024 * 1024
@@ -138,7 +138,8 @@ class NvmlSource:
 
 
 def _s(v: bytes | str) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    """A string NVML reported, cleaned as every string from a host is (gputop.text.clean)."""
+    return clean(v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
 
 
 def _proc_details(root: str, pid: int) -> tuple[str | None, str | None, int | None]:
@@ -151,7 +152,8 @@ def _proc_details(root: str, pid: int) -> tuple[str | None, str | None, int | No
         except KeyError:
             user = str(uid)
         with open(f"{base}/cmdline", "rb") as f:
-            command = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip() or None
+            raw = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            command = clean(raw).strip() or None
         with open(f"{base}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
         start_ticks = int(stat.rsplit(")", 1)[1].split()[19])

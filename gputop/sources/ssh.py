@@ -2,7 +2,8 @@
 
 Per host: one connection and one exec channel running a constant POSIX shell loop
 (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`), both kept open. Per refresh: one line
-sent, one block of output read back: one round trip, and no new session on the host.
+sent (a fresh nonce), one framed block read back (:mod:`gputop.sources.protocol`): one round
+trip, and no new session on the host.
 
 ``~/.ssh/config`` is honoured the way ``ssh NAME`` would (HostName, User, Port,
 IdentityFile, IdentitiesOnly, ProxyJump, the agent), except that hosts behind the same
@@ -19,6 +20,8 @@ import asyncio
 import errno
 import functools
 import os
+import pwd
+import random
 import re
 import shlex
 import socket
@@ -31,12 +34,26 @@ import asyncssh
 
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
-from gputop.sources.nvidia_smi import END, MARK, REMOTE_SCRIPT, parse_remote_output
+from gputop.sources.nvidia_smi import REMOTE_SCRIPT, RemoteResult, parse_sections
+from gputop.sources.protocol import (
+    FramingError,
+    LineReader,
+    ParseError,
+    end_line,
+    new_nonce,
+    split_frame,
+    start_pid,
+)
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
-#: below this; anything larger is not nvidia-smi talking).
+#: below this; anything larger is not nvidia-smi talking). Enforced while reading.
 MAX_OUTPUT = 4 * 1024 * 1024
+
+#: How long a new connection may hold a handshake slot waiting for TCP to answer. A host
+#: whose packets are dropped then waits for its TCP connection (and its SSH banner) without
+#: a slot, so it cannot make healthy hosts later in the list wait behind it.
+TCP_SLOT_S = 1.0
 
 #: Errors worth a long pause before retrying: sshd penalises repeated auth failures, and
 #: a host key will not fix itself.
@@ -50,9 +67,15 @@ class _ChannelClosed(Exception):
     """The streaming channel ended before a refresh was complete."""
 
 
+class _PhaseTimeout(Exception):
+    """A connection phase did not finish in time; the message says which."""
+
+
 def classify_exception(exc: BaseException) -> HostError:
     """Map what asyncssh / the socket layer raised to a classified host error."""
     msg = excerpt(str(exc) or type(exc).__name__)
+    if isinstance(exc, _PhaseTimeout):
+        return HostError("timeout", str(exc))
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return HostError("timeout", "no answer in time")
     if isinstance(exc, asyncssh.HostKeyNotVerifiable):
@@ -75,7 +98,9 @@ def classify_exception(exc: BaseException) -> HostError:
     if isinstance(exc, asyncssh.DisconnectError):
         return HostError("ssh", msg)
     if isinstance(exc, _ChannelClosed):
-        return HostError("ssh", f"the remote script ended: {msg}")
+        return HostError("ssh", f"the remote script ended early: {msg}")
+    if isinstance(exc, ParseError):
+        return HostError("parse", msg)
     if isinstance(exc, FileNotFoundError):
         return HostError("auth", f"cannot read {exc.filename}: {exc.strerror}")
     if isinstance(exc, OSError):
@@ -117,6 +142,12 @@ def resolve_options(
         # cipher contexts in Python for every packet; AES-GCM costs a fraction of that CPU
         # per refresh, and is just as standard (OpenSSH offers both).
         overrides["encryption_algs"] = PREFERRED_CIPHERS
+    if not user and opts.config.get("User") is None:
+        # asyncssh's default login name comes from $USER/$LOGNAME; ssh's, like every
+        # identity in gputop, from the real uid.
+        real = pwd.getpwuid(os.getuid()).pw_name
+        if opts.username != real:
+            overrides["username"] = real
     if not overrides:
         return opts
     # Derived from opts: the config file already read is reused, not parsed again.
@@ -250,23 +281,33 @@ class SshSource:
         self.name = host.name
         self.timeout = timeout
         self.interval = interval
+        self.max_output = MAX_OUTPUT
         self._ssh_config = ssh_config
         self._handshakes = handshakes
         self._jumps = jumps
         self._conn: asyncssh.SSHClientConnection | None = None
-        self._proc: asyncssh.SSHClientProcess[str] | None = None
+        self._proc: asyncssh.SSHClientProcess[bytes] | None = None
         self._remote_pid: int | None = None
         self._options: asyncssh.SSHClientConnectionOptions | None = None
         self._failures = 0
         self._retry_at = 0.0
         self._last_error: HostError | None = None
+        self._waiting_for = ""
+        #: What the last refresh found odd in data it still shows (e.g. a GPU index twice).
+        self.warnings: tuple[str, ...] = ()
         #: SSH connections and exec channels opened, for tests and the benchmark.
         self.connects = 0
         self.channels = 0
 
+    def reset(self) -> None:
+        """Forget the backoff: the next query tries (connects) at once."""
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error = None
+
     # -- connection ------------------------------------------------------------------------
 
-    async def _connect(self) -> asyncssh.SSHClientConnection:
+    def _resolved(self) -> asyncssh.SSHClientConnectionOptions:
         if self._options is None:  # resolved once: reconnects skip re-reading ~/.ssh/config
             self._options = resolve_options(
                 self.host.address or self.host.name,
@@ -274,17 +315,123 @@ class SshSource:
                 port=self.host.port,
                 user=self.host.user,
             )
-        opts = self._options
-        spec = opts.tunnel if isinstance(opts.tunnel, str) else None
+        return self._options
+
+    def _tunnel_spec(self) -> str | None:
+        spec = self._resolved().tunnel
+        return spec if isinstance(spec, str) and spec.lower() != "none" else None
+
+    def _direct(self) -> bool:
+        """Whether gputop may open the TCP connection itself: not through a jump host or a
+        ProxyCommand, and with no BindAddress or hostname canonicalisation to honour."""
+        opts = self._resolved()
+        return not (self._tunnel_spec() or opts.proxy_command or opts.local_addr
+                    or opts.config.get("CanonicalizeHostname"))
+
+    async def _connect(self, sock: socket.socket | None = None) -> asyncssh.SSHClientConnection:
+        opts = self._resolved()
+        spec = self._tunnel_spec()
         tunnel: Any = ()
-        if spec and spec.lower() != "none":
+        if spec:
             tunnel = await self._jumps.get(spec)
         conn = await asyncssh.connect(
-            opts.host, opts.port, options=opts, tunnel=tunnel,
+            opts.host, opts.port, options=opts, tunnel=tunnel, sock=sock,
             keepalive_interval=max(30.0, self.interval * 5), known_hosts=known_hosts_for(opts),
         )
         self.connects += 1
         return conn
+
+    async def _tcp(self) -> socket.socket:
+        """A TCP connection to the host whose server has spoken (its SSH banner is waiting),
+        tried address by address as ``ssh`` does."""
+        opts = self._resolved()
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(opts.host, opts.port, family=opts.family or 0,
+                                       type=socket.SOCK_STREAM)
+        last: OSError | None = None
+        self._waiting_for = "TCP did not connect"
+        for family, type_, proto, _, addr in infos:
+            sock = socket.socket(family, type_, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                sock.close()
+                last = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._waiting_for = "TCP connected, but the server sent no SSH banner"
+            try:
+                await self._readable(sock)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        raise last or OSError(errno.EADDRNOTAVAIL, f"no address for {opts.host}")
+
+    @staticmethod
+    async def _readable(sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(sock.fileno(), wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(sock.fileno())
+
+    async def _open(self) -> float:
+        """Connect and open the streaming channel, holding a handshake slot only for what
+        costs the hosts and a shared bastion: key exchange, auth and session setup.
+
+        A direct connection takes a slot, but gives it back if TCP has not answered within
+        :data:`TCP_SLOT_S`, and waits for TCP and the server's banner without one (dropped
+        packets or a silent listener then cost only this host its timeout). Waiting for a
+        slot is not the host's fault: its time runs only while it holds one or waits for
+        the network. Returns that time, spent from the host's ``timeout``.
+        """
+        self._drop()
+        if not self._direct():  # e.g. a jump host's channel is the TCP connection
+            async with self._handshakes:
+                started = time.monotonic()
+                await asyncio.wait_for(self._handshake(None), self.timeout)
+                return time.monotonic() - started
+        tcp = asyncio.ensure_future(self._tcp())
+        try:
+            async with self._handshakes:
+                started = time.monotonic()
+                done, _ = await asyncio.wait({tcp}, timeout=min(TCP_SLOT_S, self.timeout))
+                if done:
+                    await asyncio.wait_for(self._handshake(tcp.result()),
+                                           self.timeout - (time.monotonic() - started))
+                    return time.monotonic() - started
+            done, _ = await asyncio.wait(
+                {tcp}, timeout=max(0.0, self.timeout - (time.monotonic() - started)))
+            if not done:
+                opts = self._resolved()
+                raise _PhaseTimeout(f"no answer from {opts.host} port {opts.port} in "
+                                    f"{self.timeout:g}s: {self._waiting_for}")
+            spent = time.monotonic() - started
+            sock = tcp.result()
+            async with self._handshakes:
+                started = time.monotonic()
+                await asyncio.wait_for(self._handshake(sock), max(0.1, self.timeout - spent))
+                return spent + time.monotonic() - started
+        finally:
+            if not tcp.done():
+                tcp.cancel()
+            elif not tcp.cancelled() and tcp.exception() is None and self._conn is None:
+                tcp.result().close()  # connected, but the handshake never took it
+
+    async def _handshake(self, sock: socket.socket | None) -> None:
+        self._conn = await self._connect(sock)
+        await self._open_channel(self._conn)
 
     def _connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
@@ -310,23 +457,45 @@ class SshSource:
             return [], HostError(self._last_error.kind,
                                  f"{self._last_error.message} (retrying in {wait:.0f}s)")
         try:
-            if self._connected():
-                gpus, err = await asyncio.wait_for(self._query(fresh=False), self.timeout)
-            else:
-                # A new connection holds a slot for its handshake and first refresh (session
-                # setup is the costly part for sshd and a shared bastion). Waiting for a slot
-                # is not this host's fault: its timeout starts once it has one.
-                async with self._handshakes:
-                    gpus, err = await asyncio.wait_for(self._first_query(), self.timeout)
+            opened = not self._connected()
+            spent = await self._open() if opened else 0.0
+            result = await asyncio.wait_for(self._query(reopen=not opened),
+                                            max(0.1, self.timeout - spent))
         except Exception as exc:  # every failure is this host's alone
-            err = classify_exception(exc)
+            err = self._classify(exc)
             if err.kind != "timeout" or not self._connected():
                 self._drop()
             self._backoff(err)
+            self.warnings = ()
             return [], err
         self._failures = 0
         self._last_error = None
-        return gpus, err
+        self.warnings = result.warnings
+        return result.gpus, result.error
+
+    def _classify(self, exc: BaseException) -> HostError:
+        """classify_exception, with what only this host knows: its name, user and keys."""
+        err = classify_exception(exc)
+        opts = self._options
+        if opts is None:
+            return err
+        where = f"{self.name} ({opts.host} port {opts.port})"
+        if err.kind == "host-key":
+            known = known_hosts_for(opts)
+            try:
+                match = known.match(opts.host, "", opts.port)
+                state = "changed" if match[0] or match[1] else "unknown"
+            except Exception:  # a guess at the state must not hide the error
+                state = "unknown or changed"
+            entry = opts.host if opts.port == 22 else f"[{opts.host}]:{opts.port}"
+            fix = (f"if the change is expected, run `ssh-keygen -R '{entry}'`, then "
+                   f"`ssh {self.name}` to review the new key" if state == "changed"
+                   else f"run `ssh {self.name}` to review and accept it")
+            return HostError("host-key", f"host key of {where} is {state}: {fix}")
+        if err.kind == "auth" and isinstance(exc, asyncssh.PermissionDenied):
+            return HostError("auth", f"authentication refused for user {opts.username!r} "
+                                     f"on {where}")
+        return err
 
     def reset(self) -> None:
         """Forget the backoff: the next query connects now (the board's reconnect key)."""
@@ -334,6 +503,8 @@ class SshSource:
         self._retry_at = 0.0
 
     def _backoff(self, err: HostError) -> None:
+        """Wait longer after each failure, with jitter: many hosts failing at once (a network
+        blip, a bastion restart) then retry spread out, not in synchronised bursts."""
         self._failures += 1
         self._last_error = err
         if err.kind in SLOW_RETRY_KINDS:
@@ -342,66 +513,85 @@ class SshSource:
             delay = min(60.0, self.interval * 2 ** (self._failures - 1))
         else:
             delay = 0.0
-        self._retry_at = time.monotonic() + delay
+        self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
 
-    async def _first_query(self) -> tuple[list[GpuInfo], HostError | None]:
-        self._drop()
-        self._conn = await self._connect()
-        return await self._query(fresh=True)
-
-    async def _query(self, fresh: bool) -> tuple[list[GpuInfo], HostError | None]:
+    async def _query(self, reopen: bool) -> RemoteResult:
         assert self._conn is not None
         try:
-            text = await self._refresh(self._conn)
+            if self._proc is None:
+                await self._open_channel(self._conn)
+            return await self._refresh()
         except (asyncssh.Error, BrokenPipeError, _ChannelClosed):
-            if fresh:
+            if not reopen:
                 raise
             # The kept connection or channel died since the last refresh: reopen once, now.
             self._drop()
             self._conn = await self._connect()
-            text = await self._refresh(self._conn)
-        return parse_remote_output(text)
+            await self._open_channel(self._conn)
+            return await self._refresh()
 
-    async def _refresh(self, conn: asyncssh.SSHClientConnection) -> str:
-        """One refresh on the streaming channel: send a line, read up to the end mark."""
+    async def _open_channel(self, conn: asyncssh.SSHClientConnection) -> None:
+        """Start the remote loop and read its start line (with a nonce of its own)."""
+        # The script sends its own stderr to stdout, in order. What arrives on the channel's
+        # stderr comes from the user's shell startup files: not ours.
+        proc = await conn.create_process(REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
+        self._proc = proc
+        self.channels += 1
+        nonce = new_nonce()
+        proc.stdin.write(f"{nonce}\n".encode())
+        # A shell startup file's banner may come first; 64 KiB of it is more than enough.
+        reader = LineReader(64 * 1024)
+        while True:
+            data = await proc.stdout.read(65536)
+            if not data:
+                self._close_channel()
+                raise _ChannelClosed("the remote shell did not run the gputop script")
+            for line in reader.feed(data):
+                pid = start_pid(line, nonce)
+                if pid is not None:
+                    self._remote_pid = pid
+                    return
+
+    async def _refresh(self) -> RemoteResult:
+        """One refresh: send a fresh nonce, read lines up to exactly its end line."""
+        proc = self._proc
+        assert proc is not None and self._conn is not None
+        nonce = new_nonce()
+        end = end_line(nonce)
+        reader = LineReader(self.max_output)
+        lines: list[str] = []
         try:
-            if self._proc is None:
-                # The script sends its own stderr to stdout, in order. What arrives on the
-                # channel's stderr comes from the user's shell startup files: not ours.
-                proc = await conn.create_process(
-                    REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding="utf-8", errors="replace")
-                self._proc = proc
-                self.channels += 1
-                self._remote_pid = await self._read_start(proc)
-                if self._remote_pid is None:  # not a POSIX shell running our script
+            proc.stdin.write(f"{nonce}\n".encode())
+            done = False
+            while not done:
+                data = await proc.stdout.read(65536)
+                if not data:
                     self._close_channel()
-                    return "the remote shell did not run the gputop script"
-            assert self._proc is not None
-            self._proc.stdin.write("\n")
-            text = str(await self._proc.stdout.readuntil(f"{END}\n"))
-        except asyncio.IncompleteReadError as exc:
-            self._close_channel()
-            raise _ChannelClosed(str(exc.partial)) from None
+                    tail = " ".join(lines[-3:]) or reader.tail()
+                    raise _ChannelClosed(excerpt(tail) or "no output")
+                for line in reader.feed(data):
+                    if done:
+                        raise FramingError("output after the end of the refresh")
+                    if line == end:
+                        done = True
+                    else:
+                        lines.append(line)
+            if reader.pending:
+                raise FramingError("output after the end of the refresh")
+        except FramingError as exc:
+            # Never read this channel again: whatever is still in flight is not trusted.
+            await self._kill_remote(self._conn)
+            return RemoteResult([], HostError("parse", str(exc)))
         except asyncio.CancelledError:
             # Timed out: the refresh must not pile up on the remote host.
-            await asyncio.shield(self._kill_remote(conn))
+            await asyncio.shield(self._kill_remote(self._conn))
             raise
-        if len(text) > MAX_OUTPUT:
-            return f"output larger than {MAX_OUTPUT} bytes"
-        return text
-
-    @staticmethod
-    async def _read_start(proc: asyncssh.SSHClientProcess[str]) -> int | None:
-        """The script's pid from its first line; lines a shell startup file printed before
-        it (a banner in ~/.bashrc, say) are skipped."""
-        for _ in range(200):
-            line = await proc.stdout.readline()
-            if not line:
-                return None
-            m = re.match(rf"{MARK} start (\d+)$", line.strip())
-            if m:
-                return int(m.group(1))
-        return None
+        try:
+            sections = split_frame(lines, nonce)
+        except FramingError as exc:
+            self._close_channel()  # the next refresh opens a new channel
+            return RemoteResult([], HostError("parse", str(exc)))
+        return parse_sections(sections)
 
     async def _kill_remote(self, conn: asyncssh.SSHClientConnection) -> None:
         """Kill the remote loop's whole process group (sshd made it a session leader)."""

@@ -1,0 +1,174 @@
+"""The remote side of a host's streaming channel, and the framing of what it sends back.
+
+Remote output is hostile: any user on a GPU host chooses their jobs' command lines, which
+``ps`` prints. So no byte a remote process controls may end a section or start a row:
+
+- every refresh line the client sends carries a fresh random *nonce* (on the channel, never
+  in a command line, so no process on the host can see it); every marker the script prints
+  carries it, and a marker counts only as a whole line equal to what is expected;
+- the sections come in a fixed order, each closed by its marker with the exit code; output
+  after the end marker, a missing or misplaced marker is a framing error: that refresh is
+  the host's ``parse`` error and the channel is reopened, never read from again;
+- the size of one refresh is checked while it is read (:class:`LineReader`).
+
+Only the owners section decides who uses a GPU, and it holds no user text: the command
+lines are a section of their own, read after it and parsed leniently.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+
+from gputop.text import excerpt
+
+#: Prefix of every marker line. Constant text: nothing from the config or from other hosts
+#: is ever interpolated into the remote command.
+MARK = "@@gputop"
+
+#: The sections of one refresh, in the order the script prints them.
+SECTIONS = ("gpu", "apps", "owners", "args")
+
+
+class ParseError(ValueError):
+    """Output that is not what was asked for; the message carries a sanitised excerpt."""
+
+
+class FramingError(ParseError):
+    """The refresh's frame does not check out: its channel must not be read from again."""
+
+
+def new_nonce() -> str:
+    """128 random bits as hex: what a refresh line carries and its markers must repeat."""
+    return secrets.token_hex(16)
+
+
+def remote_script(gpu_query: str, apps_query: str) -> str:
+    """The constant POSIX sh loop run once per channel (no awk, no python remotely).
+
+    It reads a nonce line, says ``@@gputop NONCE start PID`` (sshd made it a process-group
+    leader, so a hung refresh can be killed as a whole), then runs one refresh per line it
+    reads, the line being that refresh's nonce. The two nvidia-smi queries run side by side
+    (one in the background); the pids for ``ps`` are picked out with shell builtins. Each
+    marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
+    Command lines are cut at 4096 columns: jobs with huge ones cannot fill the output limit.
+    A refresh is collected and written at once: one SSH packet, not one per command.
+    """
+    refresh = (
+        f"nvidia-smi {gpu_query} </dev/null & g=$!; "
+        f"apps=$(nvidia-smi {apps_query} </dev/null 2>&1); arc=$?; "
+        f'wait "$g"; printf "\\n{MARK} %s gpu %s\\n" "$n" "$?"; '
+        f'printf "%s\\n{MARK} %s apps %s\\n" "$apps" "$n" "$arc"; '
+        "pids=; while IFS=', ' read -r _u p _r; do case $p in ''|*[!0-9]*) ;; "
+        '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
+        'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
+        f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
+        'if [ -n "$pids" ]; then COLUMNS=4096 ps -o pid= -o args= -p "$pids" </dev/null; fi; '
+        f'printf "\\n{MARK} %s args %s" "$n" "$?"'
+    )
+    # A nonce line is 32 hex digits; anything else read on stdin ends the loop.
+    check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
+    return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
+            f'while IFS= read -r n; do {check}; r=$({{ {refresh}; }} 2>&1); '
+            f'printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
+
+
+class OutputTooLarge(FramingError):
+    """More output than one refresh may have: read no further."""
+
+
+class LineReader:
+    """Splits the channel's bytes into lines, counting every byte against ``limit``.
+
+    The limit is enforced as bytes arrive, so a flood is cut off at ``limit`` rather than
+    buffered first. Lines are decoded as UTF-8 with replacement (remote bytes are not
+    trusted to be text).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._partial = b""
+
+    def feed(self, data: bytes) -> list[str]:
+        self.size += len(data)
+        if self.size > self.limit:
+            raise OutputTooLarge(f"output larger than {self.limit} bytes")
+        if b"\n" not in data:
+            self._partial += data
+            return []
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return [ln.decode("utf-8", "replace") for ln in lines]
+
+    @property
+    def pending(self) -> bool:
+        """Bytes received that are not a complete line yet."""
+        return bool(self._partial)
+
+    def tail(self) -> str:
+        return excerpt(self._partial[-200:].decode("utf-8", "replace"))
+
+
+_START = re.compile(r"(\d+)")
+
+
+def start_pid(line: str, nonce: str) -> int | None:
+    """The script's pid if ``line`` is exactly its start line for ``nonce``."""
+    prefix = f"{MARK} {nonce} start "
+    if not line.startswith(prefix):
+        return None
+    m = _START.fullmatch(line[len(prefix):])
+    return int(m.group(1)) if m else None
+
+
+def end_line(nonce: str) -> str:
+    return f"{MARK} {nonce} end"
+
+
+@dataclass(frozen=True)
+class Section:
+    text: str
+    rc: int
+
+
+_SECTION_MARK = re.compile(r"([a-z]+) (\d{1,3})")
+
+
+def split_frame(lines: list[str], nonce: str) -> dict[str, Section]:
+    """One refresh's lines (up to, not including, its end line) as its four sections.
+
+    A line is a marker only if it starts with ``@@gputop NONCE``; every marker must be the
+    next expected section with a numeric exit code. Anything else is a FramingError.
+    """
+    prefix = f"{MARK} {nonce} "
+    sections: dict[str, Section] = {}
+    buf: list[str] = []
+    for line in lines:
+        if not line.startswith(prefix):
+            buf.append(line)
+            continue
+        m = _SECTION_MARK.fullmatch(line[len(prefix):])
+        expected = SECTIONS[len(sections)] if len(sections) < len(SECTIONS) else None
+        if m is None or m.group(1) != expected:
+            raise FramingError(f"unexpected marker in the remote output: {excerpt(line)}")
+        sections[m.group(1)] = Section("\n".join(buf), int(m.group(2)))
+        buf = []
+    if len(sections) != len(SECTIONS):
+        raise FramingError(
+            f"incomplete output from the remote script ({len(sections)} of {len(SECTIONS)} "
+            f"sections): {excerpt(' '.join(buf))}")
+    if any(line.strip() for line in buf):
+        raise FramingError(f"output after the last section: {excerpt(' '.join(buf))}")
+    return sections
+
+
+def frame(nonce: str, **sections: tuple[str, int]) -> list[str]:
+    """What the script prints for one refresh (without the end line), for tests and demos:
+    ``frame(n, gpu=(text, rc), apps=..., owners=..., args=...)``."""
+    out: list[str] = []
+    for name in SECTIONS:
+        text, rc = sections.get(name, ("", 0))
+        out.extend(text.split("\n") if text else [])
+        out.extend(["", f"{MARK} {nonce} {name} {rc}"])
+    return out
