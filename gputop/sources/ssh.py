@@ -497,11 +497,6 @@ class SshSource:
                                      f"on {where}")
         return err
 
-    def reset(self) -> None:
-        """Forget the backoff: the next query connects now (the board's reconnect key)."""
-        self._failures = 0
-        self._retry_at = 0.0
-
     def _backoff(self, err: HostError) -> None:
         """Wait longer after each failure, with jitter: many hosts failing at once (a network
         blip, a bastion restart) then retry spread out, not in synchronised bursts."""
