@@ -113,6 +113,14 @@ class Config:
         return next((h for h in self.hosts if h.name == name), None)
 
 
+def data_path(name: str) -> Path:
+    """A file shipped with gputop (``themes``, ``hosts.example.toml``): the copy a wheel
+    puts in the package (setup.py), else the source checkout's top level."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "data" / name
+    return shipped if shipped.exists() else here.parent / name
+
+
 def default_config_path() -> Path:
     return Path(platformdirs.user_config_dir(APP)) / "hosts.toml"
 
@@ -129,8 +137,9 @@ def find_config(cli_path: str | None) -> Path | None:
 
 
 NO_CONFIG_HINT = (
-    "no hosts.toml found: monitoring this machine only. To add hosts, copy "
-    "hosts.example.toml to {path} (or pass --config FILE)."
+    "no hosts.toml found: monitoring this machine only. To add hosts, run "
+    "`gputop init-config` (it writes the documented example to {path}) and edit it, "
+    "or pass --config FILE."
 )
 
 

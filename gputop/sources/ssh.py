@@ -16,6 +16,7 @@ Host keys are always checked against known_hosts: even a config that says
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
@@ -256,6 +257,9 @@ class SshSource:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._proc: asyncssh.SSHClientProcess[str] | None = None
         self._remote_pid: int | None = None
+        #: A refresh is waiting for its answer / the kill of an abandoned one (for close()).
+        self._in_flight = False
+        self._killing: asyncio.Future[None] | None = None
         self._options: asyncssh.SSHClientConnectionOptions | None = None
         self._failures = 0
         self._retry_at = 0.0
@@ -372,15 +376,20 @@ class SshSource:
                     self._close_channel()
                     return "the remote shell did not run the gputop script"
             assert self._proc is not None
+            self._in_flight = True
             self._proc.stdin.write("\n")
             text = str(await self._proc.stdout.readuntil(f"{END}\n"))
         except asyncio.IncompleteReadError as exc:
             self._close_channel()
             raise _ChannelClosed(str(exc.partial)) from None
         except asyncio.CancelledError:
-            # Timed out: the refresh must not pile up on the remote host.
-            await asyncio.shield(self._kill_remote(conn))
+            # Timed out or shutting down: the refresh must not pile up on the remote host.
+            # close() waits for this kill, should this task be cancelled again meanwhile.
+            self._killing = asyncio.ensure_future(self._kill_remote(conn))
+            await asyncio.shield(self._killing)
             raise
+        finally:
+            self._in_flight = False
         if len(text) > MAX_OUTPUT:
             return f"output larger than {MAX_OUTPUT} bytes"
         return text
@@ -412,6 +421,16 @@ class SshSource:
             pass
 
     async def close(self) -> None:
+        """End the remote loop and the connection. A refresh still in flight is killed on
+        the host first (closing stdin would only end the loop after it), and a kill already
+        under way is waited for: at shutdown nothing is left running there."""
+        killing = self._killing
+        if (killing is None or killing.done()) and self._in_flight and self._connected():
+            assert self._conn is not None
+            killing = asyncio.ensure_future(self._kill_remote(self._conn))
+        if killing is not None and not killing.done():
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(killing), timeout=2.0)
         self._close_channel()
         conn, self._conn = self._conn, None
         if conn is not None:
