@@ -96,3 +96,40 @@ def test_a_signal_ends_watch_and_every_remote_refresh(hang_fleet: Fleet, sig: in
     for h in hosts:  # killed on the host, not orphaned there (a zombie may take a moment)
         assert wait_for(lambda h=h: not hang_fleet.remote_processes(h), 3), \
             hang_fleet.remote_processes(h)
+
+
+async def test_close_kills_a_refresh_still_in_flight(hang_fleet: Fleet,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown may close a source while its query task is still waiting (the board's
+    worker is cancelled and the loop torn down): closing stdin alone would leave the hung
+    nvidia-smi running on the host."""
+    import asyncio
+    import contextlib
+
+    from gputop.config import load_config
+    from gputop.poller import Poller
+
+    monkeypatch.setenv("HOME", str(hang_fleet.home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    config = load_config(str(hang_fleet.write_config(["hang-z"], timeout=60.0)))
+    poller = Poller(config)
+    (source,) = poller.sources
+    host = hang_fleet.hosts["hang-z"]
+    query = asyncio.create_task(source.query())
+    try:
+        for _ in range(600):
+            if hang_fleet.remote_processes(host):
+                break
+            await asyncio.sleep(0.05)
+        assert hang_fleet.remote_processes(host)
+        await source.close()
+        for _ in range(60):
+            if not hang_fleet.remote_processes(host):
+                break
+            await asyncio.sleep(0.05)
+        assert not hang_fleet.remote_processes(host)
+    finally:
+        query.cancel()
+        with contextlib.suppress(BaseException):
+            await query
+        await poller.aclose()
