@@ -22,6 +22,8 @@ HEADER = ("HOST", "GPU", "MODEL", "UTIL", "MEMORY", "USERS", "RESERVED", "FLAGS"
 RIGHT = {1, 3, 4}
 #: Columns given up first when the line is too wide, with the narrowest they get.
 SHRINK = ((2, 8), (5, 6), (6, 8), (7, 6), (0, 6))
+#: Then, on a very narrow terminal: flags, reservation and users go, the rest gets tight.
+LAST_RESORT = ((7, 0), (6, 0), (5, 0), (2, 3), (0, 3))
 
 RESET = "\x1b[0m"
 STYLE = {"host": "\x1b[1m", "free": "\x1b[32m", "busy": "\x1b[33m", "hot": "\x1b[31m",
@@ -149,20 +151,24 @@ def _shrink(widths: list[int], limit: int) -> None:
         shown = [w for w in widths if w]
         return sum(shown) + 2 * (len(shown) - 1)
 
-    for i, floor in SHRINK:
-        excess = total() - limit
-        if excess <= 0:
-            return
-        widths[i] = max(min(widths[i], floor), widths[i] - excess)
+    for floors in (SHRINK, LAST_RESORT):
+        for i, floor in floors:
+            excess = total() - limit
+            if excess <= 0:
+                return
+            widths[i] = max(min(widths[i], floor), widths[i] - excess)
 
 
 def _line(cells: Sequence[str], styles: Sequence[str], widths: Sequence[int],
           color: bool) -> str:
     parts = []
+    last = max(i for i, w in enumerate(widths) if w)
     for i, (text, style) in enumerate(zip(cells, styles)):
         if not widths[i]:
             continue
-        cell = _pad(fit(text, widths[i]), widths[i], i in RIGHT)
+        cell = fit(text, widths[i])
+        if i != last or i in RIGHT:
+            cell = _pad(cell, widths[i], i in RIGHT)
         if color and style:
             cell = STYLE[style] + cell + RESET
         parts.append(cell)
