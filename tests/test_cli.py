@@ -36,6 +36,27 @@ def env(tmp_path: Path) -> dict[str, str]:
     return e
 
 
+def read_lines(proc: subprocess.Popen[str], n: int, seconds: float) -> list[str]:
+    """``n`` lines of stdout, or fail after ``seconds`` (never hang the suite)."""
+    import selectors
+    import time
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline, lines = time.monotonic() + seconds, []
+    while len(lines) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            proc.kill()
+            pytest.fail(f"no line in {seconds}s; got {lines!r}")
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"stdout closed after {lines!r}")
+        lines.append(line)
+    return lines
+
+
 def unreachable_config(tmp_path: Path) -> Path:
     cfg = tmp_path / "hosts.toml"
     cfg.write_text(f'[reservations]\npath = "{tmp_path / "res.json"}"\n'
@@ -87,8 +108,7 @@ def test_demo_json_watch_is_one_document_per_interval(env: dict[str, str]) -> No
     proc = subprocess.Popen([sys.executable, "-m", "gputop", "--demo", "--json", "--watch",
                              "--interval", "0.2"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    lines = [proc.stdout.readline() for _ in range(3)]
+    lines = read_lines(proc, 3, seconds=20)
     proc.terminate()
     assert proc.wait(20) == 143
     assert all(json.loads(x)["hosts"][0]["name"] == "atlas" for x in lines)
