@@ -270,8 +270,9 @@ def _run_board(config: Config | None, args: argparse.Namespace) -> int:
 
 
 def _on_terminal() -> bool:
-    """The full-screen board needs a terminal on both ends; anything else gets the table."""
-    return sys.stdin.isatty() and sys.stdout.isatty()
+    """The full-screen board needs a terminal for keys and for the screen (Textual draws on
+    stderr); anything else gets the table."""
+    return sys.stdin.isatty() and sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def _check_usage(args: argparse.Namespace) -> None:
