@@ -63,8 +63,8 @@ def test_installed_copy_finds_them_from_elsewhere(wheels: dict[str, Path],
     env = {**os.environ, "PYTHONPATH": str(site), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     env.pop("GPUTOP_CONFIG", None)
     code = ("import gputop, gputop.ui.themes as t\n"
-            "assert gputop.__file__.startswith(%r), gputop.__file__\n"
-            "print(sorted(t.load_themes().themes))\n") % str(site)
+            f"assert gputop.__file__.startswith({str(site)!r}), gputop.__file__\n"
+            "print(sorted(t.load_themes().themes))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
