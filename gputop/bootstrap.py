@@ -79,8 +79,8 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
     if kind == "hosts":
         return names
     out = [f"{n}:" for n in names]
-    if kind in ("targets", "mine"):
-        out += _reserved(config.reservations_path, set(names), mine=kind == "mine")
+    if kind == "mine":  # release: your reservations, whole
+        out += _reserved(config.reservations_path, set(names), mine=True)
     return out
 
 
