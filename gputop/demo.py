@@ -92,10 +92,9 @@ class DemoSource:
 
 
 def demo_config(reservations: Path, interval: float = 1.0) -> Config:
-    path = reservations
     return Config(path=None, interval=interval, timeout=5.0,
                   hosts=tuple(HostConfig(name=n, tags=tags) for n, *_, tags in FLEET),
-                  reservations_path=path, idle_holder_s=20.0)
+                  reservations_path=reservations, idle_holder_s=20.0)
 
 
 def demo_sources(seed: int = 0) -> list[DemoSource]:

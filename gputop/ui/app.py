@@ -79,6 +79,7 @@ class GputopApp(App[int]):
         self._theme_names: list[str] = []
         self.palette = Palette()
         self._rows: dict[str, GpuRow | HostRow] = {}
+        self._feed_started = False
         self._feed_closed = asyncio.Event()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -122,15 +123,14 @@ class GputopApp(App[int]):
         self.set_interval(max(0.5, self.config.interval), self.reload_store)
         if self._feed:
             self._run_feed()
-        else:
-            self._feed_closed.set()
         self.render_board()
 
     async def on_unmount(self) -> None:
         """Textual cancels the feed worker at exit but does not wait for it: wait here (a
         little), so each host's remote loop is ended before the process goes."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._feed_closed.wait(), timeout=5.0)
+        if self._feed_started:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._feed_closed.wait(), timeout=5.0)
         loop = asyncio.get_running_loop()
         for sig in EXIT_SIGNALS:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
@@ -147,6 +147,7 @@ class GputopApp(App[int]):
 
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
+        self._feed_started = True
         poller = Poller(self.config, self._sources)
         try:
             async for snap in poller.updates():
