@@ -37,19 +37,25 @@ class Pane:
         return dict(zip(names, out.split()))
 
 
-@pytest.fixture
-def pane(tmp_path: Path) -> Iterator[Pane]:
+def open_pane(tmp_path: Path, args: str, **extra: str) -> Pane:
+    """``gputop ARGS`` in a detached 120x40 tmux pane; its exit code lands in ``rc``."""
     p = Pane(tmp_path)
     (tmp_path / "tmp").mkdir()
     env = {"TMPDIR": str(tmp_path / "tmp"), "TERM": "xterm-256color",
            "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_DATA_HOME": str(tmp_path / "data"),
-           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **extra}
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     script = (f"export {exports}; stty -g > before; "
-              f"{shlex.quote(sys.executable)} -m gputop --demo; echo $? > rc; "
+              f"{shlex.quote(sys.executable)} -m gputop {args}; echo $? > rc; "
               "stty -g > after; exec sleep 600")
     p.tmux("-f", "/dev/null", "new-session", "-d", "-s", "t", "-x", "120", "-y", "40",
            "-c", str(tmp_path), "sh", "-c", script)
+    return p
+
+
+@pytest.fixture
+def pane(tmp_path: Path) -> Iterator[Pane]:
+    p = open_pane(tmp_path, "--demo")
     yield p
     subprocess.run(["tmux", "-S", str(p.socket), "kill-server"], capture_output=True)
 
@@ -93,3 +99,30 @@ def test_board_ends_cleanly(pane: Pane, how: str) -> None:
 
 def screen(pane: Pane) -> str:
     return pane.tmux("capture-pane", "-p", "-t", "t")
+
+
+def test_sigterm_leaves_no_refresh_running_on_a_host(tmp_path: Path) -> None:
+    """The board on real sshd hosts, one of them hung: after SIGTERM nothing of gputop's
+    is left running there."""
+    from conftest import _need_sshd, _world_readable
+    from fleet import Fleet, Host
+
+    _need_sshd()
+    (tmp_path / "fleet").mkdir()
+    fleet = Fleet(_world_readable(tmp_path / "fleet"), [
+        Host("ok", "127.0.4.2"), Host("hang", "127.0.4.3", scenario="hang")]).start()
+    p: Pane | None = None
+    try:
+        cfg = fleet.write_config(timeout=60.0, interval=1.0)
+        p = open_pane(tmp_path, f"--config {shlex.quote(str(cfg))}", HOME=str(fleet.home))
+        hang = fleet.hosts["hang"]
+        assert wait_for(lambda: fleet.remote_processes(hang), 60), screen(p)
+        os.kill(board_pid(p), signal.SIGTERM)
+        assert wait_for(lambda: (p.root / "after").exists(), 20), screen(p)
+        assert int((p.root / "rc").read_text()) == 128 + signal.SIGTERM
+        assert not fleet.remote_processes(hang)
+        assert set(p.flags().values()) == {"0"}
+    finally:
+        if p is not None:
+            subprocess.run(["tmux", "-S", str(p.socket), "kill-server"], capture_output=True)
+        fleet.stop()
