@@ -42,7 +42,8 @@ def _global_options(*, sub: bool) -> argparse.ArgumentParser:
                    help="seconds between refreshes (overrides the config)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
                    help="per-host timeout for connect + one query (overrides the config)")
-    p.add_argument("--theme", metavar="NAME", **kw, help="board theme (see themes/)")
+    p.add_argument("--theme", metavar="NAME", **kw,
+                   help="board theme: gputop-dark, gputop-light, gputop-contrast or your own")
     return p
 
 
@@ -58,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print one JSON snapshot of every host to stdout and exit")
     p.add_argument("--watch", action="store_true",
-                   help="with --json: print one document per refresh (one per line)")
+                   help="with --json: one document per interval (one per line), each host's "
+                   "latest state")
     p.add_argument("--pretty", action="store_true", help="with --json: indent the document")
     p.add_argument("--once", action="store_true",
                    help="print one table, a line per GPU, and exit (what gputop prints "
