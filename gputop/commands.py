@@ -11,7 +11,7 @@ import asyncio
 import re
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from gputop.config import Config, parse_duration
 from gputop.model import HostSnapshot, iso, utcnow
@@ -235,27 +235,33 @@ COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_
             "free": cmd_free}
 
 
-def add_subcommands(parser: argparse.ArgumentParser) -> None:
+def add_subcommands(parser: argparse.ArgumentParser,
+                    parents: Sequence[argparse.ArgumentParser] = ()) -> Any:
+    """The reservation subcommands; ``parents`` adds the global options to each, so they
+    work after the subcommand too. Returns the subparsers, for the CLI to add its own."""
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("reserve", help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing)")
+    parents = list(parents)
+    p = sub.add_parser("reserve", parents=parents,
+                       help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing)")
     p.add_argument("targets", nargs="+", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="how long, e.g. 90m, 2h, 1d (default from the config: 4h)")
     p.add_argument("--note", help="what it is for (shown to the team)")
-    p = sub.add_parser("release", help="release GPUs you reserved")
+    p = sub.add_parser("release", parents=parents, help="release GPUs you reserved")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")
     p.add_argument("--force", action="store_true",
                    help="release someone else's reservation (recorded with your name)")
-    p = sub.add_parser("reservations", help="list current reservations")
+    p = sub.add_parser("reservations", parents=parents, help="list current reservations")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("free", help="list idle, unreserved GPUs, best first")
+    p = sub.add_parser("free", parents=parents, help="list idle, unreserved GPUs, best first")
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
     p.add_argument("--min-free-memory", metavar="SIZE", help="e.g. 20G")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
     p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
     p.add_argument("--note", help="with --reserve")
     p.add_argument("--json", action="store_true", help="print JSON")
+    return sub
 
 
 def run_command(config: Config, args: argparse.Namespace) -> int:

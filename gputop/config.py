@@ -6,6 +6,7 @@ file, the key (and the line where TOML gives one) and exits 2; never a traceback
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -47,6 +48,33 @@ def parse_duration(text: str) -> float:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-][A-Za-z0-9_.@+-]*$")
+#: One DNS-style label (letters, digits, '_', '-' inside); an ssh alias may also have '+'.
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_+-]*[A-Za-z0-9_])?$")
+
+
+def host_problem(text: str, *, user_part: bool = True) -> str | None:
+    """Why ``text`` cannot be an SSH destination host, or None. A leading ``-`` would be
+    read by ``ssh`` as an option (``-oProxyCommand=...``), so it is never accepted."""
+    if text.startswith("-"):
+        return "must not start with '-'"
+    user, at, host = text.rpartition("@")
+    if at and not user_part:
+        return "has a user part (use the key user = instead)"
+    if at and (not user or user.startswith("-") or "@" in user):
+        return "has an empty or odd user part before '@'"
+    if not host or len(host) > 253:
+        return "is not a host name or IP address"
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
+        return None
+    except ValueError:
+        pass
+    labels = (host[:-1] if host.endswith(".") else host).split(".")
+    if not all(_LABEL.match(label) for label in labels):
+        return "is not a host name or IP address"
+    if not user_part and "+" in host:
+        return "is not a host name or IP address"
+    return None
 
 
 @dataclass(frozen=True)
@@ -88,6 +116,14 @@ class Config:
         return next((h for h in self.hosts if h.name == name), None)
 
 
+def data_path(name: str) -> Path:
+    """A file shipped with gputop (``themes``, ``hosts.example.toml``): the copy a wheel
+    puts in the package (setup.py), else the source checkout's top level."""
+    here = Path(__file__).resolve().parent
+    shipped = here / "data" / name
+    return shipped if shipped.exists() else here.parent / name
+
+
 def default_config_path() -> Path:
     return Path(platformdirs.user_config_dir(APP)) / "hosts.toml"
 
@@ -104,8 +140,9 @@ def find_config(cli_path: str | None) -> Path | None:
 
 
 NO_CONFIG_HINT = (
-    "no hosts.toml found: monitoring this machine only. To add hosts, copy "
-    "hosts.example.toml to {path} (or pass --config FILE)."
+    "no hosts.toml found: monitoring this machine only. To add hosts, run "
+    "`gputop init-config` (it writes the documented example to {path}) and edit it, "
+    "or pass --config FILE."
 )
 
 
@@ -219,6 +256,9 @@ def _host(path: Path, key: str, item: Any) -> HostConfig:
             path, t.key("name"),
             f"{name!r} is not a host name (letters, digits, '.', '-', '_', '@' only)",
         )
+    problem = host_problem(name)
+    if problem:
+        raise ConfigError(path, t.key("name"), f"{name!r} {problem}")
     port = t.get("port", int)
     if port is not None and not 0 < port < 65536:
         raise ConfigError(path, t.key("port"), "must be between 1 and 65535")
@@ -226,8 +266,10 @@ def _host(path: Path, key: str, item: Any) -> HostConfig:
     if not all(isinstance(x, str) for x in tags):
         raise ConfigError(path, t.key("tags"), "must be an array of strings")
     address = t.get("address", str)
-    if address is not None and (not address or any(c.isspace() for c in address)):
-        raise ConfigError(path, t.key("address"), "must be a host name or IP address")
+    if address is not None:
+        problem = host_problem(address, user_part=False)
+        if problem:
+            raise ConfigError(path, t.key("address"), f"{address!r} {problem}")
     user = t.get("user", str)
     local = t.get("local", bool, False)
     t.done()

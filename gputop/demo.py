@@ -1,13 +1,16 @@
 """A simulated fleet for ``gputop --demo``: realistic models, changing load, a host down.
 
 The demo feeds the same poller and board as a real fleet; only the sources are simulated.
-It writes its reservations to a temporary file, never to the team's.
+It writes its reservations to a temporary folder, never to the team's file, and removes
+the folder when it ends (:func:`demo_session`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -88,11 +91,10 @@ class DemoSource:
         return None
 
 
-def demo_config(reservations: Path | None = None, interval: float = 1.0) -> Config:
-    path = reservations or Path(tempfile.mkdtemp(prefix="gputop-demo-")) / "reservations.json"
+def demo_config(reservations: Path, interval: float = 1.0) -> Config:
     return Config(path=None, interval=interval, timeout=5.0,
                   hosts=tuple(HostConfig(name=n, tags=tags) for n, *_, tags in FLEET),
-                  reservations_path=path, idle_holder_s=20.0)
+                  reservations_path=reservations, idle_holder_s=20.0)
 
 
 def demo_sources(seed: int = 0) -> list[DemoSource]:
@@ -110,3 +112,13 @@ def seed_reservations(store: Store) -> None:
                             None, "demo for the review on Friday"),
         ))
     store.update(change)
+
+
+@contextlib.contextmanager
+def demo_session(interval: float = 1.0) -> Iterator[tuple[Config, list[DemoSource]]]:
+    """The demo's config and sources, with seeded reservations in a temporary folder that
+    is removed when the session ends (however the board or ``--json`` ended)."""
+    with tempfile.TemporaryDirectory(prefix="gputop-demo-") as tmp:
+        config = demo_config(Path(tmp) / "reservations.json", interval)
+        seed_reservations(Store(config.reservations_path))
+        yield config, demo_sources()

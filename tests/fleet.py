@@ -388,7 +388,8 @@ class Fleet:
     def remote_processes(self, h: Host) -> list[str]:
         """Processes still running the host's stand-in (a hung query must not pile up)."""
         needle = str(self.root / h.name / "bin" / "nvidia-smi")
-        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                             text=True).stdout
         return [ln for ln in out.splitlines() if needle in ln]
 
     def stop_sshd(self, h: Host) -> None:
@@ -418,15 +419,33 @@ class Fleet:
                         p.popen.stdin.close()
         for s in self._listeners:
             s.close()
-        # Anything the stand-ins left (they should not): kill by path.
-        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-        for ln in out.splitlines():
-            if str(self.root) in ln:
-                pid = int(ln.split()[0])
-                try:
+        # Anything a remote session left (it should not: a test whose gputop was killed
+        # leaves its loop and a hung stand-in's `sleep`): kill the session's whole process
+        # group, found by this fleet's path in its command line or PATH (sshd sets it).
+        mine = os.getpgrp()
+        for pid in _pids_mentioning(str(self.root)):
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != mine:
+                    os.killpg(pgid, signal.SIGKILL)
+                else:
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            except ProcessLookupError:
+                pass
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            blob = (d / "cmdline").read_bytes() + b"\0" + (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in blob:
+            found.append(int(d.name))
+    return found
 
 
 def _keygen(path: Path) -> None:

@@ -146,3 +146,31 @@ def test_usage_errors_exit_2() -> None:
     r = subprocess.run([sys.executable, "-m", "gputop", "--bogus"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 2
+
+
+@pytest.mark.parametrize(("position"), [0, 1, 2])
+@pytest.mark.parametrize(("key", "value"), [
+    ("name", "-oProxyCommand=touch"), ("name", "-F"), ("name", "gpu..01"), ("name", "@gpu"),
+    ("address", "-oProxyCommand=sh"), ("address", "-1"), ("address", "a..b"),
+    ("address", "alice@10.0.0.1"), ("address", "gpu+1"),
+])
+def test_a_name_or_address_that_cannot_be_a_host_names_the_key(
+        tmp_path: Path, position: int, key: str, value: str) -> None:
+    """First, middle and last host: ssh would read a leading '-' as an option."""
+    hosts = [{"name": f"ok-{i}"} for i in range(3)]
+    hosts[position][key] = value
+    text = "".join("[[hosts]]\n" + "".join(f'{k} = "{v}"\n' for k, v in h.items())
+                   for h in hosts)
+    path = write(tmp_path, text)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(path)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stdout
+    assert r.stdout == "" and "Traceback" not in r.stderr
+    assert f"{path}: hosts[{position}].{key}: " in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value", ["10.0.0.5", "gpu-01.example.com", "fe80::1%eth0", "[::1]",
+                                   "gpu_01", "gpu-01.lab."])
+def test_real_addresses_are_accepted(tmp_path: Path, value: str) -> None:
+    cfg = load_config(str(write(tmp_path, f'[[hosts]]\nname = "a"\naddress = "{value}"\n')))
+    assert cfg.hosts[0].address == value

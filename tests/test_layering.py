@@ -9,7 +9,8 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.reservations", "gputop.cli",
+    "gputop.reservations", "gputop.cli", "gputop.table", "gputop.bootstrap", "gputop.demo",
+    "gputop.commands",
 ]
 
 

@@ -17,6 +17,7 @@ Host keys are always checked against known_hosts: even a config that says
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
@@ -288,6 +289,9 @@ class SshSource:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._proc: asyncssh.SSHClientProcess[bytes] | None = None
         self._remote_pid: int | None = None
+        #: A refresh is waiting for its answer / the kill of an abandoned one (for close()).
+        self._in_flight = False
+        self._killing: asyncio.Future[None] | None = None
         self._options: asyncssh.SSHClientConnectionOptions | None = None
         self._failures = 0
         self._retry_at = 0.0
@@ -556,6 +560,7 @@ class SshSource:
         reader = LineReader(self.max_output)
         lines: list[str] = []
         try:
+            self._in_flight = True
             proc.stdin.write(f"{nonce}\n".encode())
             done = False
             while not done:
@@ -578,9 +583,13 @@ class SshSource:
             await self._kill_remote(self._conn)
             return RemoteResult([], HostError("parse", str(exc)))
         except asyncio.CancelledError:
-            # Timed out: the refresh must not pile up on the remote host.
-            await asyncio.shield(self._kill_remote(self._conn))
+            # Timed out or shutting down: the refresh must not pile up on the remote host.
+            # close() waits for this kill, should this task be cancelled again meanwhile.
+            self._killing = asyncio.ensure_future(self._kill_remote(self._conn))
+            await asyncio.shield(self._killing)
             raise
+        finally:
+            self._in_flight = False
         try:
             sections = split_frame(lines, nonce)
         except FramingError as exc:
@@ -602,6 +611,16 @@ class SshSource:
             pass
 
     async def close(self) -> None:
+        """End the remote loop and the connection. A refresh still in flight is killed on
+        the host first (closing stdin would only end the loop after it), and a kill already
+        under way is waited for: at shutdown nothing is left running there."""
+        killing = self._killing
+        if (killing is None or killing.done()) and self._in_flight and self._connected():
+            assert self._conn is not None
+            killing = asyncio.ensure_future(self._kill_remote(self._conn))
+        if killing is not None and not killing.done():
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(killing), timeout=2.0)
         self._close_channel()
         conn, self._conn = self._conn, None
         if conn is not None:

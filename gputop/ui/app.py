@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -35,6 +37,9 @@ from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
 RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
+#: Signals that end the board like ``q`` does (terminal restored, remote loops ended); the
+#: exit code is 128 + the signal's number, as a shell reports a signal.
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 class GputopApp(App[int]):
@@ -53,7 +58,7 @@ class GputopApp(App[int]):
         Binding("t", "next_theme", "Theme", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
-        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True),
         Binding("escape", "escape", "Close / clear", show=False),
     ]
 
@@ -85,6 +90,8 @@ class GputopApp(App[int]):
         self.palette = Palette()
         self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
+        self._feed_started = False
+        self._feed_closed = asyncio.Event()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -100,6 +107,10 @@ class GputopApp(App[int]):
         yield Footer()
 
     def on_mount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in EXIT_SIGNALS:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.add_signal_handler(sig, self._on_signal, sig)
         loaded = load_themes()
         for theme in loaded.themes.values():
             self.register_theme(theme)
@@ -128,16 +139,38 @@ class GputopApp(App[int]):
             self._run_feed()
         self.render_board()
 
+    async def on_unmount(self) -> None:
+        """Textual cancels the feed worker at exit but does not wait for it: wait here (a
+        little), so each host's remote loop is ended before the process goes."""
+        if self._feed_started:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._feed_closed.wait(), timeout=5.0)
+        loop = asyncio.get_running_loop()
+        for sig in EXIT_SIGNALS:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, signum: int) -> None:
+        self.exit(return_code=128 + signum)
+
+    def action_interrupt(self) -> None:
+        """ctrl+c is the terminal's interrupt key: quit as an interrupted command does."""
+        self._on_signal(signal.SIGINT)
+
     # -- data in -------------------------------------------------------------------------
 
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
+        self._feed_started = True
         poller = self.poller = Poller(self.config, self._sources)
         try:
             async for snap in poller.updates():
                 self.post_message(HostUpdated(snap))
         finally:
-            await poller.aclose()
+            try:
+                await poller.aclose()
+            finally:
+                self._feed_closed.set()
 
     def on_host_updated(self, message: HostUpdated) -> None:
         self.ingest(message.snapshot)
@@ -410,13 +443,14 @@ class GputopApp(App[int]):
 
 
 def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
-    sources: list[Source] | None = None
     if demo or config is None:
-        from gputop.demo import demo_config, demo_sources, seed_reservations
+        from gputop.demo import demo_session
 
-        config = demo_config()
-        sources = list(demo_sources())
-        seed_reservations(Store(config.reservations_path))
-    app = GputopApp(config, sources=sources, theme=theme)
+        with demo_session() as (demo_cfg, sources):
+            return _run(GputopApp(demo_cfg, sources=list(sources), theme=theme))
+    return _run(GputopApp(config, theme=theme))
+
+
+def _run(app: GputopApp) -> int:
     app.run()
     return app.return_code or 0

@@ -19,7 +19,7 @@ import platformdirs
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
 
-from gputop.config import APP
+from gputop.config import APP, data_path
 
 FALLBACK = "gputop-dark"
 STATE_VARIABLES = ("gpu-free", "gpu-busy", "gpu-reserved", "gpu-error", "gpu-muted")
@@ -37,10 +37,9 @@ BUILTIN = Theme(
 
 
 def theme_dirs() -> list[Path]:
-    """Built-in themes (source checkout, then installed data), then the user's own."""
-    here = Path(__file__).resolve()
-    return [here.parents[2] / "themes", Path(sys.prefix) / "share" / APP / "themes",
-            Path(platformdirs.user_config_dir(APP)) / "themes"]
+    """Built-in themes (the copy a wheel ships in the package, else the source checkout's),
+    then the user's own."""
+    return [data_path("themes"), Path(platformdirs.user_config_dir(APP)) / "themes"]
 
 
 @dataclass

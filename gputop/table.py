@@ -1,0 +1,175 @@
+"""The one-shot, human-readable table (``gputop --once``, and ``gputop`` into a pipe).
+
+One line per GPU, like ``gpustat``: host, index, model, load, memory, users, reservation and
+flags; a failed host is one line with its error. Every string from elsewhere goes through
+:func:`gputop.text.clean`, and widths are counted in terminal cells (a wide or zero-width
+character cannot shift the columns). Colour is the caller's choice (a terminal only).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Sequence
+from datetime import datetime
+
+from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot
+from gputop.reservations.flags import IdleTracker, gpu_flags, is_free, reservation_index
+from gputop.reservations.ops import format_duration
+from gputop.reservations.store import Reservation, StoreState
+from gputop.text import clean
+
+HEADER = ("HOST", "GPU", "MODEL", "UTIL", "MEMORY", "USERS", "RESERVED", "FLAGS")
+RIGHT = {1, 3, 4}
+#: Columns given up first when the line is too wide, with the narrowest they get.
+SHRINK = ((2, 8), (5, 6), (6, 8), (7, 6), (0, 6))
+#: Then, on a very narrow terminal: flags, reservation and users go, the rest gets tight.
+LAST_RESORT = ((7, 0), (6, 0), (5, 0), (2, 3), (0, 3))
+
+RESET = "\x1b[0m"
+STYLE = {"host": "\x1b[1m", "free": "\x1b[32m", "busy": "\x1b[33m", "hot": "\x1b[31m",
+         "reserved": "\x1b[35m", "flag": "\x1b[1;31m", "error": "\x1b[31m", "dim": "\x1b[2m"}
+
+
+def cell_width(text: str) -> int:
+    """Terminal cells: East Asian wide characters take two, combining/format ones none."""
+    w = 0
+    for ch in text:
+        if unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        w += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+    return w
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` cells, with an ellipsis when cut."""
+    if cell_width(text) <= width:
+        return text
+    out, used = "", 0
+    for ch in text:
+        w = cell_width(ch)
+        if used + w > width - 1:
+            break
+        out, used = out + ch, used + w
+    return out + "…" if width > 0 else ""
+
+
+def _pad(text: str, width: int, right: bool) -> str:
+    gap = " " * max(0, width - cell_width(text))
+    return gap + text if right else text + gap
+
+
+def _model(name: str | None) -> str:
+    t = clean(name) or "?"
+    return t[len("NVIDIA "):] if t.startswith("NVIDIA ") and len(t) > 7 else t
+
+
+def _memory(g: GpuInfo) -> str:
+    if g.memory_total_mib is None:
+        return "?" if g.memory_used_mib is None else f"{g.memory_used_mib / 1024:.1f}G/?"
+    used = "?" if g.memory_used_mib is None else f"{g.memory_used_mib / 1024:.1f}"
+    return f"{used}/{g.memory_total_mib / 1024:.0f}G"
+
+
+def _reserved(r: Reservation | None, now: datetime) -> str:
+    if r is None:
+        return "-"
+    return f"{clean(r.user)} {format_duration((r.expires - now).total_seconds())}"
+
+
+def _ago(host: HostSnapshot, now: datetime) -> str:
+    if host.last_ok is None:
+        return "never answered"
+    return f"last ok {format_duration(max(0.0, (now - host.last_ok).total_seconds()))} ago"
+
+
+Row = tuple[list[str], list[str]]  # (cells, styles)
+
+
+def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracker | None,
+          now: datetime) -> tuple[list[Row], list[tuple[str, str]]]:
+    held = reservation_index(state, now)
+    rows: list[Row] = []
+    errors: list[tuple[str, str]] = []  # placed after the GPU lines' widths are known
+    for host in snapshot.hosts:
+        name = clean(host.name)
+        if host.error is not None:
+            rows.append(([name], ["error"]))
+            errors.append((name, f"{host.error.kind}: {clean(host.error.message)} "
+                                 f"({_ago(host, now)})"))
+            continue
+        if not host.gpus:
+            rows.append(([name], ["dim"]))
+            errors.append((name, "no GPUs"))
+            continue
+        for g in host.gpus:
+            r = held.get((host.name, g.index)) if g.index is not None else None
+            idle = tracker.is_idle_holder(host.name, g.index, now) if tracker else False
+            flags = ",".join(gpu_flags(g, r, idle))
+            util = "?" if g.utilization_percent is None else f"{g.utilization_percent}%"
+            load = ("free" if is_free(g) else "dim" if g.utilization_percent is None
+                    else "busy" if g.utilization_percent < 80 else "hot")
+            users = ",".join(clean(u) for u in g.users) or "-"
+            idx = "?" if g.index is None else str(g.index)
+            rows.append(([name, idx, _model(g.name), util, _memory(g), users, _reserved(r, now),
+                          flags], ["host", "", "", load, "", "", "reserved" if r else "",
+                                   "flag"]))
+    return rows, errors
+
+
+def render(snapshot: FleetSnapshot, state: StoreState | None = None, *,
+           tracker: IdleTracker | None = None, width: int | None = None,
+           color: bool = False, now: datetime | None = None) -> str:
+    """The table as text, one line per GPU (a header first); ``width`` None: no limit."""
+    now = now or snapshot.time
+    rows, errors = _rows(snapshot, state, tracker, now)
+    gpu_rows = [cells for cells, _ in rows if len(cells) == len(HEADER)]
+    widths = [max(cell_width(c[i]) for c in [list(HEADER), *gpu_rows]) for i in
+              range(len(HEADER))]
+    if not any(row[7] for row in gpu_rows):
+        widths[7] = 0
+    if width is not None:
+        _shrink(widths, width)
+    lines = [_line(list(HEADER), [""] * len(HEADER), widths, False)]
+    err = iter(errors)
+    for cells, styles in rows:
+        if len(cells) == 1:
+            host, message = next(err)
+            head = _pad(fit(host, widths[0]), widths[0], False)
+            text = fit(message, width - widths[0] - 2) if width is not None else message
+            if color:
+                head = STYLE["host"] + head + RESET
+                text = STYLE[styles[0]] + text + RESET
+            lines.append(f"{head}  {text}")
+            continue
+        lines.append(_line(cells, styles, widths, color))
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _shrink(widths: list[int], limit: int) -> None:
+    """Narrow the columns, least useful first, until the line fits ``limit`` cells."""
+    def total() -> int:
+        shown = [w for w in widths if w]
+        return sum(shown) + 2 * (len(shown) - 1)
+
+    for floors in (SHRINK, LAST_RESORT):
+        for i, floor in floors:
+            excess = total() - limit
+            if excess <= 0:
+                return
+            widths[i] = max(min(widths[i], floor), widths[i] - excess)
+
+
+def _line(cells: Sequence[str], styles: Sequence[str], widths: Sequence[int],
+          color: bool) -> str:
+    parts = []
+    last = max(i for i, w in enumerate(widths) if w)
+    for i, (text, style) in enumerate(zip(cells, styles)):
+        if not widths[i]:
+            continue
+        cell = fit(text, widths[i])
+        if i != last or i in RIGHT:
+            cell = _pad(cell, widths[i], i in RIGHT)
+        if color and style:
+            cell = STYLE[style] + cell + RESET
+        parts.append(cell)
+    return "  ".join(parts)

@@ -1,0 +1,195 @@
+"""The command line as people type it: global options anywhere, --demo --json, never a
+board into a pipe, the one-shot table, init-config, and a demo that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def gputop(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+           timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gputop", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A clean user: own config and data dirs, own TMPDIR (to see what is left there)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
+    for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "TMPDIR"):
+        (tmp_path / k).mkdir()
+        e[k] = str(tmp_path / k)
+    e.pop("COLUMNS", None)
+    e.pop("NO_COLOR", None)
+    return e
+
+
+def read_lines(proc: subprocess.Popen[str], n: int, seconds: float) -> list[str]:
+    """``n`` lines of stdout, or fail after ``seconds`` (never hang the suite)."""
+    import selectors
+    import time
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline, lines = time.monotonic() + seconds, []
+    while len(lines) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            proc.kill()
+            pytest.fail(f"no line in {seconds}s; got {lines!r}")
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"stdout closed after {lines!r}")
+        lines.append(line)
+    return lines
+
+
+def unreachable_config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "res.json"}"\n'
+                   '[[hosts]]\nname = "gpu-01"\naddress = "127.0.0.1"\nport = 1\n')
+    return cfg
+
+
+@pytest.mark.parametrize("where", ["before", "after", "between"])
+def test_global_options_before_or_after_the_subcommand(tmp_path: Path, env: dict[str, str],
+                                                       where: str) -> None:
+    cfg = str(unreachable_config(tmp_path))
+    opts = ["--config", cfg, "--timeout", "1"]
+    args = {"before": [*opts, "reserve", "gpu-01:0", "--for", "1h"],
+            "after": ["reserve", "gpu-01:0", "--for", "1h", *opts],
+            "between": ["--timeout", "1", "reserve", "--config", cfg, "gpu-01:0"]}[where]
+    r = gputop(*args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("reserved gpu-01:0 until ")
+    r = gputop("reservations", "--json", "--config", cfg, env=env)
+    assert r.returncode == 0, r.stderr
+    assert [(x["host"], x["gpu"]) for x in json.loads(r.stdout)["reservations"]] == \
+        [("gpu-01", 0)]
+
+
+def test_an_option_after_the_subcommand_overrides_the_one_before(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    good = str(unreachable_config(tmp_path))
+    r = gputop("--config", str(tmp_path / "missing.toml"), "reservations", "--config", good,
+               env=env)
+    assert r.returncode == 0, r.stderr
+    r = gputop("--config", good, "reservations", "--config", str(tmp_path / "missing.toml"),
+               env=env)
+    assert r.returncode == 2 and "missing.toml: file not found" in r.stderr
+
+
+def test_demo_json_is_a_demo_document(env: dict[str, str], schema: dict[str, object]) -> None:
+    r = gputop("--demo", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, schema)
+    names = [h["name"] for h in doc["hosts"]]
+    assert names[0] == "atlas" and names[-1] == "fornax"
+    assert {h["source"] for h in doc["hosts"]} == {"demo"}
+    assert any(g["reservation"] for h in doc["hosts"] for g in h["gpus"])
+    assert os.listdir(env["TMPDIR"]) == []  # the demo's reservations folder is gone
+
+
+def test_demo_json_watch_is_one_document_per_interval(env: dict[str, str]) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "gputop", "--demo", "--json", "--watch",
+                             "--interval", "0.2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = read_lines(proc, 3, seconds=20)
+    proc.terminate()
+    assert proc.wait(20) == 143
+    assert all(json.loads(x)["hosts"][0]["name"] == "atlas" for x in lines)
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_no_board_into_a_pipe_but_the_table(env: dict[str, str]) -> None:
+    r = gputop("--demo", env=env, timeout=20)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["HOST", "GPU", "MODEL"]
+    assert sum(1 for ln in lines if ln.startswith("atlas ")) == 8  # one line per GPU
+    assert lines[-1].startswith("fornax") and "unreachable" in lines[-1]
+    assert "\x1b" not in r.stdout  # no colour, no screen switching into a pipe
+    assert os.listdir(env["TMPDIR"]) == []
+
+
+def test_once_colours_only_a_terminal_and_fits_its_width(env: dict[str, str]) -> None:
+    master, slave = pty.openpty()
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 60, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "gputop", "--demo", "--once"], env=env,
+                            stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(20) == 0
+    text = out.decode()
+    assert "\x1b[" in text  # coloured on a terminal
+    plain = SGR.sub("", text)
+    assert "\x1b" not in plain  # and nothing but colour
+    lines = [ln for ln in plain.replace("\r\n", "\n").splitlines() if ln]
+    assert len(lines) == 24 and max(len(ln) for ln in lines) <= 60, lines
+
+
+def test_once_and_json_are_one_or_the_other(env: dict[str, str]) -> None:
+    r = gputop("--demo", "--once", "--json", env=env)
+    assert r.returncode == 2 and "--once" in r.stderr
+
+
+def test_init_config_writes_the_example_and_never_overwrites(env: dict[str, str]) -> None:
+    target = Path(env["XDG_CONFIG_HOME"]) / "gputop" / "hosts.toml"
+    r = gputop("init-config", env=env)
+    assert r.returncode == 0, r.stderr
+    assert target.read_text() == (ROOT / "hosts.example.toml").read_text()
+    assert str(target) in r.stdout
+    # The written file is what gputop then reads.
+    r = gputop("reservations", env=env)
+    assert r.returncode == 0, r.stderr
+    target.write_text("# mine\n")
+    r = gputop("init-config", env=env)
+    assert r.returncode == 1 and "already exists" in r.stderr
+    assert target.read_text() == "# mine\n"
+
+
+def test_init_config_follows_no_link_and_honours_config(tmp_path: Path,
+                                                        env: dict[str, str]) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    link = tmp_path / "link.toml"
+    link.symlink_to(victim)
+    r = gputop("init-config", "--config", str(link), env=env)
+    assert r.returncode == 1 and victim.read_text() == "keep"
+    r = gputop("init-config", "--config", str(tmp_path / "new" / "h.toml"), env=env)
+    assert r.returncode == 0 and (tmp_path / "new" / "h.toml").exists()
+    r = gputop("init-config", "--stdout", env=env)
+    assert r.stdout == (ROOT / "hosts.example.toml").read_text()
+
+
+def test_no_config_hint_names_the_command(env: dict[str, str]) -> None:
+    r = gputop("--json", "--timeout", "1", env=env)
+    assert r.returncode == 0
+    assert "gputop init-config" in r.stderr
