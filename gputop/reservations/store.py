@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import iso, utcnow
+from gputop.text import clean
 
 FILE_VERSION = 1
 MAX_FILE_BYTES = 4 * 1024 * 1024
@@ -48,8 +50,16 @@ MIN_YEAR, MAX_YEAR = 1970, 9000
 _INT_DIGITS = 20  # a JSON integer longer than this is refused before int() sees it
 
 
-def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False) -> str:
-    """A string field: right type, bounded, and encodable (no lone surrogates)."""
+#: Names (user, host, machine, id, uuid): what real user names, host names and GPU uuids are
+#: made of. Anything else (control or zero-width characters, spaces) could make one user's
+#: reservation look like another's on every screen, so such a file is refused as hostile.
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.@+:$\\-]+")
+
+
+def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False,
+          name: bool = True) -> str:
+    """A string field: right type, bounded, encodable (no lone surrogates); a name holds
+    only name characters, free text (a note) nothing that cleaning would change."""
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a string, not {_jtype(value)}")
     if len(value) > limit:
@@ -60,6 +70,10 @@ def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False)
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{where}: contains an unpaired surrogate") from None
+    if name and value and not _NAME_CHARS.fullmatch(value):
+        raise ValueError(f"{where}: not a name ({value[:40]!r})")
+    if not name and clean(value) != value:
+        raise ValueError(f"{where}: contains control or escape characters")
     return value
 
 
@@ -125,7 +139,8 @@ class Reservation:
                    created=parse_time(d.get("created"), f"{where}.created"),
                    expires=parse_time(d.get("expires"), f"{where}.expires"),
                    uuid=None if uuid is None else _text(uuid, f"{where}.uuid"),
-                   note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True))
+                   note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True,
+                              name=False))
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
@@ -283,7 +298,7 @@ class Store:
         except FileNotFoundError:
             return StoreState()
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read")) from None
+            raise StoreError(self._os_message(exc, self.path, "read it")) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -292,7 +307,7 @@ class Store:
             with os.fdopen(fd, "rb", closefd=False) as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read")) from None
+            raise StoreError(self._os_message(exc, self.path, "read it")) from None
         finally:
             os.close(fd)
         return decode(raw, self.path, st.st_size)
@@ -321,12 +336,12 @@ class Store:
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "create the directory")) from None
+            raise StoreError(self._os_message(exc, d, "create it")) from None
         self._check_nfs_once()
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.lock_path, "open the lock file")) from None
+            raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
         try:
             self._make_group_writable(fd)
             deadline = time.monotonic() + LOCK_TIMEOUT
@@ -341,7 +356,7 @@ class Store:
                             "concurrent writers could lose updates. Mount with locking "
                             "enabled (no 'nolock') or use another path.") from None
                     if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise StoreError(self._os_message(exc, self.lock_path, "lock")) from None
+                        raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
                                          f"after {LOCK_TIMEOUT:.0f}s") from None
@@ -357,7 +372,7 @@ class Store:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "write a file in")) from None
+            raise StoreError(self._os_message(exc, d, "write a file in it")) from None
         try:
             try:
                 self._make_group_writable(fd)
@@ -371,7 +386,7 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(self._os_message(exc, self.path, "write")) from None
+            raise StoreError(self._os_message(exc, self.path, "write it")) from None
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -391,6 +406,9 @@ class Store:
     @staticmethod
     def _make_group_writable(fd: int) -> None:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            # A hard link planted at our path would make us chmod someone's own file.
+            return
         if st.st_uid == os.geteuid() and (st.st_mode & 0o060) != 0o060:
             with contextlib.suppress(OSError):
                 os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o060)
@@ -406,14 +424,14 @@ class Store:
     @staticmethod
     def _os_message(exc: OSError, path: Path, what: str) -> str:
         if exc.errno in (errno.EACCES, errno.EPERM):
-            return (f"{path}: permission denied trying to {what} it. Ask the owner to make it "
+            return (f"{path}: permission denied trying to {what}. Ask the owner to make it "
                     "group-writable (chmod g+w) for your team's group, or set "
                     "[reservations] path to a place you can write.")
         if exc.errno == errno.ELOOP:
             return f"{path}: is a symbolic link; gputop does not follow links for its files"
         if exc.errno == errno.EROFS:
             return f"{path}: read-only filesystem; set [reservations] path elsewhere"
-        return f"{path}: cannot {what} it: {exc.strerror}"
+        return f"{path}: cannot {what}: {exc.strerror}"
 
 
 def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | None:
