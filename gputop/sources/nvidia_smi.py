@@ -65,8 +65,14 @@ def to_int(value: str | None) -> int | None:
     return None if f is None else round(f)
 
 
+def to_index(value: str | None) -> int | None:
+    """A device index: plain digits, 0-65535 ("-5" or "1e20" is no index, not a GPU)."""
+    v = value.strip() if value is not None else ""
+    return int(v) if v.isdigit() and len(v) <= 5 and int(v) <= 65535 else None
+
+
 GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
-    ("index", "index", to_int),
+    ("index", "index", to_index),
     ("uuid", "uuid", to_str),
     ("name", "name", to_str),
     ("pci.bus_id", "bus_id", to_str),
