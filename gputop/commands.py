@@ -42,18 +42,23 @@ def parse_targets(specs: Sequence[str]) -> list[Target]:
     for spec in specs:
         m = _SPEC.match(spec)
         if not m:
-            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] (e.g. gpu-01:0,1)")
+            hint = (" (several hosts: one argument each, e.g. gpu-01:0 gpu-02:1)"
+                    if spec.count(":") > 1 else " (e.g. gpu-01:0,1)")
+            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...]{hint}")
         for g in m.group("gpus").split(","):
             out.setdefault((m.group("host"), int(g)), Target(m.group("host"), int(g)))
     return list(out.values())
 
 
 def parse_size_mib(text: str) -> int:
-    """``20G``, ``512M``, ``1.5T``, ``4096`` (MiB) to MiB."""
+    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
     m = _SIZE.match(text)
     if not m:
         raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
-    factor = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
+        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
+                      f"{text.strip()}M")
+    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
     return int(float(m.group(1)) * factor)
 
 

@@ -63,7 +63,8 @@ def describe(r: Reservation, now: datetime) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    s = int(seconds)
+    """To the nearest minute: a reservation for 2h just made reads "2h00m", not "1h59m"."""
+    s = round(seconds / 60) * 60
     if s >= 86400:
         return f"{s // 86400}d{(s % 86400) // 3600}h"
     if s >= 3600:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -40,6 +41,20 @@ RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 #: Signals that end the board like ``q`` does (terminal restored, remote loops ended); the
 #: exit code is 128 + the signal's number, as a shell reports a signal.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+#: Seconds a signalled board has to shut down (its feed is given 5 s to end the remote loops)
+#: before the process ends anyway: a terminal closed under load can wedge Textual's writer
+#: thread, and a board that never exits would squat on its SSH connections forever.
+SIGNAL_GRACE_S = 10.0
+
+
+def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
+    """End the process with ``code`` after ``after`` seconds unless it exited by then."""
+    timer = threading.Timer(SIGNAL_GRACE_S if after is None else after, os._exit, (code,))
+    timer.daemon = True  # a clean exit does not wait for it
+    timer.start()
+    return timer
 
 
 class GputopApp(App[int]):
@@ -91,6 +106,7 @@ class GputopApp(App[int]):
         self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
         self._feed_started = False
+        self._signalled = False
         self._feed_closed = asyncio.Event()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -151,6 +167,9 @@ class GputopApp(App[int]):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, signum: int) -> None:
+        if not self._signalled:
+            self._signalled = True
+            arm_exit_watchdog(128 + signum)
         self.exit(return_code=128 + signum)
 
     def action_interrupt(self) -> None:
