@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -70,7 +69,7 @@ def test_instances_are_rows_under_their_gpu(doc: dict, mig_fleet: Fleet, schema:
 
 def test_processes_with_owners_on_the_right_instance(doc: dict, mig_fleet: Fleet) -> None:
     procs = mig_fleet.hosts["gpu-mig"].processes
-    g0, g1, g2 = doc["hosts"][0]["gpus"]
+    g0, g1, _g2 = doc["hosts"][0]["gpus"]
     by_gi = {i["gpu_instance_id"]: [p["pid"] for p in i["processes"]] for i in g0["instances"]}
     assert by_gi == {2: [procs[0].pid], 3: [], 9: [procs[1].pid], 10: []}
     # The GPU still lists all of its processes, each saying its instance.
@@ -122,4 +121,4 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
             await poller.aclose()
 
     reads, channels = asyncio.run(go())
-    assert reads == 1 and channels == 2
+    assert reads == 1 and channels == 1

@@ -322,7 +322,7 @@ class SshSource:
         self._mig: mig.Inventory | None = None
         self._mig_at = -1e18  # monotonic time of the last inventory read
         self._mig_pids: frozenset[tuple[str | None, int]] = frozenset()
-        #: MIG inventories read, for tests.
+        #: MIG inventories read (each on a short-lived channel of its own), for tests.
         self.mig_reads = 0
 
     def reset(self) -> None:
@@ -648,8 +648,7 @@ class SshSource:
     async def _read_mig(self, conn: asyncssh.SSHClientConnection) -> mig.Inventory:
         """Run :data:`MIG_SCRIPT` once; its output is bounded while it is read."""
         proc = await conn.create_process(MIG_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
-        self.channels += 1
-        self.mig_reads += 1
+        self.mig_reads += 1  # its own count: ``channels`` counts the refresh channel
         nonce = new_nonce()
         reader = LineReader(MIG_MAX_OUTPUT)
         pid: int | None = None
