@@ -93,6 +93,8 @@ _XML_LINE = re.compile(
     r'|<[A-Za-z_0-9]+(?: [a-z_]+="[^"<>&]*")*>[^<>&]*(?:</[A-Za-z_0-9]+>)?'
     r"|</[A-Za-z_0-9]+>|<[A-Za-z_0-9]+ ?/>|[^<>&]*)\s*")
 _NUM = re.compile(r"\s*(\d{1,9})(?:\s*MiB)?\s*")
+#: What XML 1.0 does not allow in a document, and a user can put in a process name.
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
 
 
 def _int(e: ET.Element | None, tag: str) -> int | None:
@@ -108,7 +110,8 @@ def parse_xml(text: str) -> tuple[dict[str, list[MigDevice]], dict[str, dict[int
     Raises ParseError for a document that is not nvidia-smi's (after dropping lines that
     are not one element each) or that names a GPU twice.
     """
-    kept = [ln for ln in text.splitlines() if _XML_LINE.fullmatch(ln)]
+    kept = [ln for ln in text.splitlines()
+            if _XML_LINE.fullmatch(ln) and not _CONTROL.search(ln)]
     dropped = len(text.splitlines()) - len(kept)
     try:
         root = ET.fromstring("\n".join(kept))  # noqa: S314 - no DTD/entities: _XML_LINE
