@@ -166,6 +166,13 @@ def gpu_uuid(name: str, i: int) -> str:
     return f"GPU-{name[:8]:0>8}-0000-4000-8000-{i:012d}"
 
 
+def app_uuid(h: Host, p: GpuProcess, gis: list[int]) -> str:
+    """The uuid --query-compute-apps reports a process under."""
+    if h.apps_by_mig and p.mig and h.gpus[p.gpu] == "h100-mig":
+        return mig_uuid(h.name, p.gpu, gis.index(p.mig[0]))
+    return gpu_uuid(h.name, p.gpu)
+
+
 def mig_uuid(name: str, i: int, dev: int) -> str:
     """The MIG uuid the stand-in gives MIG device ``dev`` of GPU ``i`` of host ``name``."""
     return f"MIG-{name[:8]:0>8}-{i:04d}-5000-8000-{dev:012d}"
@@ -285,6 +292,8 @@ class Host:
     processes: list[GpuProcess] = field(default_factory=list)
     behind: str | None = None  # name of the bastion host it is reached through
     delay: float = 0.0  # seconds each stand-in nvidia-smi call takes
+    #: --query-compute-apps names a MIG process's MIG device uuid (some drivers), not its GPU's
+    apps_by_mig: bool = False
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -433,8 +442,9 @@ class Fleet:
             # process_name only where gputop still asks for it (as nvidia-smi would): it is
             # argv[0], whatever its owner put there, newlines included.
             named = "process_name" in APPS_QUERY
+            gis = [gi for _p, gi, _c, _u, _t in mig_layout()]
             apps = [
-                f"{gpu_uuid(h.name, p.gpu)}, {p.pid}, {p.mem_mib}"
+                f"{app_uuid(h, p, gis)}, {p.pid}, {p.mem_mib}"
                 + (f", {p.argv0}" if named else "") + "\n"
                 for p in h.processes if p.popen is not None and p.gpu < len(rows)
             ]

@@ -29,6 +29,9 @@ def mig_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             GpuProcess("gtbob", XML_HOSTILE, gpu=2, mem_mib=5, mig=(10, 0)),
             GpuProcess("gtalice", "python plain.py", gpu=1, mem_mib=100),
         ]),
+        Host("gpu-migu", "127.0.3.3", gpus=("h100-mig",), apps_by_mig=True, processes=[
+            GpuProcess("gtbob", "python on-mig.py", gpu=0, mem_mib=300, mig=(3, 0)),
+        ]),
     ]).start()
     yield f
     f.stop()
@@ -50,7 +53,7 @@ def doc(mig_fleet: Fleet) -> dict:
 def test_instances_are_rows_under_their_gpu(doc: dict, mig_fleet: Fleet, schema: dict) -> None:
     jsonschema.validate(doc, schema)
     assert doc["version"] == 2
-    (h,) = doc["hosts"]
+    h = doc["hosts"][0]
     assert h["status"] == "ok", h["error"]
     g0, g1, g2 = h["gpus"]
     assert g0["uuid"] == gpu_uuid("gpu-mig", 0) and g0["mig_mode"] == "Enabled"
@@ -114,7 +117,7 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
             for _ in range(3):
                 snap = await poller.snapshot()
                 assert snap.hosts[0].gpus[0].instances
-            (src,) = poller.sources
+            src = poller.sources[0]
             assert isinstance(src, SshSource)
             return src.mig_reads, src.channels
         finally:
@@ -122,3 +125,17 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
 
     reads, channels = asyncio.run(go())
     assert reads == 1 and channels == 1
+
+
+def test_process_reported_under_its_mig_uuid(doc: dict, mig_fleet: Fleet) -> None:
+    """Some drivers name the MIG device in --query-compute-apps: that unknown uuid makes the
+    first refresh read the inventory and place the process, in the same snapshot."""
+    (p,) = mig_fleet.hosts["gpu-migu"].processes
+    h = doc["hosts"][1]
+    assert h["name"] == "gpu-migu" and h["status"] == "ok", h["error"]
+    (g,) = h["gpus"]
+    assert [(x["pid"], x["gpu_instance_id"]) for x in g["processes"]] == [(p.pid, 3)]
+    (on3,) = [i for i in g["instances"] if i["processes"]]
+    assert on3["gpu_instance_id"] == 3 and on3["uuid"] == mig_uuid("gpu-migu", 0, 1)
+    if mig_fleet.users:
+        assert on3["processes"][0]["user"] == "gtbob"

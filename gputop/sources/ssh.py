@@ -41,6 +41,7 @@ from gputop.sources.protocol import (
     FramingError,
     LineReader,
     ParseError,
+    Section,
     end_line,
     new_nonce,
     split_frame,
@@ -320,6 +321,7 @@ class SshSource:
         self.connects = 0
         self.channels = 0
         self._mig: mig.Inventory | None = None
+        self._sections: dict[str, Section] | None = None
         self._mig_at = -1e18  # monotonic time of the last inventory read
         self._mig_pids: frozenset[tuple[str | None, int]] = frozenset()
         #: MIG inventories read (each on a short-lived channel of its own), for tests.
@@ -613,7 +615,8 @@ class SshSource:
         except FramingError as exc:
             self._close_channel()  # the next refresh opens a new channel
             return RemoteResult([], HostError("parse", str(exc)))
-        return parse_sections(sections)
+        self._sections = sections  # parsed again if it names MIG uuids not yet known
+        return parse_sections(sections, self._mig.parents if self._mig else None)
 
     # -- MIG inventory (rare: its own channel, on the kept connection) ------------------------
 
@@ -641,6 +644,10 @@ class SshSource:
                 warnings.append(f"MIG inventory not read: {classify_exception(exc).message}")
             else:
                 self._mig, self._mig_pids = inventory, pids
+                if result.unknown_mig and self._sections is not None:
+                    # Processes reported under MIG uuids just learnt: place them now.
+                    again = parse_sections(self._sections, inventory.parents)
+                    gpus = again.gpus if again.error is None else gpus
         if self._mig is None:
             return gpus, tuple(warnings)
         return mig.attach(gpus, self._mig), tuple(warnings) + self._mig.warnings
