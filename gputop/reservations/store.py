@@ -33,6 +33,7 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
 MAX_EVENTS = 200
+MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
@@ -110,13 +111,29 @@ class Reservation:
     expires: datetime
     uuid: str | None = None
     note: str = ""
+    #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
+    #: GPU, which covers all of its instances.
+    instance: int | None = None
 
     def active(self, now: datetime) -> bool:
         return self.expires > now
 
+    @property
+    def target(self) -> str:
+        """``host:gpu`` or ``host:gpu/instance`` (not cleaned: callers clean for display)."""
+        return f"{self.host}:{self.gpu}" + ("" if self.instance is None else f"/{self.instance}")
+
+    def covers(self, host: str, gpu: int, instance: int | None) -> bool:
+        """Whether this reservation and one of ``host:gpu[/instance]`` overlap: the same
+        GPU, and either of them whole or both the same instance."""
+        return (self.host == host and self.gpu == gpu
+                and (self.instance is None or instance is None or self.instance == instance))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["created"], d["expires"] = iso(self.created), iso(self.expires)
+        if self.instance is None:  # files without instances stay readable by older gputops
+            del d["instance"]
         return d
 
     @classmethod
@@ -124,7 +141,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note"}
+                          "note", "instance"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -132,8 +149,14 @@ class Reservation:
             raise ValueError(f"{where}.gpu: expected an integer, not {_jtype(gpu)}")
         if not 0 <= gpu <= MAX_GPU_INDEX:
             raise ValueError(f"{where}.gpu: out of range (0-{MAX_GPU_INDEX})")
+        inst = d.get("instance")
+        if inst is not None and (not isinstance(inst, int) or isinstance(inst, bool)):
+            raise ValueError(f"{where}.instance: expected an integer, not {_jtype(inst)}")
+        if inst is not None and not 0 <= inst <= MAX_INSTANCE:
+            raise ValueError(f"{where}.instance: out of range (0-{MAX_INSTANCE})")
         uuid = d.get("uuid")
-        return cls(id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
+        return cls(instance=inst,
+                   id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
                    gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
                    machine=_text(d.get("machine"), f"{where}.machine", empty=True),
                    created=parse_time(d.get("created"), f"{where}.created"),
@@ -170,8 +193,16 @@ class StoreState:
         now = now or utcnow()
         return [r for r in self.reservations if r.active(now)]
 
-    def holder(self, host: str, gpu: int, now: datetime | None = None) -> Reservation | None:
-        return next((r for r in self.active(now) if r.host == host and r.gpu == gpu), None)
+    def holder(self, host: str, gpu: int, now: datetime | None = None,
+               instance: int | None = None) -> Reservation | None:
+        """The reservation of exactly this GPU (``instance`` None) or this instance."""
+        return next((r for r in self.active(now) if r.host == host and r.gpu == gpu
+                     and r.instance == instance), None)
+
+    def overlapping(self, host: str, gpu: int, instance: int | None,
+                    now: datetime | None = None) -> list[Reservation]:
+        """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
+        return [r for r in self.active(now) if r.covers(host, gpu, instance)]
 
     def to_json(self) -> str:
         doc = {"version": FILE_VERSION,
@@ -184,15 +215,17 @@ def check_consistent(rs: tuple[Reservation, ...]) -> None:
     """One record per id and per GPU: otherwise "release by id" and "who holds it" are
     ambiguous, and a release could take away someone else's reservation."""
     ids: set[str] = set()
-    gpus: dict[tuple[str, int], int] = {}
+    gpus: dict[tuple[str, int, int | None], int] = {}
     for i, r in enumerate(rs):
         if r.id in ids:
             raise ValueError(f"reservations[{i}].id: duplicate id {r.id[:40]!r}")
         ids.add(r.id)
-        j = gpus.setdefault((r.host, r.gpu), i)
+        j = gpus.setdefault((r.host, r.gpu, r.instance), i)
         if j != i:
             raise ValueError(f"reservations[{i}]: a second reservation of "
-                             f"{r.host[:40]!r}:{r.gpu} (reservations[{j}] holds it)")
+                             f"{r.host[:40]!r}:{r.gpu}"
+                             + ("" if r.instance is None else f"/{r.instance}")
+                             + f" (reservations[{j}] holds it)")
 
 
 def _no_constant(name: str) -> Any:
@@ -461,7 +494,8 @@ def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | Non
 
 
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
-                    seconds: float, uuid: str | None, note: str) -> Reservation:
+                    seconds: float, uuid: str | None, note: str,
+                    instance: int | None = None) -> Reservation:
     return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
                        created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note)
+                       note=note, instance=instance)

@@ -24,7 +24,15 @@ from gputop.reservations import Invalid, Refused, Store, StoreError, Target, rel
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
 from gputop.text import clean
-from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_keys, host_of, short_model
+from gputop.ui.board_model import (
+    BoardModel,
+    GpuRow,
+    HostRow,
+    gpu_keys,
+    host_of,
+    short_model,
+    split_instance,
+)
 from gputop.ui.cells import Palette, time_left
 from gputop.ui.messages import HostUpdated
 from gputop.ui.screens import (
@@ -404,17 +412,21 @@ class GputopApp(App[int]):
         """The dialog was open a while: reserve only if the latest data still shows the GPU
         the user chose, at the same index, on a host that answers."""
         host = host_of(key)
+        gpu_key, gi = split_instance(key)  # gi: a MIG instance row's GPU instance id
         snap = self.model.snapshots.get(host)
         gpu = None if snap is None or not snap.ok else next(
-            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == key), None)
+            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == gpu_key), None)
+        now_label = None if gpu is None else (
+            f"{clean(host)}:{gpu.index}" + ("" if gi is None else f"/{gi}"))
         if snap is None or not snap.ok:
             problem = f"{clean(host)} is down now"
-        elif gpu is None or gpu.index is None:
+        elif gpu is None or gpu.index is None or (
+                gi is not None and gi not in {i.gpu_instance_id for i in gpu.instances}):
             problem = f"{label} is gone from {clean(host)}"
-        elif f"{clean(host)}:{gpu.index}" != label:
-            problem = f"{label} is now {clean(host)}:{gpu.index} (renumbered)"
+        elif now_label != label:
+            problem = f"{label} is now {now_label} (renumbered)"
         else:
-            self._reserve(Target(host, gpu.index, gpu.uuid), req)
+            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req)
             return
         self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
@@ -430,7 +442,7 @@ class GputopApp(App[int]):
         except (Invalid, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"reserved {clean(target.host)}:{target.gpu}")
+        self._store_changed(f"reserved {clean(target.label)}")
 
     def action_release(self) -> None:
         row = self._selected()
@@ -442,7 +454,7 @@ class GputopApp(App[int]):
                         "`gputop release --force` to take it back", severity="warning",
                         markup=False)
             return
-        self._release(Target(row.host, row.reservation.gpu))
+        self._release(Target(row.host, row.reservation.gpu, instance=row.reservation.instance))
 
     @work(group="store")
     async def _release(self, target: Target) -> None:
@@ -451,7 +463,7 @@ class GputopApp(App[int]):
         except (Refused, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"released {clean(target.host)}:{target.gpu}")
+        self._store_changed(f"released {clean(target.label)}")
 
     def _store_changed(self, message: str) -> None:
         """We wrote the shared file: show it now rather than at the next re-read."""
