@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,7 +153,8 @@ async def test_the_first_signal_arms_the_watchdog(tmp_path: Path,
     from gputop.ui import app as app_module
 
     armed: list[int] = []
-    monkeypatch.setattr(app_module, "arm_exit_watchdog", lambda code: armed.append(code))
+    monkeypatch.setattr(app_module, "arm_exit_watchdog",
+                        lambda code: armed.append(code) or threading.Timer(0, lambda: None))
     board = app_module.GputopApp(board_config(tmp_path), sources=[], feed=False)
     async with board.run_test() as pilot:
         board._on_signal(signal.SIGHUP)

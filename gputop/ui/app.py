@@ -114,7 +114,8 @@ class GputopApp(App[int]):
         self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
         self._feed_started = False
-        self._signalled = False
+        #: Armed by the first signal; cancelled once the board has exited (see run_board).
+        self.watchdog: threading.Timer | None = None
         self._feed_closed = asyncio.Event()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -175,14 +176,14 @@ class GputopApp(App[int]):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, signum: int) -> None:
-        if not self._signalled:
-            self._signalled = True
-            arm_exit_watchdog(128 + signum)
+        if self.watchdog is None:
+            self.watchdog = arm_exit_watchdog(128 + signum)
         self.exit(return_code=128 + signum)
 
     def action_interrupt(self) -> None:
-        """ctrl+c is the terminal's interrupt key: quit as an interrupted command does."""
-        self._on_signal(signal.SIGINT)
+        """ctrl+c is the terminal's interrupt key: quit as an interrupted command does (the
+        terminal is alive here: no watchdog needed)."""
+        self.exit(return_code=128 + signal.SIGINT)
 
     # -- data in -------------------------------------------------------------------------
 
@@ -483,5 +484,9 @@ def run_board(config: Config | None, *, demo: bool = False, theme: str | None = 
 
 
 def _run(app: GputopApp) -> int:
-    app.run()
+    try:
+        app.run()
+    finally:
+        if app.watchdog is not None:
+            app.watchdog.cancel()
     return app.return_code or 0
