@@ -1,0 +1,261 @@
+"""``gputop report``: GPU-hours per user, host and GPU from the history database.
+
+A range reads the coarsest tier that answers it exactly: whole hours from the hourly
+rollups (ranges over 12 hours), the rest from minute rollups, and the minutes not rolled
+up yet from raw samples, each span from one tier only. Every tier carries the same sums
+(see ``accounting``), so the totals do not depend on which tier answered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputop.history.accounting import (
+    BUSY,
+    DATA,
+    HELD_IDLE,
+    IDLE,
+    NODATA,
+    RESERVED,
+    RESERVED_IDLE,
+    U_HELD_IDLE,
+    U_UTIL_SECS,
+    U_UTIL_SUM,
+    UNRESERVED,
+    USED,
+    UTIL_SECS,
+    UTIL_SUM,
+    account,
+)
+from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
+from gputop.history.recorder import unknown_uid
+
+#: Ranges longer than this are answered from hourly rollups (and their chart is hourly).
+HOURLY_OVER_S = 12 * 3600
+CHART_POINTS = 60
+_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
+          43200, 86400, 172800, 604800)
+
+
+@dataclass
+class History:
+    """Sums over one time range: per (chart bucket, GPU) and per (GPU, user), in seconds."""
+
+    start: float
+    end: float
+    step: int
+    hosts: dict[int, str] = field(default_factory=dict)
+    gpus: dict[int, tuple[int, int | None, str | None, str]] = field(default_factory=dict)
+    users: dict[int, str] = field(default_factory=dict)
+    buckets: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    user_gpu: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+
+    @property
+    def n_buckets(self) -> int:
+        return max(1, math.ceil((self.end - self.start) / self.step))
+
+    def add_bucket(self, bucket: int, gpu: int, sums: Iterable[float]) -> None:
+        cur = self.buckets.setdefault((min(bucket, self.n_buckets - 1), gpu), [0.0] * 7)
+        for i, v in enumerate(sums):
+            cur[i] += v
+
+    def add_user(self, gpu: int, user: int, sums: Iterable[float]) -> None:
+        cur = self.user_gpu.setdefault((gpu, user), [0.0] * 7)
+        for i, v in enumerate(sums):
+            cur[i] += v
+
+
+def _step(span: float, minimum: int) -> int:
+    want = span / CHART_POINTS
+    for s in _STEPS:
+        if s >= want and s >= minimum:
+            return s
+    return _STEPS[-1]
+
+
+def collect(db: HistoryDB, start: float, end: float) -> History:
+    """Everything the report shows for ``[start, end)`` (UTC epoch seconds)."""
+    with db.errors():
+        return _collect(db, start, end)
+
+
+def _collect(db: HistoryDB, start: float, end: float) -> History:
+    c = db.conn
+    c.execute("BEGIN")  # one consistent view while the recorder goes on writing
+    try:
+        minute_done, hour_done = db.meta("minute_done"), db.meta("hour_done")
+        minute_from = db.meta("minute_from")
+        span = max(1.0, end - start)
+        hourly = span > HOURLY_OVER_S or start < minute_from
+        finest = max(1, math.ceil(db.meta("interval_ms") / 1000))
+        h = History(start, end, _step(span, 3600 if hourly else finest))
+        h.hosts = {i: n for i, n in c.execute("SELECT id, name FROM hosts")}
+        h.users = {i: n for i, n in c.execute("SELECT id, name FROM users")}
+        h.gpus = {i: (host, idx, name, key) for i, host, idx, name, key in c.execute(
+            "SELECT id, host, idx, name, key FROM gpus")}
+        minute_ranges: list[tuple[float, float]] = []
+        if hourly:
+            h0 = math.ceil(start / 3600) * 3600
+            if start < minute_from:
+                h0 = math.floor(start / 3600) * 3600  # minutes are gone: round out
+            h1 = min(math.floor(end / 3600) * 3600, hour_done)
+            if h1 < end and h1 < minute_from:  # the trailing minutes are gone as well
+                h1 = min(math.ceil(end / 3600) * 3600, hour_done)
+            if h0 < h1:
+                _tier(h, c, "hour", h0, h1)
+                minute_ranges = [(start, h0), (h1, min(end, minute_done))]
+            else:
+                minute_ranges = [(start, min(end, minute_done))]
+        else:
+            minute_ranges = [(start, min(end, minute_done))]
+        for a, z in minute_ranges:
+            if a < z:
+                _tier(h, c, "minute", a, z)
+        _raw(h, c, max(start, minute_done), end)
+    finally:
+        c.execute("COMMIT")
+    return h
+
+
+def _tier(h: History, c: Any, tier: str, a: float, z: float) -> None:
+    gsums = ", ".join(f"SUM({m})" for m in GPU_METRICS)
+    for bucket, gpu, *sums in c.execute(
+            f"SELECT CAST((b - ?) / ? AS INTEGER), gpu, {gsums} FROM gpu_{tier} "
+            "WHERE b >= ? AND b < ? GROUP BY 1, 2", (h.start, h.step, a, z)):
+        h.add_bucket(max(0, bucket), gpu, sums)
+    usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
+    for gpu, user, *sums in c.execute(
+            f"SELECT gpu, user, {usums} FROM user_{tier} WHERE b >= ? AND b < ? "
+            "GROUP BY 1, 2", (a, z)):
+        h.add_user(gpu, user, sums)
+
+
+def _raw(h: History, c: Any, a: float, z: float) -> None:
+    if a >= z:
+        return
+    unknown = unknown_uid(c)
+    for t, dt, packed in c.execute("SELECT t, dt, gpus FROM samples WHERE t >= ? AND t < ?",
+                                   (int(a * 1000), int(z * 1000))):
+        bucket = int((t / 1000 - h.start) // h.step)
+        for entry in json.loads(packed):
+            gsums = [0.0] * 7
+            usums: dict[int, list[float]] = {}
+            account(dt / 1000, entry, unknown, gsums, usums)
+            h.add_bucket(bucket, entry[0], gsums)
+            for uid, s in usums.items():
+                h.add_user(entry[0], uid, s)
+
+
+# --- the numbers -----------------------------------------------------------------------
+
+
+def _hours(seconds: float) -> float:
+    return seconds / 3600
+
+
+def _mean(total: float, secs: float) -> float | None:
+    return None if secs <= 0 else total / secs
+
+
+def summarise(h: History) -> dict[str, Any]:
+    """The report as one JSON-ready document (hours; utilisation in percent)."""
+    per_gpu: dict[int, list[float]] = {}
+    series: dict[int, dict[int, list[float]]] = {}
+    for (bucket, gpu), s in h.buckets.items():
+        tot = per_gpu.setdefault(gpu, [0.0] * 7)
+        for i, v in enumerate(s):
+            tot[i] += v
+        host = h.gpus.get(gpu, (0, None, None, ""))[0]
+        cell = series.setdefault(host, {}).setdefault(bucket, [0.0, 0.0])
+        cell[0] += s[UTIL_SUM]
+        cell[1] += s[UTIL_SECS]
+    per_user: dict[int, list[float]] = {}
+    gpu_user: dict[int, list[float]] = {}
+    for (gpu, user), s in h.user_gpu.items():
+        tot = per_user.setdefault(user, [0.0] * 7)
+        for i, v in enumerate(s):
+            tot[i] += v
+        g = gpu_user.setdefault(gpu, [0.0] * 7)
+        for i in (USED, RESERVED, RESERVED_IDLE):
+            g[i] += s[i]
+
+    def gpu_row(s: list[float], u: list[float]) -> dict[str, Any]:
+        return {"gpu_hours": _hours(s[DATA] + s[NODATA]), "busy_hours": _hours(s[BUSY]),
+                "idle_hours": _hours(s[IDLE]), "held_idle_hours": _hours(s[HELD_IDLE]),
+                "no_data_hours": _hours(s[NODATA]),
+                "mean_utilization": _mean(s[UTIL_SUM], s[UTIL_SECS]),
+                "used_hours": _hours(u[USED]), "reserved_hours": _hours(u[RESERVED]),
+                "reserved_idle_hours": _hours(u[RESERVED_IDLE])}
+
+    zero = [0.0] * 7
+    gpus = []
+    per_host: dict[int, tuple[list[float], list[float]]] = {}
+    for gpu in sorted(set(per_gpu) | set(gpu_user),
+                      key=lambda g: (h.hosts.get(h.gpus[g][0], ""), h.gpus[g][1] or 0)):
+        host, idx, name, key = h.gpus[gpu]
+        s, u = per_gpu.get(gpu, zero), gpu_user.get(gpu, zero)
+        gpus.append({"host": h.hosts.get(host, "?"), "index": idx, "name": name,
+                     "uuid": None if key.startswith("index:") else key} | gpu_row(s, u))
+        hs, hu = per_host.setdefault(host, ([0.0] * 7, [0.0] * 7))
+        for i in range(7):
+            hs[i] += s[i]
+            hu[i] += u[i]
+    hosts = [{"host": h.hosts.get(host, "?"), "gpus": sum(1 for g in gpus
+                                                           if g["host"] == h.hosts.get(host)),
+              **gpu_row(s, u)}
+             for host, (s, u) in sorted(per_host.items(), key=lambda kv: h.hosts.get(kv[0], ""))]
+    users: list[dict[str, Any]] = sorted(({
+                     "user": h.users.get(uid, "?"), "used_hours": _hours(s[USED]),
+                     "reserved_hours": _hours(s[RESERVED]),
+                     "reserved_idle_hours": _hours(s[RESERVED_IDLE]),
+                     "unreserved_hours": _hours(s[UNRESERVED]),
+                     "held_idle_hours": _hours(s[U_HELD_IDLE]),
+                     "mean_utilization_used": _mean(s[U_UTIL_SUM], s[U_UTIL_SECS])}
+                    for uid, s in per_user.items()),
+                   key=lambda r: (-float(r["used_hours"]), -float(r["reserved_hours"]),
+                                  str(r["user"])))
+    fleet = [0.0] * 7
+    for s in per_gpu.values():
+        for i in range(7):
+            fleet[i] += s[i]
+    data = fleet[DATA]
+
+    def pct(x: float) -> float | None:
+        return None if data <= 0 else 100 * x / data
+
+    def line(cells: dict[int, list[float]]) -> list[float | None]:
+        return [_mean(*cells[b]) if b in cells else None for b in range(h.n_buckets)]
+
+    fleet_cells: dict[int, list[float]] = {}
+    for cells in series.values():
+        for b, (us, sec) in cells.items():
+            fc = fleet_cells.setdefault(b, [0.0, 0.0])
+            fc[0] += us
+            fc[1] += sec
+    return {
+        "version": 1,
+        "from": _iso(h.start), "to": _iso(h.end),
+        "headline": {"gpu_hours": _hours(data), "busy_percent": pct(fleet[BUSY]),
+                     "idle_percent": pct(fleet[IDLE]),
+                     "held_idle_percent": pct(fleet[HELD_IDLE]),
+                     "no_data_hours": _hours(fleet[NODATA]),
+                     "mean_utilization": _mean(fleet[UTIL_SUM], fleet[UTIL_SECS])},
+        "users": users, "hosts": hosts, "gpus": gpus,
+        "series": {"start": _iso(h.start), "step_s": h.step,
+                   "fleet": line(fleet_cells),
+                   "hosts": {h.hosts.get(host, "?"): line(cells)
+                             for host, cells in sorted(series.items(),
+                                                       key=lambda kv: h.hosts.get(kv[0], ""))}},
+    }
+
+
+def _iso(t: float) -> str:
+    from datetime import datetime, timezone
+
+    from gputop.model import iso
+
+    return iso(datetime.fromtimestamp(t, timezone.utc)) or ""
