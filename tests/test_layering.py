@@ -9,7 +9,9 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.reservations", "gputop.cli",
+    "gputop.reservations", "gputop.cli", "gputop.history", "gputop.history.db",
+    "gputop.history.recorder", "gputop.history.report", "gputop.history.render",
+    "gputop.history.live", "gputop.history.cli", "gputop.commands",
 ]
 
 

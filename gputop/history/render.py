@@ -49,8 +49,12 @@ def _cell(key: str, v: Any) -> str:
     if key.startswith("mean_utilization"):
         return f"{v:.0f} %"
     if isinstance(v, float):
-        return f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
+        return _num(v)
     return clean(str(v))[:40]
+
+
+def _num(v: float) -> str:
+    return f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}" if abs(v) < 1000 else f"{v:.0f}"
 
 
 def _local(iso: str) -> str:
@@ -64,10 +68,11 @@ def _pct(v: float | None) -> str:
 
 def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
     hl = doc["headline"]
-    print(f"{_local(doc['from'])} to {_local(doc['to'])} (local time); GPU-hours", file=out)
-    print(f"of {hl['gpu_hours']:.1f} GPU-hours, {_pct(hl['busy_percent'])} busy, "
+    print(f"GPU-hours from {_local(doc['from'])} to {_local(doc['to'])} (local time)",
+          file=out)
+    print(f"of {_num(hl['gpu_hours'])} GPU-hours, {_pct(hl['busy_percent'])} busy, "
           f"{_pct(hl['idle_percent'])} idle, {_pct(hl['held_idle_percent'])} held idle "
-          f"({hl['no_data_hours']:.1f} GPU-hours with no data)", file=out)
+          f"({_num(hl['no_data_hours'])} GPU-hours with no data)", file=out)
     if not doc["hosts"] and not doc["users"]:
         print("nothing recorded in this range", file=out)
         return
@@ -102,9 +107,10 @@ def _step_words(step: int) -> str:
 
 
 def _defuse(v: Any) -> Any:
-    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r"):
-        return "'" + v
-    return v
+    if not isinstance(v, str):
+        return v
+    v = clean(v)
+    return "'" + v if v[:1] in ("=", "+", "-", "@") else v
 
 
 def write_csv(doc: dict[str, Any], by: str, out: TextIO) -> None:
