@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from gputop import __version__
 from gputop.config import NO_CONFIG_HINT, Config, ConfigError, default_config_path, load_config
+from gputop.history.db import HistoryError
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="show the board on a built-in simulated fleet (no SSH, no GPU needed)")
     p.add_argument("--theme", metavar="NAME", help="board theme (see themes/)")
+    p.add_argument("--record", action="store_true",
+                   help="board or --json --watch: also record every refresh into the history "
+                   "database ([history] path), like `gputop record`")
     from gputop.commands import add_subcommands
 
     add_subcommands(p)
@@ -62,7 +66,7 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
     return config
 
 
-async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
+async def _json(config: Config, *, watch: bool, pretty: bool, record: bool = False) -> None:
     """One document, or (``watch``) one per refresh, each with reservations and flags."""
     import time
 
@@ -75,6 +79,11 @@ async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
     store = Store(config.reservations_path)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
     reported: str | None = None
+    live = None
+    if record:
+        from gputop.history.live import LiveRecorder
+
+        live = LiveRecorder(config)
     try:
         while True:
             started = time.monotonic()
@@ -88,6 +97,9 @@ async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
                 if problem != reported:
                     print(f"gputop: {problem}", file=sys.stderr)
             reported = problem
+            if live is not None:
+                for host in snap.hosts:
+                    live.observe(host, state)
             doc = annotate(snap, state, tracker)
             if problem:
                 doc["reservations_error"] = problem
@@ -97,12 +109,14 @@ async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
             await asyncio.sleep(max(0.0, config.interval - (time.monotonic() - started)))
     finally:
         await poller.aclose()
+        if live is not None:
+            live.close()
 
 
 def _run_json(config: Config, args: argparse.Namespace) -> int:
     if config.implicit:
         print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()), file=sys.stderr)
-    asyncio.run(_json(config, watch=args.watch, pretty=args.pretty))
+    asyncio.run(_json(config, watch=args.watch, pretty=args.pretty, record=args.record))
     return EXIT_OK
 
 
@@ -112,7 +126,7 @@ def _run_board(config: Config | None, args: argparse.Namespace) -> int:
     except ImportError as exc:  # pragma: no cover - the board ships with gputop
         print(f"gputop: the board is unavailable: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    return run_board(config, demo=args.demo, theme=args.theme)
+    return run_board(config, demo=args.demo, theme=args.theme, record=args.record)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.watch and not args.json:
             raise UsageError("--watch needs --json")
+        if args.record and (args.demo or args.command or (args.json and not args.watch)):
+            raise UsageError("--record goes with the board or --json --watch (to record "
+                             "on its own: gputop record)")
         if args.demo:
             return _run_board(None, args)
         config = _apply_overrides(load_config(args.config), args)
@@ -131,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             return _run_json(config, args)
         return _run_board(config, args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, HistoryError) as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

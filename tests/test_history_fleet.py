@@ -21,7 +21,6 @@ from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
 
 from gputop.reservations.store import Store, new_reservation
-from gputop.model import utcnow
 
 INTERVAL = 0.5
 PHASE = 2.0
@@ -150,4 +149,30 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
                         "--since", "1h"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "gtbob" in r.stdout and utcnow()
+    assert "gtbob" in r.stdout
+
+
+def test_json_watch_can_record_while_it_runs(history_fleet: Fleet, tmp_path: Path) -> None:
+    db = tmp_path / "history.sqlite3"
+    cfg = history_fleet.write_config(timeout=2.0, interval=INTERVAL,
+                                     extra=f'[history]\npath = "{db}"\n')
+    p = subprocess.Popen([sys.executable, "-m", "gputop", "--config", str(cfg), "--json",
+                          "--watch", "--record"], env=history_fleet.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_samples(db, 2, time.monotonic() + 30)
+    finally:
+        p.terminate()
+        p.wait(15)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--since", "10m", "--by", "host", "--csv"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert {ln.split(",")[0] for ln in r.stdout.splitlines()[1:]} == {"alpha", "beta"}
+    # a database it cannot use stops it before it starts, naming the file
+    db.unlink()
+    db.write_bytes(b"not a database" * 100)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "--json",
+                        "--watch", "--record"], env=history_fleet.env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and str(db) in r.stderr and r.stdout == ""

@@ -6,6 +6,7 @@ import asyncio
 import os
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import work
@@ -33,6 +34,9 @@ from gputop.ui.screens import (
 )
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+
+if TYPE_CHECKING:
+    from gputop.history.live import LiveRecorder
 
 RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 
@@ -66,9 +70,12 @@ class GputopApp(App[int]):
         clock: Callable[[], datetime] = utcnow,
         theme: str | None = None,
         user: str | None = None,
+        recorder: LiveRecorder | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        #: ``--record``: every snapshot also goes into the history database.
+        self.recorder = recorder
         self._sources = sources
         self._feed = feed
         self.clock = clock
@@ -136,8 +143,24 @@ class GputopApp(App[int]):
         try:
             async for snap in poller.updates():
                 self.post_message(HostUpdated(snap))
+                if self.recorder is not None:
+                    self._record(snap)
         finally:
             await poller.aclose()
+            if self.recorder is not None:
+                self.recorder.close()
+
+    def _record(self, snap: HostSnapshot) -> None:
+        from gputop.history.db import HistoryError
+
+        assert self.recorder is not None
+        try:
+            self.recorder.observe(snap)
+        except HistoryError as exc:  # the board goes on; recording stops, and says why
+            self.notify(f"recording stopped: {exc}", severity="error", markup=False,
+                        timeout=10)
+            self.recorder.close()
+            self.recorder = None
 
     def on_host_updated(self, message: HostUpdated) -> None:
         self.ingest(message.snapshot)
@@ -409,7 +432,8 @@ class GputopApp(App[int]):
         self.render_board()
 
 
-def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
+def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None,
+              record: bool = False) -> int:
     sources: list[Source] | None = None
     if demo or config is None:
         from gputop.demo import demo_config, demo_sources, seed_reservations
@@ -417,6 +441,11 @@ def run_board(config: Config | None, *, demo: bool = False, theme: str | None = 
         config = demo_config()
         sources = list(demo_sources())
         seed_reservations(Store(config.reservations_path))
-    app = GputopApp(config, sources=sources, theme=theme)
+    recorder = None
+    if record:
+        from gputop.history.live import LiveRecorder
+
+        recorder = LiveRecorder(config)  # a bad database is refused before the board shows
+    app = GputopApp(config, sources=sources, theme=theme, recorder=recorder)
     app.run()
     return app.return_code or 0
