@@ -182,7 +182,8 @@ def _totals(doc: dict[str, Any]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(("start_off", "end_off"), [(0, 4 * 3600), (1234, 3 * 3600 - 600),
-                                                     (-86400 * 3, 86400 * 3)])
+                                                     (-86400 * 3, 86400 * 3),
+                                                     (-86400 * 5, 86400 * 5)])
 def test_rollups_give_the_totals_of_the_raw_samples(tmp_path: Path, start_off: int,
                                                     end_off: int) -> None:
     """The same three hours reported from raw samples, and from minute and hour rollups
@@ -204,6 +205,7 @@ def test_rollups_give_the_totals_of_the_raw_samples(tmp_path: Path, start_off: i
     got_minutes = _totals(report(rolled, start, end))
     rec.maintain(later + 86400)  # now the minutes are gone too: hours only
     assert c.execute("SELECT COUNT(*) FROM gpu_minute").fetchone()[0] == 0
+    assert c.execute("SELECT COUNT(*) FROM gpu_day").fetchone()[0] > 0
     rec.db.close()
     got_hours = _totals(report(rolled, start, end))
     assert got_minutes == pytest.approx(expected_round(raw, start, end, end_out=False))
@@ -435,3 +437,13 @@ def test_report_without_a_database_says_how_to_start(tmp_path: Path) -> None:
     r = _cli("report", "--db", str(tmp_path / "none.sqlite3"))
     assert r.returncode == 2 and "gputop record" in r.stderr
     assert not (tmp_path / "none.sqlite3").exists()
+
+
+def test_the_example_systemd_unit_ships_with_the_package() -> None:
+    import gputop.history
+
+    unit = Path(gputop.history.__file__).parent / "gputop-record.service"
+    text = unit.read_text()
+    assert "ExecStart=" in text and "gputop record" in text
+    assert "RestartPreventExitStatus=2" in text and "[Install]" in text
+    assert "history/*.service" in (ROOT / "pyproject.toml").read_text()

@@ -2,8 +2,9 @@
 
 Raw samples are one row per host per refresh (its GPUs packed as compact JSON), kept for a
 short window. They are rolled up into per-GPU-per-minute and per-GPU-per-user-per-minute
-sums (kept 30 days), and those into per-hour sums (kept forever). A rollup stores the same
-accounting the report makes from raw samples, so every tier gives the same totals.
+sums (kept 30 days), and those into per-hour and per-day (UTC) sums (kept forever). A
+rollup stores the same accounting the report makes from raw samples, so every tier gives
+the same totals.
 
 The file is checked before SQLite writes a byte to it: a file that is not a gputop history
 database, is corrupt, or comes from a newer gputop is an error naming it, left untouched.
@@ -58,7 +59,9 @@ MIGRATIONS: dict[int, list[str]] = {
         "WITHOUT ROWID",
         *_rollup_tables("minute"),
         *_rollup_tables("hour"),
-        "INSERT INTO meta VALUES ('minute_done', 0), ('hour_done', 0), ('minute_from', 0)",
+        *_rollup_tables("day"),
+        "INSERT INTO meta VALUES ('minute_done', 0), ('hour_done', 0), ('day_done', 0), "
+        "('minute_from', 0)",
     ],
 }
 

@@ -18,7 +18,8 @@ from gputop.history.recorder import Recorder
 from gputop.model import HostSnapshot
 from gputop.reservations.store import Store, StoreError, StoreState
 
-MAINTAIN_EVERY_S = 60.0
+#: Minutes are rolled up this often, so a report reads few raw samples.
+MAINTAIN_EVERY_S = 20.0
 
 
 class LiveRecorder:

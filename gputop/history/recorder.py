@@ -10,6 +10,7 @@ drops raw samples and minutes past their keep windows.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -22,7 +23,7 @@ from gputop.reservations.store import Reservation, StoreState
 RAW_KEEP_S = 2 * 86400.0
 MINUTE_KEEP_S = 30 * 86400.0
 #: A minute is rolled up this long after it ends (late rows of a slow host still land).
-ROLLUP_DELAY_S = 90.0
+ROLLUP_DELAY_S = 30.0
 
 
 def _ms(t: datetime) -> int:
@@ -177,21 +178,9 @@ class Recorder:
         with self.db.transaction() as c:
             minute_done = rollup_minutes(c, self.db.meta("minute_done"),
                                          int(now - ROLLUP_DELAY_S) // 60 * 60)
-            hour_done = self.db.meta("hour_done")
-            target = minute_done // 3600 * 3600
-            if target > hour_done:
-                for tier in ("gpu", "user"):
-                    keys = "b, gpu" if tier == "gpu" else "b, gpu, user"
-                    cols = GPU_METRICS if tier == "gpu" else USER_METRICS
-                    sums = ", ".join(f"SUM({m})" for m in cols)
-                    upd = ", ".join(f"{m} = {m} + excluded.{m}" for m in cols)
-                    c.execute(
-                        f"INSERT INTO {tier}_hour SELECT b / 3600 * 3600 AS hb, "
-                        f"{keys.replace('b, ', '')}, {sums} FROM {tier}_minute "
-                        f"WHERE b >= ? AND b < ? GROUP BY hb, {keys.replace('b, ', '')} "
-                        f"ON CONFLICT ({keys}) DO UPDATE SET {upd}", (hour_done, target))
-                c.execute("UPDATE meta SET value = ? WHERE key = 'hour_done'", (target,))
-                hour_done = target
+            hour_done = rollup_up(c, "minute", "hour", 3600, self.db.meta("hour_done"),
+                                  minute_done)
+            rollup_up(c, "hour", "day", 86400, self.db.meta("day_done"), hour_done)
             raw_cut = min(int(now - self.raw_keep_s) // 60 * 60, minute_done)
             c.execute("DELETE FROM samples WHERE t < ?", (raw_cut * 1000,))
             minute_cut = min(int(now - self.minute_keep_s) // 3600 * 3600, hour_done)
@@ -199,6 +188,23 @@ class Recorder:
                 c.execute("DELETE FROM gpu_minute WHERE b < ?", (minute_cut,))
                 c.execute("DELETE FROM user_minute WHERE b < ?", (minute_cut,))
                 c.execute("UPDATE meta SET value = ? WHERE key = 'minute_from'", (minute_cut,))
+
+
+def rollup_up(c: sqlite3.Connection, finer: str, coarser: str, size: int, done: int,
+              finer_done: int) -> int:
+    """Sum the complete ``coarser`` buckets (hour, day) of [done, finer_done) from the
+    ``finer`` tier; the new mark."""
+    target = finer_done // size * size
+    if target <= done:
+        return done
+    for tier, keys, cols in (("gpu", "gpu", GPU_METRICS), ("user", "gpu, user", USER_METRICS)):
+        sums = ", ".join(f"SUM({m})" for m in cols)
+        add = ", ".join(f"{m} = {m} + excluded.{m}" for m in cols)
+        c.execute(f"INSERT INTO {tier}_{coarser} SELECT b / {size} * {size} AS cb, {keys}, "
+                  f"{sums} FROM {tier}_{finer} WHERE b >= ? AND b < ? GROUP BY cb, {keys} "
+                  f"ON CONFLICT (b, {keys}) DO UPDATE SET {add}", (done, target))
+    c.execute(f"UPDATE meta SET value = ? WHERE key = '{coarser}_done'", (target,))
+    return target
 
 
 def upsert(table: str, keys: tuple[str, ...], metrics: tuple[str, ...]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,8 @@ from gputop.history.accounting import (
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
 from gputop.history.recorder import unknown_uid
 
-#: Ranges longer than this are answered from hourly rollups (and their chart is hourly).
+#: Ranges longer than these are answered from daily / hourly rollups (and so is the chart).
+DAILY_OVER_S = 7 * 86400
 HOURLY_OVER_S = 12 * 3600
 CHART_POINTS = 60
 _STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
@@ -87,38 +89,51 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
     c = db.conn
     c.execute("BEGIN")  # one consistent view while the recorder goes on writing
     try:
-        minute_done, hour_done = db.meta("minute_done"), db.meta("hour_done")
-        minute_from = db.meta("minute_from")
+        marks = {k: db.meta(k) for k in ("minute_done", "hour_done", "day_done",
+                                          "minute_from")}
         span = max(1.0, end - start)
-        hourly = span > HOURLY_OVER_S or start < minute_from
+        level = 0 if span >= DAILY_OVER_S else 1 if span > HOURLY_OVER_S else 2
+        if start < marks["minute_from"]:
+            level = min(level, 1)
         finest = max(1, math.ceil(db.meta("interval_ms") / 1000))
-        h = History(start, end, _step(span, 3600 if hourly else finest))
+        h = History(start, end, _step(span, (86400, 3600, finest)[level]))
         h.hosts = {i: n for i, n in c.execute("SELECT id, name FROM hosts")}
         h.users = {i: n for i, n in c.execute("SELECT id, name FROM users")}
         h.gpus = {i: (host, idx, name, key) for i, host, idx, name, key in c.execute(
             "SELECT id, host, idx, name, key FROM gpus")}
-        minute_ranges: list[tuple[float, float]] = []
-        if hourly:
-            h0 = math.ceil(start / 3600) * 3600
-            if start < minute_from:
-                h0 = math.floor(start / 3600) * 3600  # minutes are gone: round out
-            h1 = min(math.floor(end / 3600) * 3600, hour_done)
-            if h1 < end and h1 < minute_from:  # the trailing minutes are gone as well
-                h1 = min(math.ceil(end / 3600) * 3600, hour_done)
-            if h0 < h1:
-                _tier(h, c, "hour", h0, h1)
-                minute_ranges = [(start, h0), (h1, min(end, minute_done))]
-            else:
-                minute_ranges = [(start, min(end, minute_done))]
-        else:
-            minute_ranges = [(start, min(end, minute_done))]
-        for a, z in minute_ranges:
-            if a < z:
-                _tier(h, c, "minute", a, z)
-        _raw(h, c, max(start, minute_done), end)
+        _cover(h, c, marks, start, end, level)
     finally:
         c.execute("COMMIT")
     return h
+
+
+_TIERS = (("day", 86400, "day_done"), ("hour", 3600, "hour_done"))
+
+
+def _cover(h: History, c: Any, marks: dict[str, int], a: float, z: float, level: int) -> None:
+    """[a, z) from tier ``level`` (0 days, 1 hours, 2 minutes then raw): its whole buckets,
+    the edges from the next finer tier. Where that finer tier is gone (minutes past their
+    keep window), the range is rounded out to this tier's buckets instead."""
+    if a >= z:
+        return
+    if level == 2:
+        _tier(h, c, "minute", a, min(z, marks["minute_done"]))
+        _raw(h, c, max(a, marks["minute_done"]), z)
+        return
+    name, size, done = _TIERS[level]
+    finer_from = marks["minute_from"] if level == 1 else 0
+    lo = math.ceil(a / size) * size
+    if a < finer_from:
+        lo = math.floor(a / size) * size
+    hi = min(math.floor(z / size) * size, marks[done])
+    if hi < z and hi < finer_from:
+        hi = min(math.ceil(z / size) * size, marks[done])
+    if lo < hi:
+        _tier(h, c, name, lo, hi)
+        _cover(h, c, marks, a, lo, level + 1)
+        _cover(h, c, marks, hi, z, level + 1)
+    else:
+        _cover(h, c, marks, a, z, level + 1)
 
 
 def _tier(h: History, c: Any, tier: str, a: float, z: float) -> None:
@@ -138,16 +153,24 @@ def _raw(h: History, c: Any, a: float, z: float) -> None:
     if a >= z:
         return
     unknown = unknown_uid(c)
+    last = h.n_buckets - 1
+    buckets = h.buckets
+    users: dict[int, dict[int, list[float]]] = {}
     for t, dt, packed in c.execute("SELECT t, dt, gpus FROM samples WHERE t >= ? AND t < ?",
                                    (int(a * 1000), int(z * 1000))):
-        bucket = int((t / 1000 - h.start) // h.step)
+        bucket = max(0, min(last, int((t / 1000 - h.start) // h.step)))
         for entry in json.loads(packed):
-            gsums = [0.0] * 7
-            usums: dict[int, list[float]] = {}
-            account(dt / 1000, entry, unknown, gsums, usums)
-            h.add_bucket(bucket, entry[0], gsums)
-            for uid, s in usums.items():
-                h.add_user(entry[0], uid, s)
+            gpu = entry[0]
+            sums = buckets.get((bucket, gpu))
+            if sums is None:
+                sums = buckets[(bucket, gpu)] = [0.0] * 7
+            per_user = users.get(gpu)
+            if per_user is None:
+                per_user = users[gpu] = {}
+            account(dt / 1000, entry, unknown, sums, per_user)
+    for gpu, per_user in users.items():
+        for uid, s in per_user.items():
+            h.add_user(gpu, uid, s)
 
 
 # --- the numbers -----------------------------------------------------------------------
@@ -204,9 +227,8 @@ def summarise(h: History) -> dict[str, Any]:
         for i in range(7):
             hs[i] += s[i]
             hu[i] += u[i]
-    hosts = [{"host": h.hosts.get(host, "?"), "gpus": sum(1 for g in gpus
-                                                           if g["host"] == h.hosts.get(host)),
-              **gpu_row(s, u)}
+    counts = Counter(h.gpus[g][0] for g in set(per_gpu) | set(gpu_user))
+    hosts = [{"host": h.hosts.get(host, "?"), "gpus": counts[host], **gpu_row(s, u)}
              for host, (s, u) in sorted(per_host.items(), key=lambda kv: h.hosts.get(kv[0], ""))]
     users: list[dict[str, Any]] = sorted(({
                      "user": h.users.get(uid, "?"), "used_hours": _hours(s[USED]),
