@@ -186,13 +186,18 @@ def bench_report(tmp: Path) -> dict[str, object]:
         args = [sys.executable, "-m", "gputop", "report", "--db", str(path), "--since", "30d"]
         if form:
             args.append(form)
-        walls = []
+        walls, cpus = [], []
         for _ in range(3):
             t = time.monotonic()
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             r = subprocess.run(args, capture_output=True, text=True)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             walls.append(time.monotonic() - t)
+            cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
             assert r.returncode == 0, r.stderr
-        out[f"wall_s_{(form or '--text').lstrip('-')}"] = min(walls)
+        name = (form or "--text").lstrip("-")
+        out[f"wall_s_{name}"] = min(walls)
+        out[f"cpu_s_{name}"] = min(cpus)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     # the same in-process, without interpreter start-up
     from gputop.history.report import collect, summarise
@@ -210,9 +215,13 @@ def main() -> None:
     ap.add_argument("--refreshes", type=int, default=150)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "history.json"))
     args = ap.parse_args()
+    import os
+
     with tempfile.TemporaryDirectory() as d:
-        result = {"recorder": bench_recorder(args.refreshes, Path(d)),
+        result = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
+                  "recorder": bench_recorder(args.refreshes, Path(d)),
                   "report": bench_report(Path(d))}
+    result["loadavg_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -447,3 +447,38 @@ def test_the_example_systemd_unit_ships_with_the_package() -> None:
     assert "ExecStart=" in text and "gputop record" in text
     assert "RestartPreventExitStatus=2" in text and "[Install]" in text
     assert "history/*.service" in (ROOT / "pyproject.toml").read_text()
+
+
+def record_recent(db: Path, host: str, uuid: str, index: int) -> float:
+    """Two hours up to now at 30 s: 40 % load for the first 90 minutes, then the host is
+    down for the last 30; rolled up. Returns now."""
+    now = time.time()
+    rec = open_recorder(db, interval=30.0)
+    start = now - 7200
+    for i in range(240):
+        t = datetime.fromtimestamp(start + 30 * (i + 1), timezone.utc)
+        g = GpuInfo(index=index, uuid=uuid, utilization_percent=40, processes=(
+            ProcessInfo(pid=1, user="alice"),))
+        rec.record(snap(host, t, g, down=i >= 180))
+    rec.maintain(now + 120)
+    rec.db.close()
+    return now
+
+
+def test_recent_gpu_reads_the_last_hour_and_day(tmp_path: Path) -> None:
+    from gputop.history.recent import recent_gpu
+
+    db = tmp_path / "h.sqlite3"
+    now = record_recent(db, "gpu-h100", "GPU-00000000-test", 0)
+    got = recent_gpu(db, "gpu-h100", "GPU-00000000-test", 0, now)
+    assert got is not None
+    hour, day = got
+    # the last hour: 30 minutes up at 40 %, 30 minutes down (no data, not 0 %)
+    assert hour.mean_utilization == pytest.approx(40)
+    assert hour.hours == pytest.approx(0.5, abs=1 / 60 + 0.01)
+    assert hour.no_data_hours == pytest.approx(0.5, abs=1 / 60 + 0.01)
+    assert hour.busy == pytest.approx(1)
+    assert day.hours == pytest.approx(1.5, abs=1 / 60 + 0.01)
+    assert "no data" in hour.line("last hour")
+    assert recent_gpu(db, "gpu-h100", "GPU-other", 1, now) is None
+    assert recent_gpu(tmp_path / "none.sqlite3", "gpu-h100", None, 0, now) is None

@@ -101,7 +101,12 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
         h.users = {i: n for i, n in c.execute("SELECT id, name FROM users")}
         h.gpus = {i: (host, idx, name, key) for i, host, idx, name, key in c.execute(
             "SELECT id, host, idx, name, key FROM gpus")}
-        _cover(h, c, marks, start, end, level)
+        parts: list[tuple[str, float, float]] = []
+        _cover(parts, marks, start, end, level)
+        _tiers(h, c, [p for p in parts if p[0] != "raw" and p[1] < p[2]])
+        for tier, a, z in parts:
+            if tier == "raw":
+                _raw(h, c, a, z)
     finally:
         c.execute("COMMIT")
     return h
@@ -110,15 +115,16 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
 _TIERS = (("day", 86400, "day_done"), ("hour", 3600, "hour_done"))
 
 
-def _cover(h: History, c: Any, marks: dict[str, int], a: float, z: float, level: int) -> None:
+def _cover(parts: list[tuple[str, float, float]], marks: dict[str, int], a: float, z: float,
+           level: int) -> None:
     """[a, z) from tier ``level`` (0 days, 1 hours, 2 minutes then raw): its whole buckets,
     the edges from the next finer tier. Where that finer tier is gone (minutes past their
     keep window), the range is rounded out to this tier's buckets instead."""
     if a >= z:
         return
     if level == 2:
-        _tier(h, c, "minute", a, min(z, marks["minute_done"]))
-        _raw(h, c, max(a, marks["minute_done"]), z)
+        parts.append(("minute", a, min(z, marks["minute_done"])))
+        parts.append(("raw", max(a, marks["minute_done"]), z))
         return
     name, size, done = _TIERS[level]
     finer_from = marks["minute_from"] if level == 1 else 0
@@ -129,23 +135,34 @@ def _cover(h: History, c: Any, marks: dict[str, int], a: float, z: float, level:
     if hi < z and hi < finer_from:
         hi = min(math.ceil(z / size) * size, marks[done])
     if lo < hi:
-        _tier(h, c, name, lo, hi)
-        _cover(h, c, marks, a, lo, level + 1)
-        _cover(h, c, marks, hi, z, level + 1)
+        parts.append((name, lo, hi))
+        _cover(parts, marks, a, lo, level + 1)
+        _cover(parts, marks, hi, z, level + 1)
     else:
-        _cover(h, c, marks, a, z, level + 1)
+        _cover(parts, marks, a, z, level + 1)
 
 
-def _tier(h: History, c: Any, tier: str, a: float, z: float) -> None:
+def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]]) -> None:
+    """The rollup rows of every (tier, from, to) part, summed by SQLite in one pass each
+    for the chart buckets and for the users (few rows come back to Python)."""
+    if not parts:
+        return
     gsums = ", ".join(f"SUM({m})" for m in GPU_METRICS)
+    gcols = ", ".join(GPU_METRICS)
+    union = " UNION ALL ".join(
+        f"SELECT b, gpu, {gcols} FROM gpu_{tier} WHERE b >= ? AND b < ?" for tier, _, _ in parts)
+    args = [x for _, a, z in parts for x in (a, z)]
     for bucket, gpu, *sums in c.execute(
-            f"SELECT CAST((b - ?) / ? AS INTEGER), gpu, {gsums} FROM gpu_{tier} "
-            "WHERE b >= ? AND b < ? GROUP BY 1, 2", (h.start, h.step, a, z)):
+            f"SELECT CAST((b - ?) / ? AS INTEGER), gpu, {gsums} FROM ({union}) GROUP BY 1, 2",
+            (h.start, h.step, *args)):
         h.add_bucket(max(0, bucket), gpu, sums)
     usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
+    ucols = ", ".join(USER_METRICS)
+    union = " UNION ALL ".join(
+        f"SELECT gpu, user, {ucols} FROM user_{tier} WHERE b >= ? AND b < ?"
+        for tier, _, _ in parts)
     for gpu, user, *sums in c.execute(
-            f"SELECT gpu, user, {usums} FROM user_{tier} WHERE b >= ? AND b < ? "
-            "GROUP BY 1, 2", (a, z)):
+            f"SELECT gpu, user, {usums} FROM ({union}) GROUP BY 1, 2", args):
         h.add_user(gpu, user, sums)
 
 

@@ -122,6 +122,7 @@ class GputopApp(App[int]):
             if name not in loaded.themes:
                 self.unregister_theme(name)
         self._update_palette()
+        self.query_one(DetailPane).history_path = self.config.history_path
         self.reload_store()
         self.query_one(BoardTable).focus()
         if self.config.implicit:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
+from pathlib import Path
 
 from rich.text import Text
-from textual import events
+from textual import events, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -250,12 +252,55 @@ def spark(values: Iterable[float | None], width: int, style: str) -> Text:
 class DetailPane(Vertical):
     """The selected GPU: processes, history, reservation, details."""
 
+    #: The history database (``[history] path``): its last hour and day of the GPU show
+    #: under the sparklines when it exists.
+    history_path: Path | None = None
+    _recent_key: tuple[str, int] | None = None
+
+    def _show_recent(self, row: GpuRow) -> None:
+        box = self.query_one("#detail-recent", Static)
+        if self.history_path is None or not self.history_path.exists():
+            box.display = False
+            return
+        stamp = (row.key, int(time.time() // 60))  # looked up once a minute per GPU
+        if stamp == self._recent_key:
+            return
+        if self._recent_key is None or self._recent_key[0] != row.key:
+            box.display = False
+        self._recent_key = stamp
+        self._lookup(self.history_path, row.host, row.gpu.uuid, row.gpu.index, row.key)
+
+    @work(thread=True, exclusive=True, group="recent")
+    def _lookup(self, path: Path, host: str, uuid: str | None, index: int | None,
+                key: str) -> None:
+        from gputop.history.db import HistoryError
+        from gputop.history.recent import recent_gpu
+
+        try:
+            got = recent_gpu(path, host, uuid, index, time.time())
+            text = ("recorded: nothing for this GPU yet" if got is None else
+                    "recorded " + got[0].line("last hour") + "\n         "
+                    + got[1].line("last day"))
+        except HistoryError as exc:
+            text = f"history: {exc}"
+        self.app.call_from_thread(self._set_recent, key, text)
+
+    def _set_recent(self, key: str, text: str) -> None:
+        if self._recent_key is None or self._recent_key[0] != key:
+            return  # the selection moved on meanwhile
+        box = self.query_one("#detail-recent", Static)
+        box.update(Text(clean(text, one_line=False)))
+        box.display = True
+
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
         yield Static("utilisation %, this session", classes="spark-label")
         yield Static(id="spark-util", classes="spark")
         yield Static("memory used %", classes="spark-label")
         yield Static(id="spark-mem", classes="spark")
+        recent = Static(id="detail-recent")
+        recent.display = False  # shown once the history database answered
+        yield recent
         yield Static(id="detail-procs")
 
     def show(self, row: Row | None, model: BoardModel, now: datetime, palette: Palette) -> None:
@@ -268,6 +313,8 @@ class DetailPane(Vertical):
             for name in ("#spark-util", "#spark-mem"):
                 self.query_one(name, Static).update("")
             procs.update("")
+            self.query_one("#detail-recent", Static).display = False
+            self._recent_key = None
             head.update(self._host_text(row, now))
             return
         g = row.gpu
@@ -296,6 +343,7 @@ class DetailPane(Vertical):
         width = max(10, self.size.width - 2)
         self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
         self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
+        self._show_recent(row)
         p = Text()
         if not g.processes:
             p.append("no processes")
