@@ -150,9 +150,9 @@ def build_month(path: Path, gpus: int = 1600, days: int = 30) -> float:
                 util = rng.uniform(0, 100) if busy else 0.0
                 grow.append((b, g, secs, 0.0, secs if busy else 0.0,
                              0.0 if busy else secs, 0.0, util * secs, secs))
-                if busy:
-                    urow.append((b, g, 1 + (g + b // step) % 40, secs, 0.0, 0.0, secs, 0.0,
-                                 util * secs, secs))
+                if busy:  # users change every 8 hours: about 3 a day per GPU
+                    urow.append((b, g, 1 + (g + b // (8 * 3600)) % 40, secs, 0.0, 0.0, secs,
+                                 0.0, util * secs, secs))
         c.executemany(upsert(f"gpu_{tier}", ("b", "gpu"), GPU_METRICS), grow)
         c.executemany(upsert(f"user_{tier}", ("b", "gpu", "user"), USER_METRICS), urow)
 

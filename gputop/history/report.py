@@ -1,8 +1,10 @@
 """``gputop report``: GPU-hours per user, host and GPU from the history database.
 
-A range reads the coarsest tier that answers it exactly: whole hours from the hourly
-rollups (ranges over 12 hours), the rest from minute rollups, and the minutes not rolled
-up yet from raw samples, each span from one tier only. Every tier carries the same sums
+A range reads the coarsest tier that answers it exactly: whole days and hours from the
+daily and hourly rollups, the rest from minute rollups, and the minutes not rolled up yet
+from raw samples, each span from one tier only. Ranges of 7 days or more are counted in
+whole hours (up to the last hour rolled up), so they read hour and day sums only. Every
+tier carries the same sums
 (see ``accounting``), so the totals do not depend on which tier answered.
 """
 
@@ -45,7 +47,8 @@ _STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 
 
 @dataclass
 class History:
-    """Sums over one time range: per (chart bucket, GPU) and per (GPU, user), in seconds."""
+    """Sums over one time range, in seconds: per GPU, per (chart bucket, host) for the
+    charts, per user, and the user sums per GPU."""
 
     start: float
     end: float
@@ -53,22 +56,22 @@ class History:
     hosts: dict[int, str] = field(default_factory=dict)
     gpus: dict[int, tuple[int, int | None, str | None, str]] = field(default_factory=dict)
     users: dict[int, str] = field(default_factory=dict)
-    buckets: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    user_gpu: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    gpu_tot: dict[int, list[float]] = field(default_factory=dict)
+    series: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    user_tot: dict[int, list[float]] = field(default_factory=dict)
+    gpu_user: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def n_buckets(self) -> int:
         return max(1, math.ceil((self.end - self.start) / self.step))
 
-    def add_bucket(self, bucket: int, gpu: int, sums: Iterable[float]) -> None:
-        cur = self.buckets.setdefault((min(bucket, self.n_buckets - 1), gpu), [0.0] * 7)
-        for i, v in enumerate(sums):
-            cur[i] += v
 
-    def add_user(self, gpu: int, user: int, sums: Iterable[float]) -> None:
-        cur = self.user_gpu.setdefault((gpu, user), [0.0] * 7)
-        for i, v in enumerate(sums):
-            cur[i] += v
+def _add(table: dict[Any, list[float]], key: Any, sums: Iterable[float], n: int = 7) -> None:
+    cur = table.get(key)
+    if cur is None:
+        cur = table[key] = [0.0] * n
+    for i, v in enumerate(sums):
+        cur[i] += v
 
 
 def _step(span: float, minimum: int) -> int:
@@ -95,6 +98,15 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
         level = 0 if span >= DAILY_OVER_S else 1 if span > HOURLY_OVER_S else 2
         if start < marks["minute_from"]:
             level = min(level, 1)
+        if level == 0:
+            # Long ranges count whole hours, up to the last one rolled up: hour and day
+            # sums answer them, and no minute or raw row needs reading.
+            whole = (math.floor(start / 3600) * 3600,
+                     min(math.floor(end / 3600) * 3600, marks["hour_done"]))
+            if whole[0] < whole[1]:
+                start, end = whole
+            else:
+                level = 1
         finest = max(1, math.ceil(db.meta("interval_ms") / 1000))
         h = History(start, end, _step(span, (86400, 3600, finest)[level]))
         h.hosts = {i: n for i, n in c.execute("SELECT id, name FROM hosts")}
@@ -143,27 +155,35 @@ def _cover(parts: list[tuple[str, float, float]], marks: dict[str, int], a: floa
 
 
 def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]]) -> None:
-    """The rollup rows of every (tier, from, to) part, summed by SQLite in one pass each
-    for the chart buckets and for the users (few rows come back to Python)."""
+    """The rollup rows of every (tier, from, to) part, summed by SQLite: per GPU, per
+    chart bucket and host, per user, per GPU of the user sums (few rows come back)."""
     if not parts:
         return
-    gsums = ", ".join(f"SUM({m})" for m in GPU_METRICS)
-    gcols = ", ".join(GPU_METRICS)
-    union = " UNION ALL ".join(
-        f"SELECT b, gpu, {gcols} FROM gpu_{tier} WHERE b >= ? AND b < ?" for tier, _, _ in parts)
     args = [x for _, a, z in parts for x in (a, z)]
-    for bucket, gpu, *sums in c.execute(
-            f"SELECT CAST((b - ?) / ? AS INTEGER), gpu, {gsums} FROM ({union}) GROUP BY 1, 2",
-            (h.start, h.step, *args)):
-        h.add_bucket(max(0, bucket), gpu, sums)
+
+    def union(kind: str, cols: str) -> str:
+        return " UNION ALL ".join(f"SELECT b, gpu, {cols} FROM {kind}_{tier} "
+                                  "WHERE b >= ? AND b < ?" for tier, _, _ in parts)
+
+    sums = ", ".join(f"SUM({m})" for m in GPU_METRICS)
+    for gpu, *row in c.execute(f"SELECT gpu, {sums} FROM ({union('gpu', ', '.join(GPU_METRICS))})"
+                               " GROUP BY gpu", args):
+        _add(h.gpu_tot, gpu, row)
+    last = h.n_buckets - 1
+    for bucket, host, *row in c.execute(
+            "SELECT CAST((u.b - ?) / ? AS INTEGER), g.host, SUM(u.util_sum), "
+            f"SUM(u.util_secs) FROM ({union('gpu', 'util_sum, util_secs')}) AS u "
+            "JOIN gpus AS g ON g.id = u.gpu GROUP BY 1, 2", (h.start, h.step, *args)):
+        _add(h.series, (max(0, min(last, bucket)), host), row, 2)
     usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
     ucols = ", ".join(USER_METRICS)
-    union = " UNION ALL ".join(
-        f"SELECT gpu, user, {ucols} FROM user_{tier} WHERE b >= ? AND b < ?"
-        for tier, _, _ in parts)
-    for gpu, user, *sums in c.execute(
-            f"SELECT gpu, user, {usums} FROM ({union}) GROUP BY 1, 2", args):
-        h.add_user(gpu, user, sums)
+    for user, *row in c.execute(
+            f"SELECT user, {usums} FROM ({union('user', 'user, ' + ucols)}) GROUP BY user",
+            args):
+        _add(h.user_tot, user, row)
+    for gpu, *row in c.execute(
+            f"SELECT gpu, {usums} FROM ({union('user', ucols)}) GROUP BY gpu", args):
+        _add(h.gpu_user, gpu, row)
 
 
 def _raw(h: History, c: Any, a: float, z: float) -> None:
@@ -171,7 +191,7 @@ def _raw(h: History, c: Any, a: float, z: float) -> None:
         return
     unknown = unknown_uid(c)
     last = h.n_buckets - 1
-    buckets = h.buckets
+    buckets: dict[tuple[int, int], list[float]] = {}
     users: dict[int, dict[int, list[float]]] = {}
     for t, dt, packed in c.execute("SELECT t, dt, gpus FROM samples WHERE t >= ? AND t < ?",
                                    (int(a * 1000), int(z * 1000))):
@@ -185,9 +205,14 @@ def _raw(h: History, c: Any, a: float, z: float) -> None:
             if per_user is None:
                 per_user = users[gpu] = {}
             account(dt / 1000, entry, unknown, sums, per_user)
+    for (bucket, gpu), sums in buckets.items():
+        _add(h.gpu_tot, gpu, sums)
+        host = h.gpus[gpu][0] if gpu in h.gpus else 0
+        _add(h.series, (bucket, host), (sums[UTIL_SUM], sums[UTIL_SECS]), 2)
     for gpu, per_user in users.items():
-        for uid, s in per_user.items():
-            h.add_user(gpu, uid, s)
+        for uid, sums in per_user.items():
+            _add(h.user_tot, uid, sums)
+            _add(h.gpu_user, gpu, sums)
 
 
 # --- the numbers -----------------------------------------------------------------------
@@ -203,25 +228,10 @@ def _mean(total: float, secs: float) -> float | None:
 
 def summarise(h: History) -> dict[str, Any]:
     """The report as one JSON-ready document (hours; utilisation in percent)."""
-    per_gpu: dict[int, list[float]] = {}
+    per_gpu, per_user, gpu_user = h.gpu_tot, h.user_tot, h.gpu_user
     series: dict[int, dict[int, list[float]]] = {}
-    for (bucket, gpu), s in h.buckets.items():
-        tot = per_gpu.setdefault(gpu, [0.0] * 7)
-        for i, v in enumerate(s):
-            tot[i] += v
-        host = h.gpus.get(gpu, (0, None, None, ""))[0]
-        cell = series.setdefault(host, {}).setdefault(bucket, [0.0, 0.0])
-        cell[0] += s[UTIL_SUM]
-        cell[1] += s[UTIL_SECS]
-    per_user: dict[int, list[float]] = {}
-    gpu_user: dict[int, list[float]] = {}
-    for (gpu, user), s in h.user_gpu.items():
-        tot = per_user.setdefault(user, [0.0] * 7)
-        for i, v in enumerate(s):
-            tot[i] += v
-        g = gpu_user.setdefault(gpu, [0.0] * 7)
-        for i in (USED, RESERVED, RESERVED_IDLE):
-            g[i] += s[i]
+    for (bucket, host), cell in h.series.items():
+        series.setdefault(host, {})[bucket] = cell
 
     def gpu_row(s: list[float], u: list[float]) -> dict[str, Any]:
         return {"gpu_hours": _hours(s[DATA] + s[NODATA]), "busy_hours": _hours(s[BUSY]),
