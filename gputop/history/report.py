@@ -2,10 +2,9 @@
 
 A range reads the coarsest tier that answers it exactly: whole days and hours from the
 daily and hourly rollups, the rest from minute rollups, and the minutes not rolled up yet
-from raw samples, each span from one tier only. Ranges of 7 days or more are counted in
-whole hours (up to the last hour rolled up), so they read hour and day sums only. Every
-tier carries the same sums
-(see ``accounting``), so the totals do not depend on which tier answered.
+from raw samples, each span from one tier only. Ranges of 7 days or more start on a whole
+hour, so they read no minutes but the last hour's. Every tier carries the same sums (see
+``accounting``), so the totals do not depend on which tier answered.
 """
 
 from __future__ import annotations
@@ -99,14 +98,9 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
         if start < marks["minute_from"]:
             level = min(level, 1)
         if level == 0:
-            # Long ranges count whole hours, up to the last one rolled up: hour and day
-            # sums answer them, and no minute or raw row needs reading.
-            whole = (math.floor(start / 3600) * 3600,
-                     min(math.floor(end / 3600) * 3600, marks["hour_done"]))
-            if whole[0] < whole[1]:
-                start, end = whole
-            else:
-                level = 1
+            # Long ranges start on a whole hour: hour and day sums answer all of them but
+            # the time since the last hour was rolled up (minutes, then raw samples).
+            start = math.floor(start / 3600) * 3600
         finest = max(1, math.ceil(db.meta("interval_ms") / 1000))
         h = History(start, end, _step(span, (86400, 3600, finest)[level]))
         h.hosts = {i: n for i, n in c.execute("SELECT id, name FROM hosts")}
