@@ -281,10 +281,17 @@ def _hostile_files(tmp_path: Path) -> dict[str, Path]:
     c.execute("PRAGMA user_version = 3")
     c.close()
     files["other"] = other
+    plain = tmp_path / "plain.sqlite3"  # someone's database, no version at all
+    c = sqlite3.connect(plain)
+    c.execute("CREATE TABLE notes (x)")
+    c.execute("INSERT INTO notes VALUES ('mine')")
+    c.commit()
+    c.close()
+    files["plain"] = plain
     return files
 
 
-@pytest.mark.parametrize("kind", ["garbage", "corrupt", "newer", "other"])
+@pytest.mark.parametrize("kind", ["garbage", "corrupt", "newer", "other", "plain"])
 def test_a_bad_database_is_an_error_naming_it_and_is_left_untouched(
         tmp_path: Path, kind: str) -> None:
     path = _hostile_files(tmp_path)[kind]

@@ -174,6 +174,10 @@ class HistoryDB:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:  # raced with a newer writer since check_file
                 check_file(self.path)
+            if version == 0 and self.conn.execute(
+                    "SELECT COUNT(*) FROM sqlite_master").fetchone()[0]:
+                raise HistoryError(f"{self.path}: an SQLite database, but not a gputop "
+                                   "history database; it was left untouched")
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 self.conn.execute("BEGIN IMMEDIATE")
                 for stmt in MIGRATIONS[v]:
