@@ -489,3 +489,8 @@ def test_recent_gpu_reads_the_last_hour_and_day(tmp_path: Path) -> None:
     assert "no data" in hour.line("last hour")
     assert recent_gpu(db, "gpu-h100", "GPU-other", 1, now) is None
     assert recent_gpu(tmp_path / "none.sqlite3", "gpu-h100", None, 0, now) is None
+    from gputop.history.recent import recent_host
+
+    host = recent_host(db, "gpu-h100", now)
+    assert host is not None and host[0] == hour
+    assert recent_host(db, "elsewhere", now) is None

@@ -44,24 +44,35 @@ def recent_gpu(path: Path, host: str, uuid: str | None, index: int | None, now: 
                ) -> tuple[Recent, Recent] | None:
     """(last hour, last day) of one GPU, or None when nothing was recorded for it.
     Raises HistoryError for a database it cannot read."""
-    if not path.exists():
-        return None
     key = uuid or (f"index:{index}" if index is not None else None)
     if key is None:
         return None
+    return _recent_of(path, host, key, now)
+
+
+def recent_host(path: Path, host: str, now: float) -> tuple[Recent, Recent] | None:
+    """(last hour, last day) of all of a host's GPUs together (GPU-hours add up)."""
+    return _recent_of(path, host, None, now)
+
+
+def _recent_of(path: Path, host: str, key: str | None, now: float
+               ) -> tuple[Recent, Recent] | None:
+    if not path.exists():
+        return None
     with HistoryDB(path) as db, db.errors():
         c = db.conn
-        row = c.execute("SELECT g.id FROM gpus g JOIN hosts h ON g.host = h.id "
-                        "WHERE h.name = ? AND g.key = ?", (host, key)).fetchone()
-        if row is None:
+        sql = "SELECT g.id FROM gpus g JOIN hosts h ON g.host = h.id WHERE h.name = ?"
+        ids = [r[0] for r in c.execute(sql + ("" if key is None else " AND g.key = ?"),
+                                       (host,) if key is None else (host, key))]
+        if not ids:
             return None
-        gpu = row[0]
         cols = ", ".join(f"TOTAL({m})" for m in GPU_METRICS)
+        marks = ", ".join("?" * len(ids))
         hour_done = db.meta("hour_done")
 
         def sums(table: str, a: float, z: float) -> list[float]:
-            got = c.execute(f"SELECT {cols} FROM {table} WHERE b >= ? AND b < ? AND gpu = ?",
-                            (a, z, gpu)).fetchone()
+            got = c.execute(f"SELECT {cols} FROM {table} WHERE b >= ? AND b < ? "
+                            f"AND gpu IN ({marks})", (a, z, *ids)).fetchone()
             return [float(x) for x in got]
 
         hour = sums("gpu_minute", now - 3600, now)

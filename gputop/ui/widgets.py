@@ -16,7 +16,7 @@ from textual.coordinate import Coordinate
 from textual.message import Message
 from textual.widgets import DataTable, Static
 
-from gputop.model import iso
+from gputop.model import GpuInfo, iso
 from gputop.reservations.ops import format_duration
 from gputop.text import clean
 from gputop.ui.board_model import (
@@ -257,28 +257,33 @@ class DetailPane(Vertical):
     history_path: Path | None = None
     _recent_key: tuple[str, int] | None = None
 
-    def _show_recent(self, row: GpuRow) -> None:
+    def _show_recent(self, row: GpuRow | HostRow) -> None:
+        """The row's recorded last hour and day (a host: all its GPUs), once a minute."""
         box = self.query_one("#detail-recent", Static)
         if self.history_path is None or not self.history_path.exists():
             box.display = False
             return
-        stamp = (row.key, int(time.time() // 60))  # looked up once a minute per GPU
+        key = row.key if isinstance(row, GpuRow) else f"host\x00{row.host}"
+        stamp = (key, int(time.time() // 60))
         if stamp == self._recent_key:
             return
-        if self._recent_key is None or self._recent_key[0] != row.key:
+        if self._recent_key is None or self._recent_key[0] != key:
             box.display = False
         self._recent_key = stamp
-        self._lookup(self.history_path, row.host, row.gpu.uuid, row.gpu.index, row.key)
+        gpu = row.gpu if isinstance(row, GpuRow) else None
+        self._lookup(self.history_path, row.host, gpu, key)
 
     @work(thread=True, exclusive=True, group="recent")
-    def _lookup(self, path: Path, host: str, uuid: str | None, index: int | None,
-                key: str) -> None:
+    def _lookup(self, path: Path, host: str, gpu: GpuInfo | None, key: str) -> None:
         from gputop.history.db import HistoryError
-        from gputop.history.recent import recent_gpu
+        from gputop.history.recent import recent_gpu, recent_host
 
         try:
-            got = recent_gpu(path, host, uuid, index, time.time())
-            text = ("recorded: nothing for this GPU yet" if got is None else
+            now = time.time()
+            got = (recent_host(path, host, now) if gpu is None
+                   else recent_gpu(path, host, gpu.uuid, gpu.index, now))
+            what = "this host" if gpu is None else "this GPU"
+            text = (f"recorded: nothing for {what} yet" if got is None else
                     "recorded " + got[0].line("last hour") + "\n         "
                     + got[1].line("last day"))
         except HistoryError as exc:
@@ -313,9 +318,12 @@ class DetailPane(Vertical):
             for name in ("#spark-util", "#spark-mem"):
                 self.query_one(name, Static).update("")
             procs.update("")
-            self.query_one("#detail-recent", Static).display = False
-            self._recent_key = None
             head.update(self._host_text(row, now))
+            if row is None:
+                self.query_one("#detail-recent", Static).display = False
+                self._recent_key = None
+            else:
+                self._show_recent(row)
             return
         g = row.gpu
         t = Text()
