@@ -238,7 +238,7 @@ def cmd_record(config: Config, args: argparse.Namespace) -> int:
     from gputop.history.live import record_forever
 
     try:
-        asyncio.run(record_forever(config, Path(args.db) if args.db else None))
+        asyncio.run(record_forever(config, Path(args.db).expanduser() if args.db else None))
     except asyncio.CancelledError:  # SIGTERM: stopped cleanly, everything committed
         pass
     return EXIT_OK

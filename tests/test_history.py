@@ -288,10 +288,14 @@ def _hostile_files(tmp_path: Path) -> dict[str, Path]:
     c.commit()
     c.close()
     files["plain"] = plain
+    link = tmp_path / "link.sqlite3"
+    link.symlink_to(good)
+    files["symlink"] = link
     return files
 
 
-@pytest.mark.parametrize("kind", ["garbage", "corrupt", "newer", "other", "plain"])
+@pytest.mark.parametrize("kind", ["garbage", "corrupt", "newer", "other", "plain",
+                                  "symlink"])
 def test_a_bad_database_is_an_error_naming_it_and_is_left_untouched(
         tmp_path: Path, kind: str) -> None:
     path = _hostile_files(tmp_path)[kind]

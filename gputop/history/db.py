@@ -72,6 +72,9 @@ class HistoryError(Exception):
 
 def check_file(path: Path) -> None:
     """Refuse, without writing, what is not (yet) a gputop history database of ours."""
+    if path.is_symlink():  # like the reservations file: gputop follows no links for its files
+        raise HistoryError(f"{path}: is a symbolic link; point [history] path at the file "
+                           "itself (it was left untouched)")
     try:
         with open(path, "rb") as f:
             head = f.read(100)
