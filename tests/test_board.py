@@ -764,3 +764,33 @@ async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) 
         assert "last hour: mean 40 %" in await shows("last hour")
         goto(app, table, "gpu-mixed")
         assert "nothing for this host" in await shows("nothing")
+
+
+async def test_fleet_history_view(tmp_path: Path) -> None:
+    """`h`: every host's recorded last hour and day; without a database, how to get one."""
+    from test_history import record_recent
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("h")
+
+        async def text(needle: str) -> str:
+            for _ in range(100):  # read in a worker thread
+                await pilot.pause(0.05)
+                got = str(app.screen.query_one("#history-text").render())
+                if needle in got:
+                    break
+            return got
+
+        assert "gputop record" in await text("no history database")
+        await pilot.press("escape")
+        record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
+        await pilot.press("h")
+        got = await text("HOST")
+        assert "last 24 h: of 1.50 GPU-hours, 100 % busy" in got
+        line = next(ln for ln in got.splitlines() if ln.startswith("gpu-h100"))
+        assert line.split()[1:3] == ["40", "%"]  # the last hour's mean load
+        await pilot.press("h")  # h closes it again
+        await pilot.pause()
+        assert len(app.screen_stack) == 1

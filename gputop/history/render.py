@@ -158,3 +158,36 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def fleet_text(hour: dict[str, Any], day: dict[str, Any], width: int = 24) -> str:
+    """The board's fleet view: per host, the last hour's and day's mean load and how the
+    day's GPU-hours split, with the day's load as a text chart (blank: no data)."""
+    hl = day["headline"]
+    lines = [f"last 24 h: of {_num(hl['gpu_hours'])} GPU-hours, {_pct(hl['busy_percent'])} "
+             f"busy, {_pct(hl['idle_percent'])} idle, {_pct(hl['held_idle_percent'])} held "
+             f"idle; {_num(hl['no_data_hours'])} GPU-hours with no data", ""]
+    hour_util = {h["host"]: h["mean_utilization"] for h in hour["hosts"]}
+    rows = [["HOST", "HOUR", "DAY", "BUSY", "IDLE", "HELD IDLE", "NO DATA", "LAST 24 H"]]
+    for h in day["hosts"]:
+        data = h["gpu_hours"] - h["no_data_hours"]
+
+        def share(x: float, data: float = data) -> str:
+            return "-" if data <= 0 else f"{100 * x / data:.0f} %"
+
+        series = day["series"]["hosts"].get(h["host"], [])
+        step = max(1, len(series) // width) if series else 1
+        chart = [None if not (part := [v for v in series[i:i + step] if v is not None])
+                 else sum(part) / len(part) for i in range(0, len(series), step)]
+        rows.append([clean(h["host"])[:24], _pct(hour_util.get(h["host"])),
+                     _pct(h["mean_utilization"]), share(h["busy_hours"]),
+                     share(h["idle_hours"]), share(h["held_idle_hours"]),
+                     f"{_num(h['no_data_hours'])} h", sparkline(chart)])
+    if len(rows) == 1:
+        return "\n".join([*lines, "nothing recorded in the last 24 hours"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join([r[0].ljust(widths[0])]
+                               + [c.rjust(w) for c, w in zip(r[1:-1], widths[1:-1])]
+                               + [r[-1]]).rstrip())
+    return "\n".join(lines)

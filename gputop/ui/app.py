@@ -52,6 +52,7 @@ class GputopApp(App[int]):
         Binding("s", "sort", "Sort"),
         Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
         Binding("w", "users", "Who"),  # `?` lists every key
+        Binding("h", "history", "History", show=False),
         Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
         Binding("t", "next_theme", "Theme", show=False),
@@ -289,6 +290,11 @@ class GputopApp(App[int]):
 
     def action_users(self) -> None:
         self.push_screen(UsersScreen(self.model.users()))
+
+    def action_history(self) -> None:
+        from gputop.ui.history_screen import FleetHistoryScreen
+
+        self.push_screen(FleetHistoryScreen(self.config.history_path))
 
     def action_reconnect(self) -> None:
         row = self._selected()
