@@ -732,3 +732,65 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
         assert took < backoff_left - 1.0
         assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
+
+
+async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) -> None:
+    """With a history database ([history] path), the details add the GPU's (or the
+    host's) recorded last hour and day, looked up off the UI thread."""
+    from test_history import record_recent
+
+    record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        recent = app.query_one(DetailPane).query_one("#detail-recent")
+
+        async def shows(needle: str) -> str:
+            for _ in range(100):  # the lookup runs in a worker thread
+                await pilot.pause(0.05)
+                text = str(recent.render())
+                if recent.display and needle in text:
+                    break
+            return text
+
+        goto(app, table, gk("gpu-h100", 0))
+        await pilot.press("enter")
+        text = await shows("last day")
+        assert "last hour: mean 40 %" in text and "min no data" in text
+        assert "last day: mean 40 %" in text
+        goto(app, table, gk("gpu-h100", 1))  # nothing recorded for this one
+        assert "nothing for this GPU" in await shows("nothing")
+        goto(app, table, "gpu-h100")  # the host: all its GPUs together
+        assert "last hour: mean 40 %" in await shows("last hour")
+        goto(app, table, "gpu-mixed")
+        assert "nothing for this host" in await shows("nothing")
+
+
+async def test_fleet_history_view(tmp_path: Path) -> None:
+    """`h`: every host's recorded last hour and day; without a database, how to get one."""
+    from test_history import record_recent
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("h")
+
+        async def text(needle: str) -> str:
+            for _ in range(100):  # read in a worker thread
+                await pilot.pause(0.05)
+                got = str(app.screen.query_one("#history-text").render())
+                if needle in got:
+                    break
+            return got
+
+        assert "gputop record" in await text("no history database")
+        await pilot.press("escape")
+        record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
+        await pilot.press("h")
+        got = await text("HOST")
+        assert "last 24 h: of 1.50 GPU-hours, 100 % busy" in got
+        line = next(ln for ln in got.splitlines() if ln.startswith("gpu-h100"))
+        assert line.split()[1:3] == ["40", "%"]  # the last hour's mean load
+        await pilot.press("h")  # h closes it again
+        await pilot.pause()
+        assert len(app.screen_stack) == 1

@@ -9,6 +9,7 @@ import signal
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import work
@@ -45,6 +46,9 @@ from gputop.ui.screens import (
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
+if TYPE_CHECKING:
+    from gputop.history.live import LiveRecorder
+
 RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 #: Signals that end the board like ``q`` does (terminal restored, remote loops ended); the
 #: exit code is 128 + the signal's number, as a shell reports a signal.
@@ -76,6 +80,7 @@ class GputopApp(App[int]):
         Binding("s", "sort", "Sort"),
         Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
         Binding("w", "users", "Who"),  # `?` lists every key
+        Binding("h", "history", "History", show=False),
         Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
         Binding("t", "next_theme", "Theme", show=False),
@@ -94,9 +99,12 @@ class GputopApp(App[int]):
         clock: Callable[[], datetime] = utcnow,
         theme: str | None = None,
         user: str | None = None,
+        recorder: LiveRecorder | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        #: ``--record``: every snapshot also goes into the history database.
+        self.recorder = recorder
         self._sources = sources
         self._feed = feed
         self.clock = clock
@@ -151,6 +159,7 @@ class GputopApp(App[int]):
             if name not in loaded.themes:
                 self.unregister_theme(name)
         self._update_palette()
+        self.query_one(DetailPane).history_path = self.config.history_path
         self.reload_store()
         self.query_one(BoardTable).focus()
         if self.config.implicit:
@@ -194,11 +203,27 @@ class GputopApp(App[int]):
         try:
             async for snap in poller.updates():
                 self.post_message(HostUpdated(snap))
+                if self.recorder is not None:
+                    self._record(snap)
         finally:
             try:
                 await poller.aclose()
             finally:
+                if self.recorder is not None:
+                    self.recorder.close()
                 self._feed_closed.set()
+
+    def _record(self, snap: HostSnapshot) -> None:
+        from gputop.history.db import HistoryError
+
+        assert self.recorder is not None
+        try:
+            self.recorder.observe(snap)
+        except HistoryError as exc:  # the board goes on; recording stops, and says why
+            self.notify(f"recording stopped: {exc}", severity="error", markup=False,
+                        timeout=10)
+            self.recorder.close()
+            self.recorder = None
 
     def on_host_updated(self, message: HostUpdated) -> None:
         self.ingest(message.snapshot)
@@ -326,6 +351,11 @@ class GputopApp(App[int]):
 
     def action_users(self) -> None:
         self.push_screen(UsersScreen(self.model.users()))
+
+    def action_history(self) -> None:
+        from gputop.ui.history_screen import FleetHistoryScreen
+
+        self.push_screen(FleetHistoryScreen(self.config.history_path))
 
     def action_reconnect(self) -> None:
         row = self._selected()
@@ -474,13 +504,19 @@ class GputopApp(App[int]):
         self.render_board()
 
 
-def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
+def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None,
+              record: bool = False) -> int:
     if demo or config is None:
         from gputop.demo import demo_session
 
         with demo_session() as (demo_cfg, sources):
             return _run(GputopApp(demo_cfg, sources=list(sources), theme=theme))
-    return _run(GputopApp(config, theme=theme))
+    recorder = None
+    if record:
+        from gputop.history.live import LiveRecorder
+
+        recorder = LiveRecorder(config)  # a bad database is refused before the board shows
+    return _run(GputopApp(config, theme=theme, recorder=recorder))
 
 
 def _run(app: GputopApp) -> int:

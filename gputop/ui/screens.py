@@ -80,8 +80,8 @@ KEYS = (  # (key, what): every binding of the board, two to a line in the help
     ("c", "reconnect host now"), ("w", "who holds what"),
     ("/", "filter"), ("esc", "close details, filter"),
     ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
-    ("t", "next theme"), ("?", "this help"),
-    ("q ctrl+c", "quit"),
+    ("t", "next theme"), ("h", "recorded history"),
+    ("?", "this help"), ("q ctrl+c", "quit"),
 )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from datetime import datetime
+from pathlib import Path
 
 from rich.text import Text
-from textual import events
+from textual import events, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -14,7 +16,7 @@ from textual.coordinate import Coordinate
 from textual.message import Message
 from textual.widgets import DataTable, Static
 
-from gputop.model import iso
+from gputop.model import GpuInfo, iso
 from gputop.reservations.ops import format_duration
 from gputop.text import clean
 from gputop.ui.board_model import (
@@ -250,12 +252,60 @@ def spark(values: Iterable[float | None], width: int, style: str) -> Text:
 class DetailPane(Vertical):
     """The selected GPU: processes, history, reservation, details."""
 
+    #: The history database (``[history] path``): its last hour and day of the GPU show
+    #: under the sparklines when it exists.
+    history_path: Path | None = None
+    _recent_key: tuple[str, int] | None = None
+
+    def _show_recent(self, row: GpuRow | HostRow) -> None:
+        """The row's recorded last hour and day (a host: all its GPUs), once a minute."""
+        box = self.query_one("#detail-recent", Static)
+        if self.history_path is None or not self.history_path.exists():
+            box.display = False
+            return
+        key = row.key if isinstance(row, GpuRow) else f"host\x00{row.host}"
+        stamp = (key, int(time.time() // 60))
+        if stamp == self._recent_key:
+            return
+        if self._recent_key is None or self._recent_key[0] != key:
+            box.display = False
+        self._recent_key = stamp
+        gpu = row.gpu if isinstance(row, GpuRow) else None
+        self._lookup(self.history_path, row.host, gpu, key)
+
+    @work(thread=True, exclusive=True, group="recent")
+    def _lookup(self, path: Path, host: str, gpu: GpuInfo | None, key: str) -> None:
+        from gputop.history.db import HistoryError
+        from gputop.history.recent import recent_gpu, recent_host
+
+        try:
+            now = time.time()
+            got = (recent_host(path, host, now) if gpu is None
+                   else recent_gpu(path, host, gpu.uuid, gpu.index, now))
+            what = "this host" if gpu is None else "this GPU"
+            text = (f"recorded: nothing for {what} yet" if got is None else
+                    "recorded " + got[0].line("last hour") + "\n         "
+                    + got[1].line("last day"))
+        except HistoryError as exc:
+            text = f"history: {exc}"
+        self.app.call_from_thread(self._set_recent, key, text)
+
+    def _set_recent(self, key: str, text: str) -> None:
+        if self._recent_key is None or self._recent_key[0] != key:
+            return  # the selection moved on meanwhile
+        box = self.query_one("#detail-recent", Static)
+        box.update(Text(clean(text, one_line=False)))
+        box.display = True
+
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
         yield Static("utilisation %, this session", classes="spark-label")
         yield Static(id="spark-util", classes="spark")
         yield Static("memory used %", classes="spark-label")
         yield Static(id="spark-mem", classes="spark")
+        recent = Static(id="detail-recent")
+        recent.display = False  # shown once the history database answered
+        yield recent
         yield Static(id="detail-procs")
 
     def show(self, row: Row | None, model: BoardModel, now: datetime, palette: Palette) -> None:
@@ -269,6 +319,11 @@ class DetailPane(Vertical):
                 self.query_one(name, Static).update("")
             procs.update("")
             head.update(self._host_text(row, now))
+            if row is None:
+                self.query_one("#detail-recent", Static).display = False
+                self._recent_key = None
+            else:
+                self._show_recent(row)
             return
         g = row.gpu
         t = Text()
@@ -296,6 +351,7 @@ class DetailPane(Vertical):
         width = max(10, self.size.width - 2)
         self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
         self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
+        self._show_recent(row)
         p = Text()
         if not g.processes:
             p.append("no processes")
