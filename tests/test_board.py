@@ -43,8 +43,7 @@ def cell(table: BoardTable, key: str, col: str) -> str:
 
 
 def keys(table: BoardTable) -> list[str]:
-    return [table.coordinate_to_cell_key((i, 0)).row_key.value  # type: ignore[arg-type]
-            for i in range(table.row_count)]
+    return table.row_keys
 
 
 def goto(app: GputopApp, table: BoardTable, key: str) -> None:
@@ -257,12 +256,24 @@ async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
         await pilot.pause()
         table = app.query_one(BoardTable)
         assert table.row_count == 200 * 9
-        before = table.cell_updates
+        table.move_cursor(row=table.get_row_index("node123") + 8)  # node123 on screen
+        await pilot.pause()
+        before, built = table.cell_updates, table.cells_built
         hot = tuple(replace(g, utilization_percent=(g.utilization_percent or 0) // 2 + 1)
                     for g in gpus)
         app.ingest(HostSnapshot(name="node123", time=NOW, gpus=hot))
         app.render_board()
         assert 0 < table.cell_updates - before <= 8 * 3  # util (+ power/temp) of 8 rows
+        assert 0 < table.cells_built - built <= 9  # node123's rows, nobody else's
+        # Hosts off screen answer: nothing is built or redrawn for them.
+        before, built = table.cell_updates, table.cells_built
+        for n in names[:100]:
+            app.ingest(HostSnapshot(name=n, time=NOW, gpus=hot))
+        app.render_board()
+        await pilot.pause()
+        assert (table.cell_updates, table.cells_built) == (before, built)
+        assert app.model.find(f"node042{K}{gpus[0].uuid}").gpu.utilization_percent == (  # type: ignore[union-attr]
+            hot[0].utilization_percent)
 
 
 async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Path) -> None:
@@ -651,8 +662,7 @@ async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         table = await load(app, pilot)
-        assert [c.key.value for c in table.ordered_columns] == [
-            "gpu", "util", "mem", "users", "resv", "flags"]
+        assert table.column_keys == ["gpu", "util", "mem", "users", "resv", "flags"]
         assert table.virtual_size.width <= table.size.width  # no sideways scrolling
         assert cell(table, "gpu-down", "mem") == "unreachable"
         assert cell(table, "gpu-down", "users").startswith("connection refused")
@@ -660,7 +670,7 @@ async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
         assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
         await pilot.resize_terminal(160, 40)
         await pilot.pause()
-        assert "power" in [c.key.value for c in table.ordered_columns]
+        assert "power" in table.column_keys
         assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
 
 

@@ -12,7 +12,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
-from textual.widgets import DataTable, Footer, Input
+from textual.widgets import Footer, Input
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
@@ -224,12 +224,12 @@ class GputopApp(App[int]):
         key = self.query_one(BoardTable).selected_key()
         return None if key is None else self._rows.get(key)  # as last drawn
 
-    def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+    def on_board_table_row_highlighted(self, _event: BoardTable.RowHighlighted) -> None:
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, self.clock(), self.palette)
 
-    def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
+    def on_board_table_row_selected(self, _event: BoardTable.RowSelected) -> None:
         self.action_details()
 
     # -- actions -------------------------------------------------------------------------
