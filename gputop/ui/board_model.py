@@ -150,6 +150,64 @@ class UserLoad:
         return len(set(self.running) | set(self.reserved))
 
 
+#: Seconds a host's rows are reused when it did not answer again: the time-driven flags
+#: (idle holder, idle reservation, thresholds of minutes) may show up this much late.
+ROW_CACHE_S = 5
+
+
+@dataclass
+class _Counts:
+    gpus: int = 0
+    reserved: int = 0
+    free: int = 0
+    busy: int = 0
+    util_sum: int = 0
+    util_n: int = 0
+    mem_used_mib: int = 0
+    mem_total_mib: int = 0
+
+
+class _HostRows:
+    """One host's rows as of ``key``, with what the summary and the flat views need."""
+
+    def __init__(self, key: tuple[object, ...], rows: list[GpuRow]) -> None:
+        self.key = key
+        self.rows = rows
+        self._flat: list[GpuRow] | None = None
+        self._counts: _Counts | None = None
+
+    @property
+    def rows_flat(self) -> list[GpuRow]:
+        """The rows for a sorted view (no host headers: each row names its host)."""
+        if self._flat is None:
+            self._flat = [replace(r, show_host=True) for r in self.rows]
+        return self._flat
+
+    @property
+    def counts(self) -> _Counts:
+        if self._counts is None:
+            c = _Counts()
+            for row in self.rows:
+                g = row.gpu
+                c.gpus += 1
+                if row.reservation is not None:
+                    c.reserved += 1
+                elif row.free:
+                    c.free += 1
+                else:
+                    c.busy += 1
+                if g.utilization_percent is not None:
+                    c.util_sum += g.utilization_percent
+                    c.util_n += 1
+                c.mem_used_mib += g.memory_used_mib or 0
+                c.mem_total_mib += g.memory_total_mib or 0
+            self._counts = c
+        return self._counts
+
+
+_NO_ROWS = _HostRows((), [])
+
+
 @dataclass
 class BoardModel:
     host_order: list[str]
@@ -177,6 +235,7 @@ class BoardModel:
         #: inputs did not change (most of them: hosts answer one at a time).
         self.host_version: dict[str, int] = {}
         self.state_version = 0
+        self._row_cache: dict[str, _HostRows] = {}
 
     # -- input ---------------------------------------------------------------------------
 
@@ -224,18 +283,32 @@ class BoardModel:
 
     def gpu_rows(self, host: str, now: datetime,
                  held: dict[tuple[str, int], Reservation]) -> list[GpuRow]:
+        return self._host_rows(host, now, held).rows
+
+    def _host_rows(self, host: str, now: datetime,
+                   held: dict[tuple[str, int], Reservation]) -> _HostRows:
+        """A host's GPU rows and its share of the summary, worked out again only when
+        something they depend on changed: a new answer, the reservations (a write, or one
+        expiring: the count of active ones), staleness, or ``ROW_CACHE_S`` passing (the
+        idle flags are time-driven). A frame costs nothing for hosts that did not answer."""
         snap = self.snapshots.get(host)
         if snap is None or not snap.ok:
-            return []
+            return _NO_ROWS
         stale = self.is_stale(snap, now)
+        key = (self.host_version.get(host), self.state_version, len(held), stale,
+               int(now.timestamp() // ROW_CACHE_S))
+        cached = self._row_cache.get(host)
+        if cached is not None and cached.key == key:
+            return cached
         rows = []
-        for g, key in zip(snap.gpus, gpu_keys(host, snap.gpus)):
+        for g, gkey in zip(snap.gpus, gpu_keys(host, snap.gpus)):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
             unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle, unused), stale, free))
-        return rows
+            rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
+        out = self._row_cache[host] = _HostRows(key, rows)
+        return out
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:
         q = self.filter_text.strip().lower()
@@ -251,10 +324,10 @@ class BoardModel:
 
     def view(self) -> tuple[list[Row], Summary]:
         """The rows to show and the summary, from one pass over the hosts (this runs on
-        every redraw: each GPU's row, flags and reservation are worked out once)."""
+        every redraw: a host's rows are worked out again only when it changed)."""
         now = self.clock()
         held = reservation_index(self.state, now)
-        per_host = {host: self.gpu_rows(host, now, held) for host in self.host_order}
+        per_host = {host: self._host_rows(host, now, held) for host in self.host_order}
         return self._rows(per_host, now), self._summary(per_host)
 
     def rows(self) -> list[Row]:
@@ -263,7 +336,7 @@ class BoardModel:
     def summary(self) -> Summary:
         return self.view()[1]
 
-    def _rows(self, per_host: dict[str, list[GpuRow]], now: datetime) -> list[Row]:
+    def _rows(self, per_host: dict[str, _HostRows], now: datetime) -> list[Row]:
         """In order: grouped by host when sorting by host (a host in error keeps its place),
         else flat, with the hosts in error after the GPUs."""
         grouped = self.sort_mode == "host"
@@ -272,8 +345,11 @@ class BoardModel:
         errors: list[Row] = []
         for host in self.host_order:
             snap = self.snapshots.get(host)
-            gpus = [r for r in per_host[host]
-                    if (r.free or not self.free_only) and self._matches(host, r)]
+            cached = per_host[host]
+            gpus = cached.rows if grouped else cached.rows_flat
+            if self.free_only or self.filter_text.strip():
+                gpus = [r for r in gpus
+                        if (r.free or not self.free_only) and self._matches(host, r)]
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
@@ -294,7 +370,7 @@ class BoardModel:
                 if not collapsed:
                     out.extend(gpus)
             else:
-                flat.extend(replace(r, show_host=True) for r in gpus)
+                flat.extend(gpus)  # (rows that name their host: see _HostRows.rows_flat)
         if not grouped:
             if self.sort_mode == "utilization":
                 flat.sort(key=lambda r: (-(r.gpu.utilization_percent or 0), r.host,
@@ -304,9 +380,9 @@ class BoardModel:
             out.extend(flat)
         return out + errors
 
-    def _summary(self, per_host: dict[str, list[GpuRow]]) -> Summary:
+    def _summary(self, per_host: dict[str, _HostRows]) -> Summary:
         s = Summary()
-        utils: list[int] = []
+        util_sum = util_n = 0
         for host in self.host_order:
             snap = self.snapshots.get(host)
             if snap is None:
@@ -316,20 +392,16 @@ class BoardModel:
                 s.hosts_down += 1
                 continue
             s.hosts_up += 1
-            for row in per_host[host]:
-                g = row.gpu
-                s.gpus += 1
-                if row.reservation is not None:
-                    s.reserved += 1
-                elif row.free:
-                    s.free += 1
-                else:
-                    s.busy += 1
-                if g.utilization_percent is not None:
-                    utils.append(g.utilization_percent)
-                s.mem_used_mib += g.memory_used_mib or 0
-                s.mem_total_mib += g.memory_total_mib or 0
-        s.util_percent = sum(utils) / len(utils) if utils else None
+            c = per_host[host].counts
+            s.gpus += c.gpus
+            s.reserved += c.reserved
+            s.free += c.free
+            s.busy += c.busy
+            util_sum += c.util_sum
+            util_n += c.util_n
+            s.mem_used_mib += c.mem_used_mib
+            s.mem_total_mib += c.mem_total_mib
+        s.util_percent = util_sum / util_n if util_n else None
         return s
 
     def users(self) -> list[UserLoad]:

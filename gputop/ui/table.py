@@ -87,6 +87,8 @@ class BoardTable(ScrollView, can_focus=True):
         #: key -> (what the strip depends on, strip).
         self._strips: dict[str, tuple[tuple[object, ...], Strip]] = {}
         self._header: tuple[tuple[object, ...], Strip] | None = None
+        #: (style, cursor, position, width, content) -> the cell's segments.
+        self._cell_strips: dict[tuple[object, ...], list[Segment]] = {}
         self._style_gen = 0
         self.columns_shown: Columns = ()
         self.chosen: str | None = None
@@ -323,7 +325,7 @@ class BoardTable(ScrollView, can_focus=True):
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._style_gen += 1
-        self._strips, self._header = {}, None
+        self._strips, self._header, self._cell_strips = {}, None, {}
         self.refresh()
 
     def _widths(self) -> list[int]:
@@ -378,13 +380,22 @@ class BoardTable(ScrollView, can_focus=True):
             post = Style.from_color(color=component.color)  # the CSS's foreground wins
         parts: list[list[Segment]] = []
         widths = self._widths()
+        cache = self._cell_strips
+        if len(cache) > 20_000:  # a bound; what is on screen comes back in one frame
+            cache.clear()
+        pseudo = self.get_pseudo_class_state()
         for col, (cell, cell_width) in enumerate(zip(cells, widths)):
-            pre = row_style + Style.from_meta({"row": row, "column": col})
-            options = self.app.console_options.update_dimensions(cell_width, 1).update(no_wrap=True)
-            lines = console.render_lines(
-                Styled(Padding(cell, (0, PAD)), pre_style=pre + component, post_style=post),
-                options)
-            parts.append(lines[0])
+            key = (row_style, pseudo, cursor, row, col, cell_width, cell.plain, cell.style,
+                   tuple(cell.spans))
+            segments = cache.get(key)
+            if segments is None:  # a cell that changed (most of a changed row did not)
+                pre = row_style + Style.from_meta({"row": row, "column": col})
+                options = self.app.console_options.update_dimensions(
+                    cell_width, 1).update(no_wrap=True)
+                segments = cache[key] = console.render_lines(
+                    Styled(Padding(cell, (0, PAD)), pre_style=pre + component,
+                           post_style=post), options)[0]
+            parts.append(segments)
         remaining = max(0, width - sum(widths))
         extend = row_style + component + Style.from_meta(
             {"row": row, "column": 0, "out_of_bounds": True})
