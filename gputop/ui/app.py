@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -23,7 +24,7 @@ from gputop.sources import Source
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_keys, host_of, short_model
 from gputop.ui.cells import Palette, time_left
-from gputop.ui.messages import HostUpdated
+from gputop.ui.feed import FeedThread
 from gputop.ui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -85,6 +86,8 @@ class GputopApp(App[int]):
         self.palette = Palette()
         self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
+        self._feed_thread: FeedThread | None = None
+        self._inbox: queue.SimpleQueue[HostSnapshot] = queue.SimpleQueue()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -132,15 +135,25 @@ class GputopApp(App[int]):
 
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
+        """Poll on the feed thread (see feed.py) until the app exits; its snapshots wait in
+        ``_inbox`` for the next frame."""
         poller = self.poller = Poller(self.config, self._sources)
+        feed = self._feed_thread = FeedThread(poller, self._inbox.put)
+        feed.start()
         try:
-            async for snap in poller.updates():
-                self.post_message(HostUpdated(snap))
+            await asyncio.Event().wait()
         finally:
-            await poller.aclose()
+            feed.stop()
 
-    def on_host_updated(self, message: HostUpdated) -> None:
-        self.ingest(message.snapshot)
+    def _drain(self) -> None:
+        """Ingest what the feed delivered since the last frame (each answer is a sample
+        of its GPUs' history); the frame then draws them all at once."""
+        while True:
+            try:
+                snap = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.ingest(snap)
 
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
@@ -177,6 +190,7 @@ class GputopApp(App[int]):
     # -- drawing -------------------------------------------------------------------------
 
     def _render_if_dirty(self) -> None:
+        self._drain()
         if self._dirty:
             self.render_board()
 
@@ -271,7 +285,7 @@ class GputopApp(App[int]):
         if row is None:
             self.notify("select a host or one of its GPUs to reconnect", severity="warning")
             return
-        if self.poller is None or not self.poller.reconnect(row.host):
+        if self._feed_thread is None or not self._feed_thread.reconnect(row.host):
             self.notify(f"{clean(row.host)} is not polled here", severity="warning",
                         markup=False)
             return
