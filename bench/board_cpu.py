@@ -30,13 +30,15 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--interval", type=float, default=2.0)
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's GC settings (the board tunes them, see tune_gc)")
     args = ap.parse_args()
     names = [f"node{i:03d}" for i in range(args.hosts)]
     cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
                  timeout=5.0,
                  reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
     sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
-    app = GputopApp(cfg, sources=sources, user="bench")
+    app = GputopApp(cfg, sources=sources, user="bench", long_running=not args.default_gc)
     updates = 0
     original = app.ingest
 

@@ -58,7 +58,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
     cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
                  timeout=5.0, reservations_path=Path(tempfile.mkdtemp()) / "r.json")
     sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", gpus, 81559, 700.0) for n in names]
-    app = GputopApp(cfg, sources=sources, user="bench")
+    app = GputopApp(cfg, sources=sources, user="bench", long_running=True)  # as run_board
     move: list[float] = []
     typing: list[float] = []
     async with app.run_test(size=(160, 50)) as pilot:

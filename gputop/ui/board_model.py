@@ -6,6 +6,7 @@ free of widgets makes it cheap to test and lets the table update only the rows t
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,7 @@ class UserLoad:
 #: Seconds a host's rows are reused when it did not answer again: the time-driven flags
 #: (idle holder, idle reservation, thresholds of minutes) may show up this much late.
 ROW_CACHE_S = 5
+SEP = "\x00"  # joins a row's words for the filter (a term with it takes the slow path)
 
 
 @dataclass
@@ -236,6 +238,7 @@ class BoardModel:
         self.host_version: dict[str, int] = {}
         self.state_version = 0
         self._row_cache: dict[str, _HostRows] = {}
+        self._phase: dict[str, float] = {}
 
     # -- input ---------------------------------------------------------------------------
 
@@ -295,8 +298,11 @@ class BoardModel:
         if snap is None or not snap.ok:
             return _NO_ROWS
         stale = self.is_stale(snap, now)
+        phase = self._phase.get(host)
+        if phase is None:  # hosts' rows expire at different times, not all in one frame
+            phase = self._phase[host] = zlib.crc32(host.encode(errors="replace")) % 997 / 997
         key = (self.host_version.get(host), self.state_version, len(held), stale,
-               int(now.timestamp() // ROW_CACHE_S))
+               int(now.timestamp() / ROW_CACHE_S + phase))
         cached = self._row_cache.get(host)
         if cached is not None and cached.key == key:
             return cached
@@ -310,17 +316,37 @@ class BoardModel:
         out = self._row_cache[host] = _HostRows(key, rows)
         return out
 
-    def _matches(self, host: str, row: GpuRow | None) -> bool:
-        q = self.filter_text.strip().lower()
-        if not q:
-            return True
+    def _words(self, host: str, row: GpuRow | None) -> list[str]:
         snap = self.snapshots.get(host)
         words = [host, *(snap.tags if snap else ())]
         if row is not None:
             words += [row.gpu.name or "", *row.users]
             if row.reservation:
                 words.append(row.reservation.user)
-        return all(any(term in w.lower() for w in words) for term in q.split())
+        return words
+
+    def _matches(self, host: str, row: GpuRow | None) -> bool:
+        """Every term of the filter is in one of the row's words (host, tags, model,
+        users, holder). A GPU row keeps its words joined and lowered (a keystroke in the
+        filter looks at every row of the fleet)."""
+        terms = self.filter_text.strip().lower().split()
+        if not terms:
+            return True
+        if row is not None and not any(SEP in t for t in terms):
+            hay = row.__dict__.get("_hay")
+            if hay is None:
+                hay = row.__dict__["_hay"] = SEP.join(w.lower() for w in self._words(host, row))
+            return all(t in hay for t in terms)
+        words = self._words(host, row)
+        return all(any(term in w.lower() for w in words) for term in terms)
+
+    def warm(self, hosts: Iterable[str]) -> None:
+        """Work out these hosts' rows now (as they answer, a few at a time) so that the
+        next frame finds them ready instead of doing a whole fleet's burst at once."""
+        now = self.clock()
+        held = reservation_index(self.state, now)
+        for host in hosts:
+            self._host_rows(host, now, held)
 
     def view(self) -> tuple[list[Row], Summary]:
         """The rows to show and the summary, from one pass over the hosts (this runs on
