@@ -742,3 +742,28 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
         assert took < backoff_left - 1.0
         assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
+
+
+def test_the_fast_filter_agrees_with_the_rule_on_every_row(tmp_path: Path) -> None:
+    """The filter skips rows where the host's own words decide and keeps a row's words
+    joined: on every fixture row and a set of queries (terms split between the host and
+    the row, a term spanning two words, a NUL, markup) it keeps exactly the rows the rule
+    ``_matches`` keeps."""
+    from gputop.ui.board_model import BoardModel
+
+    seed(Store(tmp_path / "reservations.json"))
+    m = BoardModel(host_order=[], clock=lambda: NOW, me="ann")
+    for snap in fixed_snapshots():
+        m.ingest(snap)
+    m.set_state(Store(tmp_path / "reservations.json").read())
+    queries = ["", "gpu-h100 alice", "h100 carol", "mixed bob", "alice bob", "[red]", "x[/]",
+               "h100\x00alice", "\x00", "GPU-H100 ALICE", "100 a", "ali", "nobody", "rtx"]
+    for free_only in (False, True):
+        for q in queries:
+            m.filter_text, m.free_only = q, free_only
+            for host in m.host_order:
+                rows = m.gpu_rows(host, NOW, {})
+                want = [r for r in rows if (r.free or not free_only) and m._matches(host, r)]
+                assert m._filtered(host, rows) == want, (q, host, free_only)
+    m.filter_text, m.free_only = "h100 alice", False
+    assert [r.key for r in m.rows() if isinstance(r, GpuRow)] == [gk("gpu-h100", 0)]

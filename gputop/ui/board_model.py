@@ -327,18 +327,38 @@ class BoardModel:
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:
         """Every term of the filter is in one of the row's words (host, tags, model,
-        users, holder). A GPU row keeps its words joined and lowered (a keystroke in the
-        filter looks at every row of the fleet)."""
+        users, holder)."""
         terms = self.filter_text.strip().lower().split()
-        if not terms:
-            return True
-        if row is not None and not any(SEP in t for t in terms):
-            hay = row.__dict__.get("_hay")
-            if hay is None:
-                hay = row.__dict__["_hay"] = SEP.join(w.lower() for w in self._words(host, row))
-            return all(t in hay for t in terms)
         words = self._words(host, row)
         return all(any(term in w.lower() for w in words) for term in terms)
+
+    def _filtered(self, host: str, rows: list[GpuRow]) -> list[GpuRow]:
+        """``rows`` that pass free-only and the filter, as ``_matches`` says, without
+        looking at each row where the host decides: a keystroke in the filter looks at the
+        whole fleet. Terms the host's own words (name, tags) hold match all its rows; a
+        row keeps its other words joined and lowered for the rest."""
+        if self.free_only:
+            rows = [r for r in rows if r.free]
+        terms = self.filter_text.strip().lower().split()
+        if not terms or not rows:
+            return rows
+        if any(SEP in t for t in terms):  # the joined words could fake a match: each row
+            return [r for r in rows if self._matches(host, r)]
+        host_hay = SEP.join(w.lower() for w in self._words(host, None))
+        rest = [t for t in terms if t not in host_hay]
+        if not rest:
+            return rows
+        out = []
+        for r in rows:
+            hay = r.__dict__.get("_hay")
+            if hay is None:
+                words = [r.gpu.name or "", *r.users]
+                if r.reservation:
+                    words.append(r.reservation.user)
+                hay = r.__dict__["_hay"] = SEP.join(w.lower() for w in words)
+            if all(t in hay for t in rest):
+                out.append(r)
+        return out
 
     def warm(self, hosts: Iterable[str]) -> None:
         """Work out these hosts' rows now (as they answer, a few at a time) so that the
@@ -374,8 +394,7 @@ class BoardModel:
             cached = per_host[host]
             gpus = cached.rows if grouped else cached.rows_flat
             if self.free_only or self.filter_text.strip():
-                gpus = [r for r in gpus
-                        if (r.free or not self.free_only) and self._matches(host, r)]
+                gpus = self._filtered(host, gpus)
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
