@@ -767,3 +767,40 @@ def test_the_fast_filter_agrees_with_the_rule_on_every_row(tmp_path: Path) -> No
                 assert m._filtered(host, rows) == want, (q, host, free_only)
     m.filter_text, m.free_only = "h100 alice", False
     assert [r.key for r in m.rows() if isinstance(r, GpuRow)] == [gk("gpu-h100", 0)]
+
+
+def test_cells_are_drawn_as_rich_draws_them() -> None:
+    """The table puts a one-line cell together itself (Rich's layout path costs several
+    times more): on every fixture cell, in both widths, and on cells made to be awkward
+    (empty, wide characters, exactly full, too long, tabs, newlines, styled spans, markup
+    and escapes kept literal), the segments equal Rich's ``Styled(Padding(...))``."""
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.segment import Segment
+    from rich.style import Style
+    from textual.renderables.styled import Styled
+
+    from gputop.ui.board_model import BoardModel
+    from gputop.ui.cells import Palette, row_cells
+    from gputop.ui.table import cell_segments
+
+    m = BoardModel(host_order=[], clock=lambda: NOW, me="ann")
+    for snap in fixed_snapshots():
+        m.ingest(snap)
+    cells = [c for narrow in (False, True) for r in m.rows()
+             for c in row_cells(r, NOW, Palette(), narrow)]
+    odd = Text("ab", style="bold")
+    odd.append("cd", style="red on blue")
+    cells += [Text(""), Text("", style="bold"), Text("日本語テキスト"), Text("x" * 10),
+              Text("y" * 11), Text("a\tb"), Text("a\nb"), odd, Text("[red]x[/] \x1b[31m"),
+              Text("trailing   ", style="underline"), Text("é" * 3, style="dim")]
+    console = Console(width=200, color_system="truecolor", force_terminal=True)
+    pre = Style(color="white", bgcolor="black") + Style.from_meta({"row": 3, "column": 1})
+    for cell in cells:
+        for width, post in ((12, Style()), (5, Style.from_color(color=None)),
+                            (30, Style(color="red"))):
+            options = console.options.update_dimensions(width, 1).update(no_wrap=True)
+            want = console.render_lines(Styled(Padding(cell, (0, 1)), pre_style=pre,
+                                               post_style=post), options)[0]
+            got = cell_segments(console, console.options, cell, width, pre, post)
+            assert list(Segment.simplify(got)) == list(Segment.simplify(want)), (cell, width)
