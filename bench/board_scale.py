@@ -87,7 +87,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
             char = key if len(key) == 1 else None
             waiting.append((shown, time.perf_counter(), into, done))
             driver.send_message(events.Key(key, char))  # as pilot.press sends it
-            await asyncio.wait_for(done.wait(), 10)
+            await asyncio.wait_for(done.wait(), 60)
             await asyncio.sleep(0.1)  # like a person: the feed runs in between
 
         for _ in range(rounds):

@@ -134,9 +134,9 @@ class GputopApp(App[int]):
         self.set_interval(RENDER_PERIOD, self._render_if_dirty)
         self.set_interval(DRAIN_PERIOD, self._drain)
         self.set_interval(max(0.5, self.config.interval), self.reload_store)
-        if self._feed:
-            self._run_feed()
         self.render_board()
+        if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
+            self.call_after_refresh(self._run_feed)
         if self._long_running:
             self.call_after_refresh(tune_gc)
 
