@@ -804,3 +804,37 @@ def test_cells_are_drawn_as_rich_draws_them() -> None:
                                                post_style=post), options)[0]
             got = cell_segments(console, console.options, cell, width, pre, post)
             assert list(Segment.simplify(got)) == list(Segment.simplify(want)), (cell, width)
+
+
+async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) -> None:
+    """1,000 configured hosts: the first frame shows every one of them waiting, and no
+    host is queried before it (a thousand connections starting must not delay it)."""
+    from gputop.config import HostConfig
+    from gputop.demo import DemoSource
+
+    names = [f"node{i:04d}" for i in range(1000)]
+    cfg = replace(board_config(tmp_path), hosts=tuple(HostConfig(n) for n in names))
+    frames: list[int] = []
+    polled_before_paint: list[str] = []
+
+    class Probe(DemoSource):
+        async def query(self):  # type: ignore[no-untyped-def]
+            if not frames:
+                polled_before_paint.append(self.name)
+            return await super().query()
+
+    app = GputopApp(cfg, sources=[Probe(n, "NVIDIA H100", 8, 81559, 700.0) for n in names],
+                    clock=lambda: NOW, user="ann")
+    display = app._display
+
+    def on_frame(screen: object, renderable: object) -> None:
+        if renderable is not None and not frames:
+            frames.append(app.query_one(BoardTable).row_count)
+        display(screen, renderable)  # type: ignore[arg-type]
+
+    app._display = on_frame  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 40)) as pilot:
+        while len(app.model.snapshots) < 1000:
+            await pilot.pause(0.1)
+    assert frames and frames[0] == 1000  # every host, waiting
+    assert polled_before_paint == []
