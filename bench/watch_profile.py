@@ -39,10 +39,10 @@ from run import _cpu, up  # noqa: E402
 #: gputop --json --watch with the profiler switched on after the first document (the
 #: handshakes are start-up, not steady state) and written out on exit.
 PROFILED = """
-import atexit, cProfile, sys
+import atexit, cProfile, sys, time
 import gputop.output as output
 path = sys.argv.pop(1)
-prof, seen, write = cProfile.Profile(), [0], output.write_document
+prof, seen, write = cProfile.Profile(time.process_time), [0], output.write_document
 def counted(doc, stream, **kw):
     write(doc, stream, **kw)
     seen[0] += 1

@@ -838,3 +838,43 @@ async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) 
             await pilot.pause(0.1)
     assert frames and frames[0] == 1000  # every host, waiting
     assert polled_before_paint == []
+
+
+def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> None:
+    """A host's rows are worked out once per answer and reused, yet what time alone changes
+    still shows without a new answer: the host turns stale, a reservation runs out (the
+    GPU is free again), an idle reservation gets its flag once the grace period passes."""
+    from gputop.ui.board_model import BoardModel
+
+    seed(Store(tmp_path / "reservations.json"))
+    clock = [NOW]
+    m = BoardModel(host_order=[], interval=2.0, clock=lambda: clock[0], me="ann")
+    m.set_state(Store(tmp_path / "reservations.json").read())
+    snaps = fixed_snapshots()
+    m.ingest(snaps[0])  # gpu-h100, answered at NOW
+    m.ingest(snaps[1])  # gpu-mixed: erin's reservation, unused for 30 min already
+
+    def row(key: str) -> GpuRow:
+        r = m.find(key)
+        assert isinstance(r, GpuRow)
+        return r
+
+    assert not row(gk("gpu-h100", 1)).stale and row(gk("gpu-h100", 1)).reservation
+    erin = row(gk("gpu-mixed", 1))
+    assert erin.reservation is not None and "idle-reservation" in erin.flags
+    clock[0] = NOW + timedelta(seconds=12)  # 3 intervals and more: stale, no new answer
+    assert row(gk("gpu-h100", 1)).stale
+    clock[0] = NOW + timedelta(hours=3, minutes=1)  # bob's 4 h (made 1 h ago) ran out
+    r = row(gk("gpu-h100", 1))
+    assert r.reservation is None and m.summary().reserved == 0
+    # A reservation made 10 min ago, its holder never on the GPU: idle once the 15 min
+    # grace has passed, with no new answer from the host in between.
+    from gputop.reservations.store import StoreState, new_reservation
+
+    clock[0] = NOW
+    m.set_state(StoreState(reservations=(new_reservation(
+        "gpu-mixed", 2, "ann", "ws", NOW - timedelta(minutes=10), 3600, None, ""),)))
+    assert row(gk("gpu-mixed", 2)).reservation is not None
+    assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
+    clock[0] = NOW + timedelta(minutes=6)
+    assert "idle-reservation" in row(gk("gpu-mixed", 2)).flags

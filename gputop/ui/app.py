@@ -90,7 +90,6 @@ class GputopApp(App[int]):
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
-        self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
         self._feed_thread: FeedThread | None = None
         self._inbox: queue.SimpleQueue[HostSnapshot] = queue.SimpleQueue()
@@ -214,7 +213,6 @@ class GputopApp(App[int]):
         now = self.clock()
         table = self.query_one(BoardTable)
         rows, summary = self.model.view()
-        self._rows = {r.key: r for r in rows}
         table.show_rows(rows, now, self.palette, self.model.signature)
         note = f"filter: {clean(self.model.filter_text)}" if self.model.filter_text else ""
         if self.model.free_only:
@@ -248,6 +246,11 @@ class GputopApp(App[int]):
     def watch_theme(self, _theme: str) -> None:
         self._update_palette()
         self._dirty = True
+
+    @property
+    def _rows(self) -> dict[str, GpuRow | HostRow]:
+        """The rows as last drawn, by key."""
+        return self.query_one(BoardTable).rows_by_key
 
     def _selected(self) -> GpuRow | HostRow | None:
         key = self.query_one(BoardTable).selected_key()

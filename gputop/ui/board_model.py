@@ -6,6 +6,7 @@ free of widgets makes it cheap to test and lets the table update only the rows t
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -170,10 +171,13 @@ class _Counts:
 
 
 class _HostRows:
-    """One host's rows as of ``key``, with what the summary and the flat views need."""
+    """One host's rows as of ``version`` (its answer, the reservations), good until
+    ``valid_until`` (a timestamp: the host turns stale, or time-driven flags are due)."""
 
-    def __init__(self, key: tuple[object, ...], rows: list[GpuRow]) -> None:
-        self.key = key
+    def __init__(self, version: tuple[object, ...], valid_until: float,
+                 rows: list[GpuRow]) -> None:
+        self.version = version
+        self.valid_until = valid_until
         self.rows = rows
         self._flat: list[GpuRow] | None = None
         self._counts: _Counts | None = None
@@ -207,7 +211,7 @@ class _HostRows:
         return self._counts
 
 
-_NO_ROWS = _HostRows((), [])
+_NO_ROWS = _HostRows((), 0.0, [])
 
 
 @dataclass
@@ -239,6 +243,7 @@ class BoardModel:
         self.state_version = 0
         self._row_cache: dict[str, _HostRows] = {}
         self._phase: dict[str, float] = {}
+        self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
 
     # -- input ---------------------------------------------------------------------------
 
@@ -250,7 +255,8 @@ class BoardModel:
         if snap.ok:
             self.last_good[snap.name] = snap
             self.tracker.observe(snap)
-            for g, key in zip(snap.gpus, gpu_keys(snap.name, snap.gpus)):
+            keys = self._keys[snap.name] = (snap, gpu_keys(snap.name, snap.gpus))
+            for g, key in zip(snap.gpus, keys[1]):
                 util, mem = self.history.setdefault(
                     key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
                 u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
@@ -278,11 +284,13 @@ class BoardModel:
 
     # -- queries -------------------------------------------------------------------------
 
+    def _stale_after(self) -> float:
+        return max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
+
     def is_stale(self, snap: HostSnapshot | None, now: datetime) -> bool:
         if snap is None:
             return False
-        age = (now - snap.time).total_seconds()
-        return age > max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
+        return (now - snap.time).total_seconds() > self._stale_after()
 
     def gpu_rows(self, host: str, now: datetime,
                  held: dict[tuple[str, int], Reservation]) -> list[GpuRow]:
@@ -295,25 +303,31 @@ class BoardModel:
         expiring: the count of active ones), staleness, or ``ROW_CACHE_S`` passing (the
         idle flags are time-driven). A frame costs nothing for hosts that did not answer."""
         snap = self.snapshots.get(host)
-        if snap is None or not snap.ok:
+        if snap is None or snap.error is not None:
             return _NO_ROWS
+        ts = now.timestamp()
+        version = (self.host_version.get(host), self.state_version, len(held))
+        cached = self._row_cache.get(host)
+        if cached is not None and cached.version == version and ts < cached.valid_until:
+            return cached  # the common case, for every host on every frame: kept cheap
         stale = self.is_stale(snap, now)
         phase = self._phase.get(host)
         if phase is None:  # hosts' rows expire at different times, not all in one frame
             phase = self._phase[host] = zlib.crc32(host.encode(errors="replace")) % 997 / 997
-        key = (self.host_version.get(host), self.state_version, len(held), stale,
-               int(now.timestamp() / ROW_CACHE_S + phase))
-        cached = self._row_cache.get(host)
-        if cached is not None and cached.key == key:
-            return cached
+        valid_until = (math.floor(ts / ROW_CACHE_S + phase) + 1 - phase) * ROW_CACHE_S
+        if not stale:  # (a new answer, a new version, is what makes it fresh again)
+            valid_until = min(valid_until, snap.time.timestamp() + self._stale_after())
+        keys = self._keys.get(host)
+        if keys is None or keys[0] is not snap:
+            keys = self._keys[host] = (snap, gpu_keys(host, snap.gpus))
         rows = []
-        for g, gkey in zip(snap.gpus, gpu_keys(host, snap.gpus)):
+        for g, gkey in zip(snap.gpus, keys[1]):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
             unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
             rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
-        out = self._row_cache[host] = _HostRows(key, rows)
+        out = self._row_cache[host] = _HostRows(version, valid_until, rows)
         return out
 
     def _words(self, host: str, row: GpuRow | None) -> list[str]:

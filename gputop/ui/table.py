@@ -139,6 +139,10 @@ class BoardTable(ScrollView, can_focus=True):
     def narrow(self) -> bool:
         return len(self.columns_shown) != len(COLUMNS)
 
+    @property
+    def rows_by_key(self) -> dict[str, Row]:
+        return self._rows
+
     def get_row_index(self, key: str) -> int:
         return self._index[key]
 
