@@ -136,8 +136,9 @@ def main() -> int:
                 total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
                 out["profile_share_percent"] = {k: round(100 * v / total, 1)
                                                 for k, v in group(stats).items()}
-                stats.sort_stats("tottime").dump_stats(str(ROOT / "bench" / "results" /
-                                                           f"watch-{variant}.prof"))
+                kept = Path(tempfile.gettempdir()) / f"gputop-watch-{variant}.prof"
+                stats.dump_stats(str(kept))
+                out["profile"] = str(kept)  # pstats: python -m pstats PATH
             print(json.dumps(out), flush=True)
         ssh_config.write_text(original)
     finally:

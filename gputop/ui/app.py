@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import queue
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -442,13 +443,16 @@ class GputopApp(App[int]):
 
 
 def tune_gc() -> None:
-    """For the board's own process (not tests), once it is on screen: with Python's
+    """For the board's own process (not tests), once it is on screen. With Python's
     default thresholds a collection ran every 700 allocations and a full one walked every
     object the board holds (at 1,000 hosts: 150 ms and more, the screen frozen, and 7 % of
     a core in all). What exists at startup is frozen (never walked again) and collections
     run less often (reference cycles are still collected, in fewer, larger batches)."""
     gc.freeze()
     gc.set_threshold(50_000, 50, 20)
+    # The feed thread works in bursts (a thousand answers at once): hand the GIL back to
+    # the UI thread after 1 ms, not Python's default 5 ms, so a key waits less for it.
+    sys.setswitchinterval(0.001)
 
 
 def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
