@@ -1,210 +1,26 @@
-"""The board's widgets: the GPU table (updated in place), the summary bar, the detail pane."""
+"""The board's widgets: the GPU table (see table.py), the summary bar, the detail pane."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
 from rich.text import Text
-from textual import events, work
+from textual import work
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Vertical
-from textual.coordinate import Coordinate
-from textual.message import Message
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from gputop.model import GpuInfo, iso
 from gputop.reservations.ops import format_duration
 from gputop.text import clean
-from gputop.ui.board_model import (
-    BoardModel,
-    GpuRow,
-    HostRow,
-    Row,
-    Summary,
-    host_of,
-    short_model,
-)
-from gputop.ui.cells import (
-    COLUMNS,
-    FLAG_LABELS,
-    Columns,
-    Palette,
-    RankedText,
-    columns_for,
-    gib,
-    row_cells,
-)
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
+from gputop.ui.cells import FLAG_LABELS, Palette, gib
+from gputop.ui.table import BoardTable
 
-
-class BoardTable(DataTable[Text]):
-    """The GPU table. ``show_rows`` diffs against what is on screen: new rows are added,
-    gone rows removed, order fixed by one sort, and only changed cells are rewritten.
-
-    The selection is a GPU, not a position: ``chosen`` is the key of the row the user moved
-    to, and every redraw puts the cursor back on it. When it is gone (its host went down)
-    the cursor goes to its host's row; with no such row the cursor is hidden and nothing is
-    selected, so no key acts on a GPU the user did not choose."""
-
-    BINDINGS = [
-        Binding("j", "cursor_down", "Down", show=False),
-        Binding("k", "cursor_up", "Up", show=False),
-        Binding("home", "scroll_top", "First row", show=False),
-        Binding("end", "scroll_bottom", "Last row", show=False),
-    ]
-
-    class LayoutChanged(Message):
-        """The table crossed the wide/narrow width: the board redraws every row."""
-
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)  # type: ignore[arg-type]
-        self._shown: dict[str, tuple[Text, ...]] = {}
-        self._sigs: dict[str, tuple[object, ...]] = {}
-        self._palette: Palette | None = None
-        self._order: list[str] = []
-        self.columns_shown: Columns = ()
-        self.chosen: str | None = None
-        self._restoring = False
-        self.cell_updates = 0  # for tests: proves unchanged cells are left alone
-
-    def on_mount(self) -> None:
-        self._set_columns(columns_for(self.app.size.width))
-
-    def _set_columns(self, columns: Columns) -> None:
-        self._restoring = True
-        try:
-            self.clear(columns=True)
-            for key, label, width in columns:
-                self.add_column(label, key=key, width=width)
-        finally:
-            self._restoring = False
-        self.columns_shown = columns
-        self._shown, self._sigs, self._order = {}, {}, []
-
-    def on_resize(self, event: events.Resize) -> None:
-        if columns_for(event.size.width) != self.columns_shown:
-            self.post_message(self.LayoutChanged())
-
-    @property
-    def narrow(self) -> bool:
-        return len(self.columns_shown) != len(COLUMNS)
-
-    def watch_cursor_coordinate(self, old: Coordinate, new: Coordinate) -> None:
-        super().watch_cursor_coordinate(old, new)
-        if not self._restoring and 0 <= new.row < self.row_count:
-            self.chosen = self._key_at(new.row)  # the user moved: this is the choice now
-            self.show_cursor = True
-
-    def _key_at(self, row: int) -> str | None:
-        return self.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
-
-    def _wake(self) -> None:
-        """A key pressed while nothing was selected: select the row under the cursor."""
-        if not self.show_cursor and self.row_count:
-            self.show_cursor = True
-            self.chosen = self._key_at(min(self.cursor_row, self.row_count - 1))
-
-    async def _on_click(self, event: events.Click) -> None:
-        self._wake()
-        await super()._on_click(event)
-
-    def action_cursor_up(self) -> None:
-        self._wake()
-        super().action_cursor_up()
-
-    def action_cursor_down(self) -> None:
-        self._wake()
-        super().action_cursor_down()
-
-    def action_page_up(self) -> None:
-        self._wake()
-        super().action_page_up()
-
-    def action_page_down(self) -> None:
-        self._wake()
-        super().action_page_down()
-
-    def action_scroll_top(self) -> None:
-        self._wake()
-        super().action_scroll_top()
-
-    def action_scroll_bottom(self) -> None:
-        self._wake()
-        super().action_scroll_bottom()
-
-    def selected_key(self) -> str | None:
-        """The row the user chose and the cursor is on; None when nothing is selected."""
-        if not self.show_cursor or not self._order or not 0 <= self.cursor_row < len(
-                self._order):
-            return None
-        return self._key_at(self.cursor_row)
-
-    def show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                  signature: Callable[[Row, datetime], tuple[object, ...]]) -> None:
-        self._restoring = True  # rows come and go under the cursor: not the user's choice
-        try:
-            self._show_rows(rows, now, palette, signature)
-        finally:
-            self._restoring = False
-
-    def _show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                   signature: Callable[[Row, datetime], tuple[object, ...]]) -> None:
-        wanted_columns = columns_for(self.size.width or self.app.size.width)
-        if wanted_columns != self.columns_shown:
-            self._set_columns(wanted_columns)
-            self._restoring = True
-        if self.chosen is None and self._order:
-            self.chosen = self.selected_key()
-        keys = [r.key for r in rows]
-        wanted = set(keys)
-        narrow = self.narrow
-        if palette != self._palette:  # a new theme: every cell's colours change
-            self._palette, self._sigs = palette, {}
-        for gone in [k for k in self._shown if k not in wanted]:
-            self.remove_row(gone)
-            del self._shown[gone]
-            self._sigs.pop(gone, None)
-        for row in rows:
-            sig = signature(row, now)
-            if self._sigs.get(row.key) == sig:
-                continue  # nothing it depends on changed: no cells to build or compare
-            self._sigs[row.key] = sig
-            cells = row_cells(row, now, palette, narrow)
-            old = self._shown.get(row.key)
-            if old is None:
-                self.add_row(*cells, key=row.key)
-            else:
-                for (col, _, width), new, was in zip(self.columns_shown, cells, old):
-                    if new != was:
-                        self.update_cell(row.key, col, new, update_width=width is None)
-                        self.cell_updates += 1
-            self._shown[row.key] = cells
-        if keys != self._order:
-            for rank, key in enumerate(keys):
-                shown = self.get_cell(key, "gpu")  # the cell the sort below reads
-                if isinstance(shown, RankedText):
-                    shown.rank = rank
-            self.sort("gpu", key=lambda cell: cell.rank)
-            self._order = keys
-        self._restore(wanted)
-
-    def _restore(self, wanted: set[str]) -> None:
-        """Put the cursor back on the chosen GPU, else on its host, else select nothing."""
-        if self.chosen is None:
-            if keys := self._order:
-                self.chosen = keys[min(max(self.cursor_row, 0), len(keys) - 1)]
-            return
-        for key in (self.chosen, host_of(self.chosen)):
-            if key in wanted:
-                self.show_cursor = True
-                row = self.get_row_index(key)
-                if row != self.cursor_row:  # (moving scrolls: leave a mouse scroll alone)
-                    self.move_cursor(row=row, animate=False)
-                return
-        self.show_cursor = False  # the choice is gone and so is its host: nothing selected
+__all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
 
 
 class SummaryBar(Static):
