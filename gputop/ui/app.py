@@ -27,6 +27,7 @@ from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
 from gputop.reservations.ops import whoami
+from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.text import clean
 from gputop.ui.board_model import (
@@ -125,6 +126,7 @@ class GputopApp(App[int]):
         self.store = Store(config.reservations_path, warn=self._warn)
         self._store_sig: tuple[int, int, int] | None = None
         self._store_problem: str | None = None
+        self._store_reading = False
         self._dirty = True
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
@@ -180,7 +182,7 @@ class GputopApp(App[int]):
                         timeout=8)
         self.set_interval(RENDER_PERIOD, self._render_if_dirty)
         self.set_interval(DRAIN_PERIOD, self._drain)
-        self.set_interval(max(0.5, self.config.interval), self.reload_store)
+        self.set_interval(max(0.5, self.config.interval), self._reload_store_if_changed)
         self.render_board()
         if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
             self.call_after_refresh(self._run_feed)
@@ -264,29 +266,55 @@ class GputopApp(App[int]):
         self.model.ingest(snap)
         self._dirty = True
 
-    def reload_store(self) -> None:
-        """Re-read the shared file when it changed (a teammate reserved something)."""
+    def _store_stat(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.store.path)
-            sig: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
-            sig = None
-        if sig == self._store_sig and self._store_problem is None:
-            return
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def reload_store(self) -> None:
+        """Re-read the shared file now (after our own write, or when asked)."""
+        sig = self._store_stat()
         try:
-            state = self.store.read()
+            result: StoreState | StoreError = self.store.read()
         except StoreError as exc:
-            if str(exc) != self._store_problem:  # stays in the summary bar until fixed
-                self._store_problem = str(exc)
-                self.notify(str(exc), title="reservations", severity="error", markup=False,
-                            timeout=6)
+            result = exc
+        self._apply_store(sig, result)
+
+    def _reload_store_if_changed(self) -> None:
+        """Every interval: when the file changed (a teammate reserved something), read it
+        on a worker thread. A large or hostile file (up to 4 MiB, 10,000 records) costs
+        that thread a tenth of a second, never the screen; an unchanged file, broken or not,
+        is not read again."""
+        sig = self._store_stat()
+        if sig == self._store_sig or self._store_reading:
+            return
+        self._store_reading = True
+
+        def read() -> None:
+            try:
+                result: StoreState | StoreError = self.store.read()
+            except StoreError as exc:
+                result = exc
+            self.call_from_thread(self._apply_store, sig, result)
+
+        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+
+    def _apply_store(self, sig: tuple[int, int, int] | None,
+                     result: StoreState | StoreError) -> None:
+        self._store_reading = False
+        self._store_sig = sig
+        if isinstance(result, StoreError):
+            if str(result) != self._store_problem:  # stays in the summary bar until fixed
+                self._store_problem = str(result)
+                self.notify(str(result), title="reservations", severity="error",
+                            markup=False, timeout=6)
                 self._dirty = True
             return
         if self._store_problem is not None:
             self._store_problem = None
-            self._dirty = True
-        self._store_sig = sig
-        self.model.set_state(state)
+        self.model.set_state(result)
         self._dirty = True
 
     def _warn(self, message: str) -> None:
