@@ -940,3 +940,26 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
     assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
     clock[0] = NOW + timedelta(minutes=6)
     assert "idle-reservation" in row(gk("gpu-mixed", 2)).flags
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_a_host_warning_shows_on_its_row_and_in_the_details(
+        tmp_path: Path, size: tuple[int, int]) -> None:
+    """A host that answered with something off (two GPUs with one index, a forged MIG
+    block) says so on its header row, and the details list every warning."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        table = await load(app, pilot)
+        snap = next(s for s in fixed_snapshots() if s.name == "gpu-h100")
+        app.ingest(replace(snap, warnings=("two GPUs report index 0",
+                                           "MIG layout \x1b[31mignored")))
+        app.render_board()
+        await pilot.pause()
+        assert cell(table, "gpu-h100", "flags").startswith("⚠ two GPUs report index 0 (+1)")
+        goto(app, table, gk("gpu-h100", 0))
+        await pilot.press("enter")  # the details open; then the host's own row
+        goto(app, table, "gpu-h100")
+        await pilot.pause()
+        head = str(app.query_one(DetailPane).query_one("#detail-head").render())
+        assert "⚠ two GPUs report index 0" in head and "⚠ MIG layout ignored" in head
+        assert "\x1b" not in head

@@ -184,6 +184,11 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
         return (label, count, tags, Text("stale", style=p.error),
                 Text("seen " + _ago(row.last_seen, now), style=p.error), blank)
     state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
+    if not row.stale and row.snapshot.warnings:  # e.g. two GPUs with one index: enter tells
+        more = f" (+{len(row.snapshot.warnings) - 1})" if len(row.snapshot.warnings) > 1 else ""
+        state = Text(f"⚠ {clean(row.snapshot.warnings[0])}{more}", style=p.busy)
+        if narrow:
+            return (label, count, tags, blank, blank, state)
     return (label, count, tags, blank, blank, *extra, state)
 
 

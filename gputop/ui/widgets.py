@@ -13,8 +13,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from gputop.model import GpuInfo, iso
-from gputop.reservations.ops import format_duration
+from gputop.model import GpuInfo
+from gputop.reservations.ops import format_duration, local_time
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
 from gputop.ui.cells import FLAG_LABELS, Palette, gib
@@ -155,7 +155,7 @@ class DetailPane(Vertical):
         if r is not None:
             left = format_duration((r.expires - now).total_seconds())
             t.append(f"\nreserved by {clean(r.user)} (from {clean(r.machine)}) until "
-                     f"{iso(r.expires)}, {left} left")
+                     f"{local_time(r.expires)}, {left} left")
             if r.note:
                 t.append(f"\nnote: {clean(r.note)}")
         else:
@@ -194,13 +194,16 @@ class DetailPane(Vertical):
             assert err is not None
             t = Text(f"{name} is down: {err.kind}\n", style="bold")
             t.append(clean(err.message))
-            t.append(f"\nlast answered: {iso(row.last_seen) or 'never'}"
+            seen = local_time(row.last_seen) if row.last_seen else "never"
+            t.append(f"\nlast answered: {seen}"
                      f"\nc reconnects now (skips the retry wait)")
             return t
         t = Text(f"{name}", style="bold")
         t.append(f"  {row.gpu_count} GPU{'s' if row.gpu_count != 1 else ''}")
         if snap.tags:
             t.append("  tags: " + " ".join(clean(x) for x in snap.tags))
-        t.append(f"\nlast answered: {iso(snap.time)}")
+        t.append(f"\nlast answered: {local_time(snap.time)}")
+        for w in snap.warnings:
+            t.append(f"\n⚠ {clean(w)}", style="bold")
         t.append("\nSelect one of its GPUs for processes and history; enter folds the host.")
         return t
