@@ -34,29 +34,73 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY  # noqa: E402
 
 GPU_ARGS = f"--query-gpu={GPU_QUERY} --format=csv,noheader,nounits"
+#: The fields after the timestamp, which the stand-in prints itself, as it prints the row.
+ROW_QUERY = GPU_QUERY.split(",", 1)[1]
+ROW_FIELDS = ROW_QUERY.split(",")
 APPS_ARGS = f"--query-compute-apps={APPS_QUERY} --format=csv,noheader,nounits"
 
-STANDIN = r"""#!/bin/sh
+STANDIN = r"""#!/bin/bash
 # Stand-in nvidia-smi for the gputop test fleet: replays recorded output for this host.
+# Like the real one it loops with -l SEC / --loop=SEC / -lms MS / --loop-ms=MS: a start-up
+# delay once, then one sample per interval; a failing sample (a lost GPU: exit 15) ends it.
+# Each start is logged; the loop itself starts no process (bash builtins only).
 d={smi_dir}
-if [ -f "$d/delay" ]; then sleep "$(cat "$d/delay")"; fi
+printf '%s\n' "nvidia-smi $*" >> {log}
+loop= prev= rest=
+for a in "$@"; do
+  case $prev in
+    -l) loop=$a; prev=; continue ;;
+    -lms) loop=$((a / 1000)).$(printf '%03d' $((a % 1000))); prev=; continue ;;
+  esac
+  case $a in
+    -l|-lms) prev=$a ;;
+    --loop=*) loop=${{a#--loop=}} ;;
+    --loop-ms=*) a=${{a#--loop-ms=}}; loop=$((a / 1000)).$(printf '%03d' $((a % 1000))) ;;
+    *) rest="$rest${{rest:+ }}$a" ;;
+  esac
+done
+exec 3<>{fifo}  # nobody writes to it: `read -t` on it is a sleep without a process
+if [ -f "$d/delay" ]; then read -r delay < "$d/delay"; read -r -t "$delay" -u 3 _; fi
 case "$1" in
   --query-gpu=*) k=gpu ;;
   --query-compute-apps=*) k=apps ;;
   *) k=default ;;
 esac
-if [ -f "$d/$k.args" ] && [ "$*" != "$(cat "$d/$k.args")" ]; then
-  echo "Field in \"$1\" is not a valid field to query."
-  echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
+if [ -f "$d/$k.args" ]; then
+  read -r want < "$d/$k.args"
+  if [ "$rest" != "$want" ]; then
+    echo "Field in \"$1\" is not a valid field to query."
+    echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
+    exit 2
+  fi
+fi
+if [ -n "$loop" ] && [ -f "$d/noloop" ]; then
+  echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
   exit 2
 fi
-# What it prints is numbered chunks, replayed in order: *.err to stderr, the rest to stdout
-# (a lost GPU's line comes on stderr, wherever nvidia-smi happens to print it).
-for f in "$d/$k".[0-9]*; do
-  [ -f "$f" ] || continue
-  case $f in *.err) cat "$f" >&2 ;; *) cat "$f" ;; esac
+# One sample: numbered chunks in order: *.err to stderr, *.rows prefixed with the
+# timestamp, the rest as they are (a lost GPU's line comes on stderr, wherever nvidia-smi
+# happens to print it).
+sample() {{
+  printf -v ts '%(%Y/%m/%d %H:%M:%S)T' -1
+  ms=${{EPOCHREALTIME#*.}}; ts="$ts.${{ms:0:3}}"
+  for f in "$d/$k".[0-9]*; do
+    [ -f "$f" ] || continue
+    case $f in
+      *.rows) while IFS= read -r line; do printf '%s, %s\n' "$ts" "$line"; done < "$f" ;;
+      *.err) IFS= read -r -d '' t < "$f"; printf '%s' "$t" >&2 ;;
+      *) IFS= read -r -d '' t < "$f"; printf '%s' "$t" ;;
+    esac
+  done
+  read -r rc < "$d/$k.rc"
+}}
+sample
+[ -n "$loop" ] || exit "$rc"
+while [ "$rc" = 0 ]; do
+  read -r -t "$loop" -u 3 _
+  sample
 done
-exit "$(cat "$d/$k.rc")"
+exit "$rc"
 """
 
 
@@ -269,11 +313,21 @@ class Fleet:
         bindir = hdir / "bin"
         smi.mkdir(parents=True, exist_ok=True)
         bindir.mkdir(exist_ok=True)
+        log = shlex.quote(str(hdir / "calls.log"))
         _keygen(hdir / "ssh_host_ed25519_key")
         if h.scenario != "no-nvidia-smi":
             standin = bindir / "nvidia-smi"
-            standin.write_text(STANDIN.format(smi_dir=shlex.quote(str(smi))))
+            log = shlex.quote(str(hdir / "calls.log"))
+            fifo = hdir / "never"
+            if not fifo.exists():
+                os.mkfifo(fifo, 0o666)
+            standin.write_text(STANDIN.format(smi_dir=shlex.quote(str(smi)), log=log,
+                                              fifo=shlex.quote(str(fifo))))
             standin.chmod(0o755)
+        # ps is the real one, logged: a test can count the processes gputop starts.
+        ps = bindir / "ps"
+        ps.write_text(f"#!/bin/sh\nprintf 'ps %s\\n' \"$*\" >> {log}\nexec /bin/ps \"$@\"\n")
+        ps.chmod(0o755)
         self.set_scenario(h, h.scenario)
         auth = "stranger_authorized_keys" if h.scenario == "auth" else "authorized_keys"
         (hdir / "sshd_config").write_text(
@@ -311,12 +365,16 @@ class Fleet:
                           "apps.0.out": "", "apps.rc": "0"})
         else:
             rows: list[str] = []
+            lost_gpus = 1 if scenario == "lost" or scenario in LOST_AT \
+                or scenario == "hostile-names" else 0
             for i, g in enumerate(h.gpus):
-                cells = project_capture(CAPTURES[g], GPU_QUERY).rstrip("\n").split(", ")
-                cells[0] = "0" if scenario == "dup-index" else str(i)  # index
-                cells[1] = gpu_uuid(h.name, i)  # distinct UUID
+                # The stand-in prints the timestamp in front of each row as it prints it.
+                cells = project_capture(CAPTURES[g], ROW_QUERY).rstrip("\n").split(", ")
+                cells[ROW_FIELDS.index("count")] = str(len(h.gpus) + lost_gpus)
+                cells[ROW_FIELDS.index("index")] = "0" if scenario == "dup-index" else str(i)
+                cells[ROW_FIELDS.index("uuid")] = gpu_uuid(h.name, i)  # distinct UUID
                 if scenario == "hostile-names":
-                    cells[2] = HOSTILE_GPU_NAME
+                    cells[ROW_FIELDS.index("name")] = HOSTILE_GPU_NAME
                 rows.append(", ".join(cells) + "\n")
             # process_name only where gputop still asks for it (as nvidia-smi would): it is
             # argv[0], whatever its owner put there, newlines included.
@@ -327,21 +385,21 @@ class Fleet:
                 for p in h.processes if p.popen is not None and p.gpu < len(rows)
             ]
             rc = "0"
-            gpu_chunks: list[tuple[str, str]] = [("out", "".join(rows))]
-            apps_chunks: list[tuple[str, str]] = [("out", "".join(apps))]
+            gpu_chunks: list[tuple[str, str]] = [("rows", "".join(rows))]
+            apps_chunks: list[tuple[str, str]] = [("rows", "".join(apps))]
             lost = (DATA / LOST_TEXT).read_text()
             if scenario == "hostile-names":
                 lost = lost.replace("Unknown Error", "Unknown \x1b[31mError\x1b[0m")
             if scenario == "lost":
-                gpu_chunks = [("out", "".join(rows) + lost)]
+                gpu_chunks = [("rows", "".join(rows)), ("out", lost)]
                 rc = "15"
             elif scenario in LOST_AT or scenario == "hostile-names":
                 at = LOST_AT.get(scenario, -1)
                 at = len(rows) if at < 0 else min(at, len(rows))
-                gpu_chunks = [("out", "".join(rows[:at])), ("err", lost),
-                              ("out", "".join(rows[at:]))]
-                apps_chunks = [("out", "".join(apps[:1])), ("err", lost),
-                               ("out", "".join(apps[1:]))]
+                gpu_chunks = [("rows", "".join(rows[:at])), ("err", lost),
+                              ("rows", "".join(rows[at:]))]
+                apps_chunks = [("rows", "".join(apps[:1])), ("err", lost),
+                               ("rows", "".join(apps[1:]))]
                 rc = "15"
             for k, chunks in (("gpu", gpu_chunks), ("apps", apps_chunks)):
                 for n, (stream, text) in enumerate(chunks):
@@ -376,14 +434,24 @@ class Fleet:
         return env
 
     def write_config(self, names: Iterable[str] | None = None, *, timeout: float = 3.0,
-                     interval: float = 1.0, extra: str = "") -> Path:
+                     interval: float = 1.0, extra: str = "",
+                     first_sample_timeout: float | None = None) -> Path:
+        """A hosts.toml for these hosts. The first sample may take ``timeout`` unless told
+        otherwise: a hung stand-in is then a timeout in the tests' short time."""
         path = self.root / "hosts.toml"
         names = list(names) if names is not None else list(self.hosts)
-        body = f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n{extra}\n"
+        first = timeout if first_sample_timeout is None else first_sample_timeout
+        body = (f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n"
+                f"first_sample_timeout = {first}\n{extra}\n")
         body += f"[reservations]\npath = \"{self.root / 'reservations.json'}\"\n\n"
         body += "".join(f'[[hosts]]\nname = "{n}"\n\n' for n in names)
         path.write_text(body)
         return path
+
+    def calls(self, h: Host) -> list[str]:
+        """Every nvidia-smi and ps the host ran so far (its stand-ins log each start)."""
+        log = self.root / h.name / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
 
     def remote_processes(self, h: Host) -> list[str]:
         """Processes still running the host's stand-in (a hung query must not pile up)."""

@@ -17,6 +17,7 @@ Host keys are always checked against known_hosts: even a config that says
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
@@ -34,16 +35,29 @@ import asyncssh
 
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
-from gputop.sources.nvidia_smi import REMOTE_SCRIPT, RemoteResult, parse_sections
+from gputop.sources.nvidia_smi import (
+    REMOTE_SCRIPT,
+    AppRow,
+    Owner,
+    RemoteResult,
+    attach_processes,
+    index_warnings,
+    parse_args_rows,
+    parse_owner_rows,
+    parse_sections,
+)
 from gputop.sources.protocol import (
+    OWNER_SECTIONS,
     FramingError,
     LineReader,
     ParseError,
     end_line,
     new_nonce,
+    owners_script,
     split_frame,
     start_pid,
 )
+from gputop.sources.stream import HostStreams
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
@@ -58,6 +72,9 @@ TCP_SLOT_S = 1.0
 #: Errors worth a long pause before retrying: sshd penalises repeated auth failures, and
 #: a host key will not fix itself.
 SLOW_RETRY_KINDS = frozenset({"auth", "host-key"})
+
+#: The control channel of a streaming host: ``ps`` for new pids only.
+OWNERS_SCRIPT = owners_script()
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
@@ -276,8 +293,21 @@ class SshSource:
         ssh_config: Sequence[Path] | None,
         handshakes: asyncio.Semaphore,
         jumps: JumpPool,
+        first_sample_timeout: float = 60.0,
+        collection: str = "stream",
     ) -> None:
         self.host = host
+        self.first_sample_timeout = first_sample_timeout
+        #: Streaming (two nvidia-smi loops per host) or one framed query per refresh; a host
+        #: whose nvidia-smi cannot stream falls back to the query for good.
+        self.streaming = collection == "stream"
+        self._streams: HostStreams | None = None
+        self._seen_seq = 0
+        self._starting = False
+        #: Owners and command lines of the pids in the last sample, and when ps was asked.
+        self._owners: dict[int, tuple[Owner, str | None, float]] = {}
+        #: Probe cost: seconds the last stream took to its first sample.
+        self.first_sample_s: float | None = None
         self.name = host.name
         self.timeout = timeout
         self.interval = interval
@@ -298,6 +328,8 @@ class SshSource:
         #: SSH connections and exec channels opened, for tests and the benchmark.
         self.connects = 0
         self.channels = 0
+        #: nvidia-smi streams started (two channels each), for tests and the benchmark.
+        self.stream_starts = 0
 
     def reset(self) -> None:
         """Forget the backoff: the next query tries (connects) at once."""
@@ -431,7 +463,10 @@ class SshSource:
 
     async def _handshake(self, sock: socket.socket | None) -> None:
         self._conn = await self._connect(sock)
-        await self._open_channel(self._conn)
+        if self.streaming:
+            await self._start_streams(self._conn)
+        else:
+            await self._open_channel(self._conn)
 
     def _connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
@@ -443,6 +478,7 @@ class SshSource:
 
     def _drop(self) -> None:
         self._close_channel()
+        self._stop_streams()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -457,10 +493,13 @@ class SshSource:
             return [], HostError(self._last_error.kind,
                                  f"{self._last_error.message} (retrying in {wait:.0f}s)")
         try:
-            opened = not self._connected()
-            spent = await self._open() if opened else 0.0
-            result = await asyncio.wait_for(self._query(reopen=not opened),
-                                            max(0.1, self.timeout - spent))
+            if self.streaming:
+                result = await self._stream_query()
+            else:
+                opened = not self._connected()
+                spent = await self._open() if opened else 0.0
+                result = await asyncio.wait_for(self._query(reopen=not opened),
+                                                max(0.1, self.timeout - spent))
         except Exception as exc:  # every failure is this host's alone
             err = self._classify(exc)
             if err.kind != "timeout" or not self._connected():
@@ -529,7 +568,8 @@ class SshSource:
         """Start the remote loop and read its start line (with a nonce of its own)."""
         # The script sends its own stderr to stdout, in order. What arrives on the channel's
         # stderr comes from the user's shell startup files: not ours.
-        proc = await conn.create_process(REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
+        script = OWNERS_SCRIPT if self.streaming else REMOTE_SCRIPT
+        proc = await conn.create_process(script, stderr=asyncssh.DEVNULL, encoding=None)
         self._proc = proc
         self.channels += 1
         nonce = new_nonce()
@@ -603,7 +643,182 @@ class SshSource:
 
     async def close(self) -> None:
         self._close_channel()
+        self._stop_streams()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
             await conn.wait_closed()
+
+    # -- streaming -------------------------------------------------------------------------
+
+    async def _start_streams(self, conn: asyncssh.SSHClientConnection) -> None:
+        self._stop_streams()
+        streams = HostStreams(conn, self.interval, self.max_output)
+        self._seen_seq = 0
+        self.stream_starts += 1
+        try:
+            await streams.start()
+        except BaseException:
+            streams.close()
+            raise
+        finally:
+            self.channels += streams.channels
+        self._streams = streams
+
+    def _stop_streams(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
+
+    async def _stream_query(self) -> RemoteResult:
+        """The next GPU sample of this host's streams (waiting for it), with processes.
+
+        Starts the streams when there are none; restarts them (once per refresh) when they
+        ended; a stream with no sample for ``max(timeout, 3 x interval)`` is a timeout and
+        is killed on the host (the caller's backoff then delays the restart). Before the
+        first sample the host is ``starting`` until ``first_sample_timeout``.
+        """
+        asked = time.monotonic()
+        if not self._connected():
+            await self._open()
+        elif self._streams is None:
+            assert self._conn is not None
+            await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+        restarted = False
+        while True:
+            st = self._streams
+            assert st is not None and self._conn is not None
+            st.event.clear()
+            if st.error is not None:
+                err = st.error
+                cannot_stream = st.first_at is None and err.kind == "error"
+                await st.kill()
+                self._streams = None
+                if cannot_stream:  # e.g. an nvidia-smi without -lms: query per refresh
+                    self.streaming = False
+                    self._close_channel()
+                    self.warnings = ()
+                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
+                return RemoteResult([], err)
+            if st.seq > self._seen_seq:
+                return await self._sample(st)
+            if st.ended is not None:
+                self._stop_streams()
+                if restarted:
+                    raise _ChannelClosed(f"nvidia-smi's stream ended (exit {st.ended})")
+                await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+                restarted = True
+                continue
+            now = time.monotonic()
+            if st.first_at is None:
+                first_deadline = st.started_at + self.first_sample_timeout
+                wait = self.interval if self._starting else self.timeout
+                until = min(first_deadline, asked + wait)
+                if now >= until:
+                    if now < first_deadline:
+                        self._starting = True
+                        return RemoteResult([], HostError(
+                            "starting", f"starting nvidia-smi: {now - st.started_at:.0f} s"))
+                    await st.kill()
+                    self._streams = None
+                    raise _PhaseTimeout(f"nvidia-smi sent no sample in "
+                                        f"{self.first_sample_timeout:g}s (first_sample_timeout)")
+            else:
+                limit = max(self.timeout, 3 * self.interval)
+                until = st.last_at + limit
+                if now >= until:
+                    await st.kill()
+                    self._streams = None
+                    raise _PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
+                                        "restarting it")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(st.event.wait(), until - now)
+
+    async def _sample(self, st: HostStreams) -> RemoteResult:
+        """The newest GPU sample with the apps stream's processes and their owners."""
+        first = self._seen_seq == 0
+        self._seen_seq = st.seq
+        self._starting = False
+        self.first_sample_s = st.first_sample_s
+        if first and not st.apps.seen:
+            # Both loops started together; the apps one prints nothing without processes.
+            st.event.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._apps_seen(st), min(1.0, self.interval / 2))
+        gpus = st.gpus
+        now = time.monotonic()
+        apps = st.apps.current(now)
+        owners, args = await self._owners_of(apps, now)
+        warnings = index_warnings(gpus)
+        off = [str(g.index) for g in gpus if g.persistence_mode == "Disabled"]
+        if off:
+            warnings.append(f"persistence mode is off on GPU {', '.join(off)}: every "
+                            "nvidia-smi start initialises the GPU again; enable "
+                            "nvidia-persistenced")
+        return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
+
+    @staticmethod
+    async def _apps_seen(st: HostStreams) -> None:
+        while not st.apps.seen:
+            await st.event.wait()
+            st.event.clear()
+
+    async def _owners_of(self, apps: list[AppRow],
+                         now: float) -> tuple[dict[int, Owner], dict[int, str]]:
+        """Owners and command lines: ``ps`` only for pids not in the last sample (a pid
+        that left and came back may be another process, so it is asked again)."""
+        pids = list(dict.fromkeys(a.pid for a in apps))
+        self._owners = {p: v for p, v in self._owners.items() if p in pids}
+        new = [p for p in pids if p not in self._owners]
+        if new:
+            found, cmds = await asyncio.wait_for(self._ask_ps(new), self.timeout)
+            for p in new:
+                o = found.get(p)
+                if o is not None:
+                    self._owners[p] = (o, cmds.get(p), now)
+        owners: dict[int, Owner] = {}
+        args: dict[int, str] = {}
+        for p, (o, cmd, at) in self._owners.items():
+            age = None if o.elapsed_s is None else o.elapsed_s + int(now - at)
+            owners[p] = Owner(o.pid, o.user, age)
+            if cmd:
+                args[p] = cmd
+        return owners, args
+
+    async def _ask_ps(self, pids: list[int]) -> tuple[dict[int, Owner], dict[int, str]]:
+        """One round trip on the control channel: ``NONCE PIDS`` -> owners, args."""
+        assert self._conn is not None
+        if self._proc is None:
+            await self._open_channel(self._conn)
+        proc = self._proc
+        assert proc is not None
+        nonce = new_nonce()
+        end = end_line(nonce)
+        reader = LineReader(self.max_output)
+        lines: list[str] = []
+        try:
+            proc.stdin.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
+            done = False
+            while not done:
+                data = await proc.stdout.read(65536)
+                if not data:
+                    self._close_channel()
+                    raise _ChannelClosed(excerpt(" ".join(lines[-3:])) or "no output")
+                for line in reader.feed(data):
+                    if done:
+                        raise FramingError("output after the end of the ps answer")
+                    if line == end:
+                        done = True
+                    else:
+                        lines.append(line)
+            if reader.pending:
+                raise FramingError("output after the end of the ps answer")
+            sections = split_frame(lines, nonce, OWNER_SECTIONS)
+        except FramingError:
+            await self._kill_remote(self._conn)
+            raise
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_remote(self._conn))
+            raise
+        return (parse_owner_rows(sections["owners"].text, pids),
+                parse_args_rows(sections["args"].text, pids))
