@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -71,7 +72,8 @@ async def _json(config: Config, *, watch: bool, pretty: bool) -> None:
     from gputop.reservations import Store, StoreError
     from gputop.reservations.flags import IdleTracker, annotate
 
-    poller = Poller(config)
+    # One document: one query per host is cheaper for the hosts than starting streams.
+    poller = Poller(config if watch else dataclasses.replace(config, collection="query"))
     store = Store(config.reservations_path)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
     reported: str | None = None

@@ -397,6 +397,6 @@ def gpus_from_records(records: Iterable[dict[str, str | None]]) -> list[GpuInfo]
     gpus = []
     for rec in records:
         rec = {_ALIASES.get(k, k): v for k, v in rec.items()}
-        values = {attr: conv(rec.get(f)) for f, attr, conv in GPU_FIELDS}
+        values = {attr: conv(rec.get(f)) for f, attr, conv in GPU_FIELDS if attr}
         gpus.append(GpuInfo(**values))
     return gpus

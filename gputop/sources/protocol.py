@@ -50,7 +50,8 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     It reads a nonce line, says ``@@gputop NONCE start PID`` (sshd made it a process-group
     leader, so a hung refresh can be killed as a whole), then runs one refresh per line it
     reads, the line being that refresh's nonce. The two nvidia-smi queries run side by side
-    (one in the background); the pids for ``ps`` are picked out with shell builtins. Each
+    (one in the background); the pids for ``ps`` are picked out with shell builtins (the
+    apps rows are ``date time, uuid, pid, memory``). Each
     marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
     Command lines are cut at 4096 columns: jobs with huge ones cannot fill the output limit.
     A refresh is collected and written at once: one SSH packet, not one per command.
@@ -60,7 +61,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
         f"apps=$(nvidia-smi {apps_query} </dev/null 2>&1); arc=$?; "
         f'wait "$g"; printf "\\n{MARK} %s gpu %s\\n" "$n" "$?"; '
         f'printf "%s\\n{MARK} %s apps %s\\n" "$apps" "$n" "$arc"; '
-        "pids=; while IFS=', ' read -r _u p _r; do case $p in ''|*[!0-9]*) ;; "
+        "pids=; while IFS=', ' read -r _d _t _u p _r; do case $p in ''|*[!0-9]*) ;; "
         '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
         'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '

@@ -302,6 +302,8 @@ class SshSource:
         #: whose nvidia-smi cannot stream falls back to the query for good.
         self.streaming = collection == "stream"
         self._streams: HostStreams | None = None
+        self._first_deadline = 0.0
+        self._killing: set[asyncio.Task[None]] = set()
         self._seen_seq = 0
         self._starting = False
         #: Owners and command lines of the pids in the last sample, and when ps was asked.
@@ -665,6 +667,13 @@ class SshSource:
             self.channels += streams.channels
         self._streams = streams
 
+    def _kill_streams(self, st: HostStreams) -> None:
+        """Kill a stalled pair on the host in the background: the answer does not wait."""
+        self._streams = None
+        task = asyncio.create_task(st.kill())
+        self._killing.add(task)
+        task.add_done_callback(self._killing.discard)
+
     def _stop_streams(self) -> None:
         if self._streams is not None:
             self._streams.close()
@@ -680,9 +689,11 @@ class SshSource:
         """
         asked = time.monotonic()
         if not self._connected():
+            self._first_deadline = asked + self.first_sample_timeout  # connecting included
             await self._open()
         elif self._streams is None:
             assert self._conn is not None
+            self._first_deadline = asked + self.first_sample_timeout
             await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
         restarted = False
         while True:
@@ -706,12 +717,13 @@ class SshSource:
                 self._stop_streams()
                 if restarted:
                     raise _ChannelClosed(f"nvidia-smi's stream ended (exit {st.ended})")
+                self._first_deadline = time.monotonic() + self.first_sample_timeout
                 await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
                 restarted = True
                 continue
             now = time.monotonic()
             if st.first_at is None:
-                first_deadline = st.started_at + self.first_sample_timeout
+                first_deadline = self._first_deadline
                 wait = self.interval if self._starting else self.timeout
                 until = min(first_deadline, asked + wait)
                 if now >= until:
@@ -719,16 +731,14 @@ class SshSource:
                         self._starting = True
                         return RemoteResult([], HostError(
                             "starting", f"starting nvidia-smi: {now - st.started_at:.0f} s"))
-                    await st.kill()
-                    self._streams = None
+                    self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi sent no sample in "
                                         f"{self.first_sample_timeout:g}s (first_sample_timeout)")
             else:
                 limit = max(self.timeout, 3 * self.interval)
                 until = st.last_at + limit
                 if now >= until:
-                    await st.kill()
-                    self._streams = None
+                    self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
                                         "restarting it")
             with contextlib.suppress(asyncio.TimeoutError):
@@ -744,7 +754,7 @@ class SshSource:
             # Both loops started together; the apps one prints nothing without processes.
             st.event.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._apps_seen(st), min(1.0, self.interval / 2))
+                await asyncio.wait_for(self._apps_seen(st), min(1.0, self.interval))
         gpus = st.gpus
         now = time.monotonic()
         apps = st.apps.current(now)

@@ -190,9 +190,7 @@ class HostStreams:
 
     async def start(self) -> None:
         gpu_script, apps_script = stream_scripts(self.interval)
-        gpu = await self._open(gpu_script)
-        self.started_at = time.monotonic()  # nvidia-smi starts now
-        apps = await self._open(apps_script)
+        gpu, apps = await asyncio.gather(self._open(gpu_script), self._open(apps_script))
         gpu.task = asyncio.create_task(self._read_gpu(gpu))
         apps.task = asyncio.create_task(self._read_apps(apps))
 
@@ -210,6 +208,7 @@ class HostStreams:
             for line in reader.feed(data):
                 pid = start_pid(line, nonce)
                 if pid is not None:
+                    self.started_at = time.monotonic()  # nvidia-smi starts now
                     stream = _Stream(proc, pid)
                     self._streams.append(stream)
                     return stream
@@ -236,7 +235,7 @@ class HostStreams:
                 size += len(data)
 
         with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
-            await asyncio.wait_for(read(), 1.0)
+            await asyncio.wait_for(read(), 0.5)
         return "".join(parts)[:limit], stream.proc.exit_status
 
     async def _ended(self, stream: _Stream) -> int | None:
@@ -305,12 +304,13 @@ class HostStreams:
             self._fail(HostError("ssh", f"nvidia-smi's apps stream broke: {excerpt(str(exc))}"))
             return
         rc = await self._ended(stream)
-        if rc not in (0, None) and self.ended is None:
-            # A lost GPU ends both loops; the GPU stream says what happened. Either way the
-            # pair is restarted together.
-            self.ended = rc
-        elif self.ended is None:
-            self.ended = -1
+        # A failure (or a lost GPU) ends both loops: the GPU stream says what happened, so
+        # give it a moment to say it. Either way the pair is restarted together.
+        gpu_task = self._streams[0].task if self._streams else None
+        if gpu_task is not None:
+            await asyncio.wait({gpu_task}, timeout=1.0)
+        if self.ended is None and self.error is None:
+            self.ended = -1 if rc is None else rc
         self.event.set()
 
     def _publish(self, gpus: list[GpuInfo]) -> None:
