@@ -296,17 +296,22 @@ class Fleet:
     def _start_processes(self) -> None:
         for h in self.hosts.values():
             for p in h.processes:
-                user = p.user if p.user in self.users else None
-                # `cat` on a pipe nobody writes to: waits forever, and its command line is
-                # exactly argv0, to the last byte (`sleep N` would add " N").
-                cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
-                if p.args:
-                    cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
-                p.popen = subprocess.Popen(
-                    cmd,
-                    user=user, start_new_session=True, cwd="/",
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                )
+                self.start_process(p)
+
+    def start_process(self, p: GpuProcess) -> None:
+        """Start one GPU process (a real process of its user). A test adding a job to a
+        running host appends it to the host's processes and calls ``set_scenario``."""
+        user = p.user if p.user in self.users else None
+        # `cat` on a pipe nobody writes to: waits forever, and its command line is
+        # exactly argv0, to the last byte (`sleep N` would add " N").
+        cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
+        if p.args:
+            cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
+        p.popen = subprocess.Popen(
+            cmd,
+            user=user, start_new_session=True, cwd="/",
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        )
 
     def _write_host(self, h: Host, hdir: Path) -> None:
         smi = hdir / "smi"
@@ -456,7 +461,7 @@ class Fleet:
     def remote_processes(self, h: Host) -> list[str]:
         """Processes still running the host's stand-in (a hung query must not pile up)."""
         needle = str(self.root / h.name / "bin" / "nvidia-smi")
-        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
         return [ln for ln in out.splitlines() if needle in ln]
 
     def stop_sshd(self, h: Host) -> None:
@@ -487,7 +492,7 @@ class Fleet:
         for s in self._listeners:
             s.close()
         # Anything the stand-ins left (they should not): kill by path.
-        out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
         for ln in out.splitlines():
             if str(self.root) in ln:
                 pid = int(ln.split()[0])

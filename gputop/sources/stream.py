@@ -265,7 +265,10 @@ class HostStreams:
             return
         rc = await self._ended(stream)
         text = sampler.text
-        failure = classify_failure(text, rc)
+        # After complete samples, an exit with nothing more to say (a lost GPU ends the
+        # loop with 15 after the sample that shows it) is just the end: restart it.
+        said = bool(text.strip()) or self.first_at is None
+        failure = classify_failure(text, rc) if said else None
         if failure is not None:
             self._fail(failure)
             return
