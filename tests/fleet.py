@@ -461,7 +461,8 @@ class Fleet:
     def remote_processes(self, h: Host) -> list[str]:
         """Processes still running the host's stand-in (a hung query must not pile up)."""
         needle = str(self.root / h.name / "bin" / "nvidia-smi")
-        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                             text=True).stdout
         return [ln for ln in out.splitlines() if needle in ln]
 
     def stop_sshd(self, h: Host) -> None:
@@ -492,7 +493,8 @@ class Fleet:
         for s in self._listeners:
             s.close()
         # Anything the stand-ins left (they should not): kill by path.
-        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True,
+                             text=True).stdout
         for ln in out.splitlines():
             if str(self.root) in ln:
                 pid = int(ln.split()[0])

@@ -7,6 +7,7 @@ no process on the host" is counted, not assumed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -107,7 +108,7 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     assert all(pr.elapsed_s is not None for g in seen[-1].gpus for pr in g.processes)
     # Fresh data every interval: refreshes follow the stream's samples.
     times = [s.time.timestamp() for s in seen[1:]]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 1.5 * INTERVAL + 0.5, gaps
 
 
@@ -131,7 +132,7 @@ async def test_slow_nvidia_smi_is_starting_then_fresh_every_interval(sfleet: Fle
     assert got[0][1].error.message.startswith("starting nvidia-smi: ")
     assert set(kinds[first_ok:]) == {"ok"}, kinds
     ok_times = [t for t, s in got if s.ok]
-    gaps = [b - a for a, b in zip(ok_times, ok_times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(ok_times)]
     assert max(gaps) < 1.5 * INTERVAL + 0.3, gaps
     last = got[-1][1]
     assert last.first_sample_s is not None and last.first_sample_s >= 2.5
@@ -148,7 +149,7 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
     stopped: list[int] = []
     kinds: list[str] = []
     try:
-        async for t, snap in updates(poller, 40):
+        async for _t, snap in updates(poller, 40):
             kinds.append(snap.error.kind if snap.error else "ok")
             if len(kinds) == 3:  # freeze the GPU stream: alive, silent
                 procs = sfleet.remote_processes(alpha)
@@ -157,7 +158,6 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
                 line = gpu_lines[0]
                 stopped.append(int(line.split()[0]))
                 os.kill(stopped[0], signal.SIGSTOP)
-                frozen_at = t
             if "timeout" in kinds and kinds[-1] == "ok" and kinds.count("ok") >= 5:
                 break
     finally:
@@ -166,7 +166,6 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
     i = kinds.index("timeout")
     assert set(kinds[3:i]) <= {"ok"}  # samples already on their way
     assert kinds[-1] == "ok"
-    del frozen_at
     # The frozen process group was killed on the host (SIGKILL works on a stopped process).
     out = subprocess.run(["ps", "-o", "stat=", "-p", str(stopped[0])], capture_output=True,
                          text=True)
@@ -178,15 +177,16 @@ async def test_lost_gpu_mid_stream_shows_it_and_the_stream_restarts(sfleet: Flee
     alpha = sfleet.hosts["alpha"]
     poller = poller_for(sfleet, ["alpha"])
     snaps: list[HostSnapshot] = []
+    lost_at = 0
     try:
         async for _t, snap in updates(poller, 30):
             snaps.append(snap)
             if len(snaps) == 2:
                 sfleet.set_scenario(alpha, "lost-middle")  # exits 15 after that sample
-            if len(snaps) > 2 and any(g.lost for g in snap.gpus):
+            if not lost_at and any(g.lost for g in snap.gpus):
                 sfleet.set_scenario(alpha, "ok")
                 lost_at = len(snaps)
-            if len(snaps) > 2 and "lost_at" in dir() and len(snaps) >= lost_at + 3:
+            if lost_at and len(snaps) >= lost_at + 3:
                 break
     finally:
         await poller.aclose()
