@@ -68,8 +68,11 @@ def fake_nvml(pid: int, *, init_error: Exception | None = None) -> types.ModuleT
     m.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
 
     def init() -> None:
+        m.inits += 1  # type: ignore[attr-defined]
         if init_error:
             raise init_error
+
+    m.inits = 0  # type: ignore[attr-defined]
 
     def handle(i: int) -> int:
         if i == 2:
@@ -80,7 +83,8 @@ def fake_nvml(pid: int, *, init_error: Exception | None = None) -> types.ModuleT
         raise NVMLError_NotSupported("Not Supported")
 
     m.nvmlInit = init  # type: ignore[attr-defined]
-    m.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    m.nvmlShutdown = lambda: setattr(m, "inits", -1)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetPersistenceMode = lambda h: 0 if h == 1 else 1  # type: ignore[attr-defined]
     m.nvmlDeviceGetCount = lambda: 3  # type: ignore[attr-defined]
     m.nvmlSystemGetDriverVersion = lambda: "550.90.07"  # type: ignore[attr-defined]
     m.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
@@ -147,3 +151,17 @@ async def test_real_pynvml_on_a_machine_without_gpu() -> None:
         assert gpus
     else:
         assert err.kind in ("no-nvml", "driver")
+
+
+async def test_one_nvml_session_for_the_life_of_the_source() -> None:
+    """NVML is initialised once, not per refresh (each init costs seconds per GPU without
+    persistence mode), and shut down once, at close. A test double: no GPU here."""
+    nv = fake_nvml(os.getpid())
+    src = NvmlSource("local", timeout=5, nvml=nv)
+    for _ in range(5):
+        gpus, err = await src.query()
+        assert err is None
+    assert nv.inits == 1  # type: ignore[attr-defined]
+    assert [g.persistence_mode for g in gpus] == ["Enabled", "Disabled", None]
+    await src.close()
+    assert nv.inits == -1  # type: ignore[attr-defined]
