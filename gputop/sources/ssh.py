@@ -659,7 +659,10 @@ class SshSource:
         self._seen_seq = 0
         self.stream_starts += 1
         try:
-            await streams.start()
+            if self._proc is None:  # the ps channel too, at once: the first sample needs it
+                await asyncio.gather(streams.start(), self._open_channel(conn))
+            else:
+                await streams.start()
         except BaseException:
             streams.close()
             raise

@@ -299,6 +299,8 @@ class HostStreams:
                 for line in lines:
                     last = line
                     self.apps.feed(line, time.monotonic())
+                if lines:
+                    self.event.set()
         except ParseError as exc:
             text, rc = await self._rest(stream, last + "\n")
             self._fail(classify_failure(text, rc) or HostError("parse", str(exc)))
