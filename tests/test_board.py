@@ -732,3 +732,20 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
         assert took < backoff_left - 1.0
         assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
+
+
+async def test_a_host_whose_nvidia_smi_is_starting_is_not_shown_down(tmp_path: Path) -> None:
+    """A slow nvidia-smi start (no persistence mode) is "starting", with its time, not a
+    fault: neither "down" nor the red error style."""
+    from gputop.model import HostError
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        app.ingest(HostSnapshot(name="gpu-h100", time=NOW,
+                                error=HostError("starting", "starting nvidia-smi: 6 s")))
+        app.render_board()
+        await pilot.pause()
+        assert cell(table, "gpu-h100", "util") == "starting"
+        assert cell(table, "gpu-h100", "flags") == "starting nvidia-smi: 6 s"
+        assert "down" not in cell(table, "gpu-h100", "gpu")
