@@ -144,7 +144,7 @@ async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(
         assert h.error is None and len(h.gpus) == 1
         src = poller.sources[0]
         assert (src.connects, src.channels) == (  # type: ignore[attr-defined]
-            (1, 2) if collection == "query" else (1, 4))
+            (1, 2) if collection == "query" else (1, 5))  # streams: 2 + ps, then 2
     finally:
         await poller.aclose()
 

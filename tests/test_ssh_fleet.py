@@ -140,10 +140,10 @@ async def test_connections_are_reused_across_refreshes(fleet_home: Fleet) -> Non
             assert [h.ok for h in snap.hosts] == [True, True, False]
             channels.append([s.channels for s in poller.sources])  # type: ignore[attr-defined]
         assert poller.connects == 3  # one per host, none per refresh
-        # ...and the healthy hosts' channels (two nvidia-smi streams, and one for ps where
-        # there are processes) are kept: a refresh opens no new session remotely. The
-        # failing host's streams end with the failure: they are started again per refresh.
-        assert [c[:2] for c in channels] == [[3, 2]] * 3
+        # ...and the healthy hosts' channels (two nvidia-smi streams and one for ps) are
+        # kept: a refresh opens no new session remotely. The failing host's streams end
+        # with the failure: they are started again per refresh.
+        assert [c[:2] for c in channels] == [[3, 3]] * 3
     finally:
         await poller.aclose()
 
@@ -164,7 +164,9 @@ async def test_updates_arrive_per_host_without_waiting_for_the_slowest(
         await poller.aclose()
     # The healthy hosts answered (and were re-polled every interval) while "hang" hung.
     assert seen[-1] == "hang" and set(seen[:-1]) == {"gpu-h100", "gpu-lost"}
-    assert seen.count("gpu-h100") >= 2 and seen.count("gpu-lost") >= 2
+    # (gpu-lost's nvidia-smi loop ends after each sample, exit 15: it is restarted, so it
+    # may answer less often than every interval.)
+    assert seen.count("gpu-h100") >= 2 and seen.count("gpu-lost") >= 1
 
 
 async def test_host_that_recovers_is_picked_up_again(

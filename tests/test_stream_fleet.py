@@ -15,12 +15,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
 
 from gputop.config import load_config
-from gputop.model import HostSnapshot
+from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
 
@@ -112,7 +113,9 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     assert max(gaps) < 1.5 * INTERVAL + 0.5, gaps
 
 
-async def test_slow_nvidia_smi_is_starting_then_fresh_every_interval(sfleet: Fleet) -> None:
+async def test_slow_nvidia_smi_is_starting_then_fresh_every_interval(
+    sfleet: Fleet, schema: dict[str, object]
+) -> None:
     """2.5 s to start (no persistence mode) with a 2 s timeout: the old design timed out
     every refresh; the stream says "starting", then delivers every interval."""
     slow = sfleet.hosts["slow"]
@@ -139,6 +142,10 @@ async def test_slow_nvidia_smi_is_starting_then_fresh_every_interval(sfleet: Fle
     assert last.gpus[0].persistence_mode == "Disabled"
     assert any("enable nvidia-persistenced" in w for w in last.warnings)
     assert smi_starts(sfleet.calls(slow)) == 2  # started once, never again
+    doc = FleetSnapshot(hosts=(got[0][1], last)).to_dict()
+    jsonschema.validate(doc, schema)
+    assert doc["hosts"][0]["error"]["kind"] == "starting"
+    assert doc["hosts"][1]["first_sample_s"] >= 2.5
 
 
 async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(

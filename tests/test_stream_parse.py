@@ -102,7 +102,10 @@ def test_apps_rows_group_by_timestamp_and_go_stale() -> None:
     b.feed("2026/07/14 08:12:53.512, GPU-1, 11328, 1542", now=100.0)
     assert [r.pid for r in b.current(100.5)] == [11327, 11328]
     b.feed("2026/07/14 08:12:55.500, GPU-0, 11327, 2600", now=102.0)  # next iteration
-    assert [(r.pid, r.used_memory_mib) for r in b.current(102.1)] == [(11327, 2600)]
+    # Still arriving (its last row is younger than SETTLE_S): the last batch's others stay.
+    assert [(r.pid, r.used_memory_mib) for r in b.current(102.1)] == [
+        (11327, 2600), (11328, 1542)]
+    assert [(r.pid, r.used_memory_mib) for r in b.current(102.3)] == [(11327, 2600)]
     assert b.current(102.0 + 3.6) == []  # no rows for 1.5 intervals: no processes now
     b.feed(LOST, now=104.0)  # a lost GPU's line is no row
     with pytest.raises(ParseError):

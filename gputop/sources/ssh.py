@@ -57,7 +57,7 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
-from gputop.sources.stream import HostStreams
+from gputop.sources.stream import SETTLE_S, HostStreams
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
@@ -303,6 +303,8 @@ class SshSource:
         self.streaming = collection == "stream"
         self._streams: HostStreams | None = None
         self._first_deadline = 0.0
+        self._opening: asyncio.Task[None] | None = None
+        self._short_streams = 0
         self._killing: set[asyncio.Task[None]] = set()
         self._seen_seq = 0
         self._starting = False
@@ -465,9 +467,7 @@ class SshSource:
 
     async def _handshake(self, sock: socket.socket | None) -> None:
         self._conn = await self._connect(sock)
-        if self.streaming:
-            await self._start_streams(self._conn)
-        else:
+        if not self.streaming:  # streams are opened after the handshake (_stream_query)
             await self._open_channel(self._conn)
 
     def _connected(self) -> bool:
@@ -480,6 +480,7 @@ class SshSource:
 
     def _drop(self) -> None:
         self._close_channel()
+        self._cancel_opening()
         self._stop_streams()
         if self._conn is not None:
             self._conn.close()
@@ -645,6 +646,7 @@ class SshSource:
 
     async def close(self) -> None:
         self._close_channel()
+        self._cancel_opening()
         self._stop_streams()
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -694,10 +696,10 @@ class SshSource:
         if not self._connected():
             self._first_deadline = asked + self.first_sample_timeout  # connecting included
             await self._open()
-        elif self._streams is None:
-            assert self._conn is not None
-            self._first_deadline = asked + self.first_sample_timeout
-            await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+        if self._streams is None:
+            starting = await self._await_streams(asked)
+            if starting is not None:
+                return starting
         restarted = False
         while True:
             st = self._streams
@@ -718,6 +720,13 @@ class SshSource:
                 return await self._sample(st)
             if st.ended is not None:
                 self._stop_streams()
+                # A loop that ends after every sample (e.g. a lost GPU, where nvidia-smi
+                # exits 15) costs the host more than a query per refresh: fall back.
+                self._short_streams = self._short_streams + 1 if st.seq <= 1 else 0
+                if self._short_streams >= 3:
+                    self.streaming = False
+                    self._close_channel()
+                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
                 if restarted:
                     raise _ChannelClosed(f"nvidia-smi's stream ended (exit {st.ended})")
                 self._first_deadline = time.monotonic() + self.first_sample_timeout
@@ -732,8 +741,7 @@ class SshSource:
                 if now >= until:
                     if now < first_deadline:
                         self._starting = True
-                        return RemoteResult([], HostError(
-                            "starting", f"starting nvidia-smi: {now - st.started_at:.0f} s"))
+                        return self._starting_result()
                     self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi sent no sample in "
                                         f"{self.first_sample_timeout:g}s (first_sample_timeout)")
@@ -746,6 +754,43 @@ class SshSource:
                                         "restarting it")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(st.event.wait(), until - now)
+
+    async def _await_streams(self, asked: float) -> RemoteResult | None:
+        """Open the streams (three SSH sessions: on a busy host that alone takes a while).
+
+        Opening runs on in the background and counts against ``first_sample_timeout``, not
+        ``timeout``: until then the host is ``starting``, and a refresh that comes back
+        finds the opening where it was instead of starting it again."""
+        assert self._conn is not None
+        if self._opening is None:
+            if self._first_deadline < asked:
+                self._first_deadline = asked + self.first_sample_timeout
+            self._opening = asyncio.create_task(self._start_streams(self._conn))
+        opening = self._opening
+        wait = self.interval if self._starting else self.timeout
+        until = min(self._first_deadline, asked + wait)
+        done, _ = await asyncio.wait({opening}, timeout=max(0.0, until - time.monotonic()))
+        if not done:
+            if time.monotonic() < self._first_deadline:
+                self._starting = True
+                return self._starting_result()
+            self._cancel_opening()
+            raise _PhaseTimeout(f"the nvidia-smi streams did not open in "
+                                f"{self.first_sample_timeout:g}s (first_sample_timeout)")
+        self._opening = None
+        opening.result()  # raises what opening raised
+        return None
+
+    def _starting_result(self) -> RemoteResult:
+        self._starting = True
+        since = self._first_deadline - self.first_sample_timeout
+        return RemoteResult([], HostError(
+            "starting", f"starting nvidia-smi: {time.monotonic() - since:.0f} s"))
+
+    def _cancel_opening(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+            self._opening = None
 
     async def _sample(self, st: HostStreams) -> RemoteResult:
         """The newest GPU sample with the apps stream's processes and their owners."""
@@ -775,6 +820,7 @@ class SshSource:
         while not st.apps.seen:
             await st.event.wait()
             st.event.clear()
+        await asyncio.sleep(SETTLE_S)  # the rest of its first batch
 
     async def _owners_of(self, apps: list[AppRow],
                          now: float) -> tuple[dict[int, Owner], dict[int, str]]:

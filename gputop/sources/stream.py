@@ -37,6 +37,9 @@ from gputop.sources.nvidia_smi import (
 from gputop.sources.protocol import LineReader, ParseError, new_nonce, start_pid, stream_script
 from gputop.text import excerpt
 
+#: An apps batch whose last row is younger than this may still be arriving.
+SETTLE_S = 0.2
+
 #: Most GPUs one host may report (a sample claiming more is not nvidia-smi talking).
 MAX_GPUS = 1024
 
@@ -126,6 +129,8 @@ class AppsBatches:
 
     interval: float
     rows: list[AppRow] = field(default_factory=list)
+    #: The batch before, while the newest may still be arriving (rows come one write each).
+    previous: list[AppRow] = field(default_factory=list)
     stamp: float = 0.0
     at: float = 0.0
     seen: bool = False
@@ -142,13 +147,16 @@ class AppsBatches:
         row = parse_apps_row(line)
         stamp = parse_timestamp(line.split(", ", 1)[0])
         if not self.rows or abs(stamp - self.stamp) > self.interval / 2:
-            self.rows, self.stamp = [], stamp
+            self.previous, self.rows, self.stamp = self.rows, [], stamp
         self.rows.append(row)
         self.at, self.seen = now, True
 
     def current(self, now: float) -> list[AppRow]:
         if not self.rows or now - self.at > 1.5 * self.interval + 0.25:
             return []
+        if now - self.at < SETTLE_S:  # may be half-read: keep the last batch's others
+            have = {r.pid for r in self.rows}
+            return self.rows + [r for r in self.previous if r.pid not in have]
         return list(self.rows)
 
 
@@ -190,6 +198,8 @@ class HostStreams:
 
     async def start(self) -> None:
         gpu_script, apps_script = stream_scripts(self.interval)
+        # Time to first sample counts from here: the session's start-up is part of it.
+        self.started_at = time.monotonic()
         gpu, apps = await asyncio.gather(self._open(gpu_script), self._open(apps_script))
         gpu.task = asyncio.create_task(self._read_gpu(gpu))
         apps.task = asyncio.create_task(self._read_apps(apps))
@@ -208,7 +218,6 @@ class HostStreams:
             for line in reader.feed(data):
                 pid = start_pid(line, nonce)
                 if pid is not None:
-                    self.started_at = time.monotonic()  # nvidia-smi starts now
                     stream = _Stream(proc, pid)
                     self._streams.append(stream)
                     return stream
