@@ -81,13 +81,17 @@ fi
 # One sample: numbered chunks in order: *.err to stderr, *.rows prefixed with the
 # timestamp, the rest as they are (a lost GPU's line comes on stderr, wherever nvidia-smi
 # happens to print it).
+# stdout is block-buffered into a pipe and flushed once per sample, as the real one's: one
+# write per stdout chunk; stderr (a lost GPU's line) is not buffered.
 sample() {{
   printf -v ts '%(%Y/%m/%d %H:%M:%S)T' -1
   ms=${{EPOCHREALTIME#*.}}; ts="$ts.${{ms:0:3}}"
   for f in "$d/$k".[0-9]*; do
     [ -f "$f" ] || continue
+    out=
     case $f in
-      *.rows) while IFS= read -r line; do printf '%s, %s\n' "$ts" "$line"; done < "$f" ;;
+      *.rows) while IFS= read -r line; do out="$out$ts, $line"$'\n'; done < "$f"
+              printf '%s' "$out" ;;
       *.err) IFS= read -r -d '' t < "$f"; printf '%s' "$t" >&2 ;;
       *) IFS= read -r -d '' t < "$f"; printf '%s' "$t" ;;
     esac
