@@ -740,7 +740,6 @@ class SshSource:
                 until = min(first_deadline, asked + wait)
                 if now >= until:
                     if now < first_deadline:
-                        self._starting = True
                         return self._starting_result()
                     self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi sent no sample in "
@@ -772,7 +771,6 @@ class SshSource:
         done, _ = await asyncio.wait({opening}, timeout=max(0.0, until - time.monotonic()))
         if not done:
             if time.monotonic() < self._first_deadline:
-                self._starting = True
                 return self._starting_result()
             self._cancel_opening()
             raise _PhaseTimeout(f"the nvidia-smi streams did not open in "
