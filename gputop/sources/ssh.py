@@ -1,9 +1,12 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection and one exec channel running a constant POSIX shell loop
-(:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`), both kept open. Per refresh: one line
-sent (a fresh nonce), one framed block read back (:mod:`gputop.sources.protocol`): one round
-trip, and no new session on the host.
+Per host: one connection, kept open. Streaming (the default): two exec channels running
+``nvidia-smi -lms`` loops (:mod:`gputop.sources.stream`) and one running a constant loop
+that answers ``ps`` for new pids (:data:`OWNERS_SCRIPT`); a refresh reads the next sample
+and starts nothing on the host. Per-refresh query (``collection = "query"``, one-shot
+``--json``, or a host that cannot stream): one exec channel running a constant POSIX shell
+loop (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`); per refresh one line sent (a fresh
+nonce), one framed block read back (:mod:`gputop.sources.protocol`).
 
 ``~/.ssh/config`` is honoured the way ``ssh NAME`` would (HostName, User, Port,
 IdentityFile, IdentitiesOnly, ProxyJump, the agent), except that hosts behind the same
