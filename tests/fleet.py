@@ -59,22 +59,23 @@ for a in "$@"; do
     *) rest="$rest${{rest:+ }}$a" ;;
   esac
 done
+cd -P "$d" || exit 1
 exec 3<>{fifo}  # nobody writes to it: `read -t` on it is a sleep without a process
-if [ -f "$d/delay" ]; then read -r delay < "$d/delay"; read -r -t "$delay" -u 3 _; fi
+if [ -f "./delay" ]; then read -r delay < "./delay"; read -r -t "$delay" -u 3 _; fi
 case "$1" in
   --query-gpu=*) k=gpu ;;
   --query-compute-apps=*) k=apps ;;
   *) k=default ;;
 esac
-if [ -f "$d/$k.args" ]; then
-  read -r want < "$d/$k.args"
+if [ -f "./$k.args" ]; then
+  read -r want < "./$k.args"
   if [ "$rest" != "$want" ]; then
     echo "Field in \"$1\" is not a valid field to query."
     echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
     exit 2
   fi
 fi
-if [ -n "$loop" ] && [ -f "$d/noloop" ]; then
+if [ -n "$loop" ] && [ -f "./noloop" ]; then
   echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
   exit 2
 fi
@@ -84,9 +85,10 @@ fi
 # stdout is block-buffered into a pipe and flushed once per sample, as the real one's: one
 # write per stdout chunk; stderr (a lost GPU's line) is not buffered.
 sample() {{
+  cd -P "$d" || exit 1  # the scenario now: set_scenario swaps the directory at once
   printf -v ts '%(%Y/%m/%d %H:%M:%S)T' -1
   ms=${{EPOCHREALTIME#*.}}; ts="$ts.${{ms:0:3}}"
-  for f in "$d/$k".[0-9]*; do
+  for f in "./$k".[0-9]*; do
     [ -f "$f" ] || continue
     out=
     case $f in
@@ -96,7 +98,7 @@ sample() {{
       *) IFS= read -r -d '' t < "$f"; printf '%s' "$t" ;;
     esac
   done
-  read -r rc < "$d/$k.rc"
+  read -r rc < "./$k.rc"
 }}
 sample
 [ -n "$loop" ] || exit "$rc"
@@ -320,8 +322,7 @@ class Fleet:
     def _write_host(self, h: Host, hdir: Path) -> None:
         smi = hdir / "smi"
         bindir = hdir / "bin"
-        smi.mkdir(parents=True, exist_ok=True)
-        bindir.mkdir(exist_ok=True)
+        bindir.mkdir(parents=True, exist_ok=True)
         log = shlex.quote(str(hdir / "calls.log"))
         _keygen(hdir / "ssh_host_ed25519_key")
         if h.scenario != "no-nvidia-smi":
@@ -352,7 +353,7 @@ class Fleet:
 
     def set_scenario(self, h: Host, scenario: str, delay: float | None = None) -> None:
         """(Re)write what the host's stand-in nvidia-smi replays; takes effect at once."""
-        smi = self.root / h.name / "smi"
+        hdir = self.root / h.name
         h.scenario = scenario
         if delay is not None:
             h.delay = delay
@@ -419,10 +420,24 @@ class Fleet:
             files["delay"] = "86400"
         elif h.delay:
             files["delay"] = f"{h.delay:g}"
-        for old in smi.iterdir():
-            old.unlink()
+        # A new directory, then the `smi` link swapped to it in one rename: a looping
+        # stand-in reads one scenario per sample, never half of one. The one before stays
+        # for a sample still being read.
+        n = 1 + max((int(p.name[4:]) for p in hdir.glob("smi.[0-9]*")), default=0)
+        new = hdir / f"smi.{n}"
+        new.mkdir(parents=True)
         for name, text in files.items():
-            (smi / name).write_text(text)
+            (new / name).write_text(text)
+        for extra in ("noloop",):  # test switches that outlive a scenario
+            if (hdir / "smi" / extra).exists():
+                (new / extra).write_text("")
+        tmp = hdir / "smi.link"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(new.name)
+        os.replace(tmp, hdir / "smi")
+        for old in hdir.glob("smi.[0-9]*"):
+            if int(old.name[4:]) < n - 1:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _start_sshd(self, h: Host) -> None:
         hdir = self.root / h.name

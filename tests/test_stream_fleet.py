@@ -220,4 +220,7 @@ async def test_nvidia_smi_that_cannot_stream_falls_back_to_a_query_per_refresh(
     src = poller.sources[0]
     assert isinstance(src, SshSource) and not src.streaming
     calls = sfleet.calls(alpha)
-    assert smi_starts(calls) == 2 + 2 * 3  # two failed streams, then two per refresh
+    loops = [c for c in calls if c.startswith("nvidia-smi ") and "-lms" in c]
+    # One try at streaming (the apps loop may be killed before it even started), then two
+    # nvidia-smi per refresh.
+    assert 1 <= len(loops) <= 2 and smi_starts(calls) - len(loops) == 2 * 3, calls
