@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -184,7 +185,9 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
 
-    poller = Poller(config, sources)
+    # One document: one query per host is cheaper for the hosts than starting streams.
+    poller = Poller(config if watch else dataclasses.replace(config, collection="query"),
+                    sources)
     reservations = _Reservations(config)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
     observe = tracker.observe
@@ -263,7 +266,7 @@ async def _table(config: Config, sources: list[Source] | None) -> int:
     from gputop.poller import Poller
     from gputop.table import render
 
-    poller = Poller(config, sources)
+    poller = Poller(dataclasses.replace(config, collection="query"), sources)  # one query
     try:
         snap = await poller.snapshot()
     finally:

@@ -95,6 +95,12 @@ class Config:
     hosts: tuple[HostConfig, ...]
     interval: float = 2.0
     timeout: float = 10.0
+    #: How long a host's nvidia-smi stream may take to its first sample (a GPU without
+    #: persistence mode can take tens of seconds to initialise); meanwhile it is "starting".
+    first_sample_timeout: float = 60.0
+    #: "stream": long-running nvidia-smi loops per host; "query": two nvidia-smi and a ps
+    #: per refresh (the old model; also what a host that cannot stream falls back to).
+    collection: str = "stream"
     #: Cap on simultaneous SSH handshakes (a shared bastion drops beyond MaxStartups).
     max_connecting: int = 16
     ssh_config: tuple[Path, ...] | None = None
@@ -299,6 +305,10 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     d = _Table(path, "defaults", top.get("defaults", dict, {}))
     interval = d.number("interval", 2.0, minimum=0.1)
     timeout = d.number("timeout", 10.0, minimum=0.5)
+    first_sample_timeout = d.number("first_sample_timeout", max(60.0, timeout), minimum=0.5)
+    collection = d.get("collection", str, "stream")
+    if collection not in ("stream", "query"):
+        raise ConfigError(path, d.key("collection"), 'must be "stream" or "query"')
     max_connecting = int(d.number("max_connecting", 16, minimum=1))
     theme = d.get("theme", str)
     idle_holder_s = d.duration("idle_holder_after", 1800.0)
@@ -348,6 +358,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         hosts=tuple(hosts),
         interval=interval,
         timeout=timeout,
+        first_sample_timeout=first_sample_timeout,
+        collection=collection,
         max_connecting=max_connecting,
         ssh_config=ssh_paths,
         theme=theme,

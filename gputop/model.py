@@ -25,6 +25,7 @@ ErrorKind = Literal[
     "no-devices",  # "No devices were found"
     "parse",  # output that is not what was asked for
     "no-nvml",  # local host: the NVML library is missing
+    "starting",  # nvidia-smi's stream has not sent its first sample yet (not a timeout)
     "ssh",  # any other SSH protocol failure
     "error",  # anything else, with the message
 ]
@@ -115,6 +116,8 @@ class GpuInfo:
     pstate: str | None = None
     mig_mode: str | None = None
     driver_version: str | None = None
+    #: "Enabled"/"Disabled": without persistence every nvidia-smi start re-initialises the GPU.
+    persistence_mode: str | None = None
     #: The driver could not get a handle for this GPU ("GPU is lost", "Unknown Error").
     lost: bool = False
     lost_reason: str | None = None
@@ -174,6 +177,8 @@ class HostSnapshot:
     tags: tuple[str, ...] = ()
     #: What looked wrong in data that is still shown (e.g. two GPUs with one index).
     warnings: tuple[str, ...] = ()
+    #: Probe cost: seconds the host's nvidia-smi stream took to its first sample.
+    first_sample_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -189,6 +194,7 @@ class HostSnapshot:
             "source": self.source,
             "tags": list(self.tags),
             "warnings": list(self.warnings),
+            "first_sample_s": self.first_sample_s,
             "gpus": [g.to_dict() for g in self.gpus],
         }
 

@@ -40,7 +40,9 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
             jumps = JumpPool(config.ssh_config)
         sources.append(
             SshSource(h, timeout=config.timeout, interval=config.interval,
-                      ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps)
+                      ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps,
+                      first_sample_timeout=config.first_sample_timeout,
+                      collection=config.collection)
         )
     return sources, jumps
 
@@ -76,6 +78,7 @@ class Poller:
             source=source.kind,
             tags=host.tags if host else (),
             warnings=tuple(getattr(source, "warnings", ())) if err is None else (),
+            first_sample_s=getattr(source, "first_sample_s", None),
         )
 
     async def snapshot(self) -> FleetSnapshot:

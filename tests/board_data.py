@@ -31,10 +31,10 @@ def gpus_from(captures: list[str], procs: dict[int, list[tuple[int, str, int, st
     rows, apps, owners, args = [], [], [], []
     for i, cap in enumerate(captures):
         cells = project_capture(CAPTURES[cap], GPU_QUERY).rstrip("\n").split(", ")
-        cells[0], cells[1] = str(i), f"GPU-{i:08d}-test"
+        cells[2], cells[3] = str(i), f"GPU-{i:08d}-test"  # after timestamp, count
         rows.append(", ".join(cells))
         for pid, user, mib, cmd in procs.get(i, []):
-            apps.append(f"GPU-{i:08d}-test, {pid}, {mib}")
+            apps.append(f"2026/07/14 08:12:53.500, GPU-{i:08d}-test, {pid}, {mib}")
             owners.append(f"{pid} {user} 01:02:03")
             args.append(f"{pid} {cmd}")
     lines = frame("0" * 32, gpu=("\n".join(rows), 0), apps=("\n".join(apps), 0),

@@ -35,12 +35,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY  # noqa: E402
 
 GPU_ARGS = f"--query-gpu={GPU_QUERY} --format=csv,noheader,nounits"
+#: The fields after the timestamp, which the stand-in prints itself, as it prints the row.
+ROW_QUERY = GPU_QUERY.split(",", 1)[1]
+ROW_FIELDS = ROW_QUERY.split(",")
 APPS_ARGS = f"--query-compute-apps={APPS_QUERY} --format=csv,noheader,nounits"
 
-STANDIN = r"""#!/bin/sh
+STANDIN = r"""#!/bin/bash
 # Stand-in nvidia-smi for the gputop test fleet: replays recorded output for this host.
+# Like the real one it loops with -l SEC / --loop=SEC / -lms MS / --loop-ms=MS: a start-up
+# delay once, then one sample per interval; a failing sample (a lost GPU: exit 15) ends it.
+# Each start is logged; the loop itself starts no process (bash builtins only).
 d={smi_dir}
-if [ -f "$d/delay" ]; then sleep "$(cat "$d/delay")"; fi
+printf '%s\n' "nvidia-smi $*" >> {log}
+loop= prev= rest=
+for a in "$@"; do
+  case $prev in
+    -l) loop=$a; prev=; continue ;;
+    -lms) loop=$((a / 1000)).$(printf '%03d' $((a % 1000))); prev=; continue ;;
+  esac
+  case $a in
+    -l|-lms) prev=$a ;;
+    --loop=*) loop=${{a#--loop=}} ;;
+    --loop-ms=*) a=${{a#--loop-ms=}}; loop=$((a / 1000)).$(printf '%03d' $((a % 1000))) ;;
+    *) rest="$rest${{rest:+ }}$a" ;;
+  esac
+done
+cd -P "$d" || exit 1
+exec 3<>{fifo}  # nobody writes to it: `read -t` on it is a sleep without a process
+if [ -f "./delay" ]; then read -r delay < "./delay"; read -r -t "$delay" -u 3 _; fi
 case "$1" in
   --query-gpu=*) k=gpu ;;
   --query-compute-apps=*) k=apps ;;
@@ -48,18 +70,46 @@ case "$1" in
   -q) k=xml ;;
   *) k=default ;;
 esac
-if [ -f "$d/$k.args" ] && [ "$*" != "$(cat "$d/$k.args")" ]; then
-  echo "Field in \"$1\" is not a valid field to query."
-  echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
+if [ -f "./$k.args" ]; then
+  read -r want < "./$k.args"
+  if [ "$rest" != "$want" ]; then
+    echo "Field in \"$1\" is not a valid field to query."
+    echo "Please run 'nvidia-smi --help-query-${{k}}' for help."
+    exit 2
+  fi
+fi
+if [ -n "$loop" ] && [ -f "./noloop" ]; then
+  echo "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
   exit 2
 fi
-# What it prints is numbered chunks, replayed in order: *.err to stderr, the rest to stdout
-# (a lost GPU's line comes on stderr, wherever nvidia-smi happens to print it).
-for f in "$d/$k".[0-9]*; do
-  [ -f "$f" ] || continue
-  case $f in *.err) cat "$f" >&2 ;; *) cat "$f" ;; esac
+# One sample: numbered chunks in order: *.err to stderr, *.rows prefixed with the
+# timestamp, the rest as they are (a lost GPU's line comes on stderr, wherever nvidia-smi
+# happens to print it).
+# stdout is block-buffered into a pipe and flushed once per sample, as the real one's: one
+# write per stdout chunk; stderr (a lost GPU's line) is not buffered.
+sample() {{
+  cd -P "$d" || exit 1  # the scenario now: set_scenario swaps the directory at once
+  printf -v ts '%(%Y/%m/%d %H:%M:%S)T' -1
+  ms=${{EPOCHREALTIME#*.}}; ts="$ts.${{ms:0:3}}"
+  for f in "./$k".[0-9]*; do
+    [ -f "$f" ] || continue
+    out=
+    case $f in
+      *.rows) while IFS= read -r line; do out="$out$ts, $line"$'\n'; done < "$f"
+              printf '%s' "$out" ;;
+      *.err) IFS= read -r -d '' t < "$f"; printf '%s' "$t" >&2 ;;
+      *) IFS= read -r -d '' t < "$f"; printf '%s' "$t" ;;
+    esac
+  done
+  read -r rc < "./$k.rc"
+}}
+sample
+[ -n "$loop" ] || exit "$rc"
+while [ "$rc" = 0 ]; do
+  read -r -t "$loop" -u 3 _
+  sample
 done
-exit "$(cat "$d/$k.rc")"
+exit "$rc"
 """
 
 
@@ -373,28 +423,42 @@ class Fleet:
     def _start_processes(self) -> None:
         for h in self.hosts.values():
             for p in h.processes:
-                user = p.user if p.user in self.users else None
-                # `cat` on a pipe nobody writes to: waits forever, and its command line is
-                # exactly argv0, to the last byte (`sleep N` would add " N").
-                cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
-                if p.args:
-                    cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
-                p.popen = subprocess.Popen(
-                    cmd,
-                    user=user, start_new_session=True, cwd="/",
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                )
+                self.start_process(p)
+
+    def start_process(self, p: GpuProcess) -> None:
+        """Start one GPU process (a real process of its user). A test adding a job to a
+        running host appends it to the host's processes and calls ``set_scenario``."""
+        user = p.user if p.user in self.users else None
+        # `cat` on a pipe nobody writes to: waits forever, and its command line is
+        # exactly argv0, to the last byte (`sleep N` would add " N").
+        cmd = ["bash", "-c", f"exec -a {shlex.quote(p.argv0)} cat"]
+        if p.args:
+            cmd = ["bash", "-c", 'exec -a "$0" sleep "$@"', p.argv0, *p.args]
+        p.popen = subprocess.Popen(
+            cmd,
+            user=user, start_new_session=True, cwd="/",
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        )
 
     def _write_host(self, h: Host, hdir: Path) -> None:
         smi = hdir / "smi"
         bindir = hdir / "bin"
-        smi.mkdir(parents=True, exist_ok=True)
-        bindir.mkdir(exist_ok=True)
+        bindir.mkdir(parents=True, exist_ok=True)
+        log = shlex.quote(str(hdir / "calls.log"))
         _keygen(hdir / "ssh_host_ed25519_key")
         if h.scenario != "no-nvidia-smi":
             standin = bindir / "nvidia-smi"
-            standin.write_text(STANDIN.format(smi_dir=shlex.quote(str(smi))))
+            log = shlex.quote(str(hdir / "calls.log"))
+            fifo = hdir / "never"
+            if not fifo.exists():
+                os.mkfifo(fifo, 0o666)
+            standin.write_text(STANDIN.format(smi_dir=shlex.quote(str(smi)), log=log,
+                                              fifo=shlex.quote(str(fifo))))
             standin.chmod(0o755)
+        # ps is the real one, logged: a test can count the processes gputop starts.
+        ps = bindir / "ps"
+        ps.write_text(f"#!/bin/sh\nprintf 'ps %s\\n' \"$*\" >> {log}\nexec /bin/ps \"$@\"\n")
+        ps.chmod(0o755)
         self.set_scenario(h, h.scenario)
         auth = "stranger_authorized_keys" if h.scenario == "auth" else "authorized_keys"
         (hdir / "sshd_config").write_text(
@@ -405,12 +469,15 @@ class Fleet:
             "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel INFO\n"
             "AllowTcpForwarding yes\n"
-            f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin\n"
+            # The sessions run the connecting user's ~/.bashrc (bash does for sshd). Where
+            # that runs `pyenv init` (this machine's root), a rehash killed with its session
+            # leaves pyenv's lock behind and every later session waited 60 s for it.
+            f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin PYENV_REHASH_TIMEOUT=0\n"
         )
 
     def set_scenario(self, h: Host, scenario: str, delay: float | None = None) -> None:
         """(Re)write what the host's stand-in nvidia-smi replays; takes effect at once."""
-        smi = self.root / h.name / "smi"
+        hdir = self.root / h.name
         h.scenario = scenario
         if delay is not None:
             h.delay = delay
@@ -432,12 +499,16 @@ class Fleet:
                           "apps.0.out": "", "apps.rc": "0"})
         else:
             rows: list[str] = []
+            lost_gpus = 1 if scenario == "lost" or scenario in LOST_AT \
+                or scenario == "hostile-names" else 0
             for i, g in enumerate(h.gpus):
-                cells = project_capture(CAPTURES[g], GPU_QUERY).rstrip("\n").split(", ")
-                cells[0] = "0" if scenario == "dup-index" else str(i)  # index
-                cells[1] = gpu_uuid(h.name, i)  # distinct UUID
+                # The stand-in prints the timestamp in front of each row as it prints it.
+                cells = project_capture(CAPTURES[g], ROW_QUERY).rstrip("\n").split(", ")
+                cells[ROW_FIELDS.index("count")] = str(len(h.gpus) + lost_gpus)
+                cells[ROW_FIELDS.index("index")] = "0" if scenario == "dup-index" else str(i)
+                cells[ROW_FIELDS.index("uuid")] = gpu_uuid(h.name, i)  # distinct UUID
                 if scenario == "hostile-names":
-                    cells[2] = HOSTILE_GPU_NAME
+                    cells[ROW_FIELDS.index("name")] = HOSTILE_GPU_NAME
                 rows.append(", ".join(cells) + "\n")
             # process_name only where gputop still asks for it (as nvidia-smi would): it is
             # argv[0], whatever its owner put there, newlines included.
@@ -449,21 +520,21 @@ class Fleet:
                 for p in h.processes if p.popen is not None and p.gpu < len(rows)
             ]
             rc = "0"
-            gpu_chunks: list[tuple[str, str]] = [("out", "".join(rows))]
-            apps_chunks: list[tuple[str, str]] = [("out", "".join(apps))]
+            gpu_chunks: list[tuple[str, str]] = [("rows", "".join(rows))]
+            apps_chunks: list[tuple[str, str]] = [("rows", "".join(apps))]
             lost = (DATA / LOST_TEXT).read_text()
             if scenario == "hostile-names":
                 lost = lost.replace("Unknown Error", "Unknown \x1b[31mError\x1b[0m")
             if scenario == "lost":
-                gpu_chunks = [("out", "".join(rows) + lost)]
+                gpu_chunks = [("rows", "".join(rows)), ("out", lost)]
                 rc = "15"
             elif scenario in LOST_AT or scenario == "hostile-names":
                 at = LOST_AT.get(scenario, -1)
                 at = len(rows) if at < 0 else min(at, len(rows))
-                gpu_chunks = [("out", "".join(rows[:at])), ("err", lost),
-                              ("out", "".join(rows[at:]))]
-                apps_chunks = [("out", "".join(apps[:1])), ("err", lost),
-                               ("out", "".join(apps[1:]))]
+                gpu_chunks = [("rows", "".join(rows[:at])), ("err", lost),
+                              ("rows", "".join(rows[at:]))]
+                apps_chunks = [("rows", "".join(apps[:1])), ("err", lost),
+                               ("rows", "".join(apps[1:]))]
                 rc = "15"
             for k, chunks in (("gpu", gpu_chunks), ("apps", apps_chunks)):
                 for n, (stream, text) in enumerate(chunks):
@@ -476,10 +547,24 @@ class Fleet:
             files["delay"] = "86400"
         elif h.delay:
             files["delay"] = f"{h.delay:g}"
-        for old in smi.iterdir():
-            old.unlink()
+        # A new directory, then the `smi` link swapped to it in one rename: a looping
+        # stand-in reads one scenario per sample, never half of one. The one before stays
+        # for a sample still being read.
+        n = 1 + max((int(p.name[4:]) for p in hdir.glob("smi.[0-9]*")), default=0)
+        new = hdir / f"smi.{n}"
+        new.mkdir(parents=True)
         for name, text in files.items():
-            (smi / name).write_text(text)
+            (new / name).write_text(text)
+        for extra in ("noloop",):  # test switches that outlive a scenario
+            if (hdir / "smi" / extra).exists():
+                (new / extra).write_text("")
+        tmp = hdir / "smi.link"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(new.name)
+        os.replace(tmp, hdir / "smi")
+        for old in hdir.glob("smi.[0-9]*"):
+            if int(old.name[4:]) < n - 1:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _start_sshd(self, h: Host) -> None:
         hdir = self.root / h.name
@@ -500,14 +585,24 @@ class Fleet:
         return env
 
     def write_config(self, names: Iterable[str] | None = None, *, timeout: float = 3.0,
-                     interval: float = 1.0, extra: str = "") -> Path:
+                     interval: float = 1.0, extra: str = "",
+                     first_sample_timeout: float | None = None) -> Path:
+        """A hosts.toml for these hosts. The first sample may take ``timeout`` unless told
+        otherwise: a hung stand-in is then a timeout in the tests' short time."""
         path = self.root / "hosts.toml"
         names = list(names) if names is not None else list(self.hosts)
-        body = f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n{extra}\n"
+        first = timeout if first_sample_timeout is None else first_sample_timeout
+        body = (f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n"
+                f"first_sample_timeout = {first}\n{extra}\n")
         body += f"[reservations]\npath = \"{self.root / 'reservations.json'}\"\n\n"
         body += "".join(f'[[hosts]]\nname = "{n}"\n\n' for n in names)
         path.write_text(body)
         return path
+
+    def calls(self, h: Host) -> list[str]:
+        """Every nvidia-smi and ps the host ran so far (its stand-ins log each start)."""
+        log = self.root / h.name / "calls.log"
+        return log.read_text().splitlines() if log.exists() else []
 
     def remote_processes(self, h: Host) -> list[str]:
         """Processes still running the host's stand-in (a hung query must not pile up)."""

@@ -963,3 +963,20 @@ async def test_a_host_warning_shows_on_its_row_and_in_the_details(
         head = str(app.query_one(DetailPane).query_one("#detail-head").render())
         assert "⚠ two GPUs report index 0" in head and "⚠ MIG layout ignored" in head
         assert "\x1b" not in head
+
+
+async def test_a_host_whose_nvidia_smi_is_starting_is_not_shown_down(tmp_path: Path) -> None:
+    """A slow nvidia-smi start (no persistence mode) is "starting", with its time, not a
+    fault: neither "down" nor the red error style."""
+    from gputop.model import HostError
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        app.ingest(HostSnapshot(name="gpu-h100", time=NOW,
+                                error=HostError("starting", "starting nvidia-smi: 6 s")))
+        app.render_board()
+        await pilot.pause()
+        assert cell(table, "gpu-h100", "util") == "starting"
+        assert cell(table, "gpu-h100", "flags") == "starting nvidia-smi: 6 s"
+        assert "down" not in cell(table, "gpu-h100", "gpu")

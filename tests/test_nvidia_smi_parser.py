@@ -32,6 +32,8 @@ DATA = Path(__file__).parent / "data" / "nvidia-smi"
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nvidia-smi"
 
 
+#: A real nvidia-smi timestamp (h100 compute-apps capture): the first field of every row.
+TS = "2026/07/14 08:12:53.500"
 NONCE = "0123456789abcdef" * 2
 
 
@@ -127,7 +129,7 @@ def test_compute_apps_rows_real_captures() -> None:
     assert len(recs) == 12
     assert any(r["process_name"] and " " in r["process_name"] for r in recs)  # Windows paths
     assert all(r["used_gpu_memory"] is None for r in recs)
-    rows = parse_apps_rows("GPU-1, 11327, 2566\nGPU-1, 7, [N/A]\n")
+    rows = parse_apps_rows(f"{TS}, GPU-1, 11327, 2566\n{TS}, GPU-1, 7, [N/A]\n")
     assert rows[0].pid == 11327 and rows[0].used_memory_mib == 2566
     assert rows[1].used_memory_mib is None
 
@@ -182,7 +184,7 @@ def test_lost_gpu_beside_a_healthy_one(name: str) -> None:
 def test_processes_attach_to_their_gpu_with_owner() -> None:
     rows = project_capture(CAPTURES["h100"], GPU_QUERY)
     gpus, err = remote(
-        rows, apps="GPU-00000000-0000-0000-0000-000000000000, 11327, 2566",
+        rows, apps=f"{TS}, GPU-00000000-0000-0000-0000-000000000000, 11327, 2566",
         owners="11327 alice 10:00", args="11327 /root/tools/memhog --size 2G")
     assert err is None
     (p,) = gpus[0].processes
@@ -193,7 +195,7 @@ def test_processes_attach_to_their_gpu_with_owner() -> None:
 
 def test_process_without_ps_row_is_shown_without_owner() -> None:
     rows = project_capture(CAPTURES["h100"], GPU_QUERY)
-    gpus, _ = remote(rows, apps="GPU-00000000-0000-0000-0000-000000000000, 5, [N/A]")
+    gpus, _ = remote(rows, apps=f"{TS}, GPU-00000000-0000-0000-0000-000000000000, 5, [N/A]")
     (p,) = gpus[0].processes
     assert (p.pid, p.user, p.command, p.gpu_memory_mib) == (5, None, None, None)
 

@@ -68,8 +68,11 @@ def fake_nvml(pid: int, *, init_error: Exception | None = None) -> types.ModuleT
     m.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
 
     def init() -> None:
+        m.inits += 1  # type: ignore[attr-defined]
         if init_error:
             raise init_error
+
+    m.inits = 0  # type: ignore[attr-defined]
 
     def handle(i: int) -> int:
         if i == 2:
@@ -80,7 +83,8 @@ def fake_nvml(pid: int, *, init_error: Exception | None = None) -> types.ModuleT
         raise NVMLError_NotSupported("Not Supported")
 
     m.nvmlInit = init  # type: ignore[attr-defined]
-    m.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    m.nvmlShutdown = lambda: setattr(m, "inits", -1)  # type: ignore[attr-defined]
+    m.nvmlDeviceGetPersistenceMode = lambda h: 0 if h == 1 else 1  # type: ignore[attr-defined]
     m.nvmlDeviceGetCount = lambda: 3  # type: ignore[attr-defined]
     m.nvmlSystemGetDriverVersion = lambda: "550.90.07"  # type: ignore[attr-defined]
     m.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
@@ -214,3 +218,17 @@ async def test_mig_instances_through_nvml() -> None:
     assert (p.gpu_instance_id, p.compute_instance_id) == (9, 0)
     (gp,) = g1.processes  # the GPU's own list says the instance too
     assert (gp.pid, gp.gpu_instance_id) == (sleeper.pid, 9)
+
+
+async def test_one_nvml_session_for_the_life_of_the_source() -> None:
+    """NVML is initialised once, not per refresh (each init costs seconds per GPU without
+    persistence mode), and shut down once, at close. A test double: no GPU here."""
+    nv = fake_nvml(os.getpid())
+    src = NvmlSource("local", timeout=5, nvml=nv)
+    for _ in range(5):
+        gpus, err = await src.query()
+        assert err is None
+    assert nv.inits == 1  # type: ignore[attr-defined]
+    assert [g.persistence_mode for g in gpus] == ["Enabled", "Disabled", None]
+    await src.close()
+    assert nv.inits == -1  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ ROW = project_capture(CAPTURES["l40s"], GPU_QUERY).strip()
 
 def row(index: int, uuid: str) -> str:
     cells = ROW.split(", ")
-    cells[0], cells[1] = str(index), uuid
+    cells[2], cells[3] = str(index), uuid  # after timestamp, count
     return ", ".join(cells)
 
 
@@ -89,8 +89,7 @@ def test_start_and_end_lines_are_exact() -> None:
 
 @pytest.mark.parametrize("where", ["first", "middle", "last", "inside a row"])
 def test_lost_gpu_line_anywhere(where: str) -> None:
-    assert ROW.startswith("0, ")
-    rows = [f"{i}" + ROW[1:].replace("00000000:01:00.0", f"00000000:0{i + 1}:00.0")
+    rows = [row(i, f"GPU-{i}").replace("00000000:01:00.0", f"00000000:0{i + 1}:00.0")
             for i in (0, 2)]
     if where == "first":
         text = "\n".join([LOST, *rows])
@@ -148,7 +147,8 @@ def test_the_script_runs_in_a_posix_shell_and_frames_its_output(tmp_path: Path) 
     assert sh
     (tmp_path / "nvidia-smi").write_text(  # pid 1 runs on both GPUs
         "#!/bin/sh\ncase $1 in --query-gpu=*) printf '%s\\n%s\\n' \"$ROW\" \"$ROW2\" ;; "
-        "*) printf 'GPU-x, 1, 5\\nGPU-y, 1, 7\\n' ;; esac\n")
+        "*) printf '2026/07/14 08:12:53.500, GPU-x, 1, 5\\n"
+        "2026/07/14 08:12:53.500, GPU-y, 1, 7\\n' ;; esac\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
     nonces = ["1" * 32, "2" * 32, "3" * 32]
     r = subprocess.run([sh, "-c", REMOTE_SCRIPT], input="\n".join(nonces) + "\n",

@@ -86,10 +86,14 @@ def run_json(fleet: Fleet, names: list[str]) -> dict[str, dict]:
 # -- 1. remote output can neither forge nor hide data ------------------------------------
 
 
-async def test_end_mark_in_a_command_line_hides_nothing(home: Fleet) -> None:
+@pytest.mark.parametrize("collection", ["query", "stream"])
+async def test_end_mark_in_a_command_line_hides_nothing(home: Fleet, collection: str) -> None:
     """``@@gputop end`` in a job's command line used to end the refresh early: the host was
-    a parse error, and every later refresh read the leftovers of the one before."""
-    poller = Poller(load_config(str(home.write_config(["inject-end"], timeout=TIMEOUT))))
+    a parse error, and every later refresh read the leftovers of the one before. Streaming,
+    the command lines come from the ps channel, framed the same way."""
+    cfg = home.write_config(["inject-end"], timeout=TIMEOUT,
+                            extra=f'collection = "{collection}"')
+    poller = Poller(load_config(str(cfg)))
     alice, bob = home.hosts["inject-end"].processes
     try:
         for _ in range(3):
@@ -101,7 +105,9 @@ async def test_end_mark_in_a_command_line_hides_nothing(home: Fleet) -> None:
             assert got[bob.pid].command == "python evil.py @@gputop end"
             if home.users:
                 assert (got[alice.pid].user, got[bob.pid].user) == ("gtalice", "gtbob")
-        assert poller.sources[0].channels == 1  # type: ignore[attr-defined]
+        # One channel per refresh loop; streaming: the two streams and the ps channel.
+        assert poller.sources[0].channels == (  # type: ignore[attr-defined]
+            1 if collection == "query" else 3)
     finally:
         await poller.aclose()
 
@@ -117,13 +123,20 @@ def test_newline_in_a_process_name_injects_no_row(pfleet: Fleet, schema: dict) -
         assert "\n" not in (p["command"] or "")
 
 
-async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(home: Fleet) -> None:
-    poller = Poller(load_config(str(home.write_config(["huge"], timeout=TIMEOUT))))
+@pytest.mark.parametrize("collection", ["query", "stream"])
+async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(
+    home: Fleet, collection: str
+) -> None:
+    cfg = home.write_config(["huge"], timeout=TIMEOUT, extra=f'collection = "{collection}"')
+    poller = Poller(load_config(str(cfg)))
     huge = home.hosts["huge"]
     try:
         (h,) = (await poller.snapshot()).hosts
         assert h.error is not None and h.error.kind == "parse", h.error
-        assert h.error.message == f"output larger than {MAX_OUTPUT} bytes"
+        if collection == "query":
+            assert h.error.message == f"output larger than {MAX_OUTPUT} bytes"
+        else:  # its first line is no sample: the stream is not read any further
+            assert h.error.message.startswith("expected 18 comma-separated fields, got 1: A")
         home.set_scenario(huge, "ok")
         try:
             (h,) = (await poller.snapshot()).hosts
@@ -131,7 +144,8 @@ async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(home: F
             home.set_scenario(huge, "huge")
         assert h.error is None and len(h.gpus) == 1
         src = poller.sources[0]
-        assert (src.connects, src.channels) == (1, 2)  # type: ignore[attr-defined]
+        assert (src.connects, src.channels) == (  # type: ignore[attr-defined]
+            (1, 2) if collection == "query" else (1, 5))  # streams: 2 + ps, then 2
     finally:
         await poller.aclose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -133,12 +134,16 @@ async def test_connections_are_reused_across_refreshes(fleet_home: Fleet) -> Non
     cfg = fleet_home.write_config(["gpu-h100", "gpu-mixed", "driver"], timeout=TIMEOUT)
     poller = Poller(load_config(str(cfg)))
     try:
+        channels = []
         for _ in range(3):
             snap = await poller.snapshot()
             assert [h.ok for h in snap.hosts] == [True, True, False]
+            channels.append([s.channels for s in poller.sources])  # type: ignore[attr-defined]
         assert poller.connects == 3  # one per host, none per refresh
-        # ...and one exec channel per host, kept: a refresh opens no new session remotely
-        assert [s.channels for s in poller.sources] == [1, 1, 1]  # type: ignore[attr-defined]
+        # ...and the healthy hosts' channels (two nvidia-smi streams and one for ps) are
+        # kept: a refresh opens no new session remotely. The failing host's streams end
+        # with the failure: they are started again per refresh.
+        assert [c[:2] for c in channels] == [[3, 3]] * 3
     finally:
         await poller.aclose()
 
@@ -158,8 +163,10 @@ async def test_updates_arrive_per_host_without_waiting_for_the_slowest(
     finally:
         await poller.aclose()
     # The healthy hosts answered (and were re-polled every interval) while "hang" hung.
-    assert seen[:2] in (["gpu-h100", "gpu-lost"], ["gpu-lost", "gpu-h100"])
-    assert seen.count("gpu-h100") >= 2 and seen.count("gpu-lost") >= 2
+    assert seen[-1] == "hang" and set(seen[:-1]) == {"gpu-h100", "gpu-lost"}
+    # (gpu-lost's nvidia-smi loop ends after each sample, exit 15: it is restarted, so it
+    # may answer less often than every interval.)
+    assert seen.count("gpu-h100") >= 2 and seen.count("gpu-lost") >= 1
 
 
 async def test_host_that_recovers_is_picked_up_again(
@@ -172,6 +179,9 @@ async def test_host_that_recovers_is_picked_up_again(
     try:
         assert all(h.ok for h in (await poller.snapshot()).hosts)
         small_fleet.stop_sshd(alpha)  # also drops the kept connection
+        # A sample streamed before the host went down is still data: let the client see
+        # the connection close (as it does within a moment) before asking again.
+        await asyncio.sleep(0.5)
         snap = await poller.snapshot()
         assert snap.hosts[0].error is not None and snap.hosts[1].ok
         small_fleet.restart_sshd(alpha)
@@ -193,9 +203,13 @@ async def test_stand_in_scenario_change_is_seen_on_the_same_connection(
     try:
         assert (await poller.snapshot()).hosts[1].ok
         small_fleet.set_scenario(beta, "driver")
-        assert (await poller.snapshot()).hosts[1].error.kind == "driver"  # type: ignore[union-attr]
+        # The stream's next sample shows the change (a sample already on its way may come
+        # first).
+        kinds = [(await poller.snapshot()).hosts[1].error for _ in range(3)]
+        assert "driver" in [e.kind for e in kinds if e is not None], kinds
         small_fleet.set_scenario(beta, "ok")
-        assert (await poller.snapshot()).hosts[1].ok
+        snaps = [(await poller.snapshot()).hosts[1] for _ in range(2)]
+        assert snaps[-1].ok, snaps
         assert poller.connects == 2
     finally:
         await poller.aclose()

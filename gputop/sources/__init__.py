@@ -11,7 +11,8 @@ class Source(Protocol):
     """One host. ``query`` never raises for the host's own failures: it returns them.
 
     A source may also have ``warnings: tuple[str, ...]``, what its last query found odd in
-    data it still returned; the poller copies it onto the host snapshot.
+    data it still returned, and ``first_sample_s`` (its stream's time to first sample); the
+    poller copies both onto the host snapshot.
     """
 
     name: str

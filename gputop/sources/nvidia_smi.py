@@ -71,7 +71,15 @@ def to_index(value: str | None) -> int | None:
     return int(v) if v.isdigit() and len(v) <= 5 and int(v) <= 65535 else None
 
 
+def _skip(value: str | None) -> None:
+    return None
+
+
 GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
+    # timestamp first: in a stream (``-lms``) it marks where a row starts; count: how many
+    # rows (GPUs) one sample has, so a sample is complete without waiting for the next.
+    ("timestamp", "", _skip),
+    ("count", "", _skip),
     ("index", "index", to_index),
     ("uuid", "uuid", to_str),
     ("name", "name", to_str),
@@ -87,11 +95,12 @@ GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
     ("pstate", "pstate", to_str),
     ("mig.mode.current", "mig_mode", to_str),
     ("driver_version", "driver_version", to_str),
+    ("persistence_mode", "persistence_mode", to_str),
 )
 GPU_QUERY = ",".join(f for f, _, _ in GPU_FIELDS)
 # No process_name: it is text a user chooses (a newline in it would start a row). The
 # command line comes from ``ps``, in a section of its own.
-APPS_FIELDS = ("gpu_uuid", "pid", "used_memory")
+APPS_FIELDS = ("timestamp", "gpu_uuid", "pid", "used_memory")
 APPS_QUERY = ",".join(APPS_FIELDS)
 
 REMOTE_SCRIPT = remote_script(
@@ -164,12 +173,17 @@ def parse_apps_rows(text: str) -> list[AppRow]:
     """Rows of ``--query-compute-apps=gpu_uuid,pid,used_memory``; lost-GPU lines skipped."""
     rows: list[AppRow] = []
     for line in _split_lost(text)[0]:
-        cells = line.split(", ")
-        pid = to_int(cells[1]) if len(cells) == len(APPS_FIELDS) else None
-        if pid is None or not cells[1].strip().isdigit():
-            raise ParseError(f"unexpected process row: {excerpt(line)}")
-        rows.append(AppRow(to_str(cells[0]), pid, to_int(cells[2])))
+        rows.append(parse_apps_row(line))
     return rows
+
+
+def parse_apps_row(line: str) -> AppRow:
+    """One ``timestamp, gpu_uuid, pid, used_memory`` row, strictly."""
+    cells = line.split(", ")
+    pid = to_int(cells[2]) if len(cells) == len(APPS_FIELDS) else None
+    if pid is None or not cells[2].strip().isdigit():
+        raise ParseError(f"unexpected process row: {excerpt(line)}")
+    return AppRow(to_str(cells[1]), pid, to_int(cells[3]))
 
 
 def parse_etime(value: str) -> int | None:
@@ -324,6 +338,15 @@ class RemoteResult:
     unknown_mig: frozenset[str] = frozenset()
 
 
+def index_warnings(gpus: Iterable[GpuInfo]) -> list[str]:
+    """A GPU index listed twice (both GPUs are shown)."""
+    seen: dict[int, int] = {}
+    for g in gpus:
+        if g.index is not None:
+            seen[g.index] = seen.get(g.index, 0) + 1
+    return [f"nvidia-smi listed GPU index {i} {n} times" for i, n in seen.items() if n > 1]
+
+
 def parse_sections(sections: dict[str, Section], mig: MigParents | None = None) -> RemoteResult:
     """GPUs with their processes from one refresh's sections, or the host error."""
     gpu, apps_s = sections["gpu"], sections["apps"]
@@ -334,13 +357,7 @@ def parse_sections(sections: dict[str, Section], mig: MigParents | None = None) 
         gpus = parse_gpu_rows(gpu.text)
         if not gpus:
             return RemoteResult([], HostError("parse", "nvidia-smi listed no GPUs"))
-        warnings: list[str] = []
-        seen: dict[int, int] = {}
-        for g in gpus:
-            if g.index is not None:
-                seen[g.index] = seen.get(g.index, 0) + 1
-        warnings += [f"nvidia-smi listed GPU index {i} {n} times" for i, n in seen.items()
-                     if n > 1]
+        warnings = index_warnings(gpus)
         apps_failure = classify_failure(apps_s.text, apps_s.rc)
         if apps_failure:
             warnings.append(f"processes unknown: {apps_failure.message}")
@@ -402,6 +419,6 @@ def gpus_from_records(records: Iterable[dict[str, str | None]]) -> list[GpuInfo]
     gpus = []
     for rec in records:
         rec = {_ALIASES.get(k, k): v for k, v in rec.items()}
-        values = {attr: conv(rec.get(f)) for f, attr, conv in GPU_FIELDS}
+        values = {attr: conv(rec.get(f)) for f, attr, conv in GPU_FIELDS if attr}
         gpus.append(GpuInfo(**values))
     return gpus

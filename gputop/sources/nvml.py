@@ -1,6 +1,8 @@
 """Read the local machine's GPUs in-process through NVML (``pynvml``, imported lazily).
 
-No subprocess, no SSH: the local host costs a few NVML calls per refresh. Process owners,
+No subprocess, no SSH: the local host costs a few NVML calls per refresh, on one NVML
+session initialised once for the life of the process (``nvmlInit`` is what costs seconds
+per GPU without persistence mode; it is repeated only after NVML itself failed). Process owners,
 command lines and ages come from ``/proc``, as ``ps`` would report them.
 """
 
@@ -107,6 +109,7 @@ class NvmlSource:
             instances = tuple(replace(i, processes=tuple(by_pid.get(p.pid, p)
                                                          for p in i.processes))
                               for i in instances)
+        persistence = self._opt(lambda: nv.nvmlDeviceGetPersistenceMode(h))
         return GpuInfo(
             index=index,
             uuid=self._opt(lambda: _s(nv.nvmlDeviceGetUUID(h))),
@@ -123,6 +126,8 @@ class NvmlSource:
             fan_percent=self._opt(lambda: nv.nvmlDeviceGetFanSpeed(h)),
             pstate=f"P{pstate}" if pstate is not None and 0 <= pstate <= 15 else None,
             mig_mode=("Enabled" if mig[0] else "Disabled") if mig is not None else None,
+            persistence_mode=(("Enabled" if persistence else "Disabled")
+                              if persistence is not None else None),
             driver_version=driver,
             processes=processes,
             instances=instances,

@@ -50,7 +50,8 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     It reads a nonce line, says ``@@gputop NONCE start PID`` (sshd made it a process-group
     leader, so a hung refresh can be killed as a whole), then runs one refresh per line it
     reads, the line being that refresh's nonce. The two nvidia-smi queries run side by side
-    (one in the background); the pids for ``ps`` are picked out with shell builtins. Each
+    (one in the background); the pids for ``ps`` are picked out with shell builtins (the
+    apps rows are ``date time, uuid, pid, memory``). Each
     marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
     Command lines are cut at 4096 columns: jobs with huge ones cannot fill the output limit.
     A refresh is collected and written at once: one SSH packet, not one per command.
@@ -60,7 +61,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
         f"apps=$(nvidia-smi {apps_query} </dev/null 2>&1); arc=$?; "
         f'wait "$g"; printf "\\n{MARK} %s gpu %s\\n" "$n" "$?"; '
         f'printf "%s\\n{MARK} %s apps %s\\n" "$apps" "$n" "$arc"; '
-        "pids=; while IFS=', ' read -r _u p _r; do case $p in ''|*[!0-9]*) ;; "
+        "pids=; while IFS=', ' read -r _d _t _u p _r; do case $p in ''|*[!0-9]*) ;; "
         '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
         'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
@@ -72,6 +73,43 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
             f'while IFS= read -r n; do {check}; r=$({{ {refresh}; }} 2>&1); '
             f'printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
+
+
+def stream_script(command: str) -> str:
+    """A channel that runs one long-running command, whose output (stdout and stderr, in
+    order) is then all the channel carries, and whose exit code is the channel's.
+
+    It first reads a nonce line and answers the start line with its pid (the session's
+    process group, killed as a whole when the command stalls), as :func:`remote_script`
+    does. The command is killed as soon as the channel's stdin closes (gputop exits or the
+    connection drops): an apps stream that prints nothing would never notice otherwise.
+    """
+    check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
+    return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
+            f"exec 3<&0; {command} </dev/null 2>&1 & c=$!; "
+            '(read -r _ <&3; kill "$c") >/dev/null 2>&1 </dev/null & w=$!; '
+            'wait "$c"; r=$?; kill "$w" 2>/dev/null; exit "$r"')
+
+
+#: The sections of one owners query (streaming collection: ``ps`` for new pids only).
+OWNER_SECTIONS = ("owners", "args")
+
+
+def owners_script() -> str:
+    """The constant loop that answers ``NONCE PID,PID,...`` lines with ``ps`` for those pids:
+    their owners (strict) and command lines (lenient), framed as :func:`remote_script`'s.
+    A line that is not a nonce and a pid list ends the loop."""
+    check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
+    ask = (
+        f"ps -o pid= -o user= -o etime= -p \"$p\" </dev/null; "
+        f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
+        f'COLUMNS=4096 ps -o pid= -o args= -p "$p" </dev/null; '
+        f'printf "\\n{MARK} %s args %s" "$n" "$?"'
+    )
+    return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
+            f"while IFS=' ' read -r n p; do {check}; "
+            "case $p in ''|*[!0-9,]*) exit 0 ;; esac; "
+            f'r=$({{ {ask}; }} 2>&1); printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
 
 
 class OutputTooLarge(FramingError):
@@ -100,6 +138,11 @@ class LineReader:
             return []
         *lines, self._partial = (self._partial + data).split(b"\n")
         return [ln.decode("utf-8", "replace") for ln in lines]
+
+    def restart(self) -> None:
+        """Count from here on (a stream's limit is per sample): only the partial line left
+        counts against the next."""
+        self.size = len(self._partial)
 
     @property
     def pending(self) -> bool:
@@ -135,8 +178,9 @@ class Section:
 _SECTION_MARK = re.compile(r"([a-z]+) (\d{1,3})")
 
 
-def split_frame(lines: list[str], nonce: str) -> dict[str, Section]:
-    """One refresh's lines (up to, not including, its end line) as its four sections.
+def split_frame(lines: list[str], nonce: str,
+                names: tuple[str, ...] = SECTIONS) -> dict[str, Section]:
+    """One refresh's lines (up to, not including, its end line) as its sections (``names``).
 
     A line is a marker only if it starts with ``@@gputop NONCE``; every marker must be the
     next expected section with a numeric exit code. Anything else is a FramingError.
@@ -149,14 +193,14 @@ def split_frame(lines: list[str], nonce: str) -> dict[str, Section]:
             buf.append(line)
             continue
         m = _SECTION_MARK.fullmatch(line[len(prefix):])
-        expected = SECTIONS[len(sections)] if len(sections) < len(SECTIONS) else None
+        expected = names[len(sections)] if len(sections) < len(names) else None
         if m is None or m.group(1) != expected:
             raise FramingError(f"unexpected marker in the remote output: {excerpt(line)}")
         sections[m.group(1)] = Section("\n".join(buf), int(m.group(2)))
         buf = []
-    if len(sections) != len(SECTIONS):
+    if len(sections) != len(names):
         raise FramingError(
-            f"incomplete output from the remote script ({len(sections)} of {len(SECTIONS)} "
+            f"incomplete output from the remote script ({len(sections)} of {len(names)} "
             f"sections): {excerpt(' '.join(buf))}")
     if any(line.strip() for line in buf):
         raise FramingError(f"output after the last section: {excerpt(' '.join(buf))}")

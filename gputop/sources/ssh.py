@@ -1,9 +1,12 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection and one exec channel running a constant POSIX shell loop
-(:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`), both kept open. Per refresh: one line
-sent (a fresh nonce), one framed block read back (:mod:`gputop.sources.protocol`): one round
-trip, and no new session on the host.
+Per host: one connection, kept open. Streaming (the default): two exec channels running
+``nvidia-smi -lms`` loops (:mod:`gputop.sources.stream`) and one running a constant loop
+that answers ``ps`` for new pids (:data:`OWNERS_SCRIPT`); a refresh reads the next sample
+and starts nothing on the host. Per-refresh query (``collection = "query"``, one-shot
+``--json``, or a host that cannot stream): one exec channel running a constant POSIX shell
+loop (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`); per refresh one line sent (a fresh
+nonce), one framed block read back (:mod:`gputop.sources.protocol`).
 
 ``~/.ssh/config`` is honoured the way ``ssh NAME`` would (HostName, User, Port,
 IdentityFile, IdentitiesOnly, ProxyJump, the agent), except that hosts behind the same
@@ -36,18 +39,31 @@ import asyncssh
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
 from gputop.sources import mig
-from gputop.sources.nvidia_smi import REMOTE_SCRIPT, RemoteResult, parse_sections
+from gputop.sources.nvidia_smi import (
+    REMOTE_SCRIPT,
+    AppRow,
+    Owner,
+    RemoteResult,
+    attach_processes,
+    index_warnings,
+    parse_args_rows,
+    parse_owner_rows,
+    parse_sections,
+)
 from gputop.sources.protocol import (
     MARK,
+    OWNER_SECTIONS,
     FramingError,
     LineReader,
     ParseError,
     Section,
     end_line,
     new_nonce,
+    owners_script,
     split_frame,
     start_pid,
 )
+from gputop.sources.stream import SETTLE_S, HostStreams
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
@@ -81,6 +97,9 @@ MIG_SCRIPT = (
     "nvidia-smi -q -x </dev/null 2>/dev/null; "
     f'printf "\\n{MARK} %s xml %s\\n" "$n" "$?"'
 )
+
+#: The control channel of a streaming host: ``ps`` for new pids only.
+OWNERS_SCRIPT = owners_script()
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
@@ -299,8 +318,25 @@ class SshSource:
         ssh_config: Sequence[Path] | None,
         handshakes: asyncio.Semaphore,
         jumps: JumpPool,
+        first_sample_timeout: float = 60.0,
+        collection: str = "stream",
     ) -> None:
         self.host = host
+        self.first_sample_timeout = first_sample_timeout
+        #: Streaming (two nvidia-smi loops per host) or one framed query per refresh; a host
+        #: whose nvidia-smi cannot stream falls back to the query for good.
+        self.streaming = collection == "stream"
+        self._streams: HostStreams | None = None
+        self._first_deadline = 0.0
+        self._opening: asyncio.Task[None] | None = None
+        self._short_streams = 0
+        self._stream_kills: set[asyncio.Task[None]] = set()
+        self._seen_seq = 0
+        self._starting = False
+        #: Owners and command lines of the pids in the last sample, and when ps was asked.
+        self._owners: dict[int, tuple[Owner, str | None, float]] = {}
+        #: Probe cost: seconds the last stream took to its first sample.
+        self.first_sample_s: float | None = None
         self.name = host.name
         self.timeout = timeout
         self.interval = interval
@@ -330,6 +366,8 @@ class SshSource:
         self._mig_pids: frozenset[tuple[str | None, int]] = frozenset()
         #: MIG inventories read (each on a short-lived channel of its own), for tests.
         self.mig_reads = 0
+        #: nvidia-smi streams started (two channels each), for tests and the benchmark.
+        self.stream_starts = 0
 
     def reset(self) -> None:
         """Forget the backoff: the next query tries (connects) at once."""
@@ -463,7 +501,8 @@ class SshSource:
 
     async def _handshake(self, sock: socket.socket | None) -> None:
         self._conn = await self._connect(sock)
-        await self._open_channel(self._conn)
+        if not self.streaming:  # streams are opened after the handshake (_stream_query)
+            await self._open_channel(self._conn)
 
     def _connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
@@ -475,6 +514,8 @@ class SshSource:
 
     def _drop(self) -> None:
         self._close_channel()
+        self._cancel_opening()
+        self._stop_streams()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -489,10 +530,13 @@ class SshSource:
             return [], HostError(self._last_error.kind,
                                  f"{self._last_error.message} (retrying in {wait:.0f}s)")
         try:
-            opened = not self._connected()
-            spent = await self._open() if opened else 0.0
-            result = await asyncio.wait_for(self._query(reopen=not opened),
-                                            max(0.1, self.timeout - spent))
+            if self.streaming:
+                result = await self._stream_query()
+            else:
+                opened = not self._connected()
+                spent = await self._open() if opened else 0.0
+                result = await asyncio.wait_for(self._query(reopen=not opened),
+                                                max(0.1, self.timeout - spent))
         except Exception as exc:  # every failure is this host's alone
             err = self._classify(exc)
             if err.kind != "timeout" or not self._connected():
@@ -562,7 +606,8 @@ class SshSource:
         """Start the remote loop and read its start line (with a nonce of its own)."""
         # The script sends its own stderr to stdout, in order. What arrives on the channel's
         # stderr comes from the user's shell startup files: not ours.
-        proc = await conn.create_process(REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
+        script = OWNERS_SCRIPT if self.streaming else REMOTE_SCRIPT
+        proc = await conn.create_process(script, stderr=asyncssh.DEVNULL, encoding=None)
         self._proc = proc
         self.channels += 1
         nonce = new_nonce()
@@ -734,7 +779,245 @@ class SshSource:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(killing), timeout=2.0)
         self._close_channel()
+        self._cancel_opening()
+        self._stop_streams()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
             await conn.wait_closed()
+
+    # -- streaming -------------------------------------------------------------------------
+
+    async def _start_streams(self, conn: asyncssh.SSHClientConnection) -> None:
+        self._stop_streams()
+        streams = HostStreams(conn, self.interval, self.max_output)
+        self._seen_seq = 0
+        self.stream_starts += 1
+        try:
+            if self._proc is None:  # the ps channel too, at once: the first sample needs it
+                await asyncio.gather(streams.start(), self._open_channel(conn))
+            else:
+                await streams.start()
+        except BaseException:
+            streams.close()
+            raise
+        finally:
+            self.channels += streams.channels
+        self._streams = streams
+
+    def _kill_streams(self, st: HostStreams) -> None:
+        """Kill a stalled pair on the host in the background: the answer does not wait."""
+        self._streams = None
+        task = asyncio.create_task(st.kill())
+        self._stream_kills.add(task)
+        task.add_done_callback(self._stream_kills.discard)
+
+    def _stop_streams(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
+
+    async def _stream_query(self) -> RemoteResult:
+        """The next GPU sample of this host's streams (waiting for it), with processes.
+
+        Starts the streams when there are none; restarts them (once per refresh) when they
+        ended; a stream with no sample for ``max(timeout, 3 x interval)`` is a timeout and
+        is killed on the host (the caller's backoff then delays the restart). Before the
+        first sample the host is ``starting`` until ``first_sample_timeout``.
+        """
+        asked = time.monotonic()
+        if not self._connected():
+            self._first_deadline = asked + self.first_sample_timeout  # connecting included
+            await self._open()
+        if self._streams is None:
+            starting = await self._await_streams(asked)
+            if starting is not None:
+                return starting
+        restarted = False
+        while True:
+            st = self._streams
+            assert st is not None and self._conn is not None
+            st.event.clear()
+            if st.error is not None:
+                err = st.error
+                cannot_stream = st.first_at is None and err.kind == "error"
+                await st.kill()
+                self._streams = None
+                if cannot_stream:  # e.g. an nvidia-smi without -lms: query per refresh
+                    self.streaming = False
+                    self._close_channel()
+                    self.warnings = ()
+                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
+                return RemoteResult([], err)
+            if st.seq > self._seen_seq:
+                return await self._sample(st)
+            if st.ended is not None:
+                self._stop_streams()
+                # A loop that ends after every sample (e.g. a lost GPU, where nvidia-smi
+                # exits 15) costs the host more than a query per refresh: fall back.
+                self._short_streams = self._short_streams + 1 if st.seq <= 1 else 0
+                if self._short_streams >= 3:
+                    self.streaming = False
+                    self._close_channel()
+                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
+                if restarted:
+                    raise _ChannelClosed(f"nvidia-smi's stream ended (exit {st.ended})")
+                self._first_deadline = time.monotonic() + self.first_sample_timeout
+                await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+                restarted = True
+                continue
+            now = time.monotonic()
+            if st.first_at is None:
+                first_deadline = self._first_deadline
+                wait = self.interval if self._starting else self.timeout
+                until = min(first_deadline, asked + wait)
+                if now >= until:
+                    if now < first_deadline:
+                        return self._starting_result()
+                    self._kill_streams(st)
+                    raise _PhaseTimeout(f"nvidia-smi sent no sample in "
+                                        f"{self.first_sample_timeout:g}s (first_sample_timeout)")
+            else:
+                limit = max(self.timeout, 3 * self.interval)
+                until = st.last_at + limit
+                if now >= until:
+                    self._kill_streams(st)
+                    raise _PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
+                                        "restarting it")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(st.event.wait(), until - now)
+
+    async def _await_streams(self, asked: float) -> RemoteResult | None:
+        """Open the streams (three SSH sessions: on a busy host that alone takes a while).
+
+        Opening runs on in the background and counts against ``first_sample_timeout``, not
+        ``timeout``: until then the host is ``starting``, and a refresh that comes back
+        finds the opening where it was instead of starting it again."""
+        assert self._conn is not None
+        if self._opening is None:
+            if self._first_deadline < asked:
+                self._first_deadline = asked + self.first_sample_timeout
+            self._opening = asyncio.create_task(self._start_streams(self._conn))
+        opening = self._opening
+        wait = self.interval if self._starting else self.timeout
+        until = min(self._first_deadline, asked + wait)
+        done, _ = await asyncio.wait({opening}, timeout=max(0.0, until - time.monotonic()))
+        if not done:
+            if time.monotonic() < self._first_deadline:
+                return self._starting_result()
+            self._cancel_opening()
+            raise _PhaseTimeout(f"the nvidia-smi streams did not open in "
+                                f"{self.first_sample_timeout:g}s (first_sample_timeout)")
+        self._opening = None
+        opening.result()  # raises what opening raised
+        return None
+
+    def _starting_result(self) -> RemoteResult:
+        self._starting = True
+        since = self._first_deadline - self.first_sample_timeout
+        return RemoteResult([], HostError(
+            "starting", f"starting nvidia-smi: {time.monotonic() - since:.0f} s"))
+
+    def _cancel_opening(self) -> None:
+        if self._opening is not None:
+            self._opening.cancel()
+            self._opening = None
+
+    async def _sample(self, st: HostStreams) -> RemoteResult:
+        """The newest GPU sample with the apps stream's processes and their owners."""
+        first = self._seen_seq == 0
+        self._seen_seq = st.seq
+        self._starting = False
+        self.first_sample_s = st.first_sample_s
+        if first and not st.apps.seen:
+            # Both loops started together; the apps one prints nothing without processes.
+            st.event.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._apps_seen(st), min(1.0, self.interval))
+        gpus = st.gpus
+        now = time.monotonic()
+        apps = st.apps.current(now)
+        owners, args = await self._owners_of(apps, now)
+        warnings = index_warnings(gpus)
+        off = [str(g.index) for g in gpus if g.persistence_mode == "Disabled"]
+        if off:
+            warnings.append(f"persistence mode is off on GPU {', '.join(off)}: every "
+                            "nvidia-smi start initialises the GPU again; enable "
+                            "nvidia-persistenced")
+        gpus = await self._inventory(gpus)
+        return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
+
+    async def _inventory(self, gpus: list[GpuInfo]) -> list[GpuInfo]:
+        """Where a rarely-run inventory query belongs (the MIG layout: ``nvidia-smi -L`` or
+        ``-q -x -d ...``): run it over the control channel (:data:`OWNERS_SCRIPT` answers
+        one request line per round trip; add a request kind there) when a sample shows a
+        uuid the inventory does not know, or every few minutes, never per refresh, so the
+        steady state still starts no process. Today: nothing to add."""
+        return gpus
+
+    @staticmethod
+    async def _apps_seen(st: HostStreams) -> None:
+        while not st.apps.seen:
+            await st.event.wait()
+            st.event.clear()
+        await asyncio.sleep(SETTLE_S)  # the rest of its first batch
+
+    async def _owners_of(self, apps: list[AppRow],
+                         now: float) -> tuple[dict[int, Owner], dict[int, str]]:
+        """Owners and command lines: ``ps`` only for pids not in the last sample (a pid
+        that left and came back may be another process, so it is asked again)."""
+        pids = list(dict.fromkeys(a.pid for a in apps))
+        self._owners = {p: v for p, v in self._owners.items() if p in pids}
+        new = [p for p in pids if p not in self._owners]
+        if new:
+            found, cmds = await asyncio.wait_for(self._ask_ps(new), self.timeout)
+            for p in new:
+                o = found.get(p)
+                if o is not None:
+                    self._owners[p] = (o, cmds.get(p), now)
+        owners: dict[int, Owner] = {}
+        args: dict[int, str] = {}
+        for p, (o, cmd, at) in self._owners.items():
+            age = None if o.elapsed_s is None else o.elapsed_s + int(now - at)
+            owners[p] = Owner(o.pid, o.user, age)
+            if cmd:
+                args[p] = cmd
+        return owners, args
+
+    async def _ask_ps(self, pids: list[int]) -> tuple[dict[int, Owner], dict[int, str]]:
+        """One round trip on the control channel: ``NONCE PIDS`` -> owners, args."""
+        assert self._conn is not None
+        if self._proc is None:
+            await self._open_channel(self._conn)
+        proc = self._proc
+        assert proc is not None
+        nonce = new_nonce()
+        end = end_line(nonce)
+        reader = LineReader(self.max_output)
+        lines: list[str] = []
+        try:
+            proc.stdin.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
+            done = False
+            while not done:
+                data = await proc.stdout.read(65536)
+                if not data:
+                    self._close_channel()
+                    raise _ChannelClosed(excerpt(" ".join(lines[-3:])) or "no output")
+                for line in reader.feed(data):
+                    if done:
+                        raise FramingError("output after the end of the ps answer")
+                    if line == end:
+                        done = True
+                    else:
+                        lines.append(line)
+            if reader.pending:
+                raise FramingError("output after the end of the ps answer")
+            sections = split_frame(lines, nonce, OWNER_SECTIONS)
+        except FramingError:
+            await self._kill_remote(self._conn)
+            raise
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill_remote(self._conn))
+            raise
+        return (parse_owner_rows(sections["owners"].text, pids),
+                parse_args_rows(sections["args"].text, pids))

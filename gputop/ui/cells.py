@@ -165,6 +165,11 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
     if row.snapshot is None:
         return (Text(f"… {name}", style=p.muted), Text("waiting", style=p.muted), blank,
                 blank, blank, *extra, blank)
+    if row.snapshot.error is not None and row.snapshot.error.kind == "starting":
+        # nvidia-smi's loop is starting (seconds per GPU without persistence mode): no fault.
+        msg = Text(clean(row.snapshot.error.message)[:160], style=p.muted)
+        return (Text(f"… {name}", style=p.muted), Text("starting", style=p.muted), blank,
+                blank, blank, *extra, msg)
     if row.error:
         err = row.snapshot.error
         assert err is not None

@@ -189,6 +189,9 @@ class DetailPane(Vertical):
         snap = row.snapshot
         if snap is None:
             return Text(f"{name}: waiting for its first answer", style="bold")
+        if snap.error is not None and snap.error.kind == "starting":
+            return Text(f"{name}: {clean(snap.error.message)} (its first sample; seconds "
+                        "per GPU without persistence mode)", style="bold")
         if row.error:
             err = snap.error
             assert err is not None

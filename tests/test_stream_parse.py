@@ -1,0 +1,121 @@
+"""The stream parsers: where a sample ends, and what nothing remote may do to that."""
+
+from __future__ import annotations
+
+import pytest
+from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
+
+from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
+from gputop.sources.protocol import LineReader, OutputTooLarge, ParseError
+from gputop.sources.stream import AppsBatches, GpuSampler, parse_timestamp, stream_scripts
+
+TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
+LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
+
+
+def row(index: int, count: int, ts: str = TS) -> str:
+    cells = project_capture(CAPTURES["l40s"], ROW_QUERY).strip().split(", ")
+    cells[0], cells[1], cells[2] = str(count), str(index), f"GPU-{index}"
+    return ", ".join([ts, *cells])
+
+
+def feed_all(sampler: GpuSampler, lines: list[str]) -> list[list[int | None]]:
+    out = []
+    for ln in lines:
+        gpus = sampler.feed(ln)
+        if gpus is not None:
+            out.append([g.index for g in gpus])
+    return out
+
+
+def test_a_sample_ends_at_its_count_not_at_the_next_sample() -> None:
+    s = GpuSampler()
+    assert s.feed(row(0, 3)) is None and s.feed(row(1, 3)) is None
+    gpus = s.feed(row(2, 3))
+    assert gpus is not None and [g.index for g in gpus] == [0, 1, 2]
+    assert feed_all(s, [row(0, 3), row(1, 3), row(2, 3)] * 2) == [[0, 1, 2]] * 2
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last", "inside a row"])
+def test_a_lost_gpu_line_anywhere_counts_as_one_of_the_rows(where: str) -> None:
+    a, b = row(0, 3), row(2, 3)
+    if where == "first":
+        lines = [LOST, a, b]
+    elif where == "middle":
+        lines = [a, LOST, b]
+    elif where == "last":
+        lines = [a, b, LOST]
+    else:  # stdout block-buffered, stderr not: the lost line lands inside a row
+        cut = len(b) // 2
+        lines = [a, b[:cut] + LOST, b[cut:]]
+    s = GpuSampler()
+    got = [g for ln in lines if (g := s.feed(ln)) is not None]
+    assert len(got) == 1
+    assert [(g.index, g.lost) for g in got[0]] == [(0, False), (2, False), (None, True)]
+    assert s.text == ""
+
+
+def test_only_lost_gpus_left_at_the_end_of_the_stream_are_a_sample() -> None:
+    s = GpuSampler()
+    assert s.feed(LOST) is None
+    rest = s.flush()
+    assert rest is not None and rest[0].lost
+
+
+@pytest.mark.parametrize("lines", [
+    [LOST, LOST, row(0, 1)],  # more rows (lost GPUs) than the count
+    [row(0, 2), row(1, 3)],  # the count changes within a sample
+    [row(0, 0)],  # no GPUs
+    [row(0, 99999)],  # absurd
+    [row(0, 2) + ", extra"],  # an extra field
+    ["| NVIDIA-SMI 550.127.05 |", "+-----+"],  # the table, not the query
+])
+def test_malformed_streams_are_parse_errors(lines: list[str]) -> None:
+    s = GpuSampler()
+    with pytest.raises(ParseError):
+        for ln in lines:
+            s.feed(ln)
+
+
+def test_no_field_a_remote_user_controls_is_streamed() -> None:
+    """A user's process name could hold a newline and start a row: it is never asked for."""
+    gpu, apps = stream_scripts(2.0)
+    assert "process_name" not in APPS_QUERY and "process_name" not in apps
+    assert GPU_QUERY.startswith("timestamp,count,") and APPS_QUERY.startswith("timestamp,")
+    assert "-lms 2000" in gpu and "-lms 2000" in apps
+    assert "-lms 100 " in stream_scripts(0.01)[0]  # never a busier loop than 100 ms
+
+
+def test_the_output_limit_is_per_sample() -> None:
+    reader = LineReader(1000)
+    for _ in range(50):  # 50 samples of 600 bytes: far over 1000 in all, fine per sample
+        reader.feed(b"x" * 599 + b"\n")
+        reader.restart()
+    with pytest.raises(OutputTooLarge):  # one endless line is cut off as it arrives
+        for _ in range(3):
+            reader.feed(b"y" * 400)
+
+
+def test_apps_rows_group_by_timestamp_and_go_stale() -> None:
+    b = AppsBatches(interval=2.0)
+    b.feed(f"{TS}, GPU-0, 11327, 2566", now=100.0)
+    b.feed("2026/07/14 08:12:53.512, GPU-1, 11328, 1542", now=100.0)
+    assert [r.pid for r in b.current(100.5)] == [11327, 11328]
+    b.feed("2026/07/14 08:12:55.500, GPU-0, 11327, 2600", now=102.0)  # next iteration
+    # Still arriving (its last row is younger than SETTLE_S): the last batch's others stay.
+    assert [(r.pid, r.used_memory_mib) for r in b.current(102.1)] == [
+        (11327, 2600), (11328, 1542)]
+    assert [(r.pid, r.used_memory_mib) for r in b.current(102.3)] == [(11327, 2600)]
+    assert b.current(102.0 + 3.6) == []  # no rows for 1.5 intervals: no processes now
+    b.feed(LOST, now=104.0)  # a lost GPU's line is no row
+    with pytest.raises(ParseError):
+        b.feed("GPU-0, 11327, 2566", now=104.0)  # no timestamp
+    with pytest.raises(ParseError):
+        b.feed(f"{TS}, GPU-0, python, 2566", now=104.0)
+
+
+def test_timestamps_are_checked() -> None:
+    assert parse_timestamp(TS) - parse_timestamp("2026/07/14 08:12:52.500") == pytest.approx(1)
+    for bad in ("2026-07-14 08:12:53", "now", "2026/13/14 08:12:53.500"):
+        with pytest.raises(ParseError):
+            parse_timestamp(bad)
