@@ -197,21 +197,26 @@ class Waiter:
     hosts: tuple[str, ...] = ()
     #: What it asked for, as typed (``--tag a100``), for people.
     want: str = ""
+    #: All GPUs on one host (``gputop run``: one job runs on one host).
+    one_host: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
                 "created": iso(self.created), "lease": iso(self.lease),
-                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want}
+                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
+                "one_host": self.one_host}
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Waiter:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         keys = {"id", "user", "machine", "count", "created", "lease", "min_free_mib", "hosts",
-                "want"}
+                "want", "one_host"}
         if set(d) != keys:
             raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))}")
         hosts = d["hosts"]
+        if not isinstance(d["one_host"], bool):
+            raise ValueError(f"{where}.one_host: expected a boolean")
         if not isinstance(hosts, list) or len(hosts) > 1000:
             raise ValueError(f"{where}.hosts: expected an array of at most 1000 host names")
         return cls(id=_text(d["id"], f"{where}.id"), user=_text(d["user"], f"{where}.user"),
@@ -221,7 +226,8 @@ class Waiter:
                    lease=parse_time(d["lease"], f"{where}.lease"),
                    min_free_mib=_int(d["min_free_mib"], f"{where}.min_free_mib", 0, 2**40),
                    hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
-                   want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True))
+                   want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True),
+                   one_host=d["one_host"])
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
@@ -261,7 +267,8 @@ class StoreState:
         return [w for w in self.queue if w.lease > now]
 
     def to_json(self) -> str:
-        new = bool(self.queue) or any(r.job is not None for r in self.reservations)
+        new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
+               or any("job" in e["reservation"] for e in self.events))
         doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
@@ -345,7 +352,9 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
                          "allowed")
     try:
         rs = tuple(Reservation.from_dict(d, f"reservations[{i}]") for i, d in enumerate(items))
-        if version < 2 and any(r.job is not None for r in rs):
+        if version < 2 and (any(r.job is not None for r in rs) or any(
+                isinstance(e, dict) and isinstance(e.get("reservation"), dict)
+                and "job" in e["reservation"] for e in events)):
             raise ValueError("reservations: 'job' needs version 2")
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
