@@ -68,7 +68,9 @@ def user_home(fleet: Fleet, root: Path, user: str) -> Path:
 _PRELOAD = ["gputop.cli", "gputop.commands", "gputop.poller", "gputop.output",
             "gputop.reservations.flags", "gputop.sources.ssh", "gputop.sources.nvml",
             "gputop.sources.nvidia_smi", "asyncssh", "concurrent.futures.thread",
-            "encodings.idna", "queue"]
+            "encodings.idna", "queue", "gputop.jobs.run", "gputop.jobs.reap",
+            "gputop.jobs.wait", "gputop.jobs.remote", "gputop.reservations.queue", "termios",
+            "tty", "shlex", "subprocess"]
 
 
 def preload() -> None:
