@@ -732,3 +732,33 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
         assert took < backoff_left - 1.0
         assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
+
+
+async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
+    """`Q` lists the shared file's queue: position, who, for what, since when; the hostile
+    name stays inert. The summary bar counts the waiters."""
+    from gputop.reservations.store import Waiter
+
+    def w(i: int, user: str, count: int, want: str = "") -> Waiter:
+        t = NOW - timedelta(minutes=10 - i)
+        return Waiter(id=f"w{i}", user=user, machine="m", count=count, created=t,
+                      lease=NOW + timedelta(hours=1), want=want)
+
+    Store(tmp_path / "reservations.json").update(lambda s, now: replace(s, queue=(
+        w(0, "bob", 2, "--tag a100"), w(1, HOSTILE_USER, 1), w(2, "ann", 4))))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("Q")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "QueueScreen"
+        text = app.screen.query_one("#queue-text").render()
+        plain = text.plain if isinstance(text, Text) else str(text)
+        lines = plain.splitlines()
+        assert lines[0].split() == ["1.", "bob", "2", "GPUs", "(--tag", "a100)", "waiting",
+                                    "10m"]
+        assert lines[2].split()[:3] == ["3.", "ann", "4"]
+        assert "\x1b" not in plain
+        await pilot.press("escape")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Screen"
