@@ -353,3 +353,48 @@ def test_lease_lapsed_waiter_is_not_in_the_queue(tmp_path: Path) -> None:
     q.join()
     later = utcnow() + timedelta(seconds=61)
     assert store.read().waiting(later) == []
+
+
+# -- the order rule, on data (no hosts needed) ------------------------------------------------
+
+
+def _hosts(spec: dict[str, list[int]]) -> list[Any]:
+    """Hosts whose GPUs are free with the given total memory (GiB) each."""
+    from gputop.model import GpuInfo, HostSnapshot
+
+    return [HostSnapshot(name=h, gpus=tuple(
+        GpuInfo(index=i, uuid=f"GPU-{h}-{i}", memory_used_mib=0, memory_total_mib=g * 1024,
+                utilization_percent=0) for i, g in enumerate(mem))) for h, mem in spec.items()]
+
+
+def _queue(*reqs: Any) -> StoreState:
+    from gputop.reservations.store import Waiter
+
+    now = utcnow()
+    return StoreState(queue=tuple(
+        Waiter(id=f"w{i}", user=f"u{i}", machine="", count=r.count, created=now,
+               lease=now + timedelta(hours=1), min_free_mib=r.min_free_mib, hosts=r.hosts,
+               one_host=r.one_host) for i, r in enumerate(reqs)))
+
+
+def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use() -> None:
+    from gputop.reservations.queue import Request, grantable
+
+    now = utcnow()
+    hosts = _hosts({"a": [80], "b": [24, 24]})
+    # Head wants 2 GPUs with 40G: only a:0 fits it, and one is not enough.
+    state = _queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",)))
+    assert grantable(state, "w0", hosts, now) is None
+    # Second (any GPU): a:0 is the head's to wait for, b's GPUs are not: it gets b's best.
+    got = grantable(state, "w1", hosts, now)
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("b", 0)]
+    # Third wants b:0 and b:1, but the second waiter (ahead) could use them: it waits.
+    assert grantable(state, "w2", hosts, now) is None
+    # Someone outside the queue (no --wait) comes after every waiter.
+    assert grantable(state, None, hosts, now, Request(1)) is None
+    # one_host: two GPUs on one host or nothing, never one here and one there.
+    alone = _queue(Request(2, 0, (), True))
+    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24]}), now)
+    assert got is None
+    got = grantable(alone, "w0", hosts, now)
+    assert got is not None and {f.host for f in got} == {"b"}

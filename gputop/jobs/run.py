@@ -44,9 +44,11 @@ def remote_command(argv: Sequence[str], devices: str) -> str:
     """The script sent to the remote shell: nothing but quoted words."""
     if not argv:
         raise ValueError("no command given")
-    return ("printf 'gputop-job-pid %s\\n' \"$$\"; "
-            f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
-            "exec " + " ".join(shlex.quote(a) for a in argv))
+    script = ("printf 'gputop-job-pid %s\\n' \"$$\"; "
+              f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
+              "exec " + " ".join(shlex.quote(a) for a in argv))
+    # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
+    return "exec /bin/sh -c " + shlex.quote(script)
 
 
 def devices_of(rs: Sequence[Reservation]) -> str:

@@ -11,10 +11,11 @@ taken up at once, not at the next refresh.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gputop.config import Config
 from gputop.model import utcnow
@@ -67,7 +68,11 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
     SIGTERM) and every error leave the queue at once; nothing is half-reserved."""
     own = poller is None
-    poller = poller or Poller(config)
+    if poller is None:
+        if req.hosts:  # poll only the hosts it can be granted on
+            config = replace(config, hosts=tuple(h for h in config.hosts
+                                                 if h.name in req.hosts))
+        poller = Poller(config)
     q = Queue(store, req, lease_s=lease_s)
     started = time.monotonic()
     try:
@@ -89,9 +94,10 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                 last = q.join()
                 continue
             if grantable(state, q.id, hosts, now) is not None:
-                got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                if got is not None:
-                    return got
+                with contextlib.suppress(LeftQueue):  # then it joins again, above
+                    got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
+                    if got is not None:
+                        return got
             elif pos_now != last:
                 say(f"position {pos_now} of {len(state.waiting(now))}: "
                     f"{_ahead(state, q, now)}")
@@ -114,9 +120,11 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                 sig = _signature(store)
                 state = store.read()
                 if grantable(state, q.id, hosts, utcnow()) is not None:
-                    got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                    if got is not None:
-                        return got
+                    with contextlib.suppress(LeftQueue):
+                        got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
+                        if got is not None:
+                            return got
+                    break
     finally:
         try:
             await asyncio.shield(asyncio.to_thread(q.leave))
