@@ -7,6 +7,7 @@ the job grace are short so that each test takes seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,6 +66,7 @@ class Team:
         self.config.chmod(0o644)
         self.homes = {u: user_home(fleet, tmp, u) for u in ("gtalice", "gtbob")}
         self.store = Store(self.path)
+        self.started: list[int] = []
 
     def env(self, user: str) -> dict[str, str]:
         return self.fleet.env() | {"HOME": str(self.homes[user]), "TZ": "UTC"}
@@ -75,8 +77,17 @@ class Team:
                       timeout=timeout)
 
     def start(self, *args: str, user: str, tag: str) -> tuple[int, Path, Path]:
-        return start_as(user, ["--config", str(self.config), *args], self.env(user),
-                        self.tmp, tag)
+        started = start_as(user, ["--config", str(self.config), *args], self.env(user),
+                           self.tmp, tag)
+        self.started.append(started[0])
+        return started
+
+    def stop(self) -> None:
+        """Whatever a failed test left running (a waiter still waiting) is killed."""
+        for pid in self.started:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
 
     def state(self) -> StoreState:
         return self.store.read()
@@ -107,7 +118,11 @@ class Team:
 def team(qfleet: Fleet) -> Iterator[Team]:
     need_test_users()
     with shared_tmp() as tmp:
-        yield Team(qfleet, tmp)
+        t = Team(qfleet, tmp)
+        try:
+            yield t
+        finally:
+            t.stop()
 
 
 def text(p: Path) -> str:
