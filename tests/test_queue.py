@@ -413,3 +413,41 @@ def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use(
     assert got is None
     got = grantable(alone, "w0", hosts, now)
     assert got is not None and {f.host for f in got} == {"b"}
+
+
+def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
+    """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
+    (a byte in raw mode) interrupts it there: exit 130, reservation released."""
+    import pty
+    import select
+    import sys
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "--config", str(team.config), "run", "--host", "q2",
+         "--", "sh", "-c", 'tty; read x; echo "got $x"; sleep 30'],
+        stdin=slave, stdout=slave, stderr=slave, env=team.fleet.env() | {"TERM": "xterm"},
+        start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    os.close(slave)
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(master, 4096)
+
+    try:
+        read_until(b"/dev/pts/")
+        os.write(master, b"hello\r")
+        read_until(b"got hello")
+        os.write(master, b"\x03")
+        assert p.wait(30) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert team.held() == {}
