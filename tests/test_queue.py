@@ -451,3 +451,18 @@ def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
             p.kill()
         os.close(master)
     assert team.held() == {}
+
+
+def test_ps_rows_zombies_are_not_alive_and_odd_rows_refused() -> None:
+    """A job whose parent has not reaped it yet (a zombie, what sshd leaves for a moment
+    after `run` is killed) has ended; any row that is not numbers and a state is refused."""
+    from gputop.jobs.remote import parse_ps
+
+    alive = parse_ps("    1     1 Ss\n  200   200 Z\n  201   200 S+\n")
+    assert alive.has(1, False) and not alive.has(200, False)
+    assert alive.has(200, True)  # its child is still in the session
+    alive = parse_ps("    1     1 Ss\n  200   200 Zs\n")
+    assert not alive.has(200, True) and not alive.has(200, False)
+    for bad in ("1 1\n", "1 x S\n", "1 1 S evil\n", "", "1 1 \u00e9\n"):
+        with pytest.raises(ValueError):
+            parse_ps(bad)

@@ -14,8 +14,9 @@ import asyncssh
 from gputop.config import Config, HostConfig
 from gputop.sources.ssh import JumpPool, known_hosts_for, resolve_options
 
-#: ``ps`` prints only numbers here: nothing a remote user chooses can forge a row.
-PS_COMMAND = "exec ps -A -o pid= -o sid="
+#: ``ps`` prints only numbers and a state here: nothing a remote user chooses can forge a
+#: row. A zombie (state Z: exited, not yet reaped by its parent) is not a running job.
+PS_COMMAND = "exec ps -A -o pid= -o sid= -o stat="
 MAX_PS_BYTES = 8 * 1024 * 1024
 
 
@@ -55,8 +56,11 @@ def parse_ps(text: str) -> Alive:
     sids: set[int] = set()
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) != 2 or not all(p.isdigit() and len(p) < 11 for p in parts):
+        if len(parts) != 3 or not all(p.isdigit() and len(p) < 11 for p in parts[:2]) \
+                or not parts[2].isascii() or len(parts[2]) > 16:
             raise ValueError(f"unexpected ps output: {line[:60]!r}")
+        if parts[2].startswith("Z"):
+            continue
         pids.add(int(parts[0]))
         sids.add(int(parts[1]))
     if not pids:
@@ -71,8 +75,12 @@ def alive_local() -> Alive:
         if name.isdigit():
             pid = int(name)
             try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state = f.read(4096).rpartition(b")")[2].split()[:1]
                 sid = os.getsid(pid)
             except OSError:
+                continue
+            if state == [b"Z"]:  # exited, not yet reaped: not running
                 continue
             pids.add(pid)
             sids.add(sid)
