@@ -329,6 +329,20 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise UsageError(f"--demo cannot be used with {args.command}")
 
 
+#: The board's own outputs: before a subcommand they would be silently ignored.
+_BOARD_OUTPUTS = ("--json", "--once", "--watch", "--pretty")
+
+
+def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    if not args.command or args.command not in argv:
+        return
+    before = argv[: argv.index(args.command)]
+    for flag in _BOARD_OUTPUTS:
+        if flag in before:
+            raise UsageError(f"{flag} before {args.command} does nothing: {args.command}'s "
+                             f"options go after it (see gputop {args.command} --help)")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command in NO_CONFIG_COMMANDS:
         from gputop import bootstrap
@@ -353,9 +367,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         _check_usage(args)
+        _check_output_flags(args, argv)
         return _dispatch(args)
     except (ConfigError, UsageError) as exc:
         print(f"gputop: {exc}", file=sys.stderr)

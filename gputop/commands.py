@@ -24,6 +24,7 @@ from gputop.reservations import (
     Store,
     StoreError,
     Target,
+    flags,
     release,
 )
 from gputop.reservations.flags import free_gpus, other_users
@@ -34,28 +35,73 @@ from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
 
-_SPEC = re.compile(r"^(?P<host>[^:\s]+):(?P<gpus>\d+(?:,\d+)*)$")
+_ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
+_SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
+#: A target given by MIG uuid, until ``_resolve_mig`` finds its GPU and instance.
+_BY_UUID = -1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
 
 def parse_targets(specs: Sequence[str]) -> list[Target]:
-    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept)."""
-    out: dict[tuple[str, int], Target] = {}
+    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
+    may be a MIG instance: ``GPU/GI`` (GPU index, GPU instance id) or its ``MIG-...`` uuid
+    (resolved against the live host by ``_resolve_mig``)."""
+    out: dict[tuple[str, int, int | None, str | None], Target] = {}
     for spec in specs:
         m = _SPEC.match(spec)
         if not m:
-            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] (e.g. gpu-01:0,1)")
-        for g in m.group("gpus").split(","):
-            out.setdefault((m.group("host"), int(g)), Target(m.group("host"), int(g)))
+            hint = ("several hosts: one argument each, e.g. gpu-01:0 gpu-02:1"
+                    if spec.count(":") > 1 else
+                    "e.g. gpu-01:0,1; a MIG instance: gpu-01:0/3 or gpu-01:MIG-<uuid>")
+            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] ({hint})")
+        host = m.group("host")
+        for item in m.group("gpus").split(","):
+            if item.startswith("MIG-"):
+                t = Target(host, _BY_UUID, item)
+            else:
+                gpu, _, gi = item.partition("/")
+                t = Target(host, int(gpu), None, int(gi) if gi else None)
+            out.setdefault((t.host, t.gpu, t.instance, t.uuid), t)
     return list(out.values())
 
 
+def _resolve_mig(config: Config, targets: list[Target],
+                 snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
+    """Targets given by MIG uuid as ``HOST:GPU/GI``, from the live hosts."""
+    if not any(t.gpu == _BY_UUID for t in targets):
+        return targets
+    if snaps is None:
+        names = {t.host for t in targets if t.gpu == _BY_UUID}
+        snaps = {h.name: h for h in asyncio.run(_poll(config, names))}
+    out = []
+    for t in targets:
+        if t.gpu != _BY_UUID:
+            out.append(t)
+            continue
+        h = snaps[t.host]
+        hit = next(((g, i) for g in h.gpus for i in g.instances
+                    if i.uuid == t.uuid and g.index is not None
+                    and i.gpu_instance_id is not None), None)
+        if hit is None:
+            why = (f"it did not answer ({h.error.kind})" if h.error else
+                   "it has no MIG instance with that uuid")
+            raise Invalid(f"cannot find {t.host}:{clean(t.uuid or '')}: {why}; "
+                          "give it as HOST:GPU/INSTANCE")
+        g, inst = hit
+        assert g.index is not None
+        out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
+    return out
+
+
 def parse_size_mib(text: str) -> int:
-    """``20G``, ``512M``, ``1.5T``, ``4096`` (MiB) to MiB."""
+    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
     m = _SIZE.match(text)
     if not m:
         raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
-    factor = {"": 1, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
+        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
+                      f"{text.strip()}M")
+    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
     return int(float(m.group(1)) * factor)
 
 
@@ -101,11 +147,11 @@ def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
     me = whoami()[0]
     snaps = {h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))}
     out = []
-    for t in targets:
+    for t in _resolve_mig(config, targets, snaps):
         h = snaps[t.host]
         if not h.ok:
             assert h.error is not None
-            print(f"gputop: warning: could not check {t.host}:{t.gpu} ({h.error.kind}: "
+            print(f"gputop: warning: could not check {t.label} ({h.error.kind}: "
                   f"{clean(h.error.message)}); reserving by index only", file=sys.stderr)
             out.append(t)
             continue
@@ -113,12 +159,22 @@ def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
         if t.gpu not in by_index:
             raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
                           + ", ".join(str(i) for i in sorted(by_index)))
-        others = other_users(by_index[t.gpu], me)
+        g = by_index[t.gpu]
+        if t.instance is not None:
+            insts = {i.gpu_instance_id: i for i in g.instances
+                     if i.gpu_instance_id is not None}
+            if t.instance not in insts:
+                raise Invalid(f"{t.host}:{t.gpu} has no MIG instance {t.instance}; "
+                              + ("its instances: " + ", ".join(
+                                  f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
+                                  for i in sorted(insts)) if insts else "it is not split"))
+            g = flags.instance_view(g, insts[t.instance])
+        others = other_users(g, me)
         if others:
-            print(f"gputop: warning: {t.host}:{t.gpu} is in use by "
+            print(f"gputop: warning: {t.label} is in use by "
                   f"{', '.join(clean(u) for u in others)}; reserving it anyway",
                   file=sys.stderr)
-        out.append(Target(t.host, t.gpu, by_index[t.gpu].uuid))
+        out.append(Target(t.host, t.gpu, g.uuid, t.instance))
     return out
 
 
@@ -130,7 +186,7 @@ def _until(r: Reservation) -> str:
 def _print_outcomes(made: Sequence[Outcome], out: TextIO) -> None:
     """One line per GPU saying what happened, in local time (``--json`` keeps UTC)."""
     for o in made:
-        r, gpu = o.reservation, f"{clean(o.reservation.host)}:{o.reservation.gpu}"
+        r, gpu = o.reservation, clean(o.reservation.target)
         if o.action == "reserved":
             print(f"reserved {gpu} {_until(r)}", file=out)
         elif o.action == "extended":
@@ -312,8 +368,8 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     if not args.mine and not args.targets:
         now = utcnow()
         mine = sorted((r for r in Store(config.reservations_path).read().active(now)
-                       if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu))
-        held = ("; yours now: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in mine)
+                       if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu, r.instance or -1))
+        held = ("; yours now: " + ", ".join(clean(r.target) for r in mine)
                 if mine else "; you hold no reservations now")
         raise Invalid("say what to release: gputop release HOST:GPU[,GPU...] (e.g. "
                       "gputop release gpu-01:0,1), or gputop release --mine for all of yours"
@@ -321,9 +377,10 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     targets = None if args.mine else parse_targets(args.targets)
     if targets:
         _check_hosts(config, targets)
+        targets = _resolve_mig(config, targets)
     gone = release(Store(config.reservations_path), targets, force=args.force)
     for r in gone:
-        print(f"released {clean(r.host)}:{r.gpu}" + (f" (held by {clean(r.user)})"
+        print(f"released {clean(r.target)}" + (f" (held by {clean(r.user)})"
                                                      if r.user != whoami()[0] else ""))
     if not gone:
         print("nothing to release", file=sys.stderr)
@@ -334,7 +391,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
     _reap(config, Store(config.reservations_path))
     state = Store(config.reservations_path).read()
     now = utcnow()
-    active = sorted(state.active(now), key=lambda r: (r.host, r.gpu))
+    active = sorted(state.active(now), key=lambda r: (r.host, r.gpu, r.instance or -1))
     queue = state.waiting(now)
     if args.json:
         write_document({"version": 1, "time": iso(now),
@@ -349,7 +406,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
-        (f"{clean(r.host)}:{r.gpu}", clean(r.user), local_time(r.expires),
+        (clean(r.target), clean(r.user), local_time(r.expires),
          format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -372,11 +429,11 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         _print_outcomes([Outcome("reserved", r) for r in got], sys.stderr)
         if args.json:
             write_document({"version": 1, "reserved": True, "free": [
-                {"host": r.host, "gpu": r.gpu, "uuid": r.uuid, "expires": iso(r.expires)}
-                for r in got]}, sys.stdout)
+                {"host": g.host, "gpu": g.gpu, "uuid": g.uuid, "expires": iso(g.expires)}
+                for g in got]}, sys.stdout)
         else:
-            for r in got:
-                print(f"{r.host}:{r.gpu}")
+            for g in got:
+                print(f"{g.host}:{g.gpu}")
         return EXIT_OK
     hosts = asyncio.run(_poll(config, set(req.hosts) or None))
     me = whoami()[0]
@@ -385,7 +442,8 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     # GPUs that no waiter could use.
     waiters = [request_of(w) for w in state.waiting()]
     found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
-             if req.fits(f) and not any(w.fits(f) for w in waiters)][: args.count]
+             if req.fits(f) and not any(w.fits(f) for w in waiters)
+             and not (args.whole and f.instance)][: args.count]
     if len(found) < args.count:
         print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
@@ -393,24 +451,31 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_REFUSED
-    expires: dict[tuple[str, int | None], str | None] = {}
+    expires: dict[str, str | None] = {}
     if args.reserve:
         seconds = _duration(config, args.duration)
         made = reserve_outcomes(
-            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in found],
+            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                           f.instance.gpu_instance_id if f.instance else None) for f in found],
             seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
         _print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
-        expires = {(o.reservation.host, o.reservation.gpu): iso(o.reservation.expires)
-                   for o in made}
+        # An instance covered by your whole-GPU reservation: that one's expiry.
+        for f in found:
+            r = next((o.reservation for o in made if o.reservation.target == f.label), None) \
+                or next((o.reservation for o in made
+                         if o.reservation.target == f"{f.host}:{f.gpu.index}"), None)
+            expires[f.label] = iso(r.expires) if r else None
     if args.json:
         write_document({"version": 1, "reserved": bool(args.reserve), "free": [
             {"host": f.host, "gpu": f.gpu.index, "uuid": f.gpu.uuid, "name": f.gpu.name,
              "memory_free_mib": f.free_mib}
-            | ({"expires": expires.get((f.host, f.gpu.index))} if args.reserve else {})
+            | ({"instance": f.instance.gpu_instance_id, "profile": f.instance.profile,
+                "mig_uuid": f.instance.uuid} if f.instance else {})
+            | ({"expires": expires.get(f.label)} if args.reserve else {})
             for f in found]}, sys.stdout)
     else:
         for f in found:
-            print(f"{f.host}:{f.gpu.index}")
+            print(f.label)
     return EXIT_OK
 
 
@@ -479,7 +544,8 @@ def add_subcommands(parser: argparse.ArgumentParser,
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parents = list(parents)
     p = sub.add_parser("reserve", parents=parents,
-                       help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing)")
+                       help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing); "
+                       "a MIG instance: HOST:GPU/INSTANCE or HOST:MIG-<uuid>")
     p.add_argument("targets", nargs="+", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="how long, e.g. 90m, 2h, 1d (default from the config: 4h)")
@@ -493,8 +559,10 @@ def add_subcommands(parser: argparse.ArgumentParser,
                    help="release someone else's reservation (recorded with your name)")
     p = sub.add_parser("reservations", parents=parents, help="list current reservations")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("free", parents=parents, help="list idle, unreserved GPUs, best first")
+    p = sub.add_parser("free", parents=parents,
+                       help="list idle, unreserved GPUs (and MIG instances), best first")
     _queue_options(p)
+    p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
     p.add_argument("--wait", action="store_true",
                    help="not enough free: wait your turn in the team's queue, then reserve "

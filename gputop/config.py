@@ -275,6 +275,10 @@ def _host(path: Path, key: str, item: Any) -> HostConfig:
             raise ConfigError(path, t.key("address"), f"{address!r} {problem}")
     user = t.get("user", str)
     local = t.get("local", bool, False)
+    if local:
+        for key, value in (("address", address), ("port", port), ("user", user)):
+            if value is not None:  # NVML reads this machine: an SSH setting would be ignored
+                raise ConfigError(path, t.key(key), "cannot be used with local = true")
     t.done()
     return HostConfig(name, address, port, user, tuple(tags), local)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-SCHEMA_VERSION = 1
+#: 2: GPUs gained ``instances`` (MIG) and processes their GPU / compute instance ids.
+SCHEMA_VERSION = 2
 
 #: Classified reasons a host produced no (or partial) data. The JSON schema lists the same.
 ErrorKind = Literal[
@@ -48,10 +49,53 @@ class ProcessInfo:
     command: str | None = None
     gpu_memory_mib: int | None = None
     elapsed_s: int | None = None
+    #: On a MIG GPU: the instance it runs on (None: not MIG, or not known).
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"pid": self.pid, "user": self.user, "command": self.command,
-                "gpu_memory_mib": self.gpu_memory_mib, "elapsed_s": self.elapsed_s}
+                "gpu_memory_mib": self.gpu_memory_mib, "elapsed_s": self.elapsed_s,
+                "gpu_instance_id": self.gpu_instance_id,
+                "compute_instance_id": self.compute_instance_id}
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """One MIG device of a GPU: a compute instance inside a GPU instance.
+
+    Utilisation is None: NVML reports none per MIG instance, and "unknown" is not 0.
+    Memory is as of the host's last MIG inventory (see ``gputop.sources.mig``).
+    """
+
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    device_index: int | None = None
+    uuid: str | None = None
+    profile: str | None = None
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    utilization_percent: int | None = None
+    processes: tuple[ProcessInfo, ...] = ()
+
+    @property
+    def memory_free_mib(self) -> int:
+        if self.memory_total_mib is None:
+            return 0
+        return self.memory_total_mib - (self.memory_used_mib or 0)
+
+    @property
+    def users(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.user for p in self.processes if p.user))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_instance_id": self.gpu_instance_id,
+                "compute_instance_id": self.compute_instance_id,
+                "device_index": self.device_index, "uuid": self.uuid, "profile": self.profile,
+                "memory_used_mib": self.memory_used_mib,
+                "memory_total_mib": self.memory_total_mib,
+                "utilization_percent": self.utilization_percent,
+                "processes": [p.to_dict() for p in self.processes]}
 
 
 @dataclass(frozen=True)
@@ -75,6 +119,8 @@ class GpuInfo:
     lost: bool = False
     lost_reason: str | None = None
     processes: tuple[ProcessInfo, ...] = ()
+    #: MIG instances (MIG enabled and the inventory known), in nvidia-smi's device order.
+    instances: tuple[MigInstance, ...] = ()
 
     @property
     def memory_free_mib(self) -> int:
@@ -95,12 +141,14 @@ class GpuInfo:
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _GPU_SCALARS}
         d["processes"] = [p.to_dict() for p in self.processes]
+        d["instances"] = [i.to_dict() for i in self.instances]
         return d
 
 
 #: GpuInfo's scalar fields, in order. (``dataclasses.asdict`` deep-copies every value: too
 #: slow on every refresh of 200 hosts x 8 GPUs.)
-_GPU_SCALARS = tuple(f.name for f in dataclasses.fields(GpuInfo) if f.name != "processes")
+_GPU_SCALARS = tuple(f.name for f in dataclasses.fields(GpuInfo)
+                     if f.name not in ("processes", "instances"))
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,9 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
         for g in host.gpus:
             r = held.get((host.name, g.index)) if g.index is not None else None
             idle = tracker.is_idle_holder(host.name, g.index, now) if tracker else False
-            flags = ",".join(gpu_flags(g, r, idle))
+            unused = (r is not None and tracker is not None
+                      and tracker.reservation_idle(host.name, g, r, now))
+            flags = ",".join(gpu_flags(g, r, idle, unused))
             util = "?" if g.utilization_percent is None else f"{g.utilization_percent}%"
             load = ("free" if is_free(g) else "dim" if g.utilization_percent is None
                     else "busy" if g.utilization_percent < 80 else "hot")
@@ -125,6 +127,8 @@ def render(snapshot: FleetSnapshot, state: StoreState | None = None, *,
     gpu_rows = [cells for cells, _ in rows if len(cells) == len(HEADER)]
     widths = [max(cell_width(c[i]) for c in [list(HEADER), *gpu_rows]) for i in
               range(len(HEADER))]
+    if errors:  # a host that failed is named in full too: it is what the reader looks for
+        widths[0] = max(widths[0], *(cell_width(h) for h, _ in errors))
     if not any(row[7] for row in gpu_rows):
         widths[7] = 0
     if width is not None:

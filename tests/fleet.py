@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shlex
 import shutil
 import signal
@@ -43,6 +44,8 @@ if [ -f "$d/delay" ]; then sleep "$(cat "$d/delay")"; fi
 case "$1" in
   --query-gpu=*) k=gpu ;;
   --query-compute-apps=*) k=apps ;;
+  -L) k=list ;;
+  -q) k=xml ;;
   *) k=default ;;
 esac
 if [ -f "$d/$k.args" ] && [ "$*" != "$(cat "$d/$k.args")" ]; then
@@ -142,6 +145,8 @@ class GpuProcess:
     mem_mib: int = 1024
     #: Arguments after argv0: then the process is `sleep` (the last one must be its time).
     args: tuple[str, ...] = ()
+    #: On a MIG GPU: (GPU instance id, compute instance id) that `-q -x` reports for it.
+    mig: tuple[int, int] | None = None
     popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -161,6 +166,120 @@ def gpu_uuid(name: str, i: int) -> str:
     return f"GPU-{name[:8]:0>8}-0000-4000-8000-{i:012d}"
 
 
+def app_uuid(h: Host, p: GpuProcess, gis: list[int]) -> str:
+    """The uuid --query-compute-apps reports a process under."""
+    if h.apps_by_mig and p.mig and h.gpus[p.gpu] == "h100-mig":
+        return mig_uuid(h.name, p.gpu, gis.index(p.mig[0]))
+    return gpu_uuid(h.name, p.gpu)
+
+
+def mig_uuid(name: str, i: int, dev: int) -> str:
+    """The MIG uuid the stand-in gives MIG device ``dev`` of GPU ``i`` of host ``name``."""
+    return f"MIG-{name[:8]:0>8}-{i:04d}-5000-8000-{dev:012d}"
+
+
+# --- MIG: what `nvidia-smi -L` and `nvidia-smi -q -x` print for the fleet's GPUs ----------
+
+MIG_LIST = DATA / "table/list-L-h100-80gb-hbm3-mig-mixed-profiles-driver-590.48.01.txt"
+MIG_TABLE = DATA / "table/h100-80gb-hbm3-mig-driver-590.48.01-load-mig-devices.txt"
+MIG_XML = DATA / "xml/a100-sxm4-80gb-mig-driver-535.54.03.xml"
+
+
+def mig_layout() -> list[tuple[str, int, int, int, int]]:
+    """The real H100's MIG devices: (profile, GI, CI, used MiB, total MiB) in device order,
+    profiles from its ``-L`` capture, ids and memory from its table capture."""
+    profiles = [ln.split()[1] for ln in MIG_LIST.read_text().splitlines()
+                if ln.startswith("  MIG ")]
+    rows = []
+    lines = MIG_TABLE.read_text().splitlines()
+    for ln in lines:
+        cells = ln.strip("|").split("|")
+        ids = cells[0].split() if len(cells) == 4 else []
+        if len(ids) == 4 and all(x.isdigit() for x in ids) and "MiB" in cells[1]:
+            used, total = (int(x.strip().removesuffix("MiB")) for x in cells[1].split("/"))
+            rows.append((int(ids[1]), int(ids[2]), int(ids[3]), used, total))
+    rows.sort(key=lambda r: r[2])
+    return [(profiles[dev], gi, ci, used, total) for gi, ci, dev, used, total in rows]
+
+
+def list_output(h: Host) -> str:
+    """``nvidia-smi -L`` for this host: its GPUs' lines, and the H100's MIG lines under each
+    MIG GPU, as the real capture prints them (uuids replaced)."""
+    layout = mig_layout()
+    out = []
+    for i, g in enumerate(h.gpus):
+        name = project_capture(CAPTURES[g], "name").strip()
+        out.append(f"GPU {i}: {name} (UUID: {gpu_uuid(h.name, i)})")
+        if g == "h100-mig":
+            out += [f"  MIG {prof:<11} Device {dev:>2}: (UUID: {mig_uuid(h.name, i, dev)})"
+                    for dev, (prof, *_rest) in enumerate(layout)]
+    return "\n".join(out) + "\n"
+
+
+def xml_output(h: Host) -> str:
+    """``nvidia-smi -q -x`` for this host: the real A100 document's structure (one ``<gpu>``
+    element per GPU), with the H100 capture's MIG devices on MIG GPUs and, per process, its
+    ``<process_info>`` with the process's argv0 as ``<process_name>``, unescaped (a user
+    chooses it)."""
+    text = MIG_XML.read_text()
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("    <gpu "))
+    end = next(i for i, ln in enumerate(lines) if ln == "    </gpu>")
+    head = [ln.replace("<attached_gpus>4<", f"<attached_gpus>{len(h.gpus)}<")
+            for ln in lines[:start]]
+    gpu = lines[start:end + 1]
+    mig_at = (gpu.index("        <mig_devices>"), gpu.index("        </mig_devices>"))
+    dev_tpl = gpu[mig_at[0] + 1:gpu.index("            </mig_device>") + 1]
+    out = list(head)
+    for i, g in enumerate(h.gpus):
+        devs: list[str] = []
+        if g == "h100-mig":
+            for dev, (_prof, gi, ci, used, total) in enumerate(mig_layout()):
+                fb = False
+                for ln in dev_tpl:
+                    ln = re.sub(r"<index>\d+<", f"<index>{dev}<", ln)
+                    ln = re.sub(r"<gpu_instance_id>\d+<", f"<gpu_instance_id>{gi}<", ln)
+                    ln = re.sub(r"<compute_instance_id>\d+<", f"<compute_instance_id>{ci}<", ln)
+                    if "<fb_memory_usage>" in ln:
+                        fb = True
+                    if "<bar1_memory_usage>" in ln:
+                        fb = False
+                    if fb and "<total>" in ln:
+                        ln = re.sub(r"\d+ MiB", f"{total} MiB", ln)
+                    if fb and "<used>" in ln:
+                        ln = re.sub(r"\d+ MiB", f"{used} MiB", ln)
+                    devs.append(ln)
+        procs = []
+        for p in h.processes:
+            if p.popen is None or p.gpu != i:
+                continue
+            gi, ci = (str(p.mig[0]), str(p.mig[1])) if p.mig and g == "h100-mig" \
+                else ("N/A", "N/A")
+            procs += ["            <process_info>",
+                      f"                <gpu_instance_id>{gi}</gpu_instance_id>",
+                      f"                <compute_instance_id>{ci}</compute_instance_id>",
+                      f"                <pid>{p.pid}</pid>",
+                      "                <type>C</type>",
+                      f"                <process_name>{p.argv0}</process_name>",
+                      f"                <used_memory>{p.mem_mib} MiB</used_memory>",
+                      "            </process_info>"]
+        for ln in gpu[:mig_at[0]]:
+            ln = ln.replace("<current_mig>Enabled<", "<current_mig>"
+                            + ("Enabled" if g == "h100-mig" else "Disabled") + "<")
+            ln = re.sub(r"<uuid>[^<]*<", f"<uuid>{gpu_uuid(h.name, i)}<", ln)
+            out.append(ln)
+        out += (["        <mig_devices>", *devs, "        </mig_devices>"] if devs
+                else ["        <mig_devices>None</mig_devices>"])
+        for ln in gpu[mig_at[1] + 1:]:
+            ln = re.sub(r"<uuid>[^<]*<", f"<uuid>{gpu_uuid(h.name, i)}<", ln)
+            if ln.strip() == "<processes />":
+                out += ["        <processes>", *procs, "        </processes>"]
+                continue
+            out.append(ln)
+    out.append("</nvidia_smi_log>")
+    return "\n".join(out) + "\n"
+
+
 @dataclass
 class Host:
     name: str
@@ -173,6 +292,8 @@ class Host:
     processes: list[GpuProcess] = field(default_factory=list)
     behind: str | None = None  # name of the bastion host it is reached through
     delay: float = 0.0  # seconds each stand-in nvidia-smi call takes
+    #: --query-compute-apps names a MIG process's MIG device uuid (some drivers), not its GPU's
+    apps_by_mig: bool = False
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -321,8 +442,9 @@ class Fleet:
             # process_name only where gputop still asks for it (as nvidia-smi would): it is
             # argv[0], whatever its owner put there, newlines included.
             named = "process_name" in APPS_QUERY
+            gis = [gi for _p, gi, _c, _u, _t in mig_layout()]
             apps = [
-                f"{gpu_uuid(h.name, p.gpu)}, {p.pid}, {p.mem_mib}"
+                f"{app_uuid(h, p, gis)}, {p.pid}, {p.mem_mib}"
                 + (f", {p.argv0}" if named else "") + "\n"
                 for p in h.processes if p.popen is not None and p.gpu < len(rows)
             ]
@@ -347,7 +469,9 @@ class Fleet:
                 for n, (stream, text) in enumerate(chunks):
                     files[f"{k}.{n}.{stream}"] = text
             files.update({"gpu.rc": rc, "apps.rc": rc if scenario != "lost" else "0",
-                          "gpu.args": GPU_ARGS, "apps.args": APPS_ARGS})
+                          "gpu.args": GPU_ARGS, "apps.args": APPS_ARGS,
+                          "list.0.out": list_output(h), "list.rc": "0",
+                          "xml.0.out": xml_output(h), "xml.rc": "0", "xml.args": "-q -x"})
         if scenario == "hang":
             files["delay"] = "86400"
         elif h.delay:

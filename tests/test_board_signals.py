@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,3 +127,37 @@ def test_sigterm_leaves_no_refresh_running_on_a_host(tmp_path: Path) -> None:
         if p is not None:
             subprocess.run(["tmux", "-S", str(p.socket), "kill-server"], capture_output=True)
         fleet.stop()
+
+
+def test_a_board_wedged_after_a_signal_still_exits(tmp_path: Path) -> None:
+    """A terminal closed under load can wedge Textual's shutdown (its writer thread blocks);
+    the watchdog armed by the first signal ends the process anyway, with 128 + the signal.
+    Here the wedge is a real one of the same kind: a put on a full queue that nobody reads."""
+    script = (
+        "import queue, signal\n"
+        "from gputop.ui.app import GputopApp, arm_exit_watchdog\n"
+        "arm_exit_watchdog(128 + signal.SIGHUP, after=0.5)\n"
+        "q = queue.Queue(maxsize=1); q.put(1); q.put(2)  # blocks forever\n"
+    )
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 128 + signal.SIGHUP, r.stderr
+    assert time.monotonic() - started < 30
+
+
+async def test_the_first_signal_arms_the_watchdog(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from board_data import board_config
+
+    from gputop.ui import app as app_module
+
+    armed: list[int] = []
+    monkeypatch.setattr(app_module, "arm_exit_watchdog",
+                        lambda code: armed.append(code) or threading.Timer(0, lambda: None))
+    board = app_module.GputopApp(board_config(tmp_path), sources=[], feed=False)
+    async with board.run_test() as pilot:
+        board._on_signal(signal.SIGHUP)
+        board._on_signal(signal.SIGHUP)  # a second signal arms nothing more
+        await pilot.pause()
+    assert armed == [128 + signal.SIGHUP] and board.return_code == 129

@@ -193,3 +193,31 @@ def test_no_config_hint_names_the_command(env: dict[str, str]) -> None:
     r = gputop("--json", "--timeout", "1", env=env)
     assert r.returncode == 0
     assert "gputop init-config" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["--json", "reservations"], ["--once", "free"],
+                                  ["--json", "--watch", "release", "--mine"]])
+def test_an_output_option_before_a_subcommand_is_an_error_not_ignored(
+        tmp_path: Path, env: dict[str, str], args: list[str]) -> None:
+    r = gputop("--config", str(unreachable_config(tmp_path)), *args, env=env)
+    assert r.returncode == 2 and "does nothing" in r.stderr, (r.returncode, r.stderr)
+    assert r.stdout == ""
+
+
+def test_a_memory_size_without_a_unit_is_refused(tmp_path: Path, env: dict[str, str]) -> None:
+    r = gputop("free", "--min-free-memory", "20", "--config",
+               str(unreachable_config(tmp_path)), env=env)
+    assert r.returncode == 2 and "needs a unit" in r.stderr and "20G" in r.stderr, r.stderr
+
+
+def test_several_hosts_in_one_argument_says_how_to_write_them(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    r = gputop("reserve", "a:1,b:2", "--config", str(unreachable_config(tmp_path)), env=env)
+    assert r.returncode == 2 and "one argument each" in r.stderr, r.stderr
+
+
+def test_a_fresh_reservation_reads_its_full_length(tmp_path: Path,
+                                                   env: dict[str, str]) -> None:
+    r = gputop("reserve", "gpu-01:0", "--for", "2h", "--config",
+               str(unreachable_config(tmp_path)), "--timeout", "1", env=env)
+    assert r.returncode == 0 and "(2h00m left)" in r.stdout, r.stdout + r.stderr

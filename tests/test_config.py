@@ -78,6 +78,10 @@ local = true
      "reservations.default_duration", "not a duration"),
     ('hosts = ["a"]\nextra = 1\n', "extra", "unknown key"),
     ('[defaults]\n', "hosts", "no hosts"),
+    ('[[hosts]]\nname = "ws"\nlocal = true\naddress = "10.0.0.5"\n', "hosts[0].address",
+     "cannot be used with local"),
+    ('[[hosts]]\nname = "ws"\nuser = "me"\nlocal = true\n', "hosts[0].user",
+     "cannot be used with local"),
 ])
 def test_mistakes_name_the_key(tmp_path: Path, text: str, key: str, words: str) -> None:
     path = write(tmp_path, text)

@@ -10,6 +10,7 @@ from fleet import CAPTURES, project_capture
 from gputop.model import GpuInfo, HostError
 from gputop.sources.nvidia_smi import (
     APPS_QUERY,
+    GPU_FIELDS,
     GPU_QUERY,
     REMOTE_SCRIPT,
     ParseError,
@@ -250,3 +251,12 @@ def test_remote_script_is_constant_posix_sh() -> None:
 def test_not_a_number_is_not_a_reading() -> None:
     assert to_float("nan") is None and to_float("inf") is None and to_int("-inf") is None
     assert to_float(" 42.5 ") == 42.5 and to_int("7") == 7
+
+
+@pytest.mark.parametrize("cell", ["-5", "1e20", "65536", "3.0", " ", "0x1", "99999999999"])
+def test_an_index_that_is_no_device_index_is_unknown(cell: str) -> None:
+    """A (hostile or broken) nvidia-smi's index that no device can have is not trusted."""
+    sample = {"index": cell, "uuid": "GPU-1", "name": "NVIDIA H100"}
+    row = ", ".join(sample.get(f, "1") for f, _, _ in GPU_FIELDS)
+    (g,) = parse_gpu_rows(row)
+    assert g.index is None and g.name is not None

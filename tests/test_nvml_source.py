@@ -147,3 +147,70 @@ async def test_real_pynvml_on_a_machine_without_gpu() -> None:
         assert gpus
     else:
         assert err.kind in ("no-nvml", "driver")
+
+
+class NVMLError_NotFound(NVMLError):
+    pass
+
+
+def fake_mig_nvml(pid: int) -> types.ModuleType:
+    """GPU 1 in MIG mode, split as the real H100 capture is (device 0: GI 2 3g.40gb, device
+    1: GI 9 1g.10gb; further slots empty), ``pid`` running on device 1. Same test double."""
+    m = fake_nvml(pid)
+    layout = {0: (2, "3g.40gb", 40448, 11091), 1: (9, "1g.10gb", 9984, 9)}
+
+    def mig_handle(h: int, slot: int) -> tuple[int, int]:
+        if h != 1 or slot not in layout:
+            raise NVMLError_NotFound("Not Found")
+        return (h, slot)
+
+    def procs(h: object) -> list[Proc]:
+        if h == (1, 1) or h == 1:
+            return [Proc(pid, 900 << 20)]
+        return [] if isinstance(h, tuple) else [Proc(pid, 2 << 30)]
+
+    def name(h: object) -> bytes:
+        if isinstance(h, tuple):
+            return f"NVIDIA H100 80GB HBM3 MIG {layout[h[1]][1]}".encode()
+        return b"NVIDIA H100 80GB HBM3"
+
+    def mem(h: object) -> Mem:
+        if isinstance(h, tuple):
+            _, _, total, used = layout[h[1]]
+            return Mem(total << 20, used << 20, (total - used) << 20)
+        return Mem(81559 << 20, 11125 << 20, 0)
+
+    m.NVMLError_NotFound = NVMLError_NotFound  # type: ignore[attr-defined]
+    m.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7  # type: ignore[attr-defined]
+    m.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle  # type: ignore[attr-defined]
+    m.nvmlDeviceGetGpuInstanceId = lambda h: layout[h[1]][0]  # type: ignore[attr-defined]
+    m.nvmlDeviceGetComputeInstanceId = lambda h: 0  # type: ignore[attr-defined]
+    m.nvmlDeviceGetUUID = (  # type: ignore[attr-defined]
+        lambda h: f"MIG-{h[0]}-{h[1]}" if isinstance(h, tuple) else f"GPU-{h}")
+    m.nvmlDeviceGetName = name  # type: ignore[attr-defined]
+    m.nvmlDeviceGetMemoryInfo = mem  # type: ignore[attr-defined]
+    m.nvmlDeviceGetComputeRunningProcesses = procs  # type: ignore[attr-defined]
+    return m
+
+
+async def test_mig_instances_through_nvml() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        gpus, err = await NvmlSource("local", timeout=5, nvml=fake_mig_nvml(sleeper.pid)).query()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert err is None
+    g0, g1, _lost = gpus
+    assert g0.instances == ()
+    a, b = g1.instances
+    assert (a.gpu_instance_id, a.compute_instance_id, a.profile, a.uuid) == (
+        2, 0, "3g.40gb", "MIG-1-0")
+    assert (a.memory_used_mib, a.memory_total_mib, a.processes) == (11091, 40448, ())
+    assert (b.gpu_instance_id, b.profile, b.memory_total_mib) == (9, "1g.10gb", 9984)
+    assert a.utilization_percent is None and b.utilization_percent is None  # never 0
+    (p,) = b.processes
+    assert p.pid == sleeper.pid and p.user == pwd.getpwuid(os.geteuid()).pw_name
+    assert (p.gpu_instance_id, p.compute_instance_id) == (9, 0)
+    (gp,) = g1.processes  # the GPU's own list says the instance too
+    assert (gp.pid, gp.gpu_instance_id) == (sleeper.pid, 9)

@@ -23,6 +23,7 @@ from conftest import _need_sshd, _world_readable
 from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host, gpu_uuid
 
 from gputop.config import load_config
+from gputop.model import SCHEMA_VERSION
 from gputop.poller import Poller
 from gputop.sources.ssh import MAX_OUTPUT
 
@@ -175,7 +176,7 @@ def test_lost_gpu_on_stderr_anywhere_hides_nothing(pfleet: Fleet, schema: dict, 
     # --query-compute-apps failed the same way (exit 15): the healthy GPUs' jobs still show
     assert [p["pid"] for p in a["processes"]] == [alice.pid]
     assert [p["pid"] for p in b["processes"]] == [bob.pid]
-    jsonschema.validate({"version": 1, "time": h["time"], "hosts": [h]}, schema)
+    jsonschema.validate({"version": SCHEMA_VERSION, "time": h["time"], "hosts": [h]}, schema)
 
 
 def test_two_gpus_with_one_index_are_both_shown_and_flagged(pfleet: Fleet, schema: dict) -> None:
@@ -184,7 +185,7 @@ def test_two_gpus_with_one_index_are_both_shown_and_flagged(pfleet: Fleet, schem
     assert [g["index"] for g in h["gpus"]] == [0, 0]
     assert len({g["uuid"] for g in h["gpus"]}) == 2
     assert h["warnings"] == ["nvidia-smi listed GPU index 0 2 times"]
-    jsonschema.validate({"version": 1, "time": h["time"], "hosts": [h]}, schema)
+    jsonschema.validate({"version": SCHEMA_VERSION, "time": h["time"], "hosts": [h]}, schema)
 
 
 # -- SSH: fairness, retries, messages ----------------------------------------------------

@@ -344,6 +344,10 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     ' "lease": "2026-01-01T00:00:00Z", "min_free_mib": 0, "hosts": "h", "want": "",'
     ' "one_host": false}]',
     '{"a": 1}',
+    # A look-alike user (escape sequence): the file's name rule refuses waiters too.
+    '[{"id": "x", "user": "bob\\u001b[2J", "machine": "", "count": 1,'
+    ' "created": "2026-01-01T00:00:00Z", "lease": "2026-01-01T00:00:00Z", "min_free_mib": 0,'
+    ' "hosts": [], "want": "", "one_host": false}]',
 ])
 def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
     from gputop.reservations.store import StoreError

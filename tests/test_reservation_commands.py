@@ -195,23 +195,24 @@ def test_whoami_ignores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_free_lists_and_reserves_idle_unreserved(gputop: Any) -> None:
     # Of the fleet's GPUs only gpu-mixed:2 (RTX 2080 SUPER, idle, 211 MiB) is free: the rest
-    # run processes, hold memory, show load, or are lost.
-    r = gputop("free")
+    # run processes, hold memory, show load, or are lost (--whole: gpu-mixed:0's idle MIG
+    # instances are free too; tests/test_mig_fleet.py lists them).
+    r = gputop("free", "--whole")
     assert r.returncode == 0 and r.stdout == "gpu-mixed:2\n"
-    r = gputop("free", "--count", "2")
+    r = gputop("free", "--whole", "--count", "2")
     assert r.returncode == 1 and "1 free" in r.stderr
-    r = gputop("free", "--min-free-memory", "20G")
+    r = gputop("free", "--whole", "--min-free-memory", "20G")
     assert r.returncode == 1
-    r = gputop("free", "--reserve", "--for", "1h", "--json")
+    r = gputop("free", "--whole", "--reserve", "--for", "1h", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["reserved"] and [(f["host"], f["gpu"]) for f in doc["free"]] == [("gpu-mixed", 2)]
     (rec,) = json.loads(gputop.path.read_text())["reservations"]
     assert doc["free"][0]["expires"] == rec["expires"]
     assert re.search(r"^reserved gpu-mixed:2 until \S+ \S+ UTC \(", r.stderr, re.M), r.stderr
-    r = gputop("free", user="gtbob")
+    r = gputop("free", "--whole", user="gtbob")
     assert r.returncode == 1, r.stderr  # now reserved by gtalice
-    r = gputop("free", "--reserve", "--for", "2h")  # still free to its holder: extended
+    r = gputop("free", "--whole", "--reserve", "--for", "2h")  # still free to its holder: extended
     assert r.returncode == 0 and r.stdout == "gpu-mixed:2\n"
     assert "extended your reservation of gpu-mixed:2 until" in r.stderr
 

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 from datetime import timedelta
@@ -148,19 +149,36 @@ def test_cli_on_broken_file_exits_2_and_keeps_it(tmp_path: Path) -> None:
     assert path.read_bytes() == BROKEN["wrong-version"]
 
 
-def test_hostile_note_in_file_is_shown_as_plain_text(tmp_path: Path) -> None:
+def test_markup_in_a_note_is_shown_as_plain_text(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"version": 1, "events": [], "reservations": [{
-        "id": "x", "host": "h", "gpu": 0, "user": "[red]mallory[/]\x1b[2J",
+        "id": "x", "host": "h", "gpu": 0, "user": "mallory",
         "machine": "m", "created": iso(utcnow()), "expires": iso(utcnow() + timedelta(hours=1)),
-        "note": "[bold]hi[/bold] \x1b]0;pwned\x07 \u202eevil"}]}))
+        "note": "[bold]hi[/bold] [red]x[/]"}]}))
     cfg = tmp_path / "hosts.toml"
     cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "reservations"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0
-    assert "[bold]hi[/bold]" in r.stdout and "[red]mallory[/]" in r.stdout
-    assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\u202e" not in r.stdout
+    assert "[bold]hi[/bold] [red]x[/]" in r.stdout
+
+
+def test_a_forged_look_alike_user_is_refused_not_shown(tmp_path: Path) -> None:
+    """A user name that cleaning would change could pass for someone else on every screen
+    (gtalice vs gtalice + ESC[0m): the file is hostile, reported and left untouched."""
+    path = tmp_path / "r.json"
+    raw = json.dumps({"version": 1, "events": [], "reservations": [{
+        "id": "x", "host": "h", "gpu": 0, "user": "gtalice\x1b[0m",
+        "machine": "m", "created": iso(utcnow()), "expires": iso(utcnow() + timedelta(hours=1)),
+        "note": "alice: do not touch"}]}).encode()
+    path.write_bytes(raw)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{path}"\n')
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "reservations",
+                        "--json"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "user: not a name" in r.stderr, r.stderr
+    assert "\x1b" not in r.stdout + r.stderr
+    assert path.read_bytes() == raw
 
 
 # -- links and permissions -------------------------------------------------------------------
@@ -173,6 +191,17 @@ def test_symlinked_lock_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="symbolic link"):
         make(Store(tmp_path / "r.json"), "h", 0, "ann")
     assert target.read_text() == "x"
+
+
+def test_a_hard_link_at_the_lock_path_is_not_made_group_writable(tmp_path: Path) -> None:
+    """A teammate who plants a hard link to your private file at the lock path must not get
+    gputop to chmod that file g+rw for them."""
+    private = tmp_path / "private"
+    private.write_text("secret")
+    private.chmod(0o600)
+    os.link(private, tmp_path / "r.json.lock")
+    make(Store(tmp_path / "r.json"), "h", 0, "ann")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
 
 
 def test_files_are_created_group_writable(tmp_path: Path) -> None:
@@ -371,6 +400,14 @@ HOSTILE = {
     "record-not-object": doc("h:0"),
     "record-null": doc(None),
     "user-number": doc(rec(user=7)),
+    "user-escape": doc(rec(user="ann\x1b[0m")),
+    "user-zero-width": doc(rec(user="a\u200bnn")),
+    "user-spaces": doc(rec(user="   ")),
+    "user-markup": doc(rec(user="[red]ann[/]")),
+    "host-bidi": doc(rec(host="h\u202e")),
+    "id-newline": doc(rec(id="a\nb")),
+    "note-escape": doc(rec(note="hi \x1b]0;pwned\x07")),
+    "note-bidi": doc(rec(note="\u202eevil")),
     "host-empty": doc(rec(host="")),
     "host-huge": doc(rec(host="h" * 100_000)),
     "id-object": doc(rec(id={"a": 1})),

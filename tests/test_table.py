@@ -80,3 +80,34 @@ def test_unknown_values_are_not_zero() -> None:
     snap = FleetSnapshot(hosts=(HostSnapshot("h", time=NOW, gpus=(g,)),), time=NOW)
     line = render(snap, None, now=NOW).splitlines()[1]
     assert line.split()[:5] == ["h", "0", "?", "?", "?"]
+
+
+def test_a_failed_hosts_name_is_never_cut() -> None:
+    """Error rows are named in full even when every GPU row has a short host name."""
+    snap = FleetSnapshot(hosts=(
+        HostSnapshot("h", time=NOW, gpus=(gpu(0),), last_ok=NOW),
+        HostSnapshot("gpu-long-name-17", time=NOW, error=HostError("timeout", "no answer")),
+        HostSnapshot("localhost", time=NOW, error=HostError("no-nvml", "NVML not found")),
+    ), time=NOW)
+    lines = render(snap, None, now=NOW).splitlines()
+    assert lines[2].startswith("gpu-long-name-17  timeout: no answer"), lines
+    assert lines[3].startswith("localhost") and "…" not in lines[3], lines
+
+
+def test_idle_reservation_is_flagged_after_the_grace_period() -> None:
+    """As in --json and on the board: a reservation whose holder ran nothing for the grace
+    period is flagged in the one-shot table too."""
+    from datetime import timedelta
+
+    from gputop.reservations.flags import IdleTracker
+
+    made = NOW - timedelta(hours=1)
+    idle = GpuInfo(index=0, uuid="GPU-0", name="L40S", utilization_percent=0,
+                   memory_used_mib=0, memory_total_mib=46068)
+    snap = FleetSnapshot(hosts=(HostSnapshot("h", time=NOW, gpus=(idle,), last_ok=NOW),),
+                         time=NOW)
+    state = StoreState(reservations=(new_reservation("h", 0, "bob", "m", made, 7200, None, ""),))
+    tracker = IdleTracker(1800, grace_s=900)
+    tracker.observe(snap.hosts[0])
+    line = render(snap, state, tracker=tracker, now=NOW).splitlines()[1]
+    assert "idle-reservation" in line, line

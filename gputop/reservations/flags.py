@@ -6,11 +6,11 @@ Shared by ``gputop --json``, ``gputop free`` and the board so that all three agr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, utcnow
+from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, MigInstance, utcnow
 from gputop.reservations.store import Reservation, StoreState
 
 #: Utilisation at or below this, with memory held, counts as "idle holder".
@@ -99,9 +99,37 @@ def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
 
 def reservation_index(state: StoreState | None, now: datetime
                       ) -> dict[tuple[str, int], Reservation]:
+    """Whole-GPU reservations by (host, gpu)."""
     if state is None:
         return {}
-    return {(r.host, r.gpu): r for r in state.active(now)}
+    return {(r.host, r.gpu): r for r in state.active(now) if r.instance is None}
+
+
+def instance_index(state: StoreState | None, now: datetime
+                   ) -> dict[tuple[str, int, int], Reservation]:
+    """MIG instance reservations by (host, gpu, GPU instance id)."""
+    if state is None:
+        return {}
+    return {(r.host, r.gpu, r.instance): r for r in state.active(now) if r.instance is not None}
+
+
+def instance_view(g: GpuInfo, inst: MigInstance) -> GpuInfo:
+    """A MIG instance as a GPU of its own, for the rules that judge a GPU (flags, free):
+    its processes and memory, no utilisation (NVML has none per instance)."""
+    return replace(g, processes=inst.processes, memory_used_mib=inst.memory_used_mib,
+                   memory_total_mib=inst.memory_total_mib, utilization_percent=None,
+                   memory_utilization_percent=None, instances=())
+
+
+def instance_reservation(held: dict[tuple[str, int], Reservation],
+                         inst_held: dict[tuple[str, int, int], Reservation], host: str,
+                         g: GpuInfo, inst: MigInstance) -> Reservation | None:
+    """The instance's own reservation, else its GPU's (a whole-GPU one covers it)."""
+    if g.index is None:
+        return None
+    own = (inst_held.get((host, g.index, inst.gpu_instance_id))
+           if inst.gpu_instance_id is not None else None)
+    return own or held.get((host, g.index))
 
 
 def annotate(snapshot: FleetSnapshot, state: StoreState | None,
@@ -109,6 +137,7 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
     """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags."""
     now = snapshot.time
     held = reservation_index(state, now)
+    inst_held = instance_index(state, now)
     doc = snapshot.to_dict()
     for host, hdoc in zip(snapshot.hosts, doc["hosts"]):
         for g, gdoc in zip(host.gpus, hdoc["gpus"]):
@@ -118,6 +147,14 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
                       and tracker.reservation_idle(host.name, g, r, now))
             gdoc["reservation"] = r.to_dict() if r else None
             gdoc["flags"] = gpu_flags(g, r, idle, unused)
+            for inst, idoc in zip(g.instances, gdoc["instances"]):
+                ir = instance_reservation(held, inst_held, host.name, g, inst)
+                view = instance_view(g, inst)
+                # The holder's processes are remembered per GPU: seen anywhere on it counts.
+                iunused = (ir is not None and tracker is not None
+                           and tracker.reservation_idle(host.name, view, ir, now))
+                idoc["reservation"] = ir.to_dict() if ir else None
+                idoc["flags"] = gpu_flags(view, ir, False, iunused)
     return doc
 
 
@@ -132,12 +169,21 @@ def is_free(g: GpuInfo) -> bool:
 
 @dataclass(frozen=True)
 class FreeGpu:
+    """A free GPU, or a free MIG instance of one (``instance`` set)."""
+
     host: str
     gpu: GpuInfo
+    instance: MigInstance | None = None
 
     @property
     def free_mib(self) -> int:
-        return self.gpu.memory_free_mib
+        return (self.instance or self.gpu).memory_free_mib
+
+    @property
+    def label(self) -> str:
+        """``host:gpu`` or ``host:gpu/instance``, as ``reserve`` takes it."""
+        gi = self.instance.gpu_instance_id if self.instance else None
+        return f"{self.host}:{self.gpu.index}" + ("" if gi is None else f"/{gi}")
 
 
 def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
@@ -147,19 +193,35 @@ def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
     most free memory, then least load, then host and index."""
     now = now or utcnow()
     held = reservation_index(state, now)
+    inst_held = instance_index(state, now)
     out = []
     for h in hosts:
         if not h.ok:
             continue
         for g in h.gpus:
+            if g.index is not None and not g.lost:
+                # A MIG GPU's free instances: unused, and held by nobody else (neither the
+                # instance nor its whole GPU).
+                for inst in g.instances:
+                    r = instance_reservation(held, inst_held, h.name, g, inst)
+                    if (inst.gpu_instance_id is None or not is_free(instance_view(g, inst))
+                            or (r is not None and r.user != user)):
+                        continue
+                    f = FreeGpu(h.name, g, inst)
+                    if f.free_mib >= min_free_mib:
+                        out.append(f)
             if not is_free(g):
                 continue
             r = held.get((h.name, g.index)) if g.index is not None else None
             if r is not None and r.user != user:
                 continue
+            if any(r.user != user for (hh, gi, _), r in inst_held.items()
+                   if (hh, gi) == (h.name, g.index)):
+                continue  # someone holds one of its instances
             f = FreeGpu(h.name, g)
             if f.free_mib >= min_free_mib:
                 out.append(f)
     out.sort(key=lambda f: (-f.free_mib, f.gpu.utilization_percent or 0, f.host,
-                            f.gpu.index or 0))
+                            f.gpu.index or 0,
+                            f.instance.gpu_instance_id or 0 if f.instance else -1))
     return out

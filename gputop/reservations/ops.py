@@ -59,12 +59,14 @@ def local_time(t: datetime) -> str:
 def describe(r: Reservation, now: datetime) -> str:
     left = max(0, int((r.expires - now).total_seconds()))
     note = f' ("{clean(r.note)}")' if r.note else ""
-    return (f"{clean(r.host)}:{r.gpu} is reserved by {clean(r.user)} until "
+    what = "instance" if r.instance is not None else ""
+    return (f"{clean(r.target)} {what + ' ' if what else ''}is reserved by {clean(r.user)} until "
             f"{local_time(r.expires)} ({format_duration(left)} left){note}")
 
 
 def format_duration(seconds: float) -> str:
-    s = int(seconds)
+    """To the nearest minute: a reservation for 2h just made reads "2h00m", not "1h59m"."""
+    s = round(seconds / 60) * 60
     if s >= 86400:
         return f"{s // 86400}d{(s % 86400) // 3600}h"
     if s >= 3600:
@@ -85,6 +87,12 @@ class Target:
     host: str
     gpu: int
     uuid: str | None = None
+    #: A MIG GPU instance id; None: the whole GPU.
+    instance: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}:{self.gpu}" + ("" if self.instance is None else f"/{self.instance}")
 
 
 @dataclass(frozen=True)
@@ -123,8 +131,10 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
-        conflicts = [h for t in targets
-                     if (h := state.holder(t.host, t.gpu, now)) is not None and h.user != user]
+        # A whole-GPU reservation covers its instances, and an instance's blocks its GPU.
+        conflicts = list({h.id: h for t in targets
+                          for h in state.overlapping(t.host, t.gpu, t.instance, now)
+                          if h.user != user}.values())
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
         try:
@@ -134,17 +144,23 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
         keep = list(state.reservations)
         ids = {r.id for r in keep}
         for t in targets:
-            own = state.holder(t.host, t.gpu, now)
+            own = state.holder(t.host, t.gpu, now, t.instance)
+            if own is None and t.instance is not None:  # your whole GPU covers it
+                own = state.holder(t.host, t.gpu, now)
             if own is not None:
+                at = next(i for i, r in enumerate(keep) if r.id == own.id)
+                if keep[at] is not own:  # two targets on one reservation: said once
+                    continue
                 new = replace(own, expires=max(own.expires, until), note=note or own.note,
                               uuid=t.uuid or own.uuid, job=job or own.job)
-                keep[keep.index(own)] = new
+                keep[at] = new
                 made.append(Outcome("extended" if until > own.expires else "kept", new, own))
             else:
-                new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note)
+                new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note,
+                                      t.instance)
                 while new.id in ids:  # ids must stay unique: release goes by id
                     new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
-                                          note)
+                                          note, t.instance)
                 ids.add(new.id)
                 new = replace(new, job=job)
                 keep.append(new)
@@ -171,7 +187,7 @@ def release(store: Store, targets: Sequence[Target] | None, *, force: bool = Fal
         else:
             others: list[Reservation] = []
             for t in targets:
-                r = state.holder(t.host, t.gpu, now)
+                r = state.holder(t.host, t.gpu, now, t.instance)
                 if r is None:
                     continue
                 (gone if r.user == user or force else others).append(r)

@@ -80,10 +80,11 @@ def grantable(state: StoreState, waiter_id: str | None, hosts: Iterable[HostSnap
 
 def usable_now(state: StoreState, hosts: Iterable[HostSnapshot], now: datetime,
                ahead: Sequence[Waiter]) -> list[FreeGpu]:
-    """Free, unreserved GPUs that none of ``ahead`` could use (the order rule)."""
+    """Free, unreserved whole GPUs that none of ``ahead`` could use (the order rule). The
+    queue hands out whole GPUs: a MIG instance is reserved by name (``reserve``)."""
     reqs = [request_of(w) for w in ahead]
     return [f for f in free_gpus(hosts, state, 0, now, user=None)
-            if not any(r.fits(f) for r in reqs)]
+            if f.instance is None and not any(r.fits(f) for r in reqs)]
 
 
 class LeftQueue(Exception):
@@ -195,7 +196,7 @@ def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[Ho
             raise _NotYet
         ids = {r.id for r in state.reservations}
         for f in got:
-            if state.holder(f.host, f.gpu.index or 0, now) is not None:
+            if state.overlapping(f.host, f.gpu.index or 0, None, now):
                 raise Refused(f"{f.host}:{f.gpu.index} was reserved meanwhile")
             r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
                                 f.gpu.uuid, note)

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import iso, utcnow
+from gputop.text import clean
 
 #: Version 2 adds the wait queue and job-tied reservations. Rule: gputop reads versions 1
 #: and 2; it writes version 1 whenever the file uses neither (so an older gputop on the
@@ -37,6 +39,7 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
 MAX_EVENTS = 200
+MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
@@ -54,8 +57,16 @@ MIN_YEAR, MAX_YEAR = 1970, 9000
 _INT_DIGITS = 20  # a JSON integer longer than this is refused before int() sees it
 
 
-def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False) -> str:
-    """A string field: right type, bounded, and encodable (no lone surrogates)."""
+#: Names (user, host, machine, id, uuid): what real user names, host names and GPU uuids are
+#: made of. Anything else (control or zero-width characters, spaces) could make one user's
+#: reservation look like another's on every screen, so such a file is refused as hostile.
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.@+:$\\-]+")
+
+
+def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False,
+          name: bool = True) -> str:
+    """A string field: right type, bounded, encodable (no lone surrogates); a name holds
+    only name characters, free text (a note) nothing that cleaning would change."""
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a string, not {_jtype(value)}")
     if len(value) > limit:
@@ -66,6 +77,10 @@ def _text(value: Any, where: str, *, limit: int = MAX_NAME, empty: bool = False)
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{where}: contains an unpaired surrogate") from None
+    if name and value and not _NAME_CHARS.fullmatch(value):
+        raise ValueError(f"{where}: not a name ({value[:40]!r})")
+    if not name and clean(value) != value:
+        raise ValueError(f"{where}: contains control or escape characters")
     return value
 
 
@@ -144,9 +159,23 @@ class Reservation:
     note: str = ""
     #: Set for a reservation that ends with its job (``run``, ``reserve --until-exit``).
     job: Job | None = None
+    #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
+    #: GPU, which covers all of its instances.
+    instance: int | None = None
 
     def active(self, now: datetime) -> bool:
         return self.expires > now
+
+    @property
+    def target(self) -> str:
+        """``host:gpu`` or ``host:gpu/instance`` (not cleaned: callers clean for display)."""
+        return f"{self.host}:{self.gpu}" + ("" if self.instance is None else f"/{self.instance}")
+
+    def covers(self, host: str, gpu: int, instance: int | None) -> bool:
+        """Whether this reservation and one of ``host:gpu[/instance]`` overlap: the same
+        GPU, and either of them whole or both the same instance."""
+        return (self.host == host and self.gpu == gpu
+                and (self.instance is None or instance is None or self.instance == instance))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -155,6 +184,8 @@ class Reservation:
             del d["job"]  # a version-1 record stays exactly what version 1 wrote
         else:
             d["job"] = self.job.to_dict()
+        if self.instance is None:  # files without instances stay readable by older gputops
+            del d["instance"]
         return d
 
     @classmethod
@@ -162,7 +193,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note", "job"}
+                          "note", "job", "instance"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -170,14 +201,21 @@ class Reservation:
             raise ValueError(f"{where}.gpu: expected an integer, not {_jtype(gpu)}")
         if not 0 <= gpu <= MAX_GPU_INDEX:
             raise ValueError(f"{where}.gpu: out of range (0-{MAX_GPU_INDEX})")
+        inst = d.get("instance")
+        if inst is not None and (not isinstance(inst, int) or isinstance(inst, bool)):
+            raise ValueError(f"{where}.instance: expected an integer, not {_jtype(inst)}")
+        if inst is not None and not 0 <= inst <= MAX_INSTANCE:
+            raise ValueError(f"{where}.instance: out of range (0-{MAX_INSTANCE})")
         uuid = d.get("uuid")
-        return cls(id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
+        return cls(instance=inst,
+                   id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
                    gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
                    machine=_text(d.get("machine"), f"{where}.machine", empty=True),
                    created=parse_time(d.get("created"), f"{where}.created"),
                    expires=parse_time(d.get("expires"), f"{where}.expires"),
                    uuid=None if uuid is None else _text(uuid, f"{where}.uuid"),
-                   note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True),
+                   note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True,
+                              name=False),
                    job=None if d.get("job") is None else Job.from_dict(d["job"], f"{where}.job"))
 
 
@@ -226,7 +264,8 @@ class Waiter:
                    lease=parse_time(d["lease"], f"{where}.lease"),
                    min_free_mib=_int(d["min_free_mib"], f"{where}.min_free_mib", 0, 2**40),
                    hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
-                   want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True),
+                   want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True,
+                              name=False),
                    one_host=d["one_host"])
 
 
@@ -259,8 +298,16 @@ class StoreState:
         now = now or utcnow()
         return [r for r in self.reservations if r.active(now)]
 
-    def holder(self, host: str, gpu: int, now: datetime | None = None) -> Reservation | None:
-        return next((r for r in self.active(now) if r.host == host and r.gpu == gpu), None)
+    def holder(self, host: str, gpu: int, now: datetime | None = None,
+               instance: int | None = None) -> Reservation | None:
+        """The reservation of exactly this GPU (``instance`` None) or this instance."""
+        return next((r for r in self.active(now) if r.host == host and r.gpu == gpu
+                     and r.instance == instance), None)
+
+    def overlapping(self, host: str, gpu: int, instance: int | None,
+                    now: datetime | None = None) -> list[Reservation]:
+        """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
+        return [r for r in self.active(now) if r.covers(host, gpu, instance)]
 
     def waiting(self, now: datetime | None = None) -> list[Waiter]:
         now = now or utcnow()
@@ -281,15 +328,17 @@ def check_consistent(rs: tuple[Reservation, ...]) -> None:
     """One record per id and per GPU: otherwise "release by id" and "who holds it" are
     ambiguous, and a release could take away someone else's reservation."""
     ids: set[str] = set()
-    gpus: dict[tuple[str, int], int] = {}
+    gpus: dict[tuple[str, int, int | None], int] = {}
     for i, r in enumerate(rs):
         if r.id in ids:
             raise ValueError(f"reservations[{i}].id: duplicate id {r.id[:40]!r}")
         ids.add(r.id)
-        j = gpus.setdefault((r.host, r.gpu), i)
+        j = gpus.setdefault((r.host, r.gpu, r.instance), i)
         if j != i:
             raise ValueError(f"reservations[{i}]: a second reservation of "
-                             f"{r.host[:40]!r}:{r.gpu} (reservations[{j}] holds it)")
+                             f"{r.host[:40]!r}:{r.gpu}"
+                             + ("" if r.instance is None else f"/{r.instance}")
+                             + f" (reservations[{j}] holds it)")
 
 
 def _no_constant(name: str) -> Any:
@@ -411,7 +460,7 @@ class Store:
         except FileNotFoundError:
             return StoreState()
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read")) from None
+            raise StoreError(self._os_message(exc, self.path, "read it")) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -420,7 +469,7 @@ class Store:
             with os.fdopen(fd, "rb", closefd=False) as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read")) from None
+            raise StoreError(self._os_message(exc, self.path, "read it")) from None
         finally:
             os.close(fd)
         return decode(raw, self.path, st.st_size)
@@ -450,12 +499,12 @@ class Store:
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "create the directory")) from None
+            raise StoreError(self._os_message(exc, d, "create it")) from None
         self._check_nfs_once()
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.lock_path, "open the lock file")) from None
+            raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
         try:
             self._make_group_writable(fd)
             deadline = time.monotonic() + LOCK_TIMEOUT
@@ -470,7 +519,7 @@ class Store:
                             "concurrent writers could lose updates. Mount with locking "
                             "enabled (no 'nolock') or use another path.") from None
                     if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise StoreError(self._os_message(exc, self.lock_path, "lock")) from None
+                        raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
                                          f"after {LOCK_TIMEOUT:.0f}s") from None
@@ -486,7 +535,7 @@ class Store:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "write a file in")) from None
+            raise StoreError(self._os_message(exc, d, "write a file in it")) from None
         try:
             try:
                 self._make_group_writable(fd)
@@ -500,7 +549,7 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(self._os_message(exc, self.path, "write")) from None
+            raise StoreError(self._os_message(exc, self.path, "write it")) from None
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -520,6 +569,9 @@ class Store:
     @staticmethod
     def _make_group_writable(fd: int) -> None:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            # A hard link planted at our path would make us chmod someone's own file.
+            return
         if st.st_uid == os.geteuid() and (st.st_mode & 0o060) != 0o060:
             with contextlib.suppress(OSError):
                 os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o060)
@@ -535,14 +587,14 @@ class Store:
     @staticmethod
     def _os_message(exc: OSError, path: Path, what: str) -> str:
         if exc.errno in (errno.EACCES, errno.EPERM):
-            return (f"{path}: permission denied trying to {what} it. Ask the owner to make it "
+            return (f"{path}: permission denied trying to {what}. Ask the owner to make it "
                     "group-writable (chmod g+w) for your team's group, or set "
                     "[reservations] path to a place you can write.")
         if exc.errno == errno.ELOOP:
             return f"{path}: is a symbolic link; gputop does not follow links for its files"
         if exc.errno == errno.EROFS:
             return f"{path}: read-only filesystem; set [reservations] path elsewhere"
-        return f"{path}: cannot {what} it: {exc.strerror}"
+        return f"{path}: cannot {what}: {exc.strerror}"
 
 
 def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | None:
@@ -572,7 +624,8 @@ def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | Non
 
 
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
-                    seconds: float, uuid: str | None, note: str) -> Reservation:
+                    seconds: float, uuid: str | None, note: str,
+                    instance: int | None = None) -> Reservation:
     return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
                        created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note)
+                       note=note, instance=instance)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,8 +65,14 @@ def to_int(value: str | None) -> int | None:
     return None if f is None else round(f)
 
 
+def to_index(value: str | None) -> int | None:
+    """A device index: plain digits, 0-65535 ("-5" or "1e20" is no index, not a GPU)."""
+    v = value.strip() if value is not None else ""
+    return int(v) if v.isdigit() and len(v) <= 5 and int(v) <= 65535 else None
+
+
 GPU_FIELDS: tuple[tuple[str, str, Converter], ...] = (
-    ("index", "index", to_int),
+    ("index", "index", to_index),
     ("uuid", "uuid", to_str),
     ("name", "name", to_str),
     ("pci.bus_id", "bus_id", to_str),
@@ -226,22 +232,33 @@ def parse_args_rows(text: str, asked: Iterable[int]) -> dict[int, str]:
     return {pid: clean(" ".join(parts)) for pid, parts in out.items() if pid not in twice}
 
 
+#: MIG uuid -> (parent GPU uuid, GPU instance id, compute instance id).
+MigParents = Mapping[str, tuple[str, int | None, int | None]]
+
+
 def attach_processes(
     gpus: Iterable[GpuInfo], apps: Iterable[AppRow], owners: dict[int, Owner],
-    args: dict[int, str] | None = None,
+    args: dict[int, str] | None = None, mig: MigParents | None = None,
 ) -> list[GpuInfo]:
-    """Hang each compute process on its GPU (by UUID), with owner, command line and age."""
+    """Hang each compute process on its GPU (by UUID), with owner, command line and age.
+
+    A process reported under a MIG device's uuid (some drivers) goes to its parent GPU,
+    on its instance, where ``mig`` (the host's MIG inventory) knows that uuid."""
     args = args or {}
+    mig = mig or {}
     by_uuid: dict[str | None, list[ProcessInfo]] = {}
     for a in apps:
         o = owners.get(a.pid)
-        by_uuid.setdefault(a.gpu_uuid, []).append(
+        parent, gi, ci = mig.get(a.gpu_uuid or "", (a.gpu_uuid, None, None))
+        by_uuid.setdefault(parent, []).append(
             ProcessInfo(
                 pid=a.pid,
                 user=o.user if o else None,
                 command=args.get(a.pid) or None,
                 gpu_memory_mib=a.used_memory_mib,
                 elapsed_s=o.elapsed_s if o else None,
+                gpu_instance_id=gi,
+                compute_instance_id=ci,
             )
         )
     gpus = list(gpus)
@@ -303,9 +320,11 @@ class RemoteResult:
     gpus: list[GpuInfo]
     error: HostError | None = None
     warnings: tuple[str, ...] = ()
+    #: MIG uuids processes were reported under that the MIG inventory did not know.
+    unknown_mig: frozenset[str] = frozenset()
 
 
-def parse_sections(sections: dict[str, Section]) -> RemoteResult:
+def parse_sections(sections: dict[str, Section], mig: MigParents | None = None) -> RemoteResult:
     """GPUs with their processes from one refresh's sections, or the host error."""
     gpu, apps_s = sections["gpu"], sections["apps"]
     try:
@@ -331,7 +350,10 @@ def parse_sections(sections: dict[str, Section]) -> RemoteResult:
         pids = [a.pid for a in apps]
         owners = parse_owner_rows(sections["owners"].text, pids)
         args = parse_args_rows(sections["args"].text, pids)
-        return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
+        unknown_mig = frozenset(a.gpu_uuid for a in apps if a.gpu_uuid
+                                and a.gpu_uuid.startswith("MIG-") and a.gpu_uuid not in (mig or {}))
+        return RemoteResult(attach_processes(gpus, apps, owners, args, mig), None,
+                            tuple(warnings), unknown_mig)
     except ParseError as exc:
         return RemoteResult([], HostError("parse", str(exc)))
 

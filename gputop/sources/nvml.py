@@ -10,10 +10,11 @@ import asyncio
 import os
 import pwd
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Literal, TypeVar
 
-from gputop.model import GpuInfo, HostError, ProcessInfo
+from gputop.model import GpuInfo, HostError, MigInstance, ProcessInfo
 from gputop.text import clean, excerpt
 
 T = TypeVar("T")
@@ -97,6 +98,15 @@ class NvmlSource:
         mig = self._opt(lambda: nv.nvmlDeviceGetMigMode(h))
         pci = self._opt(lambda: nv.nvmlDeviceGetPciInfo(h))
         procs = self._opt(lambda: nv.nvmlDeviceGetComputeRunningProcesses(h)) or []
+        instances = self._instances(nv, h) if mig is not None and mig[0] else ()
+        placed = {p.pid: (i.gpu_instance_id, i.compute_instance_id)
+                  for i in instances for p in i.processes}
+        processes = tuple(self._process(p, placed.get(p.pid)) for p in procs)
+        if instances:  # the instances' processes with owners, as the GPU's list has them
+            by_pid = {p.pid: p for p in processes}
+            instances = tuple(replace(i, processes=tuple(by_pid.get(p.pid, p)
+                                                         for p in i.processes))
+                              for i in instances)
         return GpuInfo(
             index=index,
             uuid=self._opt(lambda: _s(nv.nvmlDeviceGetUUID(h))),
@@ -114,18 +124,55 @@ class NvmlSource:
             pstate=f"P{pstate}" if pstate is not None and 0 <= pstate <= 15 else None,
             mig_mode=("Enabled" if mig[0] else "Disabled") if mig is not None else None,
             driver_version=driver,
-            processes=tuple(self._process(p) for p in procs),
+            processes=processes,
+            instances=instances,
         )
 
-    def _process(self, p: Any) -> ProcessInfo:
+    def _instances(self, nv: Any, h: Any) -> tuple[MigInstance, ...]:
+        """A MIG-enabled GPU's instances: one NVML MIG device handle each (empty slots
+        raise NotFound). Utilisation stays None: NVML reports none per MIG device."""
+        out: list[MigInstance] = []
+        if not hasattr(nv, "nvmlDeviceGetMigDeviceHandleByIndex"):  # pynvml before MIG
+            return ()
+        count = self._opt(lambda: nv.nvmlDeviceGetMaxMigDeviceCount(h)) or 0
+        for slot in range(min(int(count), 64)):
+            inst = self._mig_device(nv, h, slot)
+            if inst is not None:
+                out.append(inst)
+        return tuple(out)
+
+    def _mig_device(self, nv: Any, h: Any, slot: int) -> MigInstance | None:
+        mh = self._opt(lambda: nv.nvmlDeviceGetMigDeviceHandleByIndex(h, slot))
+        if mh is None:
+            return None
+        mem = self._opt(lambda: nv.nvmlDeviceGetMemoryInfo(mh))
+        name = self._opt(lambda: _s(nv.nvmlDeviceGetName(mh))) or ""
+        procs = self._opt(lambda: nv.nvmlDeviceGetComputeRunningProcesses(mh)) or []
+        gi = self._opt(lambda: int(nv.nvmlDeviceGetGpuInstanceId(mh)))
+        ci = self._opt(lambda: int(nv.nvmlDeviceGetComputeInstanceId(mh)))
+        return MigInstance(
+            gpu_instance_id=gi, compute_instance_id=ci, device_index=slot,
+            uuid=self._opt(lambda: _s(nv.nvmlDeviceGetUUID(mh))),
+            # A MIG device's name is its GPU's and its profile: "... MIG 3g.40gb".
+            profile=name.rpartition("MIG ")[2] or None if "MIG " in name else None,
+            memory_used_mib=mem.used // MIB if mem is not None else None,
+            memory_total_mib=mem.total // MIB if mem is not None else None,
+            processes=tuple(self._process(p, (gi, ci)) for p in procs))
+
+    def _process(self, p: Any, where: tuple[int | None, int | None] | None = None
+                 ) -> ProcessInfo:
         used = getattr(p, "usedGpuMemory", None)
         user, command, elapsed = _proc_details(self._proc, p.pid)
+        # Newer NVML structs say the instance themselves; 0xFFFFFFFF means "not MIG".
+        gi, ci = where or (getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None))
         return ProcessInfo(
             pid=p.pid,
             user=user,
             command=command,
             gpu_memory_mib=used // MIB if isinstance(used, int) else None,
             elapsed_s=elapsed,
+            gpu_instance_id=gi if isinstance(gi, int) and 0 <= gi < 0xFFFF else None,
+            compute_instance_id=ci if isinstance(ci, int) and 0 <= ci < 0xFFFF else None,
         )
 
     async def close(self) -> None:

@@ -35,11 +35,14 @@ import asyncssh
 
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
+from gputop.sources import mig
 from gputop.sources.nvidia_smi import REMOTE_SCRIPT, RemoteResult, parse_sections
 from gputop.sources.protocol import (
+    MARK,
     FramingError,
     LineReader,
     ParseError,
+    Section,
     end_line,
     new_nonce,
     split_frame,
@@ -59,6 +62,25 @@ TCP_SLOT_S = 1.0
 #: Errors worth a long pause before retrying: sshd penalises repeated auth failures, and
 #: a host key will not fix itself.
 SLOW_RETRY_KINDS = frozenset({"auth", "host-key"})
+
+#: The MIG inventory (``nvidia-smi -L`` and ``-q -x``, see :mod:`gputop.sources.mig`) is
+#: read again after this long, and sooner (at most every MIG_RETRY_S) when a refresh shows
+#: what it does not know: a new MIG GPU, a new or gone process on one, an unknown MIG uuid.
+MIG_REFRESH_S = 300.0
+MIG_RETRY_S = 15.0
+#: Largest inventory accepted: ``-q -x`` is about 30-120 KiB per GPU.
+MIG_MAX_OUTPUT = 8 * 1024 * 1024
+#: Run on its own channel, rarely: a nonce line in (never in the command line), the script's
+#: pid (to kill its process group on a timeout), then the two outputs, each closed by a
+#: marker with that nonce and its exit code. Nothing from the config is interpolated.
+MIG_SCRIPT = (
+    "IFS= read -r n || exit 0; case $n in *[!0-9a-f]*|'') exit 0 ;; esac; "
+    f'printf "{MARK} %s start %s\\n" "$n" "$$"; '
+    "nvidia-smi -L </dev/null 2>/dev/null; "
+    f'printf "\\n{MARK} %s list %s\\n" "$n" "$?"; '
+    "nvidia-smi -q -x </dev/null 2>/dev/null; "
+    f'printf "\\n{MARK} %s xml %s\\n" "$n" "$?"'
+)
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
@@ -302,6 +324,12 @@ class SshSource:
         #: SSH connections and exec channels opened, for tests and the benchmark.
         self.connects = 0
         self.channels = 0
+        self._mig: mig.Inventory | None = None
+        self._sections: dict[str, Section] | None = None
+        self._mig_at = -1e18  # monotonic time of the last inventory read
+        self._mig_pids: frozenset[tuple[str | None, int]] = frozenset()
+        #: MIG inventories read (each on a short-lived channel of its own), for tests.
+        self.mig_reads = 0
 
     def reset(self) -> None:
         """Forget the backoff: the next query tries (connects) at once."""
@@ -474,8 +502,9 @@ class SshSource:
             return [], err
         self._failures = 0
         self._last_error = None
-        self.warnings = result.warnings
-        return result.gpus, result.error
+        gpus, mig_warnings = await self._with_mig(result)
+        self.warnings = result.warnings + mig_warnings
+        return gpus, result.error
 
     def _classify(self, exc: BaseException) -> HostError:
         """classify_exception, with what only this host knows: its name, user and keys."""
@@ -595,7 +624,90 @@ class SshSource:
         except FramingError as exc:
             self._close_channel()  # the next refresh opens a new channel
             return RemoteResult([], HostError("parse", str(exc)))
-        return parse_sections(sections)
+        self._sections = sections  # parsed again if it names MIG uuids not yet known
+        return parse_sections(sections, self._mig.parents if self._mig else None)
+
+    # -- MIG inventory (rare: its own channel, on the kept connection) ------------------------
+
+    async def _with_mig(self, result: RemoteResult) -> tuple[list[GpuInfo], tuple[str, ...]]:
+        """The refresh's GPUs with their MIG instances, reading the inventory again when it
+        is old or the refresh shows what it does not know. Never raises: an inventory that
+        cannot be read is a warning, and the GPUs are shown without instances."""
+        gpus = result.gpus
+        migs = [g for g in gpus if mig.is_mig(g)]
+        if not migs:
+            self._mig = None
+            return gpus, ()
+        pids = frozenset((g.uuid, p.pid) for g in migs for p in g.processes)
+        now = time.monotonic()
+        due = (now - self._mig_at >= MIG_REFRESH_S
+               or (now - self._mig_at >= MIG_RETRY_S
+                   and (pids != self._mig_pids
+                        or mig.unknown(gpus, self._mig, result.unknown_mig))))
+        warnings: list[str] = []
+        if due and self._conn is not None:
+            self._mig_at = now
+            try:
+                inventory = await asyncio.wait_for(self._read_mig(self._conn), self.timeout)
+            except Exception as exc:  # the GPUs are still shown, without instances
+                warnings.append(f"MIG inventory not read: {classify_exception(exc).message}")
+            else:
+                self._mig, self._mig_pids = inventory, pids
+                if result.unknown_mig and self._sections is not None:
+                    # Processes reported under MIG uuids just learnt: place them now.
+                    again = parse_sections(self._sections, inventory.parents)
+                    gpus = again.gpus if again.error is None else gpus
+        if self._mig is None:
+            return gpus, tuple(warnings)
+        return mig.attach(gpus, self._mig), tuple(warnings) + self._mig.warnings
+
+    async def _read_mig(self, conn: asyncssh.SSHClientConnection) -> mig.Inventory:
+        """Run :data:`MIG_SCRIPT` once; its output is bounded while it is read."""
+        proc = await conn.create_process(MIG_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
+        self.mig_reads += 1  # its own count: ``channels`` counts the refresh channel
+        nonce = new_nonce()
+        reader = LineReader(MIG_MAX_OUTPUT)
+        pid: int | None = None
+        parts: dict[str, tuple[str, int]] = {}
+        buf: list[str] = []
+        prefix = f"{MARK} {nonce} "
+        try:
+            proc.stdin.write(f"{nonce}\n".encode())
+            while len(parts) < 2:
+                data = await proc.stdout.read(65536)
+                if not data:
+                    raise _ChannelClosed("the MIG inventory script ended early")
+                for line in reader.feed(data):
+                    if pid is None:
+                        pid = start_pid(line, nonce)
+                        continue
+                    if not line.startswith(prefix):
+                        buf.append(line)
+                        continue
+                    name, _, rc = line[len(prefix):].partition(" ")
+                    expected = ("list", "xml")[len(parts)] if len(parts) < 2 else None
+                    if name != expected or not rc.isdigit():
+                        raise FramingError(f"unexpected marker in the MIG inventory: "
+                                           f"{excerpt(line)}")
+                    parts[name] = ("\n".join(buf), int(rc))
+                    buf = []
+        except BaseException:
+            if pid and pid > 1:
+                await asyncio.shield(self._kill_pgroup(conn, pid))
+            raise
+        finally:
+            proc.close()
+        listed, xml = parts["list"], parts["xml"]
+        return mig.build_inventory(listed[0] if listed[1] == 0 else None,
+                                   xml[0] if xml[1] == 0 else None)
+
+    @staticmethod
+    async def _kill_pgroup(conn: asyncssh.SSHClientConnection, pid: int) -> None:
+        try:
+            await asyncio.wait_for(
+                conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5)
+        except Exception:  # noqa: S110 - best effort; the connection may be gone too
+            pass
 
     async def _kill_remote(self, conn: asyncssh.SSHClientConnection) -> None:
         """Kill the remote loop's whole process group (sshd made it a session leader)."""

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -33,7 +34,15 @@ from gputop.reservations import (
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
 from gputop.text import clean
-from gputop.ui.board_model import BoardModel, GpuRow, HostRow, gpu_keys, host_of, short_model
+from gputop.ui.board_model import (
+    BoardModel,
+    GpuRow,
+    HostRow,
+    gpu_keys,
+    host_of,
+    short_model,
+    split_instance,
+)
 from gputop.ui.cells import Palette, time_left
 from gputop.ui.messages import HostUpdated
 from gputop.ui.screens import (
@@ -50,6 +59,20 @@ RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 #: Signals that end the board like ``q`` does (terminal restored, remote loops ended); the
 #: exit code is 128 + the signal's number, as a shell reports a signal.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+#: Seconds a signalled board has to shut down (its feed is given 5 s to end the remote loops)
+#: before the process ends anyway: a terminal closed under load can wedge Textual's writer
+#: thread, and a board that never exits would squat on its SSH connections forever.
+SIGNAL_GRACE_S = 10.0
+
+
+def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
+    """End the process with ``code`` after ``after`` seconds unless it exited by then."""
+    timer = threading.Timer(SIGNAL_GRACE_S if after is None else after, os._exit, (code,))
+    timer.daemon = True  # a clean exit does not wait for it
+    timer.start()
+    return timer
 
 
 class GputopApp(App[int]):
@@ -104,6 +127,8 @@ class GputopApp(App[int]):
         self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
         self._feed_started = False
+        #: Armed by the first signal; cancelled once the board has exited (see run_board).
+        self.watchdog: threading.Timer | None = None
         self._feed_closed = asyncio.Event()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -164,11 +189,14 @@ class GputopApp(App[int]):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, signum: int) -> None:
+        if self.watchdog is None:
+            self.watchdog = arm_exit_watchdog(128 + signum)
         self.exit(return_code=128 + signum)
 
     def action_interrupt(self) -> None:
-        """ctrl+c is the terminal's interrupt key: quit as an interrupted command does."""
-        self._on_signal(signal.SIGINT)
+        """ctrl+c is the terminal's interrupt key: quit as an interrupted command does (the
+        terminal is alive here: no watchdog needed)."""
+        self.exit(return_code=128 + signal.SIGINT)
 
     # -- data in -------------------------------------------------------------------------
 
@@ -436,17 +464,21 @@ class GputopApp(App[int]):
         """The dialog was open a while: reserve only if the latest data still shows the GPU
         the user chose, at the same index, on a host that answers."""
         host = host_of(key)
+        gpu_key, gi = split_instance(key)  # gi: a MIG instance row's GPU instance id
         snap = self.model.snapshots.get(host)
         gpu = None if snap is None or not snap.ok else next(
-            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == key), None)
+            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == gpu_key), None)
+        now_label = None if gpu is None else (
+            f"{clean(host)}:{gpu.index}" + ("" if gi is None else f"/{gi}"))
         if snap is None or not snap.ok:
             problem = f"{clean(host)} is down now"
-        elif gpu is None or gpu.index is None:
+        elif gpu is None or gpu.index is None or (
+                gi is not None and gi not in {i.gpu_instance_id for i in gpu.instances}):
             problem = f"{label} is gone from {clean(host)}"
-        elif f"{clean(host)}:{gpu.index}" != label:
-            problem = f"{label} is now {clean(host)}:{gpu.index} (renumbered)"
+        elif now_label != label:
+            problem = f"{label} is now {now_label} (renumbered)"
         else:
-            self._reserve(Target(host, gpu.index, gpu.uuid), req)
+            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req)
             return
         self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
@@ -462,7 +494,7 @@ class GputopApp(App[int]):
         except (Invalid, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"reserved {clean(target.host)}:{target.gpu}")
+        self._store_changed(f"reserved {clean(target.label)}")
 
     def action_release(self) -> None:
         row = self._selected()
@@ -474,7 +506,7 @@ class GputopApp(App[int]):
                         "`gputop release --force` to take it back", severity="warning",
                         markup=False)
             return
-        self._release(Target(row.host, row.reservation.gpu))
+        self._release(Target(row.host, row.reservation.gpu, instance=row.reservation.instance))
 
     @work(group="store")
     async def _release(self, target: Target) -> None:
@@ -483,7 +515,7 @@ class GputopApp(App[int]):
         except (Refused, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"released {clean(target.host)}:{target.gpu}")
+        self._store_changed(f"released {clean(target.label)}")
 
     def _store_changed(self, message: str) -> None:
         """We wrote the shared file: show it now rather than at the next re-read."""
@@ -503,5 +535,9 @@ def run_board(config: Config | None, *, demo: bool = False, theme: str | None = 
 
 
 def _run(app: GputopApp) -> int:
-    app.run()
+    try:
+        app.run()
+    finally:
+        if app.watchdog is not None:
+            app.watchdog.cancel()
     return app.return_code or 0

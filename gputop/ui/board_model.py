@@ -12,11 +12,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Literal
 
-from gputop.model import GpuInfo, HostSnapshot, utcnow
+from gputop.model import GpuInfo, HostSnapshot, MigInstance, utcnow
 from gputop.reservations.flags import (
     IDLE_GRACE_S,
     IdleTracker,
     gpu_flags,
+    instance_index,
+    instance_reservation,
+    instance_view,
     is_free,
     reservation_index,
 )
@@ -68,6 +71,16 @@ def host_of(key: str) -> str:
     return key.split("\x00", 1)[0]
 
 
+#: An instance row's key is its GPU's key, this, and its GPU instance id.
+INSTANCE_SEP = "\x00/"
+
+
+def split_instance(key: str) -> tuple[str, int | None]:
+    """(the GPU's key, GPU instance id) of a row key; None for a GPU row."""
+    gpu, sep, gi = key.rpartition(INSTANCE_SEP)
+    return (gpu, int(gi)) if sep and gi.isdigit() else (key, None)
+
+
 @dataclass
 class GpuRow:
     """One GPU as the board sees it right now."""
@@ -81,11 +94,17 @@ class GpuRow:
     free: bool
     #: No host header above it (sorted views): the row names its host itself.
     show_host: bool = False
+    #: A MIG instance row: ``gpu`` is then the instance seen as a GPU (its processes and
+    #: memory, no utilisation), right under its GPU's row.
+    instance: MigInstance | None = None
 
     @property
     def label(self) -> str:
-        """``host:index``, the name people (and ``gputop reserve``) use."""
-        return f"{clean(self.host)}:{'?' if self.gpu.index is None else self.gpu.index}"
+        """``host:index`` (``host:index/instance``), the name people and ``gputop reserve``
+        use."""
+        gi = self.instance.gpu_instance_id if self.instance is not None else None
+        return (f"{clean(self.host)}:{'?' if self.gpu.index is None else self.gpu.index}"
+                + ("" if gi is None else f"/{gi}"))
 
     @property
     def users(self) -> tuple[str, ...]:
@@ -223,7 +242,9 @@ class BoardModel:
         return age > max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
 
     def gpu_rows(self, host: str, now: datetime,
-                 held: dict[tuple[str, int], Reservation]) -> list[GpuRow]:
+                 held: dict[tuple[str, int], Reservation],
+                 inst_held: dict[tuple[str, int, int], Reservation] | None = None
+                 ) -> list[GpuRow]:
         snap = self.snapshots.get(host)
         if snap is None or not snap.ok:
             return []
@@ -235,6 +256,16 @@ class BoardModel:
             unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
             rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle, unused), stale, free))
+            for inst in g.instances:  # MIG: a row per instance, under its GPU
+                if inst.gpu_instance_id is None:
+                    continue
+                view = instance_view(g, inst)
+                ir = instance_reservation(held, inst_held or {}, host, g, inst)
+                iunused = ir is not None and self.tracker.reservation_idle(host, view, ir, now)
+                ifree = is_free(view) and (ir is None or ir.user == self.me)
+                rows.append(GpuRow(host, f"{key}{INSTANCE_SEP}{inst.gpu_instance_id}", view, ir,
+                                   gpu_flags(view, ir, False, iunused), stale, ifree,
+                                   instance=inst))
         return rows
 
     def _matches(self, host: str, row: GpuRow | None) -> bool:
@@ -254,7 +285,8 @@ class BoardModel:
         every redraw: each GPU's row, flags and reservation are worked out once)."""
         now = self.clock()
         held = reservation_index(self.state, now)
-        per_host = {host: self.gpu_rows(host, now, held) for host in self.host_order}
+        inst_held = instance_index(self.state, now)
+        per_host = {host: self.gpu_rows(host, now, held, inst_held) for host in self.host_order}
         return self._rows(per_host, now), self._summary(per_host)
 
     def rows(self) -> list[Row]:
@@ -317,6 +349,8 @@ class BoardModel:
                 continue
             s.hosts_up += 1
             for row in per_host[host]:
+                if row.instance is not None:  # its GPU counts, once
+                    continue
                 g = row.gpu
                 s.gpus += 1
                 if row.reservation is not None:
@@ -354,7 +388,7 @@ class BoardModel:
                     load.commands[name] = load.commands.get(name, 0) + 1
         for r in self.state.active(now):
             user = clean(r.user)
-            loads.setdefault(user, UserLoad(user)).reserved.append(f"{clean(r.host)}:{r.gpu}")
+            loads.setdefault(user, UserLoad(user)).reserved.append(clean(r.target))
         return sorted(loads.values(), key=lambda u: (-u.gpus, u.user))
 
     def find(self, key: str) -> Row | None:

@@ -128,21 +128,27 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     else:
         label_style = ""
     idx = "?" if g.index is None else str(g.index)
+    inst = row.instance
     if row.show_host:  # a sorted or flat view has no host headers: every row names it
         label = RankedText(f"{row.label} ", style="bold")
+    elif inst is not None:  # a MIG instance, under its GPU: "/GI profile"
+        label = RankedText(f"   /{inst.gpu_instance_id} ", style="bold")
     else:
         label = RankedText(f" {idx:>2} ", style="bold")
-    label.append(short_model(g.name) if not g.lost else f"lost {clean(g.bus_id)}",
-                 style=label_style or (p.error if g.lost else ""))
-    if g.mig_mode == "Enabled":
+    if inst is not None:
+        label.append(clean(inst.profile or "MIG instance"), style=label_style)
+    else:
+        label.append(short_model(g.name) if not g.lost else f"lost {clean(g.bus_id)}",
+                     style=label_style or (p.error if g.lost else ""))
+    if g.mig_mode == "Enabled" and inst is None:
         label.append(" MIG", style=p.muted)
     users = ",".join(row.users) or "—"
     resv = Text("—", style=p.muted)
     if row.reservation is not None:
         resv = Text(f"{clean(row.reservation.user)} {time_left(row.reservation.expires, now)}",
                     style=p.reserved)
-    temp = Text("" if g.temperature_c is None else f"{g.temperature_c}°")
-    power = Text("" if g.power_draw_w is None else f"{g.power_draw_w:.0f}W"
+    temp = Text("" if g.temperature_c is None or inst else f"{g.temperature_c}°")
+    power = Text("" if g.power_draw_w is None or inst else f"{g.power_draw_w:.0f}W"
                  + ("" if g.power_limit_w is None else f"/{g.power_limit_w:.0f}"))
     labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS
     flags = Text(" ".join(labels.get(f, f) for f in row.flags),

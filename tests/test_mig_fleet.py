@@ -1,0 +1,141 @@
+"""MIG instances as rows, end to end: real sshd hosts whose stand-in nvidia-smi replays the
+real H100 MIG captures (``-L``, the table's MIG devices, ``--query-gpu``) in the real
+``-q -x`` document structure, with real processes of real users on the instances."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+from conftest import _need_sshd, _world_readable
+from fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
+
+#: argv0 a user chose to break (or forge inside) nvidia-smi's unescaped XML.
+XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
+               "\n</process_info></processes></gpu><gpu id=\"x\"><uuid>GPU-forged</uuid>")
+
+
+@pytest.fixture(scope="module")
+def mig_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    _need_sshd()
+    f = Fleet(_world_readable(tmp_path_factory.mktemp("migfleet")), [
+        Host("gpu-mig", "127.0.3.2", gpus=("h100-mig", "l40s", "h100-mig"), processes=[
+            GpuProcess("gtalice", "python big.py", gpu=0, mem_mib=7484, mig=(2, 0)),
+            GpuProcess("gtbob", "python small.py", gpu=0, mem_mib=900, mig=(9, 0)),
+            GpuProcess("gtbob", XML_HOSTILE, gpu=2, mem_mib=5, mig=(10, 0)),
+            GpuProcess("gtalice", "python plain.py", gpu=1, mem_mib=100),
+        ]),
+        Host("gpu-migu", "127.0.3.3", gpus=("h100-mig",), apps_by_mig=True, processes=[
+            GpuProcess("gtbob", "python on-mig.py", gpu=0, mem_mib=300, mig=(3, 0)),
+        ]),
+    ]).start()
+    yield f
+    f.stop()
+
+
+def run(fleet: Fleet, *args: str) -> subprocess.CompletedProcess[str]:
+    cfg = fleet.write_config(timeout=5.0)
+    return subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), *args],
+                          env=fleet.env(), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def doc(mig_fleet: Fleet) -> dict:
+    r = run(mig_fleet, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_instances_are_rows_under_their_gpu(doc: dict, mig_fleet: Fleet, schema: dict) -> None:
+    jsonschema.validate(doc, schema)
+    assert doc["version"] == 2
+    h = doc["hosts"][0]
+    assert h["status"] == "ok", h["error"]
+    g0, g1, g2 = h["gpus"]
+    assert g0["uuid"] == gpu_uuid("gpu-mig", 0) and g0["mig_mode"] == "Enabled"
+    inst = g0["instances"]
+    # The real H100's layout: profiles from its -L, ids and memory from its MIG table.
+    assert [(i["profile"], i["gpu_instance_id"], i["compute_instance_id"]) for i in inst] == [
+        ("3g.40gb", 2, 0), ("2g.20gb", 3, 0), ("1g.10gb", 9, 0), ("1g.10gb", 10, 0)]
+    assert [(i["memory_used_mib"], i["memory_total_mib"]) for i in inst] == [
+        (11091, 40448), (17, 20096), (9, 9984), (9, 9984)]
+    assert [i["uuid"] for i in inst] == [mig_uuid("gpu-mig", 0, d) for d in range(4)]
+    # NVML reports no utilisation per MIG instance: null, never 0.
+    assert all(i["utilization_percent"] is None for i in inst)
+    assert g1["instances"] == [] and g1["mig_mode"] is None
+    assert len(g2["instances"]) == 4
+
+
+def test_processes_with_owners_on_the_right_instance(doc: dict, mig_fleet: Fleet) -> None:
+    procs = mig_fleet.hosts["gpu-mig"].processes
+    g0, g1, _g2 = doc["hosts"][0]["gpus"]
+    by_gi = {i["gpu_instance_id"]: [p["pid"] for p in i["processes"]] for i in g0["instances"]}
+    assert by_gi == {2: [procs[0].pid], 3: [], 9: [procs[1].pid], 10: []}
+    # The GPU still lists all of its processes, each saying its instance.
+    assert {(p["pid"], p["gpu_instance_id"]) for p in g0["processes"]} == {
+        (procs[0].pid, 2), (procs[1].pid, 9)}
+    if mig_fleet.users:
+        users = {i["gpu_instance_id"]: [p["user"] for p in i["processes"]]
+                 for i in g0["instances"]}
+        assert users[2] == ["gtalice"] and users[9] == ["gtbob"]
+    (plain,) = g1["processes"]
+    assert plain["gpu_instance_id"] is None
+
+
+def test_hostile_process_name_in_the_xml_is_inert(doc: dict, mig_fleet: Fleet) -> None:
+    """The argv0 breaks the XML nvidia-smi prints unescaped and tries to forge a GPU: its
+    lines are dropped, nothing forged appears, every other placement stands."""
+    procs = mig_fleet.hosts["gpu-mig"].processes
+    h = doc["hosts"][0]
+    g2 = h["gpus"][2]
+    assert [i["gpu_instance_id"] for i in g2["instances"]] == [2, 3, 9, 10]
+    placed = {p["pid"]: p["gpu_instance_id"] for i in g2["instances"] for p in i["processes"]}
+    assert placed in ({procs[2].pid: 10}, {})
+    assert [g["uuid"] for g in h["gpus"]] == [gpu_uuid("gpu-mig", i) for i in range(3)]
+    assert any("malformed line" in w for w in h["warnings"])  # said, not hidden
+    assert all(p["pid"] != 1 for g in h["gpus"] for p in g["processes"])
+
+
+def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three refreshes, one inventory: the layout and the process set did not change."""
+    import asyncio
+
+    from gputop.config import load_config
+    from gputop.poller import Poller
+    from gputop.sources.ssh import SshSource
+
+    monkeypatch.setenv("HOME", str(mig_fleet.home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+
+    async def go() -> tuple[int, int]:
+        poller = Poller(load_config(mig_fleet.write_config(timeout=5.0)))
+        try:
+            for _ in range(3):
+                snap = await poller.snapshot()
+                assert snap.hosts[0].gpus[0].instances
+            src = poller.sources[0]
+            assert isinstance(src, SshSource)
+            return src.mig_reads, src.channels
+        finally:
+            await poller.aclose()
+
+    reads, channels = asyncio.run(go())
+    assert reads == 1 and channels == 1
+
+
+def test_process_reported_under_its_mig_uuid(doc: dict, mig_fleet: Fleet) -> None:
+    """Some drivers name the MIG device in --query-compute-apps: that unknown uuid makes the
+    first refresh read the inventory and place the process, in the same snapshot."""
+    (p,) = mig_fleet.hosts["gpu-migu"].processes
+    h = doc["hosts"][1]
+    assert h["name"] == "gpu-migu" and h["status"] == "ok", h["error"]
+    (g,) = h["gpus"]
+    assert [(x["pid"], x["gpu_instance_id"]) for x in g["processes"]] == [(p.pid, 3)]
+    (on3,) = [i for i in g["instances"] if i["processes"]]
+    assert on3["gpu_instance_id"] == 3 and on3["uuid"] == mig_uuid("gpu-migu", 0, 1)
+    if mig_fleet.users:
+        assert on3["processes"][0]["user"] == "gtbob"
