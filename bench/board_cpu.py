@@ -24,19 +24,57 @@ from gputop.demo import DemoSource
 from gputop.ui.app import GputopApp
 
 
+def feed_only(cfg: Config, sources: list[DemoSource], args: argparse.Namespace
+              ) -> dict[str, object]:
+    """The same feed, consumed by nothing: what the board's numbers include that is not
+    the board (the simulated sources and the poller)."""
+    import asyncio
+
+    from gputop.poller import Poller
+
+    async def run() -> dict[str, object]:
+        poller = Poller(cfg, sources)
+        updates = 0
+        marks: dict[str, float] = {}
+        async for _snap in poller.updates():
+            updates += 1
+            now = time.monotonic()
+            if "wall0" not in marks and updates >= 2 * args.hosts:
+                marks["cpu0"], marks["wall0"], marks["u0"] = time.process_time(), now, updates
+            if "wall0" in marks and now - marks["wall0"] >= args.seconds:
+                break
+        cpu, wall = time.process_time() - marks["cpu0"], time.monotonic() - marks["wall0"]
+        await poller.aclose()
+        return {"hosts": args.hosts, "gpus": args.gpus, "feed_only": True,
+                "seconds": round(wall, 1),
+                "refreshes": round((updates - marks["u0"]) / args.hosts, 1),
+                "cpu_s": round(cpu, 3), "cpu_percent_of_core": round(100 * cpu / wall, 1)}
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hosts", type=int, default=200)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--interval", type=float, default=2.0)
+    ap.add_argument("--profile", metavar="PATH",
+                    help="write a CPU-time profile (cProfile) of the measured window")
+    ap.add_argument("--feed-only", action="store_true",
+                    help="the poller and simulated sources alone, no board: their share")
+    ap.add_argument("--default-gc", action="store_true",
+                    help="keep Python's GC settings (the board tunes them, see tune_gc)")
     args = ap.parse_args()
     names = [f"node{i:03d}" for i in range(args.hosts)]
     cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
                  timeout=5.0,
                  reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
     sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
-    app = GputopApp(cfg, sources=sources, user="bench")
+    if args.feed_only:
+        print(json.dumps(feed_only(cfg, sources, args)))
+        return
+    app = GputopApp(cfg, sources=sources, user="bench", long_running=not args.default_gc)
     updates = 0
     original = app.ingest
 
@@ -48,10 +86,22 @@ def main() -> None:
     app.ingest = counting  # type: ignore[method-assign]
     marks: dict[str, float] = {}
 
+    import cProfile
+
+    prof = cProfile.Profile(time.process_time)  # CPU time: other processes do not count
+
+    def stop() -> None:
+        if args.profile:
+            prof.disable()
+            prof.dump_stats(args.profile)
+        app.exit()
+
     def start_clock() -> None:  # after startup, so import/mount cost is not counted
         marks["cpu0"], marks["wall0"] = time.process_time(), time.monotonic()
         marks["updates0"] = updates
-        app.set_timer(args.seconds, app.exit)
+        if args.profile:
+            prof.enable()
+        app.set_timer(args.seconds, stop)
 
     app.call_later(lambda: app.set_timer(args.interval * 2, start_clock))
     app.run(headless=True, size=(200, 60))

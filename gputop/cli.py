@@ -17,6 +17,7 @@ from typing import Any
 
 from gputop import __version__
 from gputop.config import NO_CONFIG_HINT, Config, ConfigError, default_config_path, load_config
+from gputop.history.db import HistoryError
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.sources import Source
 
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="a built-in simulated fleet (no SSH, no GPU needed): the board, "
                    "--json or --once")
+    p.add_argument("--record", action="store_true",
+                   help="board or --json --watch: also record every refresh into the history "
+                   "database ([history] path), like `gputop record`")
     from gputop.commands import add_subcommands
 
     common = _global_options(sub=True)
@@ -174,7 +178,7 @@ class _Reservations:
 
 
 async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
-                pretty: bool) -> int:
+                pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
     from gputop.output import write_document
     from gputop.poller import Poller
@@ -184,6 +188,17 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
     reservations = _Reservations(config)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
     reaping = _JobReaper(config, reservations.store) if sources is None else None
+    observe = tracker.observe
+    live = None
+    if record:
+        from gputop.history.live import LiveRecorder
+
+        live = LiveRecorder(config)  # a bad database is refused before anything is polled
+
+        def observe(host: HostSnapshot) -> None:
+            tracker.observe(host)
+            assert live is not None
+            live.observe(host)
 
     def emit(snap: FleetSnapshot) -> None:
         if reaping is not None:
@@ -203,12 +218,14 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
                 await reaping.once()
             emit(snap)
             return EXIT_OK
-        await watch_latest(poller, config.interval, emit, tracker.observe)
+        await watch_latest(poller, config.interval, emit, observe)
         return EXIT_OK  # pragma: no cover - watch_latest runs until cancelled
     finally:
         if reaping is not None:
             reaping.cancel()
         await poller.aclose()
+        if live is not None:
+            live.close()
 
 
 class _JobReaper:
@@ -309,7 +326,7 @@ def _run_board(config: Config | None, args: argparse.Namespace) -> int:
     except ImportError as exc:  # pragma: no cover - the board ships with gputop
         print(f"gputop: the board is unavailable: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    return run_board(config, demo=args.demo, theme=args.theme)
+    return run_board(config, demo=args.demo, theme=args.theme, record=args.record)
 
 
 def _on_terminal() -> bool:
@@ -327,6 +344,10 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise UsageError("--once and --json are two different outputs: choose one")
     if args.demo and args.command:
         raise UsageError(f"--demo cannot be used with {args.command}")
+    if args.record and (args.demo or args.command or args.once
+                        or (args.json and not args.watch)):
+        raise UsageError("--record goes with the board or --json --watch (to record "
+                         "on its own: gputop record)")
 
 
 #: The board's own outputs: before a subcommand they would be silently ignored.
@@ -360,7 +381,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                 cfg = _apply_overrides(cfg, args)
             if args.json:
                 return run_until_signal(
-                    lambda: _json(cfg, sources, watch=args.watch, pretty=args.pretty))
+                    lambda: _json(cfg, sources, watch=args.watch, pretty=args.pretty,
+                                  record=args.record))
             return run_until_signal(lambda: _table(cfg, sources))
     return _run_board(config, args)
 
@@ -373,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_usage(args)
         _check_output_flags(args, argv)
         return _dispatch(args)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, HistoryError) as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

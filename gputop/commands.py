@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from gputop.config import Config, HostConfig, parse_duration
+from gputop.history.db import HistoryError
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.poller import Poller
@@ -479,6 +480,24 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_record(config: Config, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gputop.history.live import record_forever
+
+    try:
+        asyncio.run(record_forever(config, Path(args.db).expanduser() if args.db else None))
+    except asyncio.CancelledError:  # SIGTERM: stopped cleanly, everything committed
+        pass
+    return EXIT_OK
+
+
+def cmd_report(config: Config, args: argparse.Namespace) -> int:
+    from gputop.history.cli import report
+
+    return report(config, args)
+
+
 def cmd_run(config: Config, args: argparse.Namespace) -> int:
     argv = list(args.cmd)
     if argv and argv[0] == "--":
@@ -521,8 +540,10 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
     return asyncio.run(run_on(config, host, store, got, argv, say))
 
 
+
+
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
-            "free": cmd_free, "run": cmd_run}
+            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report}
 
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
@@ -580,6 +601,25 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                    help="the command and its arguments")
+    p = sub.add_parser("record", parents=parents,
+                       help="record every host's GPUs, owners and reservations "
+                       "into the history database (runs until stopped)")
+    p.add_argument("--db", metavar="FILE", help="history database (default: [history] path)")
+    p = sub.add_parser("report", parents=parents,
+                       help="GPU-hours used, reserved and wasted, per user, host "
+                       "and GPU, from the history database")
+    p.add_argument("--db", metavar="FILE", help="history database (default: [history] path)")
+    p.add_argument("--since", metavar="DURATION", help="the last DURATION, e.g. 7d (default)")
+    p.add_argument("--from", dest="start", metavar="DATE",
+                   help="start: 2026-11-01 or 2026-11-01T09:00 (local time unless it says)")
+    p.add_argument("--to", dest="end", metavar="DATE", help="end (default: now)")
+    p.add_argument("--by", choices=("user", "host", "gpu"), default="user",
+                   help="the table to show (default: user)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print everything as JSON")
+    fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
+    p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
+                   "(needs matplotlib: pip install 'gputop[plot]')")
     return sub
 
 
@@ -593,5 +633,8 @@ def run_command(config: Config, args: argparse.Namespace) -> int:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except StoreError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except HistoryError as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -114,6 +114,12 @@ class Config:
     job_grace_s: float = 30.0
     #: True when no config file was found: only the local machine is monitored.
     implicit: bool = False
+    #: The history database (``[history] path``) and how long each tier is kept.
+    history_path: Path = field(
+        default_factory=lambda: Path(platformdirs.user_data_dir(APP)) / "history.sqlite3"
+    )
+    history_raw_keep_s: float = 2 * 86400.0
+    history_minute_keep_s: float = 30 * 86400.0
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -247,6 +253,14 @@ def _reservations_path(value: str | None, base: Path | None) -> Path:
     return Path(platformdirs.user_data_dir(APP)) / "reservations.json"
 
 
+def _data_path(value: str | None, base: Path, default: str) -> Path:
+    """A path from the config: relative to the config file; default in the data dir."""
+    if value:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else base.parent / p
+    return Path(platformdirs.user_data_dir(APP)) / default
+
+
 def _host(path: Path, key: str, item: Any) -> HostConfig:
     if isinstance(item, str):
         item = {"name": item}
@@ -306,6 +320,15 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     job_grace_s = r.duration("job_grace", 30.0)
     r.done()
 
+    hist = _Table(path, "history", top.get("history", dict, {}))
+    hvalue = hist.get("path", str)
+    if hvalue is not None and not hvalue.strip():
+        raise ConfigError(path, "history.path", "must not be empty")
+    hpath = _data_path(hvalue, path, "history.sqlite3")
+    raw_keep = hist.duration("keep_raw", 2 * 86400.0)
+    minute_keep = hist.duration("keep_minutes", 30 * 86400.0)
+    hist.done()
+
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -338,4 +361,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         idle_holder_s=idle_holder_s,
         idle_grace_s=idle_grace_s,
         job_grace_s=job_grace_s,
+        history_path=hpath,
+        history_raw_keep_s=raw_keep,
+        history_minute_keep_s=minute_keep,
     )

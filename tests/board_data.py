@@ -74,7 +74,8 @@ def fixed_snapshots(now: datetime = NOW) -> list[HostSnapshot]:
 def board_config(tmp: Path) -> Config:
     return Config(path=None, hosts=tuple(HostConfig(name=n) for n in
                                          ("gpu-h100", "gpu-mixed", "gpu-down", "gpu-stale")),
-                  interval=2.0, timeout=3.0, reservations_path=tmp / "reservations.json")
+                  interval=2.0, timeout=3.0, reservations_path=tmp / "reservations.json",
+                  history_path=tmp / "history.sqlite3")
 
 
 def seed(store: Store, now: datetime = NOW) -> None:

@@ -43,8 +43,7 @@ def cell(table: BoardTable, key: str, col: str) -> str:
 
 
 def keys(table: BoardTable) -> list[str]:
-    return [table.coordinate_to_cell_key((i, 0)).row_key.value  # type: ignore[arg-type]
-            for i in range(table.row_count)]
+    return table.row_keys
 
 
 def goto(app: GputopApp, table: BoardTable, key: str) -> None:
@@ -257,12 +256,24 @@ async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
         await pilot.pause()
         table = app.query_one(BoardTable)
         assert table.row_count == 200 * 9
-        before = table.cell_updates
+        table.move_cursor(row=table.get_row_index("node123") + 8)  # node123 on screen
+        await pilot.pause()
+        before, built = table.cell_updates, table.cells_built
         hot = tuple(replace(g, utilization_percent=(g.utilization_percent or 0) // 2 + 1)
                     for g in gpus)
         app.ingest(HostSnapshot(name="node123", time=NOW, gpus=hot))
         app.render_board()
         assert 0 < table.cell_updates - before <= 8 * 3  # util (+ power/temp) of 8 rows
+        assert 0 < table.cells_built - built <= 9  # node123's rows, nobody else's
+        # Hosts off screen answer: nothing is built or redrawn for them.
+        before, built = table.cell_updates, table.cells_built
+        for n in names[:100]:
+            app.ingest(HostSnapshot(name=n, time=NOW, gpus=hot))
+        app.render_board()
+        await pilot.pause()
+        assert (table.cell_updates, table.cells_built) == (before, built)
+        assert app.model.find(f"node042{K}{gpus[0].uuid}").gpu.utilization_percent == (  # type: ignore[union-attr]
+            hot[0].utilization_percent)
 
 
 async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Path) -> None:
@@ -651,8 +662,7 @@ async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         table = await load(app, pilot)
-        assert [c.key.value for c in table.ordered_columns] == [
-            "gpu", "util", "mem", "users", "resv", "flags"]
+        assert table.column_keys == ["gpu", "util", "mem", "users", "resv", "flags"]
         assert table.virtual_size.width <= table.size.width  # no sideways scrolling
         assert cell(table, "gpu-down", "mem") == "unreachable"
         assert cell(table, "gpu-down", "users").startswith("connection refused")
@@ -660,7 +670,7 @@ async def test_80x24_keeps_the_columns_that_matter(tmp_path: Path) -> None:
         assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
         await pilot.resize_terminal(160, 40)
         await pilot.pause()
-        assert "power" in [c.key.value for c in table.ordered_columns]
+        assert "power" in table.column_keys
         assert cell(table, gk("gpu-h100", 1), "resv") == "bob 3h00m"
 
 
@@ -762,3 +772,222 @@ async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
         await pilot.press("escape")
         await pilot.pause()
         assert type(app.screen).__name__ == "Screen"
+async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) -> None:
+    """With a history database ([history] path), the details add the GPU's (or the
+    host's) recorded last hour and day, looked up off the UI thread."""
+    from test_history import record_recent
+
+    record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        recent = app.query_one(DetailPane).query_one("#detail-recent")
+
+        async def shows(needle: str) -> str:
+            for _ in range(100):  # the lookup runs in a worker thread
+                await pilot.pause(0.05)
+                text = str(recent.render())
+                if recent.display and needle in text:
+                    break
+            return text
+
+        goto(app, table, gk("gpu-h100", 0))
+        await pilot.press("enter")
+        text = await shows("last day")
+        assert "last hour: mean 40 %" in text and "min no data" in text
+        assert "last day: mean 40 %" in text
+        goto(app, table, gk("gpu-h100", 1))  # nothing recorded for this one
+        assert "nothing for this GPU" in await shows("nothing")
+        goto(app, table, "gpu-h100")  # the host: all its GPUs together
+        assert "last hour: mean 40 %" in await shows("last hour")
+        goto(app, table, "gpu-mixed")
+        assert "nothing for this host" in await shows("nothing")
+
+
+async def test_fleet_history_view(tmp_path: Path) -> None:
+    """`h`: every host's recorded last hour and day; without a database, how to get one."""
+    from test_history import record_recent
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("h")
+
+        async def text(needle: str) -> str:
+            for _ in range(100):  # read in a worker thread
+                await pilot.pause(0.05)
+                got = str(app.screen.query_one("#history-text").render())
+                if needle in got:
+                    break
+            return got
+
+        assert "gputop record" in await text("no history database")
+        await pilot.press("escape")
+        record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
+        await pilot.press("h")
+        got = await text("HOST")
+        assert "last 24 h: of 1.50 GPU-hours, 100 % busy" in got
+        line = next(ln for ln in got.splitlines() if ln.startswith("gpu-h100"))
+        assert line.split()[1:3] == ["40", "%"]  # the last hour's mean load
+        await pilot.press("h")  # h closes it again
+        await pilot.pause()
+        assert len(app.screen_stack) == 1
+
+
+def test_the_fast_filter_agrees_with_the_rule_on_every_row(tmp_path: Path) -> None:
+    """The filter skips rows where the host's own words decide and keeps a row's words
+    joined: on every fixture row and a set of queries (terms split between the host and
+    the row, a term spanning two words, a NUL, markup) it keeps exactly the rows the rule
+    ``_matches`` keeps."""
+    from gputop.ui.board_model import BoardModel
+
+    seed(Store(tmp_path / "reservations.json"))
+    m = BoardModel(host_order=[], clock=lambda: NOW, me="ann")
+    for snap in fixed_snapshots():
+        m.ingest(snap)
+    m.set_state(Store(tmp_path / "reservations.json").read())
+    queries = ["", "gpu-h100 alice", "h100 carol", "mixed bob", "alice bob", "[red]", "x[/]",
+               "h100\x00alice", "\x00", "GPU-H100 ALICE", "100 a", "ali", "nobody", "rtx"]
+    for free_only in (False, True):
+        for q in queries:
+            m.filter_text, m.free_only = q, free_only
+            for host in m.host_order:
+                rows = m.gpu_rows(host, NOW, {})
+                want = [r for r in rows if (r.free or not free_only) and m._matches(host, r)]
+                assert m._filtered(host, rows) == want, (q, host, free_only)
+    m.filter_text, m.free_only = "h100 alice", False
+    assert [r.key for r in m.rows() if isinstance(r, GpuRow)] == [gk("gpu-h100", 0)]
+
+
+def test_cells_are_drawn_as_rich_draws_them() -> None:
+    """The table puts a one-line cell together itself (Rich's layout path costs several
+    times more): on every fixture cell, in both widths, and on cells made to be awkward
+    (empty, wide characters, exactly full, too long, tabs, newlines, styled spans, markup
+    and escapes kept literal), the segments equal Rich's ``Styled(Padding(...))``."""
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.segment import Segment
+    from rich.style import Style
+    from textual.renderables.styled import Styled
+
+    from gputop.ui.board_model import BoardModel
+    from gputop.ui.cells import Palette, row_cells
+    from gputop.ui.table import cell_segments
+
+    m = BoardModel(host_order=[], clock=lambda: NOW, me="ann")
+    for snap in fixed_snapshots():
+        m.ingest(snap)
+    cells = [c for narrow in (False, True) for r in m.rows()
+             for c in row_cells(r, NOW, Palette(), narrow)]
+    odd = Text("ab", style="bold")
+    odd.append("cd", style="red on blue")
+    cells += [Text(""), Text("", style="bold"), Text("日本語テキスト"), Text("x" * 10),
+              Text("y" * 11), Text("a\tb"), Text("a\nb"), odd, Text("[red]x[/] \x1b[31m"),
+              Text("trailing   ", style="underline"), Text("é" * 3, style="dim")]
+    console = Console(width=200, color_system="truecolor", force_terminal=True)
+    pre = Style(color="white", bgcolor="black") + Style.from_meta({"row": 3, "column": 1})
+    for cell in cells:
+        for width, post in ((12, Style()), (5, Style.from_color(color=None)),
+                            (30, Style(color="red"))):
+            options = console.options.update_dimensions(width, 1).update(no_wrap=True)
+            want = console.render_lines(Styled(Padding(cell, (0, 1)), pre_style=pre,
+                                               post_style=post), options)[0]
+            got = cell_segments(console, console.options, cell, width, pre, post)
+            assert list(Segment.simplify(got)) == list(Segment.simplify(want)), (cell, width)
+
+
+async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) -> None:
+    """1,000 configured hosts: the first frame shows every one of them waiting, and no
+    host is queried before it (a thousand connections starting must not delay it)."""
+    from gputop.config import HostConfig
+    from gputop.demo import DemoSource
+
+    names = [f"node{i:04d}" for i in range(1000)]
+    cfg = replace(board_config(tmp_path), hosts=tuple(HostConfig(n) for n in names))
+    frames: list[int] = []
+    polled_before_paint: list[str] = []
+
+    class Probe(DemoSource):
+        async def query(self):  # type: ignore[no-untyped-def]
+            if not frames:
+                polled_before_paint.append(self.name)
+            return await super().query()
+
+    app = GputopApp(cfg, sources=[Probe(n, "NVIDIA H100", 8, 81559, 700.0) for n in names],
+                    clock=lambda: NOW, user="ann")
+    display = app._display
+
+    def on_frame(screen: object, renderable: object) -> None:
+        if renderable is not None and not frames:
+            frames.append(app.query_one(BoardTable).row_count)
+        display(screen, renderable)  # type: ignore[arg-type]
+
+    app._display = on_frame  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 40)) as pilot:
+        while len(app.model.snapshots) < 1000:
+            await pilot.pause(0.1)
+    assert frames and frames[0] == 1000  # every host, waiting
+    assert polled_before_paint == []
+
+
+def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> None:
+    """A host's rows are worked out once per answer and reused, yet what time alone changes
+    still shows without a new answer: the host turns stale, a reservation runs out (the
+    GPU is free again), an idle reservation gets its flag once the grace period passes."""
+    from gputop.ui.board_model import BoardModel
+
+    seed(Store(tmp_path / "reservations.json"))
+    clock = [NOW]
+    m = BoardModel(host_order=[], interval=2.0, clock=lambda: clock[0], me="ann")
+    m.set_state(Store(tmp_path / "reservations.json").read())
+    snaps = fixed_snapshots()
+    m.ingest(snaps[0])  # gpu-h100, answered at NOW
+    m.ingest(snaps[1])  # gpu-mixed: erin's reservation, unused for 30 min already
+
+    def row(key: str) -> GpuRow:
+        r = m.find(key)
+        assert isinstance(r, GpuRow)
+        return r
+
+    assert not row(gk("gpu-h100", 1)).stale and row(gk("gpu-h100", 1)).reservation
+    erin = row(gk("gpu-mixed", 1))
+    assert erin.reservation is not None and "idle-reservation" in erin.flags
+    clock[0] = NOW + timedelta(seconds=12)  # 3 intervals and more: stale, no new answer
+    assert row(gk("gpu-h100", 1)).stale
+    clock[0] = NOW + timedelta(hours=3, minutes=1)  # bob's 4 h (made 1 h ago) ran out
+    r = row(gk("gpu-h100", 1))
+    assert r.reservation is None and m.summary().reserved == 0
+    # A reservation made 10 min ago, its holder never on the GPU: idle once the 15 min
+    # grace has passed, with no new answer from the host in between.
+    from gputop.reservations.store import StoreState, new_reservation
+
+    clock[0] = NOW
+    m.set_state(StoreState(reservations=(new_reservation(
+        "gpu-mixed", 2, "ann", "ws", NOW - timedelta(minutes=10), 3600, None, ""),)))
+    assert row(gk("gpu-mixed", 2)).reservation is not None
+    assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
+    clock[0] = NOW + timedelta(minutes=6)
+    assert "idle-reservation" in row(gk("gpu-mixed", 2)).flags
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_a_host_warning_shows_on_its_row_and_in_the_details(
+        tmp_path: Path, size: tuple[int, int]) -> None:
+    """A host that answered with something off (two GPUs with one index, a forged MIG
+    block) says so on its header row, and the details list every warning."""
+    app = make_app(tmp_path)
+    async with app.run_test(size=size) as pilot:
+        table = await load(app, pilot)
+        snap = next(s for s in fixed_snapshots() if s.name == "gpu-h100")
+        app.ingest(replace(snap, warnings=("two GPUs report index 0",
+                                           "MIG layout \x1b[31mignored")))
+        app.render_board()
+        await pilot.pause()
+        assert cell(table, "gpu-h100", "flags").startswith("⚠ two GPUs report index 0 (+1)")
+        goto(app, table, gk("gpu-h100", 0))
+        await pilot.press("enter")  # the details open; then the host's own row
+        goto(app, table, "gpu-h100")
+        await pilot.pause()
+        head = str(app.query_one(DetailPane).query_one("#detail-head").render())
+        assert "⚠ two GPUs report index 0" in head and "⚠ MIG layout ignored" in head
+        assert "\x1b" not in head

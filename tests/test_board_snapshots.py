@@ -6,6 +6,8 @@ Update after a deliberate change with ``python -m pytest tests/test_board_snapsh
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,10 @@ from board_data import NOW, board_config, fixed_snapshots, seed
 from gputop.reservations import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.widgets import BoardTable
+
+# The details show local times: the saved pictures are of a board in UTC, wherever run.
+os.environ["TZ"] = "UTC"
+time.tzset()
 
 SIZES = {"120x40": (120, 40), "80x24": (80, 24)}
 K = "\x00"

@@ -25,7 +25,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     text = (ROOT / "hosts.example.toml").read_text()
     for key in ("interval", "timeout", "max_connecting", "ssh_config", "theme",
                 "idle_holder_after", "address", "port", "user", "tags", "local",
-                "path", "default_duration", "max_duration", "idle_grace"):
+                "path", "default_duration", "max_duration", "idle_grace",
+                "keep_raw", "keep_minutes"):
         assert f"{key} =" in text or f"# {key} =" in text, key
 
 

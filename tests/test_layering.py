@@ -10,7 +10,8 @@ DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
     "gputop.reservations", "gputop.cli", "gputop.table", "gputop.bootstrap", "gputop.demo",
-    "gputop.commands",
+    "gputop.history", "gputop.history.db", "gputop.history.recorder", "gputop.history.report",
+    "gputop.history.render", "gputop.history.live", "gputop.history.cli", "gputop.commands",
 ]
 
 

@@ -5,6 +5,7 @@ Hosts come from the fixed snapshots of board_data (no SSH needed); the file is r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,42 @@ async def test_board_shows_a_hostile_store_and_keeps_running(tmp_path: Path, kin
         await pilot.pause()
         assert app.model.state.reservations
         assert app.is_running
+
+
+async def test_the_periodic_reread_is_off_the_ui_thread_and_once_per_change(
+        tmp_path: Path) -> None:
+    """A teammate's large or hostile file must not freeze the board: the periodic re-read
+    runs on a worker thread, and a file that did not change (broken or not) is not parsed
+    again at every interval."""
+    import os
+    import threading
+
+    path = tmp_path / "reservations.json"
+    path.write_text(HOSTILE["gpu-5000-digits"])
+    cfg = replace(board_config(tmp_path), interval=0.5)
+    app = GputopApp(cfg, feed=False, clock=lambda: NOW, user="ann")
+    reads: list[str] = []
+    read = app.store.read
+
+    def counted() -> Any:
+        reads.append(threading.current_thread().name)
+        return read()
+
+    app.store.read = counted  # type: ignore[method-assign]
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.2)
+        reads.clear()  # the first read, at start, is made on the UI thread
+        await pilot.pause(2.2)  # four intervals: the file did not change
+        assert reads == []
+        seed_time = os.stat(path).st_mtime_ns + 1_000_000
+        path.write_text(HOSTILE["gpu-5000-digits"] + " ")
+        os.utime(path, ns=(seed_time, seed_time))
+        for _ in range(40):
+            await pilot.pause(0.1)
+            if reads:
+                break
+        await app.workers.wait_for_complete()
+        await pilot.pause(1.2)
+        assert len(reads) == 1, reads
+        assert reads[0] != threading.main_thread().name
+        assert app._store_problem is not None and app.is_running

@@ -4,34 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
+import queue
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
-from textual.widgets import DataTable, Footer, Input
+from textual.widgets import Footer, Input
 from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations import (
-    Invalid,
-    Refused,
-    Store,
-    StoreError,
-    StoreState,
-    Target,
-    release,
-    reserve,
-)
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
 from gputop.reservations.ops import whoami
+from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.text import clean
 from gputop.ui.board_model import (
@@ -44,7 +41,7 @@ from gputop.ui.board_model import (
     split_instance,
 )
 from gputop.ui.cells import Palette, time_left
-from gputop.ui.messages import HostUpdated
+from gputop.ui.feed import FeedThread
 from gputop.ui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -54,6 +51,9 @@ from gputop.ui.screens import (
 )
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+
+if TYPE_CHECKING:
+    from gputop.history.live import LiveRecorder
 
 RENDER_PERIOD = 0.5  # seconds: host updates arriving faster are drawn together
 #: Signals that end the board like ``q`` does (terminal restored, remote loops ended); the
@@ -75,6 +75,10 @@ def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
     return timer
 
 
+DRAIN_PERIOD = 0.05  # seconds between taking answers from the feed thread...
+DRAIN_BUDGET_S = 0.008  # ...for at most this long each time
+
+
 class GputopApp(App[int]):
     CSS_PATH = "gputop.tcss"
     TITLE = "gputop"
@@ -87,6 +91,7 @@ class GputopApp(App[int]):
         Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
         Binding("w", "users", "Who"),  # `?` lists every key
         Binding("Q", "queue", "Queue", show=False),
+        Binding("h", "history", "History", show=False),
         Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
         Binding("t", "next_theme", "Theme", show=False),
@@ -105,9 +110,14 @@ class GputopApp(App[int]):
         clock: Callable[[], datetime] = utcnow,
         theme: str | None = None,
         user: str | None = None,
+        recorder: LiveRecorder | None = None,
+        long_running: bool = False,
     ) -> None:
         super().__init__()
+        self._long_running = long_running
         self.config = config
+        #: ``--record``: every snapshot also goes into the history database.
+        self.recorder = recorder
         self._sources = sources
         self._feed = feed
         self.clock = clock
@@ -120,16 +130,18 @@ class GputopApp(App[int]):
         self._state: StoreState | None = None
         self._waiting: Worker[None] | None = None
         self._store_problem: str | None = None
+        self._store_reading = False
         self._dirty = True
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
-        self._rows: dict[str, GpuRow | HostRow] = {}
         self.poller: Poller | None = None
         self._feed_started = False
         #: Armed by the first signal; cancelled once the board has exited (see run_board).
         self.watchdog: threading.Timer | None = None
         self._feed_closed = asyncio.Event()
+        self._feed_thread: FeedThread | None = None
+        self._inbox: queue.SimpleQueue[HostSnapshot] = queue.SimpleQueue()
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -164,6 +176,7 @@ class GputopApp(App[int]):
             if name not in loaded.themes:
                 self.unregister_theme(name)
         self._update_palette()
+        self.query_one(DetailPane).history_path = self.config.history_path
         self.reload_store()
         self.query_one(BoardTable).focus()
         if self.config.implicit:
@@ -172,10 +185,13 @@ class GputopApp(App[int]):
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
                         timeout=8)
         self.set_interval(RENDER_PERIOD, self._render_if_dirty)
-        self.set_interval(max(0.5, self.config.interval), self.reload_store)
-        if self._feed:
-            self._run_feed()
+        self.set_interval(DRAIN_PERIOD, self._drain)
+        self.set_interval(max(0.5, self.config.interval), self._reload_store_if_changed)
         self.render_board()
+        if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
+            self.call_after_refresh(self._run_feed)
+        if self._long_running:
+            self.call_after_refresh(tune_gc)
 
     async def on_unmount(self) -> None:
         """Textual cancels the feed worker at exit but does not wait for it: wait here (a
@@ -202,48 +218,108 @@ class GputopApp(App[int]):
 
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
+        """Poll on the feed thread (see feed.py) until the app exits; its snapshots wait in
+        ``_inbox`` for the next frame."""
         self._feed_started = True
         poller = self.poller = Poller(self.config, self._sources)
+        feed = self._feed_thread = FeedThread(poller, self._inbox.put)
+        feed.start()
         try:
-            async for snap in poller.updates():
-                self.post_message(HostUpdated(snap))
+            await asyncio.Event().wait()
         finally:
             try:
-                await poller.aclose()
+                feed.stop()  # every remote loop ended, every connection closed
             finally:
+                if self.recorder is not None:
+                    self.recorder.close()
+                    self.recorder = None
                 self._feed_closed.set()
 
-    def on_host_updated(self, message: HostUpdated) -> None:
-        self.ingest(message.snapshot)
+    def _record(self, snap: HostSnapshot) -> None:
+        from gputop.history.db import HistoryError
+
+        assert self.recorder is not None
+        try:
+            self.recorder.observe(snap)
+        except HistoryError as exc:  # the board goes on; recording stops, and says why
+            self.notify(f"recording stopped: {exc}", severity="error", markup=False,
+                        timeout=10)
+            self.recorder.close()
+            self.recorder = None
+
+    def _drain(self) -> None:
+        """Ingest what the feed delivered (each answer is a sample of its GPUs' history)
+        and work out those hosts' rows, for at most DRAIN_BUDGET_S: a thousand hosts
+        answering at once are taken in slices, and a key pressed meanwhile waits for one
+        slice, not the whole burst. The next frame draws them all at once."""
+        deadline = time.perf_counter() + DRAIN_BUDGET_S
+        hosts: list[str] = []
+        while time.perf_counter() < deadline:
+            try:
+                snap = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.ingest(snap)
+            if self.recorder is not None:
+                self._record(snap)
+            hosts.append(snap.name)
+        if hosts:
+            self.model.warm(hosts)
 
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
         self._dirty = True
 
-    def reload_store(self) -> None:
-        """Re-read the shared file when it changed (a teammate reserved something)."""
+    def _store_stat(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.store.path)
-            sig: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
-            sig = None
-        if sig == self._store_sig and self._store_problem is None:
-            return
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def reload_store(self) -> None:
+        """Re-read the shared file now (after our own write, or when asked)."""
+        sig = self._store_stat()
         try:
-            state = self.store.read()
+            result: StoreState | StoreError = self.store.read()
         except StoreError as exc:
-            if str(exc) != self._store_problem:  # stays in the summary bar until fixed
-                self._store_problem = str(exc)
-                self.notify(str(exc), title="reservations", severity="error", markup=False,
-                            timeout=6)
+            result = exc
+        self._apply_store(sig, result)
+
+    def _reload_store_if_changed(self) -> None:
+        """Every interval: when the file changed (a teammate reserved something), read it
+        on a worker thread. A large or hostile file (up to 4 MiB, 10,000 records) costs
+        that thread a tenth of a second, never the screen; an unchanged file, broken or not,
+        is not read again."""
+        sig = self._store_stat()
+        if sig == self._store_sig or self._store_reading:
+            return
+        self._store_reading = True
+
+        def read() -> None:
+            try:
+                result: StoreState | StoreError = self.store.read()
+            except StoreError as exc:
+                result = exc
+            self.call_from_thread(self._apply_store, sig, result)
+
+        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+
+    def _apply_store(self, sig: tuple[int, int, int] | None,
+                     result: StoreState | StoreError) -> None:
+        self._store_reading = False
+        self._store_sig = sig
+        if isinstance(result, StoreError):
+            if str(result) != self._store_problem:  # stays in the summary bar until fixed
+                self._store_problem = str(result)
+                self.notify(str(result), title="reservations", severity="error",
+                            markup=False, timeout=6)
                 self._dirty = True
             return
         if self._store_problem is not None:
             self._store_problem = None
-            self._dirty = True
-        self._store_sig = sig
-        self._state = state
-        self.model.set_state(state)
+        self._state = result
+        self.model.set_state(result)
         self._dirty = True
 
     def _warn(self, message: str) -> None:
@@ -260,7 +336,6 @@ class GputopApp(App[int]):
         now = self.clock()
         table = self.query_one(BoardTable)
         rows, summary = self.model.view()
-        self._rows = {r.key: r for r in rows}
         table.show_rows(rows, now, self.palette, self.model.signature)
         note = f"filter: {clean(self.model.filter_text)}" if self.model.filter_text else ""
         if self.model.free_only:
@@ -298,16 +373,21 @@ class GputopApp(App[int]):
         self._update_palette()
         self._dirty = True
 
+    @property
+    def _rows(self) -> dict[str, GpuRow | HostRow]:
+        """The rows as last drawn, by key."""
+        return self.query_one(BoardTable).rows_by_key
+
     def _selected(self) -> GpuRow | HostRow | None:
         key = self.query_one(BoardTable).selected_key()
         return None if key is None else self._rows.get(key)  # as last drawn
 
-    def on_data_table_row_highlighted(self, _event: DataTable.RowHighlighted) -> None:
+    def on_board_table_row_highlighted(self, _event: BoardTable.RowHighlighted) -> None:
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, self.clock(), self.palette)
 
-    def on_data_table_row_selected(self, _event: DataTable.RowSelected) -> None:
+    def on_board_table_row_selected(self, _event: BoardTable.RowSelected) -> None:
         self.action_details()
 
     # -- actions -------------------------------------------------------------------------
@@ -377,13 +457,17 @@ class GputopApp(App[int]):
             return
         self.bell()
         self._store_changed("granted: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in got))
+    def action_history(self) -> None:
+        from gputop.ui.history_screen import FleetHistoryScreen
+
+        self.push_screen(FleetHistoryScreen(self.config.history_path))
 
     def action_reconnect(self) -> None:
         row = self._selected()
         if row is None:
             self.notify("select a host or one of its GPUs to reconnect", severity="warning")
             return
-        if self.poller is None or not self.poller.reconnect(row.host):
+        if self._feed_thread is None or not self._feed_thread.reconnect(row.host):
             self.notify(f"{clean(row.host)} is not polled here", severity="warning",
                         markup=False)
             return
@@ -525,13 +609,33 @@ class GputopApp(App[int]):
         self.render_board()
 
 
-def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None) -> int:
+def tune_gc() -> None:
+    """For the board's own process (not tests), once it is on screen. With Python's
+    default thresholds a collection ran every 700 allocations and a full one walked every
+    object the board holds (at 1,000 hosts: 150 ms and more, the screen frozen, and 7 % of
+    a core in all). What exists at startup is frozen (never walked again) and collections
+    run less often (reference cycles are still collected, in fewer, larger batches)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 20)
+    # The feed thread works in bursts (a thousand answers at once): hand the GIL back to
+    # the UI thread after 1 ms, not Python's default 5 ms, so a key waits less for it.
+    sys.setswitchinterval(0.001)
+
+
+def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None,
+              record: bool = False) -> int:
     if demo or config is None:
         from gputop.demo import demo_session
 
         with demo_session() as (demo_cfg, sources):
-            return _run(GputopApp(demo_cfg, sources=list(sources), theme=theme))
-    return _run(GputopApp(config, theme=theme))
+            return _run(GputopApp(demo_cfg, sources=list(sources), theme=theme,
+                                  long_running=True))
+    recorder = None
+    if record:
+        from gputop.history.live import LiveRecorder
+
+        recorder = LiveRecorder(config)  # a bad database is refused before the board shows
+    return _run(GputopApp(config, theme=theme, recorder=recorder, long_running=True))
 
 
 def _run(app: GputopApp) -> int:

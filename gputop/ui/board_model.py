@@ -6,6 +6,8 @@ free of widgets makes it cheap to test and lets the table update only the rows t
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -169,6 +171,70 @@ class UserLoad:
         return len(set(self.running) | set(self.reserved))
 
 
+#: Seconds a host's rows are reused when it did not answer again: the time-driven flags
+#: (idle holder, idle reservation, thresholds of minutes) may show up this much late.
+ROW_CACHE_S = 5
+SEP = "\x00"  # joins a row's words for the filter (a term with it takes the slow path)
+
+
+@dataclass
+class _Counts:
+    gpus: int = 0
+    reserved: int = 0
+    free: int = 0
+    busy: int = 0
+    util_sum: int = 0
+    util_n: int = 0
+    mem_used_mib: int = 0
+    mem_total_mib: int = 0
+
+
+class _HostRows:
+    """One host's rows as of ``version`` (its answer, the reservations), good until
+    ``valid_until`` (a timestamp: the host turns stale, or time-driven flags are due)."""
+
+    def __init__(self, version: tuple[object, ...], valid_until: float,
+                 rows: list[GpuRow]) -> None:
+        self.version = version
+        self.valid_until = valid_until
+        self.rows = rows
+        self._flat: list[GpuRow] | None = None
+        self._counts: _Counts | None = None
+
+    @property
+    def rows_flat(self) -> list[GpuRow]:
+        """The rows for a sorted view (no host headers: each row names its host)."""
+        if self._flat is None:
+            self._flat = [replace(r, show_host=True) for r in self.rows]
+        return self._flat
+
+    @property
+    def counts(self) -> _Counts:
+        if self._counts is None:
+            c = _Counts()
+            for row in self.rows:
+                if row.instance is not None:  # MIG: its GPU counts, once
+                    continue
+                g = row.gpu
+                c.gpus += 1
+                if row.reservation is not None:
+                    c.reserved += 1
+                elif row.free:
+                    c.free += 1
+                else:
+                    c.busy += 1
+                if g.utilization_percent is not None:
+                    c.util_sum += g.utilization_percent
+                    c.util_n += 1
+                c.mem_used_mib += g.memory_used_mib or 0
+                c.mem_total_mib += g.memory_total_mib or 0
+            self._counts = c
+        return self._counts
+
+
+_NO_ROWS = _HostRows((), 0.0, [])
+
+
 @dataclass
 class BoardModel:
     host_order: list[str]
@@ -196,6 +262,9 @@ class BoardModel:
         #: inputs did not change (most of them: hosts answer one at a time).
         self.host_version: dict[str, int] = {}
         self.state_version = 0
+        self._row_cache: dict[str, _HostRows] = {}
+        self._phase: dict[str, float] = {}
+        self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
 
     # -- input ---------------------------------------------------------------------------
 
@@ -207,7 +276,8 @@ class BoardModel:
         if snap.ok:
             self.last_good[snap.name] = snap
             self.tracker.observe(snap)
-            for g, key in zip(snap.gpus, gpu_keys(snap.name, snap.gpus)):
+            keys = self._keys[snap.name] = (snap, gpu_keys(snap.name, snap.gpus))
+            for g, key in zip(snap.gpus, keys[1]):
                 util, mem = self.history.setdefault(
                     key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
                 u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
@@ -235,27 +305,54 @@ class BoardModel:
 
     # -- queries -------------------------------------------------------------------------
 
+    def _stale_after(self) -> float:
+        return max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
+
     def is_stale(self, snap: HostSnapshot | None, now: datetime) -> bool:
         if snap is None:
             return False
-        age = (now - snap.time).total_seconds()
-        return age > max(STALE_AFTER_INTERVALS * self.interval, self.interval + 5)
+        return (now - snap.time).total_seconds() > self._stale_after()
 
     def gpu_rows(self, host: str, now: datetime,
                  held: dict[tuple[str, int], Reservation],
                  inst_held: dict[tuple[str, int, int], Reservation] | None = None
                  ) -> list[GpuRow]:
+        return self._host_rows(host, now, held, inst_held).rows
+
+    def _host_rows(self, host: str, now: datetime,
+                   held: dict[tuple[str, int], Reservation],
+                   inst_held: dict[tuple[str, int, int], Reservation] | None = None
+                   ) -> _HostRows:
+        """A host's GPU rows and its share of the summary, worked out again only when
+        something they depend on changed: a new answer, the reservations (a write, or one
+        expiring: the count of active ones), staleness, or ``ROW_CACHE_S`` passing (the
+        idle flags are time-driven). A frame costs nothing for hosts that did not answer."""
         snap = self.snapshots.get(host)
-        if snap is None or not snap.ok:
-            return []
+        if snap is None or snap.error is not None:
+            return _NO_ROWS
+        ts = now.timestamp()
+        version = (self.host_version.get(host), self.state_version, len(held),
+                   len(inst_held or {}))
+        cached = self._row_cache.get(host)
+        if cached is not None and cached.version == version and ts < cached.valid_until:
+            return cached  # the common case, for every host on every frame: kept cheap
         stale = self.is_stale(snap, now)
+        phase = self._phase.get(host)
+        if phase is None:  # hosts' rows expire at different times, not all in one frame
+            phase = self._phase[host] = zlib.crc32(host.encode(errors="replace")) % 997 / 997
+        valid_until = (math.floor(ts / ROW_CACHE_S + phase) + 1 - phase) * ROW_CACHE_S
+        if not stale:  # (a new answer, a new version, is what makes it fresh again)
+            valid_until = min(valid_until, snap.time.timestamp() + self._stale_after())
+        keys = self._keys.get(host)
+        if keys is None or keys[0] is not snap:
+            keys = self._keys[host] = (snap, gpu_keys(host, snap.gpus))
         rows = []
-        for g, key in zip(snap.gpus, gpu_keys(host, snap.gpus)):
+        for g, gkey in zip(snap.gpus, keys[1]):
             r = held.get((host, g.index)) if g.index is not None else None
             idle = self.tracker.is_idle_holder(host, g.index, now)
             unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, key, g, r, gpu_flags(g, r, idle, unused), stale, free))
+            rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
             for inst in g.instances:  # MIG: a row per instance, under its GPU
                 if inst.gpu_instance_id is None:
                     continue
@@ -263,30 +360,72 @@ class BoardModel:
                 ir = instance_reservation(held, inst_held or {}, host, g, inst)
                 iunused = ir is not None and self.tracker.reservation_idle(host, view, ir, now)
                 ifree = is_free(view) and (ir is None or ir.user == self.me)
-                rows.append(GpuRow(host, f"{key}{INSTANCE_SEP}{inst.gpu_instance_id}", view, ir,
-                                   gpu_flags(view, ir, False, iunused), stale, ifree,
+                rows.append(GpuRow(host, f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}", view,
+                                   ir, gpu_flags(view, ir, False, iunused), stale, ifree,
                                    instance=inst))
-        return rows
+        out = self._row_cache[host] = _HostRows(version, valid_until, rows)
+        return out
 
-    def _matches(self, host: str, row: GpuRow | None) -> bool:
-        q = self.filter_text.strip().lower()
-        if not q:
-            return True
+    def _words(self, host: str, row: GpuRow | None) -> list[str]:
         snap = self.snapshots.get(host)
         words = [host, *(snap.tags if snap else ())]
         if row is not None:
             words += [row.gpu.name or "", *row.users]
             if row.reservation:
                 words.append(row.reservation.user)
-        return all(any(term in w.lower() for w in words) for term in q.split())
+        return words
+
+    def _matches(self, host: str, row: GpuRow | None) -> bool:
+        """Every term of the filter is in one of the row's words (host, tags, model,
+        users, holder)."""
+        terms = self.filter_text.strip().lower().split()
+        words = self._words(host, row)
+        return all(any(term in w.lower() for w in words) for term in terms)
+
+    def _filtered(self, host: str, rows: list[GpuRow]) -> list[GpuRow]:
+        """``rows`` that pass free-only and the filter, as ``_matches`` says, without
+        looking at each row where the host decides: a keystroke in the filter looks at the
+        whole fleet. Terms the host's own words (name, tags) hold match all its rows; a
+        row keeps its other words joined and lowered for the rest."""
+        if self.free_only:
+            rows = [r for r in rows if r.free]
+        terms = self.filter_text.strip().lower().split()
+        if not terms or not rows:
+            return rows
+        if any(SEP in t for t in terms):  # the joined words could fake a match: each row
+            return [r for r in rows if self._matches(host, r)]
+        host_hay = SEP.join(w.lower() for w in self._words(host, None))
+        rest = [t for t in terms if t not in host_hay]
+        if not rest:
+            return rows
+        out = []
+        for r in rows:
+            hay = r.__dict__.get("_hay")
+            if hay is None:
+                words = [r.gpu.name or "", *r.users]
+                if r.reservation:
+                    words.append(r.reservation.user)
+                hay = r.__dict__["_hay"] = SEP.join(w.lower() for w in words)
+            if all(t in hay for t in rest):
+                out.append(r)
+        return out
+
+    def warm(self, hosts: Iterable[str]) -> None:
+        """Work out these hosts' rows now (as they answer, a few at a time) so that the
+        next frame finds them ready instead of doing a whole fleet's burst at once."""
+        now = self.clock()
+        held = reservation_index(self.state, now)
+        for host in hosts:
+            self._host_rows(host, now, held)
 
     def view(self) -> tuple[list[Row], Summary]:
         """The rows to show and the summary, from one pass over the hosts (this runs on
-        every redraw: each GPU's row, flags and reservation are worked out once)."""
+        every redraw: a host's rows are worked out again only when it changed)."""
         now = self.clock()
         held = reservation_index(self.state, now)
         inst_held = instance_index(self.state, now)
-        per_host = {host: self.gpu_rows(host, now, held, inst_held) for host in self.host_order}
+        per_host = {host: self._host_rows(host, now, held, inst_held)
+                    for host in self.host_order}
         return self._rows(per_host, now), self._summary(per_host)
 
     def rows(self) -> list[Row]:
@@ -295,7 +434,7 @@ class BoardModel:
     def summary(self) -> Summary:
         return self.view()[1]
 
-    def _rows(self, per_host: dict[str, list[GpuRow]], now: datetime) -> list[Row]:
+    def _rows(self, per_host: dict[str, _HostRows], now: datetime) -> list[Row]:
         """In order: grouped by host when sorting by host (a host in error keeps its place),
         else flat, with the hosts in error after the GPUs."""
         grouped = self.sort_mode == "host"
@@ -304,8 +443,10 @@ class BoardModel:
         errors: list[Row] = []
         for host in self.host_order:
             snap = self.snapshots.get(host)
-            gpus = [r for r in per_host[host]
-                    if (r.free or not self.free_only) and self._matches(host, r)]
+            cached = per_host[host]
+            gpus = cached.rows if grouped else cached.rows_flat
+            if self.free_only or self.filter_text.strip():
+                gpus = self._filtered(host, gpus)
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
@@ -326,7 +467,7 @@ class BoardModel:
                 if not collapsed:
                     out.extend(gpus)
             else:
-                flat.extend(replace(r, show_host=True) for r in gpus)
+                flat.extend(gpus)  # (rows that name their host: see _HostRows.rows_flat)
         if not grouped:
             if self.sort_mode == "utilization":
                 flat.sort(key=lambda r: (-(r.gpu.utilization_percent or 0), r.host,
@@ -336,9 +477,9 @@ class BoardModel:
             out.extend(flat)
         return out + errors
 
-    def _summary(self, per_host: dict[str, list[GpuRow]]) -> Summary:
+    def _summary(self, per_host: dict[str, _HostRows]) -> Summary:
         s = Summary()
-        utils: list[int] = []
+        util_sum = util_n = 0
         for host in self.host_order:
             snap = self.snapshots.get(host)
             if snap is None:
@@ -348,22 +489,16 @@ class BoardModel:
                 s.hosts_down += 1
                 continue
             s.hosts_up += 1
-            for row in per_host[host]:
-                if row.instance is not None:  # its GPU counts, once
-                    continue
-                g = row.gpu
-                s.gpus += 1
-                if row.reservation is not None:
-                    s.reserved += 1
-                elif row.free:
-                    s.free += 1
-                else:
-                    s.busy += 1
-                if g.utilization_percent is not None:
-                    utils.append(g.utilization_percent)
-                s.mem_used_mib += g.memory_used_mib or 0
-                s.mem_total_mib += g.memory_total_mib or 0
-        s.util_percent = sum(utils) / len(utils) if utils else None
+            c = per_host[host].counts
+            s.gpus += c.gpus
+            s.reserved += c.reserved
+            s.free += c.free
+            s.busy += c.busy
+            util_sum += c.util_sum
+            util_n += c.util_n
+            s.mem_used_mib += c.mem_used_mib
+            s.mem_total_mib += c.mem_total_mib
+        s.util_percent = util_sum / util_n if util_n else None
         return s
 
     def users(self) -> list[UserLoad]:

@@ -75,12 +75,6 @@ class Palette:
     muted: str = "grey50"
 
 
-class RankedText(Text):
-    """A Text that also carries its row's sort rank (the table sorts rows by it)."""
-
-    rank: int = 0
-
-
 def bar(fraction: float | None, width: int, style: str) -> Text:
     if fraction is None:
         return Text(" " * width)
@@ -130,11 +124,11 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     idx = "?" if g.index is None else str(g.index)
     inst = row.instance
     if row.show_host:  # a sorted or flat view has no host headers: every row names it
-        label = RankedText(f"{row.label} ", style="bold")
+        label = Text(f"{row.label} ", style="bold")
     elif inst is not None:  # a MIG instance, under its GPU: "/GI profile"
-        label = RankedText(f"   /{inst.gpu_instance_id} ", style="bold")
+        label = Text(f"   /{inst.gpu_instance_id} ", style="bold")
     else:
-        label = RankedText(f" {idx:>2} ", style="bold")
+        label = Text(f" {idx:>2} ", style="bold")
     if inst is not None:
         label.append(clean(inst.profile or "MIG instance"), style=label_style)
     else:
@@ -169,27 +163,32 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
     blank = Text("")
     extra = () if narrow else (blank, blank)  # temperature, power
     if row.snapshot is None:
-        return (RankedText(f"… {name}", style=p.muted), Text("waiting", style=p.muted), blank,
+        return (Text(f"… {name}", style=p.muted), Text("waiting", style=p.muted), blank,
                 blank, blank, *extra, blank)
     if row.error:
         err = row.snapshot.error
         assert err is not None
         seen = Text(f"seen {_ago(row.last_seen, now)}", style=p.muted)
         reason = Text(clean(err.message)[:160], style=p.error)
-        label = RankedText(f"✖ {name}", style=f"bold {p.error}")
+        label = Text(f"✖ {name}", style=f"bold {p.error}")
         kind = Text(err.kind, style=f"bold {p.error}")
         if narrow:  # the kind and the start of the reason before anything else
             short = Text(f"seen {_ago(row.last_seen, now).removesuffix(' ago')}", style=p.muted)
             return (label, Text("down", style=p.error), kind, reason, short, blank)
         return (label, Text("down", style=p.error), kind, seen, blank, blank, blank, reason)
     arrow = "▸" if row.collapsed else "▾"
-    label = RankedText(f"{arrow} {name}", style="bold")
+    label = Text(f"{arrow} {name}", style="bold")
     tags = Text(" ".join(clean(t) for t in row.snapshot.tags), style=p.muted)
     count = Text(f"{row.gpu_count} GPU" + ("s" if row.gpu_count != 1 else ""), style=p.muted)
     if row.stale and narrow:  # in the wide columns, where 80 columns show it whole
         return (label, count, tags, Text("stale", style=p.error),
                 Text("seen " + _ago(row.last_seen, now), style=p.error), blank)
     state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
+    if not row.stale and row.snapshot.warnings:  # e.g. two GPUs with one index: enter tells
+        more = f" (+{len(row.snapshot.warnings) - 1})" if len(row.snapshot.warnings) > 1 else ""
+        state = Text(f"⚠ {clean(row.snapshot.warnings[0])}{more}", style=p.busy)
+        if narrow:
+            return (label, count, tags, blank, blank, state)
     return (label, count, tags, blank, blank, *extra, state)
 
 

@@ -81,11 +81,11 @@ KEYS = (  # (key, what): every binding of the board, two to a line in the help
     ("PgUp PgDn", "page"), ("enter", "details / fold a host"),
     ("r", "reserve the GPU"), ("u", "release my reservation"),
     ("c", "reconnect host now"), ("w", "who holds what"),
-    ("Q", "the queue; join it"),
     ("/", "filter"), ("esc", "close details, filter"),
     ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
-    ("t", "next theme"), ("?", "this help"),
-    ("q ctrl+c", "quit"),
+    ("t", "next theme"), ("h", "recorded history"),
+    ("?", "this help"), ("q ctrl+c", "quit"),
+    ("Q", "the queue; join it"),
 )
 
 

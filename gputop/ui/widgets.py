@@ -1,208 +1,26 @@
-"""The board's widgets: the GPU table (updated in place), the summary bar, the detail pane."""
+"""The board's widgets: the GPU table (see table.py), the summary bar, the detail pane."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Iterable
 from datetime import datetime
+from pathlib import Path
 
 from rich.text import Text
-from textual import events
+from textual import work
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Vertical
-from textual.coordinate import Coordinate
-from textual.message import Message
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
-from gputop.model import iso
-from gputop.reservations.ops import format_duration
+from gputop.model import GpuInfo
+from gputop.reservations.ops import format_duration, local_time
 from gputop.text import clean
-from gputop.ui.board_model import (
-    BoardModel,
-    GpuRow,
-    HostRow,
-    Row,
-    Summary,
-    host_of,
-    short_model,
-)
-from gputop.ui.cells import (
-    COLUMNS,
-    FLAG_LABELS,
-    Columns,
-    Palette,
-    RankedText,
-    columns_for,
-    gib,
-    row_cells,
-)
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
+from gputop.ui.cells import FLAG_LABELS, Palette, gib
+from gputop.ui.table import BoardTable
 
-
-class BoardTable(DataTable[Text]):
-    """The GPU table. ``show_rows`` diffs against what is on screen: new rows are added,
-    gone rows removed, order fixed by one sort, and only changed cells are rewritten.
-
-    The selection is a GPU, not a position: ``chosen`` is the key of the row the user moved
-    to, and every redraw puts the cursor back on it. When it is gone (its host went down)
-    the cursor goes to its host's row; with no such row the cursor is hidden and nothing is
-    selected, so no key acts on a GPU the user did not choose."""
-
-    BINDINGS = [
-        Binding("j", "cursor_down", "Down", show=False),
-        Binding("k", "cursor_up", "Up", show=False),
-        Binding("home", "scroll_top", "First row", show=False),
-        Binding("end", "scroll_bottom", "Last row", show=False),
-    ]
-
-    class LayoutChanged(Message):
-        """The table crossed the wide/narrow width: the board redraws every row."""
-
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)  # type: ignore[arg-type]
-        self._shown: dict[str, tuple[Text, ...]] = {}
-        self._sigs: dict[str, tuple[object, ...]] = {}
-        self._palette: Palette | None = None
-        self._order: list[str] = []
-        self.columns_shown: Columns = ()
-        self.chosen: str | None = None
-        self._restoring = False
-        self.cell_updates = 0  # for tests: proves unchanged cells are left alone
-
-    def on_mount(self) -> None:
-        self._set_columns(columns_for(self.app.size.width))
-
-    def _set_columns(self, columns: Columns) -> None:
-        self._restoring = True
-        try:
-            self.clear(columns=True)
-            for key, label, width in columns:
-                self.add_column(label, key=key, width=width)
-        finally:
-            self._restoring = False
-        self.columns_shown = columns
-        self._shown, self._sigs, self._order = {}, {}, []
-
-    def on_resize(self, event: events.Resize) -> None:
-        if columns_for(event.size.width) != self.columns_shown:
-            self.post_message(self.LayoutChanged())
-
-    @property
-    def narrow(self) -> bool:
-        return len(self.columns_shown) != len(COLUMNS)
-
-    def watch_cursor_coordinate(self, old: Coordinate, new: Coordinate) -> None:
-        super().watch_cursor_coordinate(old, new)
-        if not self._restoring and 0 <= new.row < self.row_count:
-            self.chosen = self._key_at(new.row)  # the user moved: this is the choice now
-            self.show_cursor = True
-
-    def _key_at(self, row: int) -> str | None:
-        return self.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
-
-    def _wake(self) -> None:
-        """A key pressed while nothing was selected: select the row under the cursor."""
-        if not self.show_cursor and self.row_count:
-            self.show_cursor = True
-            self.chosen = self._key_at(min(self.cursor_row, self.row_count - 1))
-
-    async def _on_click(self, event: events.Click) -> None:
-        self._wake()
-        await super()._on_click(event)
-
-    def action_cursor_up(self) -> None:
-        self._wake()
-        super().action_cursor_up()
-
-    def action_cursor_down(self) -> None:
-        self._wake()
-        super().action_cursor_down()
-
-    def action_page_up(self) -> None:
-        self._wake()
-        super().action_page_up()
-
-    def action_page_down(self) -> None:
-        self._wake()
-        super().action_page_down()
-
-    def action_scroll_top(self) -> None:
-        self._wake()
-        super().action_scroll_top()
-
-    def action_scroll_bottom(self) -> None:
-        self._wake()
-        super().action_scroll_bottom()
-
-    def selected_key(self) -> str | None:
-        """The row the user chose and the cursor is on; None when nothing is selected."""
-        if not self.show_cursor or not self._order or not 0 <= self.cursor_row < len(
-                self._order):
-            return None
-        return self._key_at(self.cursor_row)
-
-    def show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                  signature: Callable[[Row, datetime], tuple[object, ...]]) -> None:
-        self._restoring = True  # rows come and go under the cursor: not the user's choice
-        try:
-            self._show_rows(rows, now, palette, signature)
-        finally:
-            self._restoring = False
-
-    def _show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                   signature: Callable[[Row, datetime], tuple[object, ...]]) -> None:
-        wanted_columns = columns_for(self.size.width or self.app.size.width)
-        if wanted_columns != self.columns_shown:
-            self._set_columns(wanted_columns)
-            self._restoring = True
-        if self.chosen is None and self._order:
-            self.chosen = self.selected_key()
-        keys = [r.key for r in rows]
-        wanted = set(keys)
-        narrow = self.narrow
-        if palette != self._palette:  # a new theme: every cell's colours change
-            self._palette, self._sigs = palette, {}
-        for gone in [k for k in self._shown if k not in wanted]:
-            self.remove_row(gone)
-            del self._shown[gone]
-            self._sigs.pop(gone, None)
-        for row in rows:
-            sig = signature(row, now)
-            if self._sigs.get(row.key) == sig:
-                continue  # nothing it depends on changed: no cells to build or compare
-            self._sigs[row.key] = sig
-            cells = row_cells(row, now, palette, narrow)
-            old = self._shown.get(row.key)
-            if old is None:
-                self.add_row(*cells, key=row.key)
-            else:
-                for (col, _, width), new, was in zip(self.columns_shown, cells, old):
-                    if new != was:
-                        self.update_cell(row.key, col, new, update_width=width is None)
-                        self.cell_updates += 1
-            self._shown[row.key] = cells
-        if keys != self._order:
-            for rank, key in enumerate(keys):
-                shown = self.get_cell(key, "gpu")  # the cell the sort below reads
-                if isinstance(shown, RankedText):
-                    shown.rank = rank
-            self.sort("gpu", key=lambda cell: cell.rank)
-            self._order = keys
-        self._restore(wanted)
-
-    def _restore(self, wanted: set[str]) -> None:
-        """Put the cursor back on the chosen GPU, else on its host, else select nothing."""
-        if self.chosen is None:
-            if keys := self._order:
-                self.chosen = keys[min(max(self.cursor_row, 0), len(keys) - 1)]
-            return
-        for key in (self.chosen, host_of(self.chosen)):
-            if key in wanted:
-                self.show_cursor = True
-                row = self.get_row_index(key)
-                if row != self.cursor_row:  # (moving scrolls: leave a mouse scroll alone)
-                    self.move_cursor(row=row, animate=False)
-                return
-        self.show_cursor = False  # the choice is gone and so is its host: nothing selected
+__all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
 
 
 class SummaryBar(Static):
@@ -250,12 +68,60 @@ def spark(values: Iterable[float | None], width: int, style: str) -> Text:
 class DetailPane(Vertical):
     """The selected GPU: processes, history, reservation, details."""
 
+    #: The history database (``[history] path``): its last hour and day of the GPU show
+    #: under the sparklines when it exists.
+    history_path: Path | None = None
+    _recent_key: tuple[str, int] | None = None
+
+    def _show_recent(self, row: GpuRow | HostRow) -> None:
+        """The row's recorded last hour and day (a host: all its GPUs), once a minute."""
+        box = self.query_one("#detail-recent", Static)
+        if self.history_path is None or not self.history_path.exists():
+            box.display = False
+            return
+        key = row.key if isinstance(row, GpuRow) else f"host\x00{row.host}"
+        stamp = (key, int(time.time() // 60))
+        if stamp == self._recent_key:
+            return
+        if self._recent_key is None or self._recent_key[0] != key:
+            box.display = False
+        self._recent_key = stamp
+        gpu = row.gpu if isinstance(row, GpuRow) else None
+        self._lookup(self.history_path, row.host, gpu, key)
+
+    @work(thread=True, exclusive=True, group="recent")
+    def _lookup(self, path: Path, host: str, gpu: GpuInfo | None, key: str) -> None:
+        from gputop.history.db import HistoryError
+        from gputop.history.recent import recent_gpu, recent_host
+
+        try:
+            now = time.time()
+            got = (recent_host(path, host, now) if gpu is None
+                   else recent_gpu(path, host, gpu.uuid, gpu.index, now))
+            what = "this host" if gpu is None else "this GPU"
+            text = (f"recorded: nothing for {what} yet" if got is None else
+                    "recorded " + got[0].line("last hour") + "\n         "
+                    + got[1].line("last day"))
+        except HistoryError as exc:
+            text = f"history: {exc}"
+        self.app.call_from_thread(self._set_recent, key, text)
+
+    def _set_recent(self, key: str, text: str) -> None:
+        if self._recent_key is None or self._recent_key[0] != key:
+            return  # the selection moved on meanwhile
+        box = self.query_one("#detail-recent", Static)
+        box.update(Text(clean(text, one_line=False)))
+        box.display = True
+
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
         yield Static("utilisation %, this session", classes="spark-label")
         yield Static(id="spark-util", classes="spark")
         yield Static("memory used %", classes="spark-label")
         yield Static(id="spark-mem", classes="spark")
+        recent = Static(id="detail-recent")
+        recent.display = False  # shown once the history database answered
+        yield recent
         yield Static(id="detail-procs")
 
     def show(self, row: Row | None, model: BoardModel, now: datetime, palette: Palette) -> None:
@@ -269,6 +135,11 @@ class DetailPane(Vertical):
                 self.query_one(name, Static).update("")
             procs.update("")
             head.update(self._host_text(row, now))
+            if row is None:
+                self.query_one("#detail-recent", Static).display = False
+                self._recent_key = None
+            else:
+                self._show_recent(row)
             return
         g = row.gpu
         t = Text()
@@ -284,7 +155,7 @@ class DetailPane(Vertical):
         if r is not None:
             left = format_duration((r.expires - now).total_seconds())
             t.append(f"\nreserved by {clean(r.user)} (from {clean(r.machine)}) until "
-                     f"{iso(r.expires)}, {left} left")
+                     f"{local_time(r.expires)}, {left} left")
             if r.note:
                 t.append(f"\nnote: {clean(r.note)}")
         else:
@@ -296,6 +167,7 @@ class DetailPane(Vertical):
         width = max(10, self.size.width - 2)
         self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
         self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
+        self._show_recent(row)
         p = Text()
         if not g.processes:
             p.append("no processes")
@@ -322,13 +194,16 @@ class DetailPane(Vertical):
             assert err is not None
             t = Text(f"{name} is down: {err.kind}\n", style="bold")
             t.append(clean(err.message))
-            t.append(f"\nlast answered: {iso(row.last_seen) or 'never'}"
+            seen = local_time(row.last_seen) if row.last_seen else "never"
+            t.append(f"\nlast answered: {seen}"
                      f"\nc reconnects now (skips the retry wait)")
             return t
         t = Text(f"{name}", style="bold")
         t.append(f"  {row.gpu_count} GPU{'s' if row.gpu_count != 1 else ''}")
         if snap.tags:
             t.append("  tags: " + " ".join(clean(x) for x in snap.tags))
-        t.append(f"\nlast answered: {iso(snap.time)}")
+        t.append(f"\nlast answered: {local_time(snap.time)}")
+        for w in snap.warnings:
+            t.append(f"\n⚠ {clean(w)}", style="bold")
         t.append("\nSelect one of its GPUs for processes and history; enter folds the host.")
         return t

@@ -1,0 +1,251 @@
+"""Snapshots in, rows out: the recorder behind ``gputop record`` (and ``--record``).
+
+Each host snapshot becomes one raw row. A host that did not answer is recorded as *no
+data* for the GPUs it last had, never as zeros. Rows are committed in batches (at most
+every ``commit_every`` seconds), so a killed recorder loses at most that much and the
+database stays valid (SQLite WAL). ``maintain`` rolls complete minutes and hours up and
+drops raw samples and minutes past their keep windows.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+from gputop.history.accounting import UNKNOWN_USER, account
+from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
+from gputop.model import HostSnapshot
+from gputop.reservations.store import Reservation, StoreState
+
+RAW_KEEP_S = 2 * 86400.0
+MINUTE_KEEP_S = 30 * 86400.0
+#: A minute is rolled up this long after it ends (late rows of a slow host still land).
+ROLLUP_DELAY_S = 30.0
+
+
+def _ms(t: datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+class Recorder:
+    def __init__(self, db: HistoryDB, *, interval: float, timeout: float = 10.0,
+                 raw_keep_s: float = RAW_KEEP_S, minute_keep_s: float = MINUTE_KEEP_S,
+                 commit_every: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.db = db
+        self.interval = interval
+        #: A gap longer than this (recorder stopped) is not attributed to the next sample.
+        self.max_gap_ms = int(1000 * max(2 * interval, interval + timeout))
+        self.raw_keep_s, self.minute_keep_s = raw_keep_s, minute_keep_s
+        self.commit_every = commit_every
+        self._clock = clock
+        self._hosts: dict[str, int] = {}
+        self._users: dict[str, int] = {}
+        self._gpus: dict[tuple[int, str], int] = {}
+        self._gpu_meta: dict[int, tuple[int | None, str | None, int | None]] = {}
+        self._current: dict[int, list[int]] = {}
+        self._last: dict[int, int] = {}
+        self._held: dict[tuple[str, int], Reservation] = {}
+        self._pending: list[tuple[int, int, int, int, str | None, str]] = []
+        self._last_commit = clock()
+        try:
+            self._load()
+            with db.transaction() as c:  # the report's chart is no finer than the samples
+                c.execute("INSERT OR REPLACE INTO meta VALUES ('interval_ms', ?)",
+                          (int(interval * 1000),))
+        except HistoryError:
+            db.abandon()
+            raise
+
+    def _load(self) -> None:
+        with self.db.errors():
+            c = self.db.conn
+            self._hosts = {n: i for i, n in c.execute("SELECT id, name FROM hosts")}
+            self._users = {n: i for i, n in c.execute("SELECT id, name FROM users")}
+            for gid, host, key, idx, name, mem, cur in c.execute(
+                    "SELECT id, host, key, idx, name, memory_total_mib, current FROM gpus"):
+                self._gpus[(host, key)] = gid
+                self._gpu_meta[gid] = (idx, name, mem)
+                if cur:
+                    self._current.setdefault(host, []).append(gid)
+            # The latest sample of any host (fast: the table is ordered by time) stands for
+            # each host's: after a restart the first gap is capped at max_gap_ms anyway.
+            last = c.execute("SELECT MAX(t) FROM samples").fetchone()[0]
+            if last is not None:
+                self._last = dict.fromkeys(self._hosts.values(), int(last))
+            c.execute("SELECT COUNT(*) FROM gpu_minute").fetchone()  # reads the tables:
+            c.execute("SELECT COUNT(*) FROM user_hour").fetchone()  # corrupt pages show now
+
+    # -- ids ------------------------------------------------------------------------------
+
+    def _id(self, table: str, cache: dict[str, int], name: str) -> int:
+        got = cache.get(name)
+        if got is None:
+            cur = self.db.conn.execute(f"INSERT INTO {table} (name) VALUES (?)", (name,))
+            got = cache[name] = int(cur.lastrowid or 0)
+        return got
+
+    def _gpu_id(self, host: int, key: str, idx: int | None, name: str | None,
+                mem: int | None) -> int:
+        gid = self._gpus.get((host, key))
+        if gid is None:
+            cur = self.db.conn.execute(
+                "INSERT INTO gpus (host, key, idx, name, memory_total_mib) VALUES (?,?,?,?,?)",
+                (host, key, idx, name, mem))
+            gid = self._gpus[(host, key)] = int(cur.lastrowid or 0)
+            self._gpu_meta[gid] = (idx, name, mem)
+        elif self._gpu_meta.get(gid) != (idx, name, mem):
+            self.db.conn.execute("UPDATE gpus SET idx = ?, name = ?, memory_total_mib = ? "
+                                 "WHERE id = ?", (idx, name, mem, gid))
+            self._gpu_meta[gid] = (idx, name, mem)
+        return gid
+
+    # -- recording ------------------------------------------------------------------------
+
+    def set_reservations(self, state: StoreState | None) -> None:
+        """The reservations file as last read (None: unreadable, so nobody holds anything)."""
+        self._held = {} if state is None else {(r.host, r.gpu): r for r in state.reservations}
+
+    def _holder(self, host: str, idx: int | None, at: datetime) -> int | None:
+        if idx is None:
+            return None
+        r = self._held.get((host, idx))
+        if r is None or not r.active(at):
+            return None
+        return self._id("users", self._users, r.user)
+
+    def record(self, snap: HostSnapshot) -> None:
+        """Buffer one host snapshot (committed by ``flush`` or the next timely ``record``)."""
+        with self.db.errors():
+            self._record(snap)
+        if self._clock() - self._last_commit >= self.commit_every:
+            self.flush()
+
+    def _record(self, snap: HostSnapshot) -> None:
+        if not self.db.conn.in_transaction:
+            self.db.conn.execute("BEGIN IMMEDIATE")
+        hid = self._id("hosts", self._hosts, snap.name)
+        t = _ms(snap.time)
+        prev = self._last.get(hid)
+        if prev is not None and t <= prev:
+            return  # a clock step back, or the same sample twice
+        dt = int(self.interval * 1000) if prev is None else min(t - prev, self.max_gap_ms)
+        self._last[hid] = t
+        entries: list[list[object]] = []
+        if snap.ok:
+            ids = []
+            for g in snap.gpus:
+                key = g.uuid or (f"index:{g.index}" if g.index is not None else None)
+                if key is None:
+                    continue
+                gid = self._gpu_id(hid, key, g.index, g.name, g.memory_total_mib)
+                ids.append(gid)
+                users = sorted({self._id("users", self._users, p.user or UNKNOWN_USER)
+                                for p in g.processes})
+                util = None if g.lost else g.utilization_percent
+                entries.append([gid, util, g.memory_used_mib, users,
+                                self._holder(snap.name, g.index, snap.time), int(g.lost)])
+            if ids != self._current.get(hid):
+                self.db.conn.execute("UPDATE gpus SET current = 0 WHERE host = ?", (hid,))
+                self.db.conn.executemany("UPDATE gpus SET current = 1 WHERE id = ?",
+                                         [(i,) for i in ids])
+                self._current[hid] = ids
+        else:
+            for gid in self._current.get(hid, []):
+                idx = self._gpu_meta.get(gid, (None, None, None))[0]
+                entries.append([gid, None, None, [], self._holder(snap.name, idx, snap.time),
+                                1])
+        error = None if snap.error is None else snap.error.kind
+        self.db.conn.execute(
+            "INSERT OR IGNORE INTO samples (t, host, dt, ok, error, gpus) VALUES (?,?,?,?,?,?)",
+            (t, hid, dt, int(snap.ok), error, json.dumps(entries, separators=(",", ":"))))
+
+    def flush(self) -> None:
+        with self.db.errors():
+            if self.db.conn.in_transaction:
+                self.db.conn.execute("COMMIT")
+        self._last_commit = self._clock()
+
+    # -- rollups --------------------------------------------------------------------------
+
+    def maintain(self, now: float) -> None:
+        """Roll up complete minutes and hours, then drop what is past its keep window.
+        ``now`` is UTC epoch seconds."""
+        self.flush()
+        with self.db.transaction() as c:
+            minute_done = rollup_minutes(c, self.db.meta("minute_done"),
+                                         int(now - ROLLUP_DELAY_S) // 60 * 60)
+            hour_done = rollup_up(c, "minute", "hour", 3600, self.db.meta("hour_done"),
+                                  minute_done)
+            rollup_up(c, "hour", "day", 86400, self.db.meta("day_done"), hour_done)
+            raw_cut = min(int(now - self.raw_keep_s) // 60 * 60, minute_done)
+            c.execute("DELETE FROM samples WHERE t < ?", (raw_cut * 1000,))
+            minute_cut = min(int(now - self.minute_keep_s) // 3600 * 3600, hour_done)
+            if minute_cut > self.db.meta("minute_from"):
+                c.execute("DELETE FROM gpu_minute WHERE b < ?", (minute_cut,))
+                c.execute("DELETE FROM user_minute WHERE b < ?", (minute_cut,))
+                c.execute("UPDATE meta SET value = ? WHERE key = 'minute_from'", (minute_cut,))
+
+
+def rollup_up(c: sqlite3.Connection, finer: str, coarser: str, size: int, done: int,
+              finer_done: int) -> int:
+    """Sum the complete ``coarser`` buckets (hour, day) of [done, finer_done) from the
+    ``finer`` tier; the new mark."""
+    target = finer_done // size * size
+    if target <= done:
+        return done
+    for tier, keys, cols in (("gpu", "gpu", GPU_METRICS), ("user", "gpu, user", USER_METRICS)):
+        sums = ", ".join(f"SUM({m})" for m in cols)
+        add = ", ".join(f"{m} = {m} + excluded.{m}" for m in cols)
+        c.execute(f"INSERT INTO {tier}_{coarser} SELECT b / {size} * {size} AS cb, {keys}, "
+                  f"{sums} FROM {tier}_{finer} WHERE b >= ? AND b < ? GROUP BY cb, {keys} "
+                  f"ON CONFLICT (b, {keys}) DO UPDATE SET {add}", (done, target))
+    c.execute(f"UPDATE meta SET value = ? WHERE key = '{coarser}_done'", (target,))
+    return target
+
+
+def upsert(table: str, keys: tuple[str, ...], metrics: tuple[str, ...]) -> str:
+    """INSERT of one row of sums that adds to the row already there, if any."""
+    cols = ", ".join((*keys, *metrics))
+    marks = ", ".join("?" * (len(keys) + len(metrics)))
+    add = ", ".join(f"{m} = {m} + excluded.{m}" for m in metrics)
+    return (f"INSERT INTO {table} ({cols}) VALUES ({marks}) "
+            f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {add}")
+
+
+def unknown_uid(conn: object) -> int | None:
+    import sqlite3
+
+    assert isinstance(conn, sqlite3.Connection)
+    row = conn.execute("SELECT id FROM users WHERE name = ?", (UNKNOWN_USER,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def rollup_minutes(c: object, done: int, target: int) -> int:
+    """Fold raw samples of minutes [done, target) into the minute tables; the new mark."""
+    import sqlite3
+
+    assert isinstance(c, sqlite3.Connection)
+    if target <= done:
+        return done
+    unknown = unknown_uid(c)
+    gpu: dict[tuple[int, int], list[float]] = {}
+    user: dict[tuple[int, int], dict[int, list[float]]] = {}
+    for t, dt, packed in c.execute("SELECT t, dt, gpus FROM samples WHERE t >= ? AND t < ?",
+                                   (done * 1000, target * 1000)):
+        b = t // 60000 * 60
+        for entry in json.loads(packed):
+            key = (b, entry[0])
+            sums = gpu.get(key)
+            if sums is None:
+                sums = gpu[key] = [0.0] * 7
+            account(dt / 1000, entry, unknown, sums, user.setdefault(key, {}))
+    c.executemany(upsert("gpu_minute", ("b", "gpu"), GPU_METRICS),
+                  [(b, g, *s) for (b, g), s in gpu.items()])
+    c.executemany(upsert("user_minute", ("b", "gpu", "user"), USER_METRICS),
+                  [(b, g, u, *s) for (b, g), us in user.items() for u, s in us.items()])
+    c.execute("UPDATE meta SET value = ? WHERE key = 'minute_done'", (target,))
+    return target

@@ -1,0 +1,178 @@
+"""``gputop record`` against real sshd hosts with known owners, a reservation, idle time and
+a host that goes down; ``gputop report`` must match what the test did, within one sample
+interval per transition."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from conftest import _need_sshd, _world_readable
+from fleet import Fleet, GpuProcess, Host
+
+from gputop.reservations.store import Store, new_reservation
+
+INTERVAL = 0.5
+PHASE = 2.0
+
+
+@pytest.fixture
+def history_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    _need_sshd()
+    (tmp_path / "fleet").mkdir()
+    f = Fleet(_world_readable(tmp_path / "fleet"), [
+        # alpha: an H100 at 100 % under gtalice's job, unreserved
+        Host("alpha", "127.0.2.2", processes=[GpuProcess("gtalice", "python train.py")]),
+        # beta: an idle RTX 2080 (0 %) that gtbob reserved
+        Host("beta", "127.0.2.3", gpus=("rtx2080",)),
+    ]).start()
+    yield f
+    f.stop()
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+def _wait_for_samples(db: Path, hosts: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if db.exists():
+            try:
+                c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+                n = c.execute("SELECT COUNT(DISTINCT host) FROM samples WHERE ok = 1"
+                              ).fetchone()[0]
+                c.close()
+                if n >= hosts:
+                    return
+            except sqlite3.Error:
+                pass
+        time.sleep(0.1)
+    raise AssertionError("the recorder wrote no samples in time")
+
+
+def _record(fleet: Fleet, cfg: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "gputop", "--config", str(cfg), "record"],
+                            env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: Path) -> None:
+    fleet = history_fleet
+    db = tmp_path / "history.sqlite3"
+    cfg = fleet.write_config(timeout=2.0, interval=INTERVAL,
+                             extra=f'[history]\npath = "{db}"\n')
+    Store(fleet.root / "reservations.json").update(lambda st, now: replace(
+        st, reservations=(*st.reservations,
+                          new_reservation("beta", 0, "gtbob", "m", now, 3600, None, ""))))
+    rec = _record(fleet, cfg)
+    try:
+        _wait_for_samples(db, 2, time.monotonic() + 30)
+        t0 = time.time()
+        time.sleep(PHASE)
+        # gtbob starts a job on his reserved GPU: it holds memory at 0 % load
+        beta = fleet.hosts["beta"]
+        job = GpuProcess("gtbob", "python eval.py", gpu=0)
+        job.popen = subprocess.Popen(
+            ["bash", "-c", f"exec -a {shlex.quote(job.argv0)} sleep 86400"], user="gtbob",
+            start_new_session=True, cwd="/", stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL)
+        beta.processes.append(job)
+        fleet.set_scenario(beta, "ok")
+        t1 = time.time()
+        time.sleep(PHASE)
+        fleet.stop_sshd(fleet.hosts["alpha"])  # alpha goes down
+        t2 = time.time()
+        time.sleep(PHASE)
+        t3 = time.time()
+        time.sleep(1.5)  # the last samples get committed
+        rec.send_signal(signal.SIGTERM)
+        assert rec.wait(15) == 0, rec.communicate()[1]
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--from", _iso(t0), "--to", _iso(t3), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    users = {u["user"]: u for u in doc["users"]}
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    # one sample interval, as recorded (a loaded machine stretches it a little)
+    unit = max(INTERVAL, c.execute("SELECT MAX(dt) FROM samples WHERE t >= ?",
+                                   (int(t0 * 1000),)).fetchone()[0] / 1000)
+    c.close()
+
+    def near(hours: float, seconds: float, transitions: int) -> None:
+        assert abs(hours * 3600 - seconds) <= unit * transitions + 0.05, (hours * 3600,
+                                                                          seconds, unit)
+
+    alice, bob = users["gtalice"], users["gtbob"]
+    near(alice["used_hours"], t2 - t0, 2)
+    near(alice["unreserved_hours"], t2 - t0, 2)
+    assert alice["reserved_hours"] == 0 and alice["held_idle_hours"] == 0
+    assert alice["mean_utilization_used"] == pytest.approx(100)
+    near(bob["reserved_hours"], t3 - t0, 2)
+    near(bob["reserved_idle_hours"], t1 - t0, 2)
+    near(bob["used_hours"], t3 - t1, 2)
+    near(bob["held_idle_hours"], t3 - t1, 2)
+    assert bob["unreserved_hours"] == 0
+    alpha, beta_ = hosts["alpha"], hosts["beta"]
+    near(alpha["busy_hours"], t2 - t0, 2)
+    near(alpha["no_data_hours"], t3 - t2, 2)
+    assert alpha["mean_utilization"] == pytest.approx(100)  # down is no data, not 0 %
+    near(beta_["held_idle_hours"], t3 - t0, 2)
+    assert beta_["busy_hours"] == 0 and beta_["no_data_hours"] == 0
+
+    # A second recorder on the same file, killed with SIGKILL: the database stays valid.
+    rec = _record(fleet, cfg)
+    try:
+        time.sleep(2.5)
+    finally:
+        rec.send_signal(signal.SIGKILL)
+        rec.wait()
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    c.close()
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--since", "1h"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "gtbob" in r.stdout
+
+
+def test_json_watch_can_record_while_it_runs(history_fleet: Fleet, tmp_path: Path) -> None:
+    db = tmp_path / "history.sqlite3"
+    cfg = history_fleet.write_config(timeout=2.0, interval=INTERVAL,
+                                     extra=f'[history]\npath = "{db}"\n')
+    p = subprocess.Popen([sys.executable, "-m", "gputop", "--config", str(cfg), "--json",
+                          "--watch", "--record"], env=history_fleet.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_samples(db, 2, time.monotonic() + 30)
+    finally:
+        p.terminate()
+        p.wait(15)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--since", "10m", "--by", "host", "--csv"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert {ln.split(",")[0] for ln in r.stdout.splitlines()[1:]} == {"alpha", "beta"}
+    # a database it cannot use stops it before it starts, naming the file
+    db.unlink()
+    db.write_bytes(b"not a database" * 100)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "--json",
+                        "--watch", "--record"], env=history_fleet.env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and str(db) in r.stderr and r.stdout == ""
