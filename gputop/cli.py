@@ -190,6 +190,7 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
                     sources)
     reservations = _Reservations(config)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+    reaping = _JobReaper(config, reservations.store) if sources is None else None
     observe = tracker.observe
     live = None
     if record:
@@ -203,6 +204,8 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
             live.observe(host)
 
     def emit(snap: FleetSnapshot) -> None:
+        if reaping is not None:
+            reaping.kick()
         state, problem = reservations.read()
         doc = annotate(snap, state, tracker)
         if problem:
@@ -214,14 +217,52 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
             snap = await poller.snapshot()
             for host in snap.hosts:
                 tracker.observe(host)
+            if reaping is not None:
+                await reaping.once()
             emit(snap)
             return EXIT_OK
         await watch_latest(poller, config.interval, emit, observe)
         return EXIT_OK  # pragma: no cover - watch_latest runs until cancelled
     finally:
+        if reaping is not None:
+            reaping.cancel()
         await poller.aclose()
         if live is not None:
             live.close()
+
+
+class _JobReaper:
+    """Releases job-tied reservations whose job ended (gputop.jobs.reap), in the background,
+    at most every few intervals; only when the file holds such a reservation."""
+
+    def __init__(self, config: Config, store: Any) -> None:
+        self.config, self.store = config, store
+        self.task: asyncio.Task[Any] | None = None
+        self.last = -1e9
+
+    def _due(self) -> bool:
+        try:
+            return any(r.job is not None for r in self.store.read().reservations)
+        except Exception:  # reported by the document itself
+            return False
+
+    async def once(self) -> None:
+        if self._due():
+            from gputop.jobs.reap import check_jobs
+
+            await check_jobs(self.config, self.store)
+
+    def kick(self) -> None:
+        loop = asyncio.get_running_loop()
+        if (self.task is not None and not self.task.done()) or \
+                loop.time() - self.last < max(5.0, 3 * self.config.interval):
+            return
+        self.last = loop.time()
+        self.task = loop.create_task(self.once())
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
 
 
 async def watch_latest(poller: Any, interval: float, emit: Callable[[FleetSnapshot], None],

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from gputop.config import Config, parse_duration
+from gputop.config import Config, HostConfig, parse_duration
 from gputop.history.db import HistoryError
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
@@ -30,6 +30,8 @@ from gputop.reservations import (
 )
 from gputop.reservations.flags import free_gpus, other_users
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
+from gputop.reservations.queue import DEFAULT_LEASE_S, Request, request_of
+from gputop.reservations.store import Job
 from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -202,11 +204,163 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     targets = parse_targets(args.targets)
     _check_hosts(config, targets)
     seconds = _duration(config, args.duration)
+    job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
+    store = Store(config.reservations_path)
+    _reap(config, store)
     targets = _validate_gpus(config, targets)
-    made = reserve_outcomes(Store(config.reservations_path), targets, seconds=seconds,
-                            max_seconds=config.reservation_max_s, note=args.note or "")
+    made = reserve_outcomes(store, targets, seconds=seconds,
+                            max_seconds=config.reservation_max_s, note=args.note or "",
+                            job=job)
     _print_outcomes(made, sys.stdout)
+    if job is not None:
+        print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
+              file=sys.stdout)
     return EXIT_OK
+
+
+def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
+    """``--until-exit PID``: the process must exist now, on the one host reserved on."""
+    from gputop.jobs.remote import JobHostError, alive_on
+
+    hosts = {t.host for t in targets}
+    if len(hosts) != 1:
+        raise Invalid("--until-exit ties the reservation to a process on one host; "
+                      f"these GPUs are on {len(hosts)} hosts")
+    if not 1 <= pid < 2**31:
+        raise Invalid(f"--until-exit {pid}: not a process id")
+    host = _host(config, next(iter(hosts)))
+    try:
+        alive = asyncio.run(alive_on(config, host))
+    except JobHostError as exc:
+        raise Refused(f"cannot check process {pid} on {host.name}: {exc}") from None
+    if not alive.has(pid, False):
+        raise Invalid(f"--until-exit {pid}: no such process on {host.name}")
+    return Job(pid, session=False)
+
+
+def _host(config: Config, name: str) -> HostConfig:
+    return next(h for h in config.hosts if h.name == name)
+
+
+def _reap(config: Config, store: Store) -> None:
+    """Release job-tied reservations whose job has ended (see gputop.jobs.reap)."""
+    if not any(r.job is not None for r in _read_quietly(store)):
+        return
+    from gputop.jobs.reap import check_jobs
+
+    for r in asyncio.run(check_jobs(config, store)):
+        print(f"gputop: released {clean(r.host)}:{r.gpu} of {clean(r.user)}: its job has "
+              "ended", file=sys.stderr)
+
+
+def _read_quietly(store: Store) -> tuple[Reservation, ...]:
+    try:
+        return store.read().reservations
+    except StoreError:
+        return ()
+
+
+def _request(config: Config, args: argparse.Namespace, *, one_host: bool) -> Request:
+    """``--count``, ``--min-free-memory``, ``--host`` / ``--tag`` as a queue request."""
+    if args.count < 1:
+        raise Invalid("--count must be at least 1")
+    min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
+    if args.host and args.tag:
+        raise Invalid("give --host or --tag, not both")
+    hosts: tuple[str, ...] = ()
+    want = ""
+    if args.host:
+        _check_hosts(config, [Target(args.host, 0)])
+        hosts, want = (args.host,), f"--host {args.host}"
+    elif args.tag:
+        hosts = tuple(h.name for h in config.hosts if args.tag in h.tags)
+        if not hosts:
+            tags = sorted({t for h in config.hosts for t in h.tags})
+            raise Invalid(f"no host has the tag {args.tag!r}; tags in "
+                          f"{config.path or 'the config'}: {', '.join(tags) or 'none'}")
+        want = f"--tag {args.tag}"
+    return Request(args.count, min_mib, hosts, one_host, want)
+
+
+def _max_wait(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise Invalid(f"--max-wait {text}: not a duration (use e.g. 30m, 2h)") from None
+
+
+def _wait(config: Config, store: Store, req: Request, args: argparse.Namespace, *,
+          seconds: float, job: Job | None = None) -> tuple[int, list[Reservation]]:
+    """Wait in the queue (Ctrl-C, SIGTERM, SIGHUP leave it at once): (exit code, grant)."""
+    from gputop.cli import run_until_signal
+    from gputop.jobs.reap import check_jobs
+    from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
+
+    got: list[Reservation] = []
+    lease = args.lease if args.lease is not None else DEFAULT_LEASE_S
+    if lease < 1:
+        raise Invalid("--lease must be at least 1 second")
+    max_wait = _max_wait(args.max_wait)
+
+    def say(msg: str) -> None:
+        print(f"gputop: {msg}", file=sys.stderr, flush=True)
+
+    async def main() -> int:
+        last_reap = [0.0]
+        pending: set[asyncio.Task[Any]] = set()
+
+        def reaper() -> None:  # in the background, at most every few intervals
+            loop = asyncio.get_running_loop()
+            if loop.time() - last_reap[0] < max(5.0, 3 * config.interval) or pending:
+                return
+            last_reap[0] = loop.time()
+            t = loop.create_task(check_jobs(config, store))
+            pending.add(t)
+            t.add_done_callback(pending.discard)
+
+        try:
+            got.extend(await wait_for_gpus(
+                config, store, req, seconds=seconds, note=args.note or "", lease_s=lease,
+                max_wait=max_wait, say=say, job=(lambda h: job) if job else None,
+                reaper=reaper))
+        except WaitedTooLong as exc:
+            say(str(exc))
+            return EXIT_REFUSED
+        finally:
+            for t in pending:
+                t.cancel()
+        return EXIT_OK
+
+    code = run_until_signal(main)
+    if code != EXIT_OK or not got:
+        _notify(args, "timeout" if code == EXIT_REFUSED else "interrupted", [])
+        return code or EXIT_REFUSED, []
+    _notify(args, "granted", got)
+    return EXIT_OK, got
+
+
+def _notify(args: argparse.Namespace, result: str, got: Sequence[Reservation]) -> None:
+    """The terminal bell, and ``--notify CMD`` (your own shell command) with the result in
+    its environment: GPUTOP_RESULT, GPUTOP_GPUS (HOST:GPU,...), GPUTOP_UUIDS."""
+    import os
+    import subprocess
+
+    if sys.stderr.isatty():
+        sys.stderr.write("\a")
+        sys.stderr.flush()
+    if not getattr(args, "notify", None):
+        return
+    env = dict(os.environ, GPUTOP_RESULT=result,
+               GPUTOP_GPUS=",".join(f"{r.host}:{r.gpu}" for r in got),
+               GPUTOP_UUIDS=",".join(r.uuid or "" for r in got))
+    try:
+        # Your own command line, as you typed it; the results are only in its environment.
+        subprocess.run(["/bin/sh", "-c", args.notify], env=env, stdin=subprocess.DEVNULL,
+                       timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"gputop: --notify failed: {exc}", file=sys.stderr)
 
 
 def cmd_release(config: Config, args: argparse.Namespace) -> int:
@@ -235,13 +389,20 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
+    _reap(config, Store(config.reservations_path))
     state = Store(config.reservations_path).read()
     now = utcnow()
     active = sorted(state.active(now), key=lambda r: (r.host, r.gpu, r.instance or -1))
+    queue = state.waiting(now)
     if args.json:
         write_document({"version": 1, "time": iso(now),
-                        "reservations": [r.to_dict() for r in active]}, sys.stdout)
+                        "reservations": [r.to_dict() for r in active],
+                        "queue": [w.to_dict() for w in queue]}, sys.stdout)
         return EXIT_OK
+    for i, w in enumerate(queue):
+        print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
+              + (f" ({clean(w.want)})" if w.want else "")
+              + f" since {local_time(w.created)}", file=sys.stderr)
     if not active:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
@@ -256,16 +417,38 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
-    if args.count < 1:
-        raise Invalid("--count must be at least 1")
-    min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
-    hosts = asyncio.run(_poll(config))
+    req = _request(config, args, one_host=False)
     store = Store(config.reservations_path)
+    _reap(config, store)
+    if args.wait:  # --wait queues for a reservation: it implies --reserve
+        seconds = _duration(config, args.duration)
+        code, got = _wait(config, store, req, args, seconds=seconds)
+        if code != EXIT_OK:
+            if args.json:
+                write_document({"version": 1, "reserved": False, "free": []}, sys.stdout)
+            return code
+        _print_outcomes([Outcome("reserved", r) for r in got], sys.stderr)
+        if args.json:
+            write_document({"version": 1, "reserved": True, "free": [
+                {"host": g.host, "gpu": g.gpu, "uuid": g.uuid, "expires": iso(g.expires)}
+                for g in got]}, sys.stdout)
+        else:
+            for g in got:
+                print(f"{g.host}:{g.gpu}")
+        return EXIT_OK
+    hosts = asyncio.run(_poll(config, set(req.hosts) or None))
     me = whoami()[0]
-    found = [f for f in free_gpus(hosts, store.read(), min_mib, user=me)
-             if not (args.whole and f.instance)][: args.count]
+    state = store.read()
+    # The order rule: without --wait you come after every waiter, so you may take only
+    # GPUs that no waiter could use.
+    waiters = [request_of(w) for w in state.waiting()]
+    found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
+             if req.fits(f) and not any(w.fits(f) for w in waiters)
+             and not (args.whole and f.instance)][: args.count]
     if len(found) < args.count:
-        print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted", file=sys.stderr)
+        print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
+              + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
+                 " (--wait to queue for them)"), file=sys.stderr)
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_REFUSED
@@ -315,8 +498,64 @@ def cmd_report(config: Config, args: argparse.Namespace) -> int:
     return report(config, args)
 
 
+def cmd_run(config: Config, args: argparse.Namespace) -> int:
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
+    req = _request(config, args, one_host=True)
+    seconds = (_duration(config, args.duration) if args.duration
+               else config.reservation_max_s)
+    store = Store(config.reservations_path)
+    _reap(config, store)
+    pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
+    got: list[Reservation] = []
+    if args.wait:
+        code, got = _wait(config, store, req, args, seconds=seconds, job=pending)
+        if code != EXIT_OK:
+            return code
+    else:
+        from gputop.reservations.queue import reserve_now
+
+        hosts = asyncio.run(_poll(config, set(req.hosts) or None))
+        made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
+                           job=lambda h: pending)
+        if made is None:
+            waiting = len(store.read().waiting())
+            print(f"gputop: not {req.count} free GPU(s) on one host"
+                  + (f" that none of the {waiting} waiting could use" if waiting else "")
+                  + "; --wait to queue for them", file=sys.stderr)
+            return EXIT_REFUSED
+        got = made
+    from gputop.jobs.run import run_on
+
+    host = _host(config, got[0].host)
+    print(f"gputop: running on {', '.join(f'{clean(r.host)}:{r.gpu}' for r in got)}",
+          file=sys.stderr, flush=True)
+
+    def say(msg: str) -> None:
+        print(f"gputop: {msg}", file=sys.stderr, flush=True)
+
+    return asyncio.run(run_on(config, host, store, got, argv, say))
+
+
+
+
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
-            "free": cmd_free, "record": cmd_record, "report": cmd_report}
+            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report}
+
+
+def _queue_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
+    p.add_argument("--min-free-memory", metavar="SIZE", help="e.g. 20G")
+    p.add_argument("--host", metavar="HOST", help="only this host")
+    p.add_argument("--tag", metavar="TAG", help="only hosts with this tag")
+    p.add_argument("--max-wait", metavar="DURATION", help="with --wait: give up after this")
+    p.add_argument("--notify", metavar="CMD",
+                   help="with --wait: run this shell command when the wait ends "
+                   "(GPUTOP_RESULT, GPUTOP_GPUS, GPUTOP_UUIDS in its environment)")
+    p.add_argument("--lease", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
 
 
 def add_subcommands(parser: argparse.ArgumentParser,
@@ -332,6 +571,8 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="how long, e.g. 90m, 2h, 1d (default from the config: 4h)")
     p.add_argument("--note", help="what it is for (shown to the team)")
+    p.add_argument("--until-exit", type=int, metavar="PID",
+                   help="release it once process PID (on that host) has ended")
     p = sub.add_parser("release", parents=parents, help="release GPUs you reserved")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")
@@ -341,13 +582,25 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("free", parents=parents,
                        help="list idle, unreserved GPUs (and MIG instances), best first")
-    p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
-    p.add_argument("--min-free-memory", metavar="SIZE", help="e.g. 20G")
+    _queue_options(p)
     p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
+    p.add_argument("--wait", action="store_true",
+                   help="not enough free: wait your turn in the team's queue, then reserve "
+                   "(implies --reserve)")
     p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
     p.add_argument("--note", help="with --reserve")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p = sub.add_parser("run", parents=parents,
+                       help="reserve GPUs on one host, run CMD there on them, release them")
+    _queue_options(p)
+    p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
+    p.add_argument("--for", dest="duration", metavar="DURATION",
+                   help="longest the reservation lasts (default: max_duration); it is "
+                   "released when the job ends")
+    p.add_argument("--note", help="what it is for (shown to the team)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                   help="the command and its arguments")
     p = sub.add_parser("record", parents=parents,
                        help="record every host's GPUs, owners and reservations "
                        "into the history database (runs until stopped)")

@@ -68,7 +68,9 @@ def user_home(fleet: Fleet, root: Path, user: str) -> Path:
 _PRELOAD = ["gputop.cli", "gputop.commands", "gputop.poller", "gputop.output",
             "gputop.reservations.flags", "gputop.sources.ssh", "gputop.sources.nvml",
             "gputop.sources.nvidia_smi", "asyncssh", "concurrent.futures.thread",
-            "encodings.idna", "queue"]
+            "encodings.idna", "queue", "gputop.jobs.run", "gputop.jobs.reap",
+            "gputop.jobs.wait", "gputop.jobs.remote", "gputop.reservations.queue", "termios",
+            "tty", "shlex", "subprocess"]
 
 
 def preload() -> None:
@@ -91,6 +93,62 @@ def need_test_users() -> None:
 
     if os.geteuid() != 0 or set(ensure_test_users()) != {"gtalice", "gtbob"}:
         pytest.skip("needs root and the test users gtalice/gtbob")
+
+
+def start_as(user: str, argv: Sequence[str], env: Mapping[str, str], out_dir: Path,
+             tag: str | None = None) -> tuple[int, Path, Path]:
+    """Fork ``gputop ARGV`` as ``user`` in the background: (pid, stdout file, stderr file)."""
+    preload()
+    pw = pwd.getpwnam(user)
+    tag = tag or user
+    out, err = out_dir / f".out.{tag}", out_dir / f".err.{tag}"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 70
+        try:
+            os.setpgid(0, 0)  # its own group: a test can signal it alone
+            for fd, path in ((1, out), (2, err)):
+                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(f, fd)
+                os.close(f)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            os.environ.clear()
+            os.environ.update(env)
+            time.tzset()
+            from gputop.cli import main
+
+            code = main(list(argv))
+        except BaseException as exc:  # reported through stderr and exit 70
+            import traceback
+
+            traceback.print_exception(exc)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid, out, err
+
+
+def wait_as(pid: int, timeout: float = 60.0) -> int:
+    """The exit code of a process from ``start_as`` (SIGKILLed after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise TimeoutError(f"process {pid}")
+        time.sleep(0.02)
 
 
 def run_as(user: str, argv: Sequence[str], env: Mapping[str, str], out_dir: Path,

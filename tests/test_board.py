@@ -744,6 +744,34 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         assert chosen(app) is not None and chosen(app)[:2] == ("alpha", 0)  # type: ignore[index]
 
 
+async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
+    """`Q` lists the shared file's queue: position, who, for what, since when; markup in
+    what a waiter typed stays inert text."""
+    from gputop.reservations.store import Waiter
+
+    def w(i: int, user: str, count: int, want: str = "") -> Waiter:
+        t = NOW - timedelta(minutes=10 - i)
+        return Waiter(id=f"w{i}", user=user, machine="m", count=count, created=t,
+                      lease=NOW + timedelta(hours=1), want=want)
+
+    Store(tmp_path / "reservations.json").update(lambda s, now: replace(s, queue=(
+        w(0, "bob", 2, "--tag a100"), w(1, "erin", 1, "[bold red]x[/]"), w(2, "ann", 4))))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await load(app, pilot)
+        await pilot.press("Q")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "QueueScreen"
+        text = app.screen.query_one("#queue-text").render()
+        plain = text.plain if isinstance(text, Text) else str(text)
+        lines = plain.splitlines()
+        assert lines[0].split() == ["1.", "bob", "2", "GPUs", "(--tag", "a100)", "waiting",
+                                    "10m"]
+        assert lines[2].split()[:3] == ["3.", "ann", "4"]
+        assert lines[1].split()[:5] == ["2.", "erin", "1", "GPU", "([bold"]
+        await pilot.press("escape")
+        await pilot.pause()
+        assert type(app.screen).__name__ == "Screen"
 async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) -> None:
     """With a history database ([history] path), the details add the GPU's (or the
     host's) recorded last hour and day, looked up off the UI thread."""

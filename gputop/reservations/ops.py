@@ -16,6 +16,7 @@ from typing import Literal
 from gputop.model import iso
 from gputop.reservations.store import (
     MAX_NOTE,
+    Job,
     Reservation,
     Store,
     StoreState,
@@ -115,10 +116,10 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
 
 def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                      max_seconds: float, note: str = "", user: str | None = None,
-                     machine: str | None = None) -> list[Outcome]:
+                     machine: str | None = None, job: Job | None = None) -> list[Outcome]:
     """Reserve every target or none. Your own reservations are extended (note replaced if
     given) or kept when they already last longer; anyone else's unexpired one refuses the
-    whole request."""
+    whole request. ``job`` ties every one of them to that job (``--until-exit``)."""
     if seconds <= 0 or seconds > max_seconds:
         raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
     check_note(note)
@@ -151,7 +152,7 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                 if keep[at] is not own:  # two targets on one reservation: said once
                     continue
                 new = replace(own, expires=max(own.expires, until), note=note or own.note,
-                              uuid=t.uuid or own.uuid)
+                              uuid=t.uuid or own.uuid, job=job or own.job)
                 keep[at] = new
                 made.append(Outcome("extended" if until > own.expires else "kept", new, own))
             else:
@@ -161,6 +162,7 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                     new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
                                           note, t.instance)
                 ids.add(new.id)
+                new = replace(new, job=job)
                 keep.append(new)
                 made.append(Outcome("reserved", new))
         return replace(state, reservations=tuple(keep))

@@ -28,7 +28,13 @@ from typing import Any
 from gputop.model import iso, utcnow
 from gputop.text import clean
 
-FILE_VERSION = 1
+#: Version 2 adds the wait queue and job-tied reservations. Rule: gputop reads versions 1
+#: and 2; it writes version 1 whenever the file uses neither (so an older gputop on the
+#: team keeps working until someone queues or runs a job), version 2 otherwise (an older
+#: gputop then refuses the file with "upgrade gputop" and leaves it untouched).
+FILE_VERSION = 2
+READ_VERSIONS = (1, 2)
+MAX_WAITERS = 1_000
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
@@ -100,6 +106,46 @@ def parse_time(value: Any, where: str) -> datetime:
     return t
 
 
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: expected an integer, not {_jtype(value)}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{where}: out of range ({lo}-{hi})")
+    return value
+
+
+MAX_PID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """The work a reservation belongs to, on the reservation's host: ``pid`` (``None`` while
+    ``gputop run`` is still starting it), whether it names a whole session (``run``: every
+    process of the remote session) or one process (``reserve --until-exit``), and since when
+    a checker has seen it gone (the release waits a grace period after that)."""
+
+    pid: int | None
+    session: bool = False
+    gone_since: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "session": self.session,
+                "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> Job:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
+        if set(d) != {"pid", "session", "gone_since"}:
+            raise ValueError(f"{where}: expected the fields gone_since, pid, session")
+        pid = None if d["pid"] is None else _int(d["pid"], f"{where}.pid", 1, MAX_PID)
+        if not isinstance(d["session"], bool):
+            raise ValueError(f"{where}.session: expected a boolean, not {_jtype(d['session'])}")
+        gone = d["gone_since"]
+        return cls(pid, d["session"],
+                   None if gone is None else parse_time(gone, f"{where}.gone_since"))
+
+
 @dataclass(frozen=True)
 class Reservation:
     id: str
@@ -111,6 +157,8 @@ class Reservation:
     expires: datetime
     uuid: str | None = None
     note: str = ""
+    #: Set for a reservation that ends with its job (``run``, ``reserve --until-exit``).
+    job: Job | None = None
     #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
     #: GPU, which covers all of its instances.
     instance: int | None = None
@@ -132,6 +180,10 @@ class Reservation:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["created"], d["expires"] = iso(self.created), iso(self.expires)
+        if self.job is None:
+            del d["job"]  # a version-1 record stays exactly what version 1 wrote
+        else:
+            d["job"] = self.job.to_dict()
         if self.instance is None:  # files without instances stay readable by older gputops
             del d["instance"]
         return d
@@ -141,7 +193,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note", "instance"}
+                          "note", "job", "instance"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -163,7 +215,58 @@ class Reservation:
                    expires=parse_time(d.get("expires"), f"{where}.expires"),
                    uuid=None if uuid is None else _text(uuid, f"{where}.uuid"),
                    note=_text(d.get("note", ""), f"{where}.note", limit=MAX_NOTE, empty=True,
-                              name=False))
+                              name=False),
+                   job=None if d.get("job") is None else Job.from_dict(d["job"], f"{where}.job"))
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One place in the wait queue: who waits for what, since when, and until when their
+    lease holds (a waiter renews it while it runs; a dead one drops out when it ends)."""
+
+    id: str
+    user: str
+    machine: str
+    count: int
+    created: datetime
+    lease: datetime
+    min_free_mib: int = 0
+    #: The hosts it accepts (from ``--host``/``--tag``); empty: any host.
+    hosts: tuple[str, ...] = ()
+    #: What it asked for, as typed (``--tag a100``), for people.
+    want: str = ""
+    #: All GPUs on one host (``gputop run``: one job runs on one host).
+    one_host: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
+                "created": iso(self.created), "lease": iso(self.lease),
+                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
+                "one_host": self.one_host}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> Waiter:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
+        keys = {"id", "user", "machine", "count", "created", "lease", "min_free_mib", "hosts",
+                "want", "one_host"}
+        if set(d) != keys:
+            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))}")
+        hosts = d["hosts"]
+        if not isinstance(d["one_host"], bool):
+            raise ValueError(f"{where}.one_host: expected a boolean")
+        if not isinstance(hosts, list) or len(hosts) > 1000:
+            raise ValueError(f"{where}.hosts: expected an array of at most 1000 host names")
+        return cls(id=_text(d["id"], f"{where}.id"), user=_text(d["user"], f"{where}.user"),
+                   machine=_text(d["machine"], f"{where}.machine", empty=True),
+                   count=_int(d["count"], f"{where}.count", 1, MAX_GPU_INDEX),
+                   created=parse_time(d["created"], f"{where}.created"),
+                   lease=parse_time(d["lease"], f"{where}.lease"),
+                   min_free_mib=_int(d["min_free_mib"], f"{where}.min_free_mib", 0, 2**40),
+                   hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
+                   want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True,
+                              name=False),
+                   one_host=d["one_host"])
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
@@ -188,6 +291,8 @@ class StoreState:
     reservations: tuple[Reservation, ...] = ()
     #: Audit trail of forced releases (bounded): who released whose reservation, when.
     events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    #: The wait queue, first come first served (version 2).
+    queue: tuple[Waiter, ...] = ()
 
     def active(self, now: datetime | None = None) -> list[Reservation]:
         now = now or utcnow()
@@ -204,10 +309,18 @@ class StoreState:
         """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
         return [r for r in self.active(now) if r.covers(host, gpu, instance)]
 
+    def waiting(self, now: datetime | None = None) -> list[Waiter]:
+        now = now or utcnow()
+        return [w for w in self.queue if w.lease > now]
+
     def to_json(self) -> str:
-        doc = {"version": FILE_VERSION,
-               "reservations": [r.to_dict() for r in self.reservations],
-               "events": list(self.events)}
+        new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
+               or any("job" in e["reservation"] for e in self.events))
+        doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
+                               "reservations": [r.to_dict() for r in self.reservations],
+                               "events": list(self.events)}
+        if new:
+            doc["queue"] = [w.to_dict() for w in self.queue]
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
 
@@ -267,31 +380,47 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
     if not isinstance(doc, dict):
         raise _untouched(path, f"expected a JSON object, not {_jtype(doc)}")
     version = doc.get("version")
-    if type(version) is not int or version != FILE_VERSION:
+    if type(version) is not int or version not in READ_VERSIONS:
         raise StoreError(f"{path}: unknown version {repr(version)[:40]} (this gputop reads "
-                         f"version {FILE_VERSION}); the file was left untouched: upgrade gputop?")
-    extra = set(doc) - {"version", "reservations", "events"}
+                         f"versions 1-{FILE_VERSION}); the file was left untouched: upgrade "
+                         "gputop?")
+    extra = set(doc) - {"version", "reservations", "events"} - (
+        {"queue"} if version >= 2 else set())
     if extra:  # writing back would drop it: refuse instead of losing it
         raise _untouched(path, f"unknown top-level field {sorted(extra)[0][:40]!r}")
     items = doc.get("reservations")
     events = doc.get("events", [])
-    if not isinstance(items, list) or not isinstance(events, list):
-        raise _untouched(path, "'reservations' and 'events' must be arrays")
+    queue = doc.get("queue", [])
+    if not isinstance(items, list) or not isinstance(events, list) or not isinstance(queue,
+                                                                                     list):
+        raise _untouched(path, "'reservations', 'events' and 'queue' must be arrays")
+    if len(queue) > MAX_WAITERS:
+        raise _untouched(path, f"{len(queue)} waiters, more than the {MAX_WAITERS} allowed")
     if len(items) > MAX_RESERVATIONS:
         raise _untouched(path, f"{len(items)} reservations, more than the {MAX_RESERVATIONS} "
                          "allowed")
     try:
         rs = tuple(Reservation.from_dict(d, f"reservations[{i}]") for i, d in enumerate(items))
+        if version < 2 and (any(r.job is not None for r in rs) or any(
+                isinstance(e, dict) and isinstance(e.get("reservation"), dict)
+                and "job" in e["reservation"] for e in events)):
+            raise ValueError("reservations: 'job' needs version 2")
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
+        ws = tuple(Waiter.from_dict(w, f"queue[{i}]") for i, w in enumerate(queue))
+        if len({w.id for w in ws}) != len(ws):
+            raise ValueError("queue: duplicate waiter id")
     except ValueError as exc:
         raise _untouched(path, f"invalid record {exc}") from None
-    return StoreState(rs, evs)
+    return StoreState(rs, evs, ws)
 
 
 def encode(state: StoreState, path: Path) -> bytes:
     """The file's bytes, refused (StoreError) if gputop would refuse to read them back."""
     n = len(state.reservations)
+    if len(state.queue) > MAX_WAITERS:
+        raise StoreError(f"{path}: refusing to write {len(state.queue)} waiters, more than "
+                         f"the {MAX_WAITERS} a reader accepts; nothing was changed")
     if n > MAX_RESERVATIONS:
         raise StoreError(f"{path}: refusing to write {n} reservations, more than the "
                          f"{MAX_RESERVATIONS} a reader accepts; nothing was changed")
@@ -358,7 +487,8 @@ class Store:
             now = utcnow()
             new = change(state, now)
             new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
-                          events=new.events[-MAX_EVENTS:])
+                          events=new.events[-MAX_EVENTS:],
+                          queue=tuple(w for w in new.queue if w.lease > now))
             if new != state:
                 self._write(encode(new, self.path))
             return new

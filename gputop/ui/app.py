@@ -21,6 +21,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.widgets import Footer, Input
+from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
@@ -89,6 +90,7 @@ class GputopApp(App[int]):
         Binding("s", "sort", "Sort"),
         Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
         Binding("w", "users", "Who"),  # `?` lists every key
+        Binding("Q", "queue", "Queue", show=False),
         Binding("h", "history", "History", show=False),
         Binding("c", "reconnect", "Reconnect"),
         Binding("enter", "details", "Details", show=False),
@@ -125,6 +127,8 @@ class GputopApp(App[int]):
                                 idle_grace_s=config.idle_grace_s, clock=clock, me=self.me)
         self.store = Store(config.reservations_path, warn=self._warn)
         self._store_sig: tuple[int, int, int] | None = None
+        self._state: StoreState | None = None
+        self._waiting: Worker[None] | None = None
         self._store_problem: str | None = None
         self._store_reading = False
         self._dirty = True
@@ -314,6 +318,7 @@ class GputopApp(App[int]):
             return
         if self._store_problem is not None:
             self._store_problem = None
+        self._state = result
         self.model.set_state(result)
         self._dirty = True
 
@@ -339,6 +344,9 @@ class GputopApp(App[int]):
             note += ": nothing matches"
         if self.model.sort_mode != "host":
             note = (note + f"  sort: {self.model.sort_mode}").strip()
+        waiting = len(self._state.waiting(now)) if self._state is not None else 0
+        if waiting:
+            note = (note + f"  queue: {waiting} waiting (Q)").strip()
         self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem)
         detail = self.query_one(DetailPane)
         if detail.display:
@@ -416,6 +424,39 @@ class GputopApp(App[int]):
     def action_users(self) -> None:
         self.push_screen(UsersScreen(self.model.users()))
 
+    def action_queue(self) -> None:
+        from gputop.ui.screens import QueueScreen
+
+        waiting = self._state.waiting(self.clock()) if self._state is not None else []
+        self.push_screen(QueueScreen(waiting, self.clock(), self.me), self._join_queue)
+
+    def _join_queue(self, count: int | None) -> None:
+        if count is None:
+            return
+        if self._waiting is not None and not self._waiting.is_finished:
+            self.notify("you are already waiting in the queue", severity="warning")
+            return
+        self._waiting = self._wait(count)
+
+    @work(group="queue", exclusive=True)
+    async def _wait(self, count: int) -> None:
+        """Wait in the queue like ``free --wait``; quitting the board leaves the queue."""
+        from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
+        from gputop.reservations.queue import DEFAULT_LEASE_S, Request
+
+        def say(msg: str) -> None:
+            self.notify(msg, title="queue", markup=False, timeout=6)
+            self._store_sig = None
+
+        try:
+            got = await wait_for_gpus(self.config, self.store, Request(count), note="",
+                                      seconds=self.config.reservation_default_s,
+                                      lease_s=DEFAULT_LEASE_S, max_wait=None, say=say)
+        except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
+            self.notify(str(exc), severity="error", markup=False, timeout=6)
+            return
+        self.bell()
+        self._store_changed("granted: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in got))
     def action_history(self) -> None:
         from gputop.ui.history_screen import FleetHistoryScreen
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -13,6 +14,8 @@ from textual.widgets import Button, Input, Label, Static
 
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.reservations.store import Waiter
+from gputop.text import clean
 from gputop.ui.board_model import UserLoad
 from gputop.ui.cells import gib
 
@@ -82,6 +85,7 @@ KEYS = (  # (key, what): every binding of the board, two to a line in the help
     ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
     ("t", "next theme"), ("h", "recorded history"),
     ("?", "this help"), ("q ctrl+c", "quit"),
+    ("Q", "the queue; join it"),
 )
 
 
@@ -185,6 +189,51 @@ class HelpScreen(ModalScreen[None]):
 
     def on_button_pressed(self) -> None:
         self.dismiss(None)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+def queue_text(waiters: list[Waiter], now: datetime, me: str) -> Text:
+    """Who waits for what, since when, in order; hostile names are inert (plain Text)."""
+    t = Text()
+    if not waiters:
+        t.append("Nobody is waiting.\n", style="dim")
+    for i, w in enumerate(waiters):
+        since = format_duration((now - w.created).total_seconds())
+        what = f"{w.count} GPU{'s' if w.count != 1 else ''}"
+        if w.min_free_mib:
+            what += f", {w.min_free_mib / 1024:g}G free"
+        if w.want:
+            what += f" ({clean(w.want)})"
+        line = f"{i + 1:>3}. {clean(w.user):<12} {what}  waiting {since}\n"
+        t.append(line, style="bold" if w.user == me else "")
+    return t
+
+
+class QueueScreen(ModalScreen[int | None]):
+    """The team's wait queue; enter a number of GPUs to join it (any host)."""
+
+    BINDINGS = [Binding("escape,Q", "close", "Close")]
+
+    def __init__(self, waiters: list[Waiter], now: datetime, me: str) -> None:
+        super().__init__()
+        self.text = queue_text(waiters, now, me)
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="users-dialog"):
+            yield Static(Text("Waiting for GPUs, first come first served", style="bold"),
+                         id="queue-title")
+            yield Static(self.text, id="queue-text")
+            yield Label("Join: how many GPUs (any host)? enter to join, esc to close")
+            yield Input(value="1", id="queue-count")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        value = event.value.strip()
+        if not value.isdigit() or not 1 <= int(value) <= 64:
+            self.notify("a number of GPUs, 1-64", severity="error")
+            return
+        self.dismiss(int(value))
 
     def action_close(self) -> None:
         self.dismiss(None)

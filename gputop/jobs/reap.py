@@ -1,0 +1,106 @@
+"""Releasing reservations whose job has ended, by whichever gputop looks.
+
+A job-tied reservation (``gputop run``, ``reserve --until-exit PID``) records its job: a
+session id (``run``: the remote shell that execs the command leads its own session, so
+every process the job starts is in it) or one pid. **Who releases it:** ``run`` itself when
+the job ends; otherwise any gputop that reads the file and checks the job's host — waiters
+in the queue (every refresh), ``gputop run``, ``free``, ``reserve``, ``reservations`` and
+``--json`` — so it is released even if ``run`` was SIGKILLed and nobody has the board open,
+as soon as anyone on the team uses gputop. **Rule:** the first checker that finds no
+process of the job on its host records ``gone_since``; any checker at least
+``[reservations] job_grace`` later that still finds it gone releases it and records a
+``job-ended`` event. A job seen again clears ``gone_since``. A host that cannot be asked
+changes nothing. A reservation whose job never got a pid (``run`` killed while starting it)
+counts as gone once ``job_grace`` has passed since it was made. Every job-tied reservation
+still expires at its ``--for`` end at the latest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import datetime
+
+from gputop.config import Config
+from gputop.jobs.remote import Alive, JobHostError, alive_on
+from gputop.model import iso
+from gputop.reservations.ops import whoami
+from gputop.reservations.store import Reservation, Store, StoreError, StoreState
+
+
+def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float) -> bool:
+    assert r.job is not None
+    if r.job.pid is None:
+        return (now - r.created).total_seconds() >= grace_s
+    return not alive.has(r.job.pid, r.job.session)
+
+
+async def check_jobs(config: Config, store: Store) -> list[Reservation]:
+    """Check the hosts of job-tied reservations once; returns the ones released."""
+    try:
+        state = store.read()
+    except StoreError:
+        return []
+    jobs = [r for r in state.active() if r.job is not None]
+    if not jobs:
+        return []
+    hosts = {h.name: h for h in config.hosts}
+    names = sorted({r.host for r in jobs if r.host in hosts})
+
+    async def ask(name: str) -> Alive | None:
+        try:
+            return await alive_on(config, hosts[name])
+        except JobHostError:
+            return None
+
+    answers = dict(zip(names, await asyncio.gather(*(ask(n) for n in names))))
+    return await asyncio.to_thread(apply_checks, store, answers, config.job_grace_s)
+
+
+def apply_checks(store: Store, answers: dict[str, Alive | None],
+                 grace_s: float) -> list[Reservation]:
+    """Record what the hosts said, under the lock, against the file as it is now."""
+    released: list[Reservation] = []
+    me, here = whoami()
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        released.clear()
+        keep: list[Reservation] = []
+        events = list(state.events)
+        for r in state.reservations:
+            alive = answers.get(r.host)
+            if r.job is None or alive is None or not r.active(now):
+                keep.append(r)
+                continue
+            if not job_gone(r, alive, now, grace_s):
+                keep.append(replace(r, job=replace(r.job, gone_since=None))
+                            if r.job.gone_since else r)
+            elif r.job.gone_since is None and r.job.pid is not None:
+                keep.append(replace(r, job=replace(r.job, gone_since=now)))
+            elif r.job.pid is None or (now - (r.job.gone_since or now)).total_seconds() \
+                    >= grace_s:
+                released.append(r)
+                events.append({"time": iso(now), "action": "job-ended", "by": me,
+                               "machine": here, "reservation": r.to_dict()})
+            else:
+                keep.append(r)
+        return replace(state, reservations=tuple(keep), events=tuple(events))
+
+    try:
+        store.update(change)
+    except StoreError:
+        return []
+    return list(released)
+
+
+def release_ids(store: Store, ids: set[str]) -> list[Reservation]:
+    """``run``'s own release when its job ended: exactly its reservations, by id."""
+    gone: list[Reservation] = []
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        gone[:] = [r for r in state.reservations if r.id in ids]
+        return replace(state, reservations=tuple(r for r in state.reservations
+                                                 if r.id not in ids))
+
+    store.update(change)
+    return gone

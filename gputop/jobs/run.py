@@ -1,0 +1,295 @@
+"""``gputop run``: reserve GPUs on one host, run a command there on them, give them back.
+
+The command runs over SSH (a local host: here) as ``sh -c`` of a fixed script: it prints a
+marker with its own pid, sets ``CUDA_VISIBLE_DEVICES`` to the reserved GPUs' UUIDs and
+``exec``s CMD with every argument passed through ``shlex.quote`` (never interpolated). sshd
+starts each session in a new session (setsid), so that pid is the job's session id: every
+process the job starts is found by it, by ``run`` and by any gputop checking the job later
+(see ``gputop.jobs.reap``). A pty when stdin is a terminal, plain pipes otherwise.
+
+**Connection-drop rule.** If the SSH connection drops while the job runs, ``run`` says so
+(host, pid) and keeps the reservation: the job may still be running there. It is released
+by the first gputop that finds the job's session gone for ``job_grace`` (or at its expiry).
+``run`` killed by SIGKILL is the same case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+import asyncssh
+
+from gputop.config import Config, HostConfig
+from gputop.jobs.reap import check_jobs, release_ids
+from gputop.jobs.remote import connect
+from gputop.reservations.store import Job, Reservation, Store, StoreState
+from gputop.text import clean
+
+MARKER = b"gputop-job-pid "
+#: Output before the marker (shell startup files) is skipped, up to this much.
+MAX_PREAMBLE = 64 * 1024
+EXIT_SSH = 255
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def remote_command(argv: Sequence[str], devices: str) -> str:
+    """The script sent to the remote shell: nothing but quoted words."""
+    if not argv:
+        raise ValueError("no command given")
+    script = ("printf 'gputop-job-pid %s\\n' \"$$\"; "
+              f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
+              "exec " + " ".join(shlex.quote(a) for a in argv))
+    # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
+    return "exec /bin/sh -c " + shlex.quote(script)
+
+
+def devices_of(rs: Sequence[Reservation]) -> str:
+    """UUIDs, so indices cannot drift; an index where a host gave no UUID."""
+    return ",".join(r.uuid or str(r.gpu) for r in sorted(rs, key=lambda r: r.gpu))
+
+
+def exit_code(status: int | None, sig: str | None) -> int:
+    if sig:
+        try:
+            return 128 + signal.Signals["SIG" + sig.removeprefix("SIG")].value
+        except KeyError:
+            return EXIT_SSH
+    return EXIT_SSH if status is None else status
+
+
+def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool) -> None:
+    ids = {r.id for r in rs}
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        return replace(state, reservations=tuple(
+            replace(r, job=Job(pid, session)) if r.id in ids else r
+            for r in state.reservations))
+
+    store.update(change)
+
+
+@dataclass
+class JobResult:
+    code: int
+    #: True: the job is known to have ended (release now); False: it may still run.
+    ended: bool
+
+
+async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Reservation],
+                 argv: Sequence[str], say: Callable[[str], None]) -> int:
+    """Run the job, then release its reservations if it is known to have ended."""
+    devices = devices_of(rs)
+    if host.local:
+        result = await _run_local(store, rs, argv, devices)
+    else:
+        result = await _run_remote(config, host, store, rs, argv, devices, say)
+    if result.ended:
+        gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
+        if gone:
+            say("released " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in gone))
+    return result.code
+
+
+async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
+                     devices: str) -> JobResult:
+    tty = sys.stdin.isatty()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, env=env,
+                                                    start_new_session=not tty)
+    except OSError as exc:
+        print(f"gputop: cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
+        return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True)
+    await asyncio.to_thread(record_pid, store, rs, proc.pid, not tty)
+    loop = asyncio.get_running_loop()
+
+    def forward(sig: int) -> None:
+        if sig == signal.SIGINT and tty:
+            return  # the terminal sent it to the job's process group already
+        with contextlib.suppress(ProcessLookupError):
+            if tty:
+                os.kill(proc.pid, sig)
+            else:
+                os.killpg(proc.pid, sig)
+
+    for s in FORWARDED:
+        loop.add_signal_handler(s, forward, s)
+    try:
+        rc = await proc.wait()
+    finally:
+        for s in FORWARDED:
+            loop.remove_signal_handler(s)
+    return JobResult(128 - rc if rc < 0 else rc, True)
+
+
+async def _run_remote(config: Config, host: HostConfig, store: Store,
+                      rs: Sequence[Reservation], argv: Sequence[str], devices: str,
+                      say: Callable[[str], None]) -> JobResult:
+    try:
+        conn, jumps = await connect(config, host)
+    except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
+        say(f"cannot connect to {host.name}: {clean(str(exc)) or type(exc).__name__}")
+        return JobResult(EXIT_SSH, True)  # nothing was started
+    tty = sys.stdin.isatty()
+    pid: list[int] = []
+    try:
+        kw: dict[str, object] = {}
+        if tty:
+            size = os.get_terminal_size(0)
+            kw = {"term_type": os.environ.get("TERM", "xterm"),
+                  "term_size": (size.columns, size.lines)}
+        proc = await conn.create_process(remote_command(argv, devices), encoding=None,
+                                         **kw)
+        loop = asyncio.get_running_loop()
+        signalling: set[asyncio.Task[None]] = set()
+
+        def forward(sig: int) -> None:
+            if sig == signal.SIGINT and tty:
+                proc.stdin.write(b"\x03")  # what the key does on a terminal
+                return
+            if pid:
+                t = loop.create_task(_signal_remote(conn, pid[0], sig))
+                signalling.add(t)
+                t.add_done_callback(signalling.discard)
+
+        for s in FORWARDED:
+            loop.add_signal_handler(s, forward, s)
+        raw = _raw_terminal() if tty else contextlib.nullcontext()
+        try:
+            with raw:
+                pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid)),
+                         asyncio.create_task(_pump_plain(proc.stderr, 2))]
+                feeder = _feed_stdin(loop, proc)
+                try:
+                    await proc.wait_closed()
+                    await asyncio.gather(*pumps, return_exceptions=True)
+                finally:
+                    feeder()
+        finally:
+            for s in FORWARDED:
+                loop.remove_signal_handler(s)
+        status, sig = proc.exit_status, proc.exit_signal
+        if status is None and sig is None:
+            what = f"the job (pid {pid[0]})" if pid else "the job"
+            say(f"the SSH connection to {host.name} was lost; {what} may still be running "
+                f"there. Its reservation is kept until a gputop sees the job gone for "
+                f"{config.job_grace_s:g}s (or it expires)")
+            return JobResult(EXIT_SSH, False)
+        return JobResult(exit_code(status, sig[0] if sig else None), True)
+    except (OSError, asyncssh.Error) as exc:
+        say(f"the SSH connection to {host.name} failed: {clean(str(exc))}; the job "
+            + (f"(pid {pid[0]}) may still be running; its reservation is kept until a "
+               "gputop sees it gone" if pid else "was not started"))
+        return JobResult(EXIT_SSH, not pid)
+    finally:
+        conn.close()
+        with contextlib.suppress(Exception):
+            await jumps.close()
+
+
+async def _signal_remote(conn: asyncssh.SSHClientConnection, pid: int, sig: int) -> None:
+    """Signal every process of the job's session (its pid is the session id)."""
+    name = signal.Signals(sig).name.removeprefix("SIG")
+    cmd = (f"pkill -{name} -s {pid} 2>/dev/null || kill -{name} -- -{pid} 2>/dev/null || "
+           f"kill -{name} {pid}")
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(conn.run(cmd), 10)
+
+
+async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
+                    rs: Sequence[Reservation], pid: list[int]) -> None:
+    """Find the marker line (the job's pid), record it, then copy the rest."""
+    buf = b""
+    while not pid:
+        chunk = await stream.read(65536)
+        if not chunk:
+            return
+        buf += chunk
+        at = buf.find(MARKER)
+        end = buf.find(b"\n", at) if at >= 0 else -1
+        if end >= 0:
+            value = buf[at + len(MARKER):end].strip()
+            if value.isdigit() and len(value) < 11:
+                pid.append(int(value))
+                await asyncio.to_thread(record_pid, store, rs, pid[0], True)
+            buf = buf[end + 1:]
+            break
+        if len(buf) > MAX_PREAMBLE:
+            buf = buf[-len(MARKER):]
+    if buf:
+        _write(fd, buf)
+    await _pump_plain(stream, fd)
+
+
+async def _pump_plain(stream: asyncssh.SSHReader[bytes], fd: int) -> None:
+    while chunk := await stream.read(65536):
+        _write(fd, chunk)
+
+
+def _write(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # our terminal may be gone (SIGHUP): keep going
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def _feed_stdin(loop: asyncio.AbstractEventLoop,
+                proc: asyncssh.SSHClientProcess[bytes]) -> Callable[[], None]:
+    """Copy our stdin to the job; returns the function that stops it."""
+    fd = 0
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        try:
+            if data:
+                proc.stdin.write(data)
+            else:
+                loop.remove_reader(fd)
+                proc.stdin.write_eof()
+        except (OSError, asyncssh.Error, BrokenPipeError):
+            loop.remove_reader(fd)
+
+    try:
+        loop.add_reader(fd, readable)
+    except (OSError, ValueError, PermissionError):
+        # A regular file (or /dev/null) cannot be polled: it never blocks, send it whole.
+        with contextlib.suppress(OSError, asyncssh.Error):
+            while data := os.read(fd, 65536):
+                proc.stdin.write(data)
+            proc.stdin.write_eof()
+        return lambda: None
+
+    def stop() -> None:
+        with contextlib.suppress(Exception):
+            loop.remove_reader(fd)
+
+    return stop
+
+
+@contextlib.contextmanager
+def _raw_terminal() -> Iterator[None]:
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(0)
+    tty.setraw(0)
+    try:
+        yield None
+    finally:
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+
+
+async def reap_quietly(config: Config, store: Store) -> None:
+    with contextlib.suppress(Exception):
+        await check_jobs(config, store)

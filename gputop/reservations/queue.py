@@ -1,0 +1,223 @@
+"""The fleet-wide wait queue: first come, first served, kept in the reservations file.
+
+Waiters live in the same file as the reservations, under the same lock and the same atomic
+write, so a grant is one write: the waiter leaves the queue and all of its GPUs become its
+reservations together (never some of them). Each waiter holds a lease it renews while it
+runs; a waiter that dies (SIGKILL, a closed laptop, a lost SSH session) drops out when its
+lease ends, and Ctrl-C leaves at once.
+
+**Order rule.** Waiters are served in the order they joined. A later waiter may be granted
+before one ahead of it only with GPUs that *no* waiter ahead of it could use (another host,
+a tag it did not ask for, less free memory than it needs), so going first can never delay
+anyone ahead. A GPU any earlier waiter could use waits for that waiter, even while that
+waiter still needs more.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from gputop.model import HostSnapshot
+from gputop.reservations.flags import FreeGpu, free_gpus
+from gputop.reservations.ops import Invalid, Refused, Target, whoami
+from gputop.reservations.store import Job, Reservation, Store, StoreState, Waiter, new_reservation
+
+#: Default lease: a waiter that stops renewing leaves the queue this long after.
+DEFAULT_LEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a waiter asks for: ``count`` GPUs with ``min_free_mib`` free, on ``hosts``
+    (empty: any), all on one host if ``one_host``."""
+
+    count: int
+    min_free_mib: int = 0
+    hosts: tuple[str, ...] = ()
+    one_host: bool = False
+    want: str = ""
+
+    def fits(self, f: FreeGpu) -> bool:
+        return (not self.hosts or f.host in self.hosts) and f.free_mib >= self.min_free_mib
+
+
+def request_of(w: Waiter) -> Request:
+    return Request(w.count, w.min_free_mib, w.hosts, w.one_host, w.want)
+
+
+def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
+    """``req.count`` of ``free`` (best first), all on one host if asked; None if not enough."""
+    fit = [f for f in free if req.fits(f)]
+    if not req.one_host:
+        return fit[: req.count] if len(fit) >= req.count else None
+    for host in dict.fromkeys(f.host for f in fit):
+        on = [f for f in fit if f.host == host]
+        if len(on) >= req.count:
+            return on[: req.count]
+    return None
+
+
+def grantable(state: StoreState, waiter_id: str | None, hosts: Iterable[HostSnapshot],
+              now: datetime, req: Request | None = None) -> list[FreeGpu] | None:
+    """The GPUs the order rule lets this waiter take now, or None (not its turn, or not
+    enough). ``waiter_id`` None with ``req``: someone not in the queue (``free --reserve``,
+    ``run`` without ``--wait``), who comes after every waiter. Only unreserved GPUs count:
+    nobody's reservation is ever taken or extended."""
+    queue = state.waiting(now)
+    if waiter_id is None:
+        assert req is not None
+        at = len(queue)
+    else:
+        found = next((i for i, w in enumerate(queue) if w.id == waiter_id), None)
+        if found is None:
+            return None
+        at, req = found, request_of(queue[found])
+    return pick(req, usable_now(state, hosts, now, queue[:at]))
+
+
+def usable_now(state: StoreState, hosts: Iterable[HostSnapshot], now: datetime,
+               ahead: Sequence[Waiter]) -> list[FreeGpu]:
+    """Free, unreserved whole GPUs that none of ``ahead`` could use (the order rule). The
+    queue hands out whole GPUs: a MIG instance is reserved by name (``reserve``)."""
+    reqs = [request_of(w) for w in ahead]
+    return [f for f in free_gpus(hosts, state, 0, now, user=None)
+            if f.instance is None and not any(r.fits(f) for r in reqs)]
+
+
+class LeftQueue(Exception):
+    """This waiter is no longer in the queue (its lease ran out): join again."""
+
+
+class Queue:
+    """One waiter's view of the queue in ``store``."""
+
+    def __init__(self, store: Store, req: Request, *, lease_s: float = DEFAULT_LEASE_S,
+                 user: str | None = None, machine: str | None = None) -> None:
+        if req.count < 1:
+            raise Invalid("--count must be at least 1")
+        self.store = store
+        self.req = req
+        self.lease_s = lease_s
+        me, here = whoami()
+        self.user, self.machine = user or me, machine or here
+        self.id = ""
+        self.lease_until: datetime | None = None
+
+    def join(self) -> int:
+        """Join at the end; returns the position (1 = head)."""
+        wid = secrets.token_hex(6)
+        pos = [0]
+
+        def change(state: StoreState, now: datetime) -> StoreState:
+            w = Waiter(id=wid, user=self.user, machine=self.machine, count=self.req.count,
+                       created=now, lease=now + timedelta(seconds=self.lease_s),
+                       min_free_mib=self.req.min_free_mib, hosts=self.req.hosts,
+                       want=self.req.want, one_host=self.req.one_host)
+            self.lease_until = w.lease
+            queue = [*state.waiting(now), w]
+            pos[0] = len(queue)
+            return replace(state, queue=tuple(queue))
+
+        self.store.update(change)
+        self.id = wid
+        return pos[0]
+
+    def position(self, state: StoreState, now: datetime) -> int | None:
+        return next((i + 1 for i, w in enumerate(state.waiting(now)) if w.id == self.id), None)
+
+    def renew_due(self, now: datetime) -> bool:
+        """Renew when half the lease is gone: a write per half-lease, not per poll."""
+        return (self.lease_until is None
+                or (self.lease_until - now).total_seconds() < self.lease_s / 2)
+
+    def renew(self) -> None:
+        def change(state: StoreState, now: datetime) -> StoreState:
+            queue = list(state.waiting(now))
+            at = next((i for i, w in enumerate(queue) if w.id == self.id), None)
+            if at is None:
+                raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
+                                "in time)")
+            queue[at] = replace(queue[at], lease=now + timedelta(seconds=self.lease_s))
+            self.lease_until = queue[at].lease
+            return replace(state, queue=tuple(queue))
+
+        self.store.update(change)
+
+    def leave(self) -> None:
+        if not self.id:
+            return
+        self.store.update(lambda state, now: replace(
+            state, queue=tuple(w for w in state.queue if w.id != self.id)))
+        self.id = ""
+
+    def try_grant(self, hosts: Sequence[HostSnapshot], *, seconds: float, note: str = "",
+                  job: Callable[[str], Job | None] | None = None) -> list[Reservation] | None:
+        """If the order rule lets this waiter have its GPUs now, reserve all of them and
+        leave the queue in one write; else None (nothing written). ``job(host)`` ties the
+        reservations to a job."""
+        def check(state: StoreState, now: datetime) -> None:
+            if self.position(state, now) is None:
+                raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
+                                "in time)")
+
+        made = _grant(self.store, self.id, self.req, hosts, seconds=seconds, note=note,
+                      job=job, user=self.user, machine=self.machine, check=check)
+        if made is not None:
+            self.id = ""
+        return made
+
+
+def reserve_now(store: Store, req: Request, hosts: Sequence[HostSnapshot], *, seconds: float,
+                note: str = "", job: Callable[[str], Job | None] | None = None
+                ) -> list[Reservation] | None:
+    """Reserve ``req`` at once without queueing, behind every waiter (the order rule): None
+    if not enough GPUs are free that no waiter could use."""
+    me, here = whoami()
+    return _grant(store, None, req, hosts, seconds=seconds, note=note, job=job, user=me,
+                  machine=here)
+
+
+def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[HostSnapshot],
+           *, seconds: float, note: str, job: Callable[[str], Job | None] | None, user: str,
+           machine: str, check: Callable[[StoreState, datetime], None] | None = None
+           ) -> list[Reservation] | None:
+    """One write: every GPU reserved and the waiter out of the queue, or nothing."""
+    made: list[Reservation] = []
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        made.clear()
+        if check is not None:
+            check(state, now)
+        got = grantable(state, waiter_id, hosts, now, req)
+        if got is None:
+            raise _NotYet
+        ids = {r.id for r in state.reservations}
+        for f in got:
+            if state.overlapping(f.host, f.gpu.index or 0, None, now):
+                raise Refused(f"{f.host}:{f.gpu.index} was reserved meanwhile")
+            r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
+                                f.gpu.uuid, note)
+            while r.id in ids:
+                r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
+                                    f.gpu.uuid, note)
+            ids.add(r.id)
+            made.append(replace(r, job=job(f.host) if job else None))
+        return replace(state, reservations=state.reservations + tuple(made),
+                       queue=tuple(w for w in state.queue if w.id != waiter_id))
+
+    try:
+        store.update(change)
+    except _NotYet:
+        return None
+    return list(made)
+
+
+class _NotYet(Exception):
+    """Not this waiter's turn: nothing is written."""
+
+
+def targets_of(rs: Sequence[Reservation]) -> list[Target]:
+    return [Target(r.host, r.gpu, r.uuid) for r in rs]

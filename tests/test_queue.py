@@ -1,0 +1,472 @@
+"""The fleet-wide queue, `gputop run` and job-tied reservations, against real sshd hosts.
+
+Waiters are real users (gtalice, gtbob) running gputop as forked processes with their own
+uid; `run` executes its command on the host over a real SSH session. Leases, intervals and
+the job grace are short so that each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from as_user import (
+    need_test_users,
+    run_as,
+    shared_tmp,
+    start_as,
+    team_dir,
+    user_home,
+    wait_as,
+)
+from conftest import _need_sshd, _world_readable
+from fleet import Fleet, Host, gpu_uuid
+
+from gputop.model import utcnow
+from gputop.reservations.store import Store, StoreState, decode, new_reservation
+
+INTERVAL = 0.5
+GRACE = 1.0
+
+
+@pytest.fixture(scope="module")
+def qfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three idle GPUs: two on q1, one on q2 (tagged "small")."""
+    _need_sshd()
+    f = Fleet(_world_readable(tmp_path_factory.mktemp("qfleet")), [
+        Host("q1", "127.0.6.2", gpus=("rtx2080", "rtx2080")),
+        Host("q2", "127.0.6.3", gpus=("rtx2080",)),
+    ]).start()
+    yield f
+    f.stop()
+
+
+class Team:
+    """A shared reservations file, a config and a home per test user."""
+
+    def __init__(self, fleet: Fleet, tmp: Path) -> None:
+        self.fleet, self.tmp = fleet, tmp
+        self.path = team_dir(tmp) / "reservations.json"
+        self.config = tmp / "hosts.toml"
+        self.config.write_text(
+            f"[defaults]\ntimeout = 20.0\ninterval = {INTERVAL}\n\n"
+            f'[reservations]\npath = "{self.path}"\njob_grace = "{GRACE:g}s"\n\n'
+            '[[hosts]]\nname = "q1"\ntags = ["big"]\n\n'
+            '[[hosts]]\nname = "q2"\ntags = ["small"]\n')
+        self.config.chmod(0o644)
+        self.homes = {u: user_home(fleet, tmp, u) for u in ("gtalice", "gtbob")}
+        self.store = Store(self.path)
+        self.started: list[int] = []
+
+    def env(self, user: str) -> dict[str, str]:
+        return self.fleet.env() | {"HOME": str(self.homes[user]), "TZ": "UTC"}
+
+    def run(self, *args: str, user: str = "gtalice",
+            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return run_as(user, ["--config", str(self.config), *args], self.env(user), self.tmp,
+                      timeout=timeout)
+
+    def start(self, *args: str, user: str, tag: str) -> tuple[int, Path, Path]:
+        started = start_as(user, ["--config", str(self.config), *args], self.env(user),
+                           self.tmp, tag)
+        self.started.append(started[0])
+        return started
+
+    def stop(self) -> None:
+        """Whatever a failed test left running (a waiter still waiting) is killed."""
+        for pid in self.started:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+    def state(self) -> StoreState:
+        return self.store.read()
+
+    def held(self) -> dict[str, str]:
+        """``host:gpu`` -> user, from the file as it is."""
+        return {f"{r.host}:{r.gpu}": r.user for r in self.state().active()}
+
+    def block(self, *gpus: str, user: str = "gtbob") -> None:
+        """Reserve GPUs for someone (as the file would hold them), bypassing the CLI."""
+        def change(state: StoreState, now: Any) -> StoreState:
+            rs = list(state.reservations)
+            for g in gpus:
+                host, i = g.split(":")
+                rs.append(new_reservation(host, int(i), user, "m", now, 3600, None, ""))
+            return replace(state, reservations=tuple(rs))
+        self.store.update(change)
+
+    def free(self, *gpus: str) -> None:
+        self.store.update(lambda s, now: replace(s, reservations=tuple(
+            r for r in s.reservations if f"{r.host}:{r.gpu}" not in gpus)))
+
+    def queue_users(self) -> list[str]:
+        return [w.user for w in self.state().waiting()]
+
+
+@pytest.fixture
+def team(qfleet: Fleet) -> Iterator[Team]:
+    need_test_users()
+    with shared_tmp() as tmp:
+        t = Team(qfleet, tmp)
+        try:
+            yield t
+        finally:
+            t.stop()
+
+
+def text(p: Path) -> str:
+    try:
+        return p.read_text()
+    except FileNotFoundError:  # the child has not opened it yet
+        return ""
+
+
+def until(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(0.05)
+
+
+def test_race_fifo_order_rule_all_or_nothing(team: Team) -> None:
+    """Three real users' waiters for fewer GPUs than they want. Head A wants 2 on q1; B
+    (later) wants 1 anywhere; C (last) wants 1 on q2. Rule: a later waiter may take only
+    GPUs nobody ahead of it could use."""
+    team.block("q1:0", "q1:1", "q2:0")
+    seen: list[dict[str, str]] = []
+
+    def watch() -> dict[str, str]:
+        h = team.held()
+        seen.append(h)
+        return h
+
+    a = team.start("free", "--wait", "--count", "2", "--host", "q1", "--json", "--lease", "5",
+                   user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    c = team.start("free", "--wait", "--count", "1", "--tag", "small", "--lease", "5",
+                   user="gtalice", tag="c")
+    until(lambda: len(team.queue_users()) == 3, what="C queued")
+    ids = [w.id for w in team.state().waiting()]
+
+    # q1:0 frees: A could use it (but needs 2), so B behind A may not take it.
+    team.free("q1:0")
+    time.sleep(6 * INTERVAL)
+    assert "q1:0" not in watch()
+    assert [w.id for w in team.state().waiting()] == ids
+    # q2:0 frees: A cannot use it (q1 only), B can and is ahead of C: B gets it.
+    team.free("q2:0")
+    until(lambda: watch().get("q2:0") == "gtbob", what="B granted q2:0")
+    assert wait_as(b[0], 30) == 0
+    assert b[1].read_text() == "q2:0\n"
+    assert "q1:0" not in watch()  # still not given to anyone
+    # q1:1 frees: A gets both at once.
+    team.free("q1:1")
+    until(lambda: watch().get("q1:0") == "gtalice", what="A granted")
+    assert wait_as(a[0], 30) == 0
+    grant = json.loads(a[1].read_text())
+    assert sorted((g["host"], g["gpu"]) for g in grant["free"]) == [("q1", 0), ("q1", 1)]
+    assert grant["free"][0]["uuid"] == gpu_uuid("q1", grant["free"][0]["gpu"])
+    # All or nothing: A was never seen holding one of its two GPUs only.
+    assert all(("q1:0" in h and h["q1:0"] == "gtalice") == ("q1:1" in h and h["q1:1"] ==
+                                                              "gtalice") for h in seen)
+    # C still waits (q2:0 is B's); Ctrl-C leaves the queue at once.
+    assert team.queue_users() == ["gtalice"]
+    os.kill(c[0], signal.SIGINT)
+    assert wait_as(c[0], 20) == 130
+    assert team.state().queue == ()
+    err = c[2].read_text()
+    assert "position" in err and "1 GPU (--tag small)" in err
+
+
+def test_sigkilled_waiter_leaves_after_its_lease(team: Team) -> None:
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("free", "--wait", "--count", "3", "--lease", "2", user="gtbob", tag="a")
+    until(lambda: team.queue_users() == ["gtbob"], what="A queued")
+    b = team.start("free", "--wait", "--count", "1", "--lease", "2", user="gtalice", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    team.free("q2:0")
+    time.sleep(4 * INTERVAL)
+    assert "q2:0" not in team.held()  # A (head) could use it: B waits
+    os.kill(a[0], signal.SIGKILL)
+    killed = time.monotonic()
+    assert wait_as(a[0], 10) == -signal.SIGKILL
+    assert "gtbob" in team.queue_users()  # SIGKILL: nobody left the queue for A
+    until(lambda: team.held().get("q2:0") == "gtalice", timeout=15, what="B granted")
+    # A's lease was 2 s; B then needs one poll.
+    assert time.monotonic() - killed < 2 + 3 * INTERVAL + 2
+    assert wait_as(b[0], 20) == 0
+    assert team.state().queue == ()
+
+
+def test_run_sets_cuda_visible_devices_and_exit_code(team: Team) -> None:
+    r = team.run("run", "--count", "2", "--host", "q1", "--",
+                 "sh", "-c", 'echo "CVD=$CUDA_VISIBLE_DEVICES"; printf "<%s>" "$@"; exit 7',
+                 "x", "a b", "$(id)", ";rm -rf /;", "'")
+    assert r.returncode == 7, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"CVD={gpu_uuid('q1', 0)},{gpu_uuid('q1', 1)}"
+    assert lines[1] == "<a b><$(id)><;rm -rf /;><'>"  # quoted, never interpolated
+    assert "released q1:0, q1:1" in r.stderr
+    assert team.held() == {}
+
+
+def test_run_refuses_without_wait_and_keeps_the_queue(team: Team) -> None:
+    team.block("q1:0", "q1:1")
+    r = team.run("run", "--count", "2", "--", "true")
+    assert r.returncode == 1 and "--wait" in r.stderr
+    assert set(team.held()) == {"q1:0", "q1:1"}
+
+
+def test_run_forwards_sigterm_and_releases(team: Team) -> None:
+    pid, out, err = team.start(
+        "run", "--host", "q2", "--", "sh", "-c",
+        'trap "echo got-term; exit 42" TERM; echo ready; while :; do sleep 0.1; done',
+        user="gtbob", tag="run")
+    until(lambda: "ready" in text(out), what="job started")
+    r = team.state().active()[0]
+    assert r.user == "gtbob" and r.job is not None and r.job.pid and r.job.session
+    os.kill(pid, signal.SIGTERM)
+    assert wait_as(pid, 20) == 42, err.read_text()
+    assert "got-term" in out.read_text()
+    assert team.held() == {}
+
+
+def test_run_sigkilled_is_released_when_the_job_ends(team: Team) -> None:
+    pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 2",
+                               user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    os.kill(pid, signal.SIGKILL)
+    wait_as(pid, 10)
+    job = team.state().active()[0].job
+    assert job is not None and job.pid is not None
+    # While the job runs, a checker keeps the reservation.
+    team.run("reservations", user="gtbob")
+    assert team.held() == {"q2:0": "gtalice"}
+    # The job ends; a checker marks it gone, one a grace later releases it.
+    time.sleep(2.5)
+    team.run("reservations", user="gtbob")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations", user="gtbob")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr
+    assert team.held() == {}
+    assert team.state().events[-1]["action"] == "job-ended"
+
+
+def test_run_ssh_drop_keeps_reservation_while_job_runs(team: Team) -> None:
+    """The rule both ways: connection lost, job still running -> kept; job gone -> released."""
+    q2 = team.fleet.hosts["q2"]
+    pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
+                               "echo up; exec sleep 4", user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    team.fleet.stop_sshd(q2)
+    try:
+        assert wait_as(pid, 30) == 255
+    finally:
+        team.fleet.restart_sshd(q2)
+    assert "connection to q2 was lost" in err.read_text()
+    assert "may still be running" in err.read_text()
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    team.run("reservations")
+    assert team.held() == {"q2:0": "gtalice"}  # the job still runs: kept
+    time.sleep(4)
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    team.run("reservations")
+    assert team.held() == {}
+
+
+def test_reserve_until_exit_is_released_when_the_process_exits(team: Team) -> None:
+    proc = subprocess.Popen(["sleep", "60"], user="gtalice")
+    try:
+        r = team.run("reserve", "q1:1", "--until-exit", str(proc.pid))
+        assert r.returncode == 0, r.stderr
+        assert "tied to process" in r.stdout
+        bad = team.run("reserve", "q1:0", "--until-exit", "999999999")
+        assert bad.returncode == 2 and "no such process on q1" in bad.stderr
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        team.run("reservations")
+        assert team.held() == {"q1:1": "gtalice"}
+    finally:
+        proc.kill()
+        proc.wait()
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    team.run("reservations")
+    assert team.held() == {}
+
+
+# -- the file: version 2, still reading and writing version 1 --------------------------------
+
+
+def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
+    p = tmp_path / "r.json"
+    now = utcnow()
+    store = Store(p)
+    store.update(lambda s, n: replace(s, reservations=(
+        new_reservation("h", 0, "u", "m", n, 60, None, ""),)))
+    assert json.loads(p.read_text())["version"] == 1  # nothing new in it: readable by v1
+    from gputop.reservations.queue import Queue, Request
+
+    q = Queue(store, Request(1), lease_s=60)
+    q.join()
+    doc = json.loads(p.read_text())
+    assert doc["version"] == 2 and doc["queue"][0]["count"] == 1
+    q.leave()
+    assert json.loads(p.read_text())["version"] == 1
+    assert decode(p.read_bytes(), p).reservations[0].expires > now
+
+
+@pytest.mark.parametrize("queue", [
+    '[{"id": "x"}]',
+    '[{"id": "x", "user": "u", "machine": "", "count": 0, "created": "2026-01-01T00:00:00Z",'
+    ' "lease": "2026-01-01T00:00:00Z", "min_free_mib": 0, "hosts": [], "want": "",'
+    ' "one_host": false}]',
+    '[{"id": "x", "user": "u", "machine": "", "count": 1, "created": "2026-01-01T00:00:00Z",'
+    ' "lease": "2026-01-01T00:00:00Z", "min_free_mib": 0, "hosts": "h", "want": "",'
+    ' "one_host": false}]',
+    '{"a": 1}',
+    # A look-alike user (escape sequence): the file's name rule refuses waiters too.
+    '[{"id": "x", "user": "bob\\u001b[2J", "machine": "", "count": 1,'
+    ' "created": "2026-01-01T00:00:00Z", "lease": "2026-01-01T00:00:00Z", "min_free_mib": 0,'
+    ' "hosts": [], "want": "", "one_host": false}]',
+])
+def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
+    from gputop.reservations.store import StoreError
+
+    raw = f'{{"version": 2, "reservations": [], "events": [], "queue": {queue}}}'.encode()
+    with pytest.raises(StoreError, match="left untouched"):
+        decode(raw, tmp_path / "r.json")
+
+
+def test_queue_in_a_version_1_file_is_refused(tmp_path: Path) -> None:
+    from gputop.reservations.store import StoreError
+
+    with pytest.raises(StoreError, match="queue"):
+        decode(b'{"version": 1, "reservations": [], "queue": []}', tmp_path / "r.json")
+
+
+def test_lease_lapsed_waiter_is_not_in_the_queue(tmp_path: Path) -> None:
+    from gputop.reservations.queue import Queue, Request
+
+    store = Store(tmp_path / "r.json")
+    q = Queue(store, Request(1), lease_s=60)
+    q.join()
+    later = utcnow() + timedelta(seconds=61)
+    assert store.read().waiting(later) == []
+
+
+# -- the order rule, on data (no hosts needed) ------------------------------------------------
+
+
+def _hosts(spec: dict[str, list[int]]) -> list[Any]:
+    """Hosts whose GPUs are free with the given total memory (GiB) each."""
+    from gputop.model import GpuInfo, HostSnapshot
+
+    return [HostSnapshot(name=h, gpus=tuple(
+        GpuInfo(index=i, uuid=f"GPU-{h}-{i}", memory_used_mib=0, memory_total_mib=g * 1024,
+                utilization_percent=0) for i, g in enumerate(mem))) for h, mem in spec.items()]
+
+
+def _queue(*reqs: Any) -> StoreState:
+    from gputop.reservations.store import Waiter
+
+    now = utcnow()
+    return StoreState(queue=tuple(
+        Waiter(id=f"w{i}", user=f"u{i}", machine="", count=r.count, created=now,
+               lease=now + timedelta(hours=1), min_free_mib=r.min_free_mib, hosts=r.hosts,
+               one_host=r.one_host) for i, r in enumerate(reqs)))
+
+
+def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use() -> None:
+    from gputop.reservations.queue import Request, grantable
+
+    now = utcnow()
+    hosts = _hosts({"a": [80], "b": [24, 24]})
+    # Head wants 2 GPUs with 40G: only a:0 fits it, and one is not enough.
+    state = _queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",)))
+    assert grantable(state, "w0", hosts, now) is None
+    # Second (any GPU): a:0 is the head's to wait for, b's GPUs are not: it gets b's best.
+    got = grantable(state, "w1", hosts, now)
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("b", 0)]
+    # Third wants b:0 and b:1, but the second waiter (ahead) could use them: it waits.
+    assert grantable(state, "w2", hosts, now) is None
+    # Someone outside the queue (no --wait) comes after every waiter.
+    assert grantable(state, None, hosts, now, Request(1)) is None
+    # one_host: two GPUs on one host or nothing, never one here and one there.
+    alone = _queue(Request(2, 0, (), True))
+    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24]}), now)
+    assert got is None
+    got = grantable(alone, "w0", hosts, now)
+    assert got is not None and {f.host for f in got} == {"b"}
+
+
+def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
+    """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
+    (a byte in raw mode) interrupts it there: exit 130, reservation released."""
+    import pty
+    import select
+    import sys
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "--config", str(team.config), "run", "--host", "q2",
+         "--", "sh", "-c", 'tty; read x; echo "got $x"; sleep 30'],
+        stdin=slave, stdout=slave, stderr=slave, env=team.fleet.env() | {"TERM": "xterm"},
+        start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+    os.close(slave)
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(master, 4096)
+
+    try:
+        read_until(b"/dev/pts/")
+        os.write(master, b"hello\r")
+        read_until(b"got hello")
+        os.write(master, b"\x03")
+        assert p.wait(30) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert team.held() == {}
+
+
+def test_ps_rows_zombies_are_not_alive_and_odd_rows_refused() -> None:
+    """A job whose parent has not reaped it yet (a zombie, what sshd leaves for a moment
+    after `run` is killed) has ended; any row that is not numbers and a state is refused."""
+    from gputop.jobs.remote import parse_ps
+
+    alive = parse_ps("    1     1 Ss\n  200   200 Z\n  201   200 S+\n")
+    assert alive.has(1, False) and not alive.has(200, False)
+    assert alive.has(200, True)  # its child is still in the session
+    alive = parse_ps("    1     1 Ss\n  200   200 Zs\n")
+    assert not alive.has(200, True) and not alive.has(200, False)
+    for bad in ("1 1\n", "1 x S\n", "1 1 S evil\n", "", "1 1 \u00e9\n"):
+        with pytest.raises(ValueError):
+            parse_ps(bad)
