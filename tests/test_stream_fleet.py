@@ -23,6 +23,7 @@ from fleet import Fleet, GpuProcess, Host
 from gputop.config import load_config
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.poller import Poller
+from gputop.sources.protocol import PS_ARGS, PS_OWNERS
 from gputop.sources.ssh import SshSource
 
 INTERVAL = 0.5
@@ -99,8 +100,8 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     # The first refresh: two nvidia-smi streams and one ps pair for alpha's first job.
     assert smi_starts(first_calls) == 2 and len(first_calls) == 4, first_calls
     new_calls = sfleet.calls(alpha)[len(first_calls):]
-    assert new_calls == [f"ps -o pid= -o user= -o etime= -p {newcomer.pid}",
-                         f"ps -o pid= -o args= -p {newcomer.pid}"]
+    assert new_calls == [f"ps {PS_OWNERS.split(' ps ', 1)[1]} {newcomer.pid}",
+                         f"ps {PS_ARGS.split(' ps ', 1)[1]} {newcomer.pid}"]
     (p,) = seen[-1].gpus[1].processes
     assert p.command == "python eval.py"
     if sfleet.users:

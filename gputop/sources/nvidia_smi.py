@@ -18,7 +18,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
-from gputop.sources.protocol import ParseError, Section, remote_script, split_frame
+from gputop.sources.protocol import (
+    OWNER_HEADER,
+    ParseError,
+    Section,
+    remote_script,
+    split_frame,
+)
 from gputop.text import clean, excerpt
 
 # (nvidia-smi field, GpuInfo attribute, converter)
@@ -211,7 +217,7 @@ def parse_owner_rows(text: str, asked: Iterable[int]) -> dict[int, Owner]:
     wanted = set(asked)
     out: dict[int, Owner] = {}
     for line in text.splitlines():
-        if not line.strip():
+        if not line.strip() or line.strip() == OWNER_HEADER:  # the widening header
             continue
         parts = line.split()
         pid = int(parts[0]) if len(parts) == 3 and parts[0].isdigit() else None

@@ -39,6 +39,17 @@ class FramingError(ParseError):
     """The refresh's frame does not check out: its channel must not be read from again."""
 
 
+#: ``ps`` for owners: a POSIX header this wide makes the user column 32 wide (the longest
+#: Linux user name) instead of procps' 8, where ``first.lastname`` reads ``first.l+`` and a
+#: holder is flagged on her own GPU. The header line it brings is skipped by the parser.
+OWNER_HEADER = "USER" + "_" * 28
+PS_OWNERS = f"LC_ALL=C ps -o pid= -o user={OWNER_HEADER} -o etime= -p"
+#: ``ps`` for command lines, cut at 512 bytes each: in the C locale a column is a byte (under
+#: UTF-8, 4096 columns of zero-width characters were 128 KiB per process, and 32 such jobs
+#: pushed a refresh past the output limit: the host vanished from every board).
+PS_ARGS = "LC_ALL=C COLUMNS=512 ps -o pid= -o args= -p"
+
+
 def new_nonce() -> str:
     """128 random bits as hex: what a refresh line carries and its markers must repeat."""
     return secrets.token_hex(16)
@@ -53,7 +64,7 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
     (one in the background); the pids for ``ps`` are picked out with shell builtins (the
     apps rows are ``date time, uuid, pid, memory``). Each
     marker starts on a fresh line (``\\n`` first), so unterminated output cannot swallow it.
-    Command lines are cut at 4096 columns: jobs with huge ones cannot fill the output limit.
+    Command lines are cut at 512 bytes: jobs with huge ones cannot fill the output limit.
     A refresh is collected and written at once: one SSH packet, not one per command.
     """
     refresh = (
@@ -63,9 +74,9 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
         f'printf "%s\\n{MARK} %s apps %s\\n" "$apps" "$n" "$arc"; '
         "pids=; while IFS=', ' read -r _d _t _u p _r; do case $p in ''|*[!0-9]*) ;; "
         '*) pids="$pids${pids:+,}$p" ;; esac; done <<EOF\n$apps\nEOF\n'
-        'if [ -n "$pids" ]; then ps -o pid= -o user= -o etime= -p "$pids" </dev/null; fi; '
+        f'if [ -n "$pids" ]; then {PS_OWNERS} "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
-        'if [ -n "$pids" ]; then COLUMNS=4096 ps -o pid= -o args= -p "$pids" </dev/null; fi; '
+        f'if [ -n "$pids" ]; then {PS_ARGS} "$pids" </dev/null; fi; '
         f'printf "\\n{MARK} %s args %s" "$n" "$?"'
     )
     # A nonce line is 32 hex digits; anything else read on stdin ends the loop.
@@ -101,9 +112,9 @@ def owners_script() -> str:
     A line that is not a nonce and a pid list ends the loop."""
     check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
     ask = (
-        f"ps -o pid= -o user= -o etime= -p \"$p\" </dev/null; "
+        f'{PS_OWNERS} "$p" </dev/null; '
         f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
-        f'COLUMNS=4096 ps -o pid= -o args= -p "$p" </dev/null; '
+        f'{PS_ARGS} "$p" </dev/null; '
         f'printf "\\n{MARK} %s args %s" "$n" "$?"'
     )
     return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '

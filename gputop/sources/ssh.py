@@ -582,7 +582,8 @@ class SshSource:
         if err.kind in SLOW_RETRY_KINDS:
             delay = min(300.0, 60.0 * 2 ** (self._failures - 1))
         elif self._failures > 1:
-            delay = min(60.0, self.interval * 2 ** (self._failures - 1))
+            # Capped low: a host back from a reboot shows within seconds, not a minute.
+            delay = min(max(15.0, 5 * self.interval), self.interval * 2 ** (self._failures - 1))
         else:
             delay = 0.0
         self._retry_at = time.monotonic() + delay * random.uniform(0.5, 1.0)
