@@ -61,8 +61,28 @@ class ProcessInfo:
                 "compute_instance_id": self.compute_instance_id}
 
 
+class _HoldsMemoryAndProcesses:
+    """What a whole GPU and a MIG instance have in common: memory and processes."""
+
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+    processes: tuple[ProcessInfo, ...]
+
+    @property
+    def memory_free_mib(self) -> int:
+        """Free memory, 0 when the total is unknown (such a GPU is never "best free")."""
+        if self.memory_total_mib is None:
+            return 0
+        return self.memory_total_mib - (self.memory_used_mib or 0)
+
+    @property
+    def users(self) -> tuple[str, ...]:
+        """Distinct process owners, in first-seen order."""
+        return tuple(dict.fromkeys(p.user for p in self.processes if p.user))
+
+
 @dataclass(frozen=True)
-class MigInstance:
+class MigInstance(_HoldsMemoryAndProcesses):
     """One MIG device of a GPU: a compute instance inside a GPU instance.
 
     Utilisation is None: NVML reports none per MIG instance, and "unknown" is not 0.
@@ -79,16 +99,6 @@ class MigInstance:
     utilization_percent: int | None = None
     processes: tuple[ProcessInfo, ...] = ()
 
-    @property
-    def memory_free_mib(self) -> int:
-        if self.memory_total_mib is None:
-            return 0
-        return self.memory_total_mib - (self.memory_used_mib or 0)
-
-    @property
-    def users(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.user for p in self.processes if p.user))
-
     def to_dict(self) -> dict[str, Any]:
         return {"gpu_instance_id": self.gpu_instance_id,
                 "compute_instance_id": self.compute_instance_id,
@@ -100,7 +110,7 @@ class MigInstance:
 
 
 @dataclass(frozen=True)
-class GpuInfo:
+class GpuInfo(_HoldsMemoryAndProcesses):
     index: int | None = None
     uuid: str | None = None
     name: str | None = None
@@ -124,22 +134,6 @@ class GpuInfo:
     processes: tuple[ProcessInfo, ...] = ()
     #: MIG instances (MIG enabled and the inventory known), in nvidia-smi's device order.
     instances: tuple[MigInstance, ...] = ()
-
-    @property
-    def memory_free_mib(self) -> int:
-        """Free memory, 0 when the total is unknown (such a GPU is never "best free")."""
-        if self.memory_total_mib is None:
-            return 0
-        return self.memory_total_mib - (self.memory_used_mib or 0)
-
-    @property
-    def users(self) -> tuple[str, ...]:
-        """Distinct process owners, in first-seen order."""
-        seen: dict[str, None] = {}
-        for p in self.processes:
-            if p.user:
-                seen.setdefault(p.user, None)
-        return tuple(seen)
 
     def to_dict(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in _GPU_SCALARS}

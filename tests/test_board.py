@@ -343,7 +343,15 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
     app = GputopApp(config, user="ann")
     async with app.run_test(size=(120, 40)) as pilot:
         table = app.query_one(BoardTable)
-        while len(app.model.snapshots) < 3:  # wait for each host's first answer
+        def settled() -> bool:  # each host's answer, past "starting" (streams) and load
+            snaps = app.model.snapshots
+            d, h, g = (snaps.get(n) for n in ("driver", "gpu-h100", "gpu-lost"))
+            return (d is not None and d.error is not None and d.error.kind == "driver"
+                    and h is not None and bool(h.gpus) and g is not None and bool(g.gpus))
+
+        for _ in range(600):
+            if settled():
+                break
             await pilot.pause(0.05)
         app.render_board()
         await pilot.pause()
