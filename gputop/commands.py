@@ -31,7 +31,7 @@ from gputop.reservations import (
 from gputop.reservations.flags import free_gpus, other_users
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
 from gputop.reservations.queue import DEFAULT_LEASE_S, Request, request_of
-from gputop.reservations.store import Job
+from gputop.reservations.store import MAX_LEASE_S, Job
 from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -300,8 +300,8 @@ def _wait(config: Config, store: Store, req: Request, args: argparse.Namespace, 
 
     got: list[Reservation] = []
     lease = args.lease if args.lease is not None else DEFAULT_LEASE_S
-    if lease < 1:
-        raise Invalid("--lease must be at least 1 second")
+    if not 1 <= lease <= MAX_LEASE_S:  # (NaN fails both)
+        raise Invalid(f"--lease must be between 1 and {MAX_LEASE_S:.0f} seconds")
     max_wait = _max_wait(args.max_wait)
 
     def say(msg: str) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -33,6 +34,7 @@ from conftest import _need_sshd, _world_readable
 from fleet import Fleet, Host, gpu_uuid
 
 from gputop.model import utcnow
+from gputop.reservations.ops import Refused
 from gputop.reservations.store import Store, StoreState, decode, new_reservation
 
 INTERVAL = 0.5
@@ -259,11 +261,17 @@ def test_run_sigkilled_is_released_when_the_job_ends(team: Team) -> None:
     # While the job runs, a checker keeps the reservation.
     team.run("reservations", user="gtbob")
     assert team.held() == {"q2:0": "gtalice"}
-    # The job ends; a checker marks it gone, one a grace later releases it.
+    # The job ends. Another user's gputop never decides it (its config may map q2 to a
+    # machine of its own); the holder's own gputop marks it gone, and a grace later
+    # releases it.
     time.sleep(2.5)
     team.run("reservations", user="gtbob")
     time.sleep(GRACE + 0.2)
-    r = team.run("reservations", user="gtbob")
+    team.run("reservations", user="gtbob")
+    assert team.held() == {"q2:0": "gtalice"}
+    team.run("reservations", user="gtalice")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations", user="gtalice")
     assert "released q2:0 of gtalice: its job has ended" in r.stderr
     assert team.held() == {}
     assert team.state().events[-1]["action"] == "job-ended"
@@ -374,6 +382,42 @@ def test_lease_lapsed_waiter_is_not_in_the_queue(tmp_path: Path) -> None:
     assert store.read().waiting(later) == []
 
 
+def test_a_lease_of_years_is_not_honoured(tmp_path: Path) -> None:
+    """A waiter SIGKILLed with a lease of centuries (written by hand or an old flag) would
+    hold the head for good: a lease further ahead than any live waiter writes is ignored."""
+    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.store import MAX_LEASE_S
+
+    store = Store(tmp_path / "r.json")
+    Queue(store, Request(1), lease_s=MAX_LEASE_S).join()
+    assert len(store.read().waiting()) == 1
+    far = replace(store.read().queue[0], lease=utcnow() + timedelta(days=365 * 3000))
+    assert StoreState(queue=(far,)).waiting() == []
+
+
+@pytest.mark.parametrize("lease", ["1e11", "nan", "1e300", "0.5"])
+def test_cli_refuses_a_lease_out_of_bounds(tmp_path: Path, lease: str) -> None:
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "h"\naddress = "127.0.0.1"\nport = 1\n')
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "free", "--wait",
+                        "--lease", lease, "--max-wait", "1s"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--lease must be between" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_one_person_holds_at_most_four_places(tmp_path: Path) -> None:
+    from gputop.reservations.queue import MAX_PLACES_PER_USER, Queue, Request
+
+    store = Store(tmp_path / "r.json")
+    for _ in range(MAX_PLACES_PER_USER):
+        Queue(store, Request(1), user="mallory", machine="m").join()
+    with pytest.raises(Refused, match="already wait in 4 places"):
+        Queue(store, Request(1), user="mallory", machine="m").join()
+    assert Queue(store, Request(1), user="ann", machine="m").join() == 5
+
+
 # -- the order rule, on data (no hosts needed) ------------------------------------------------
 
 
@@ -392,7 +436,7 @@ def _queue(*reqs: Any) -> StoreState:
     now = utcnow()
     return StoreState(queue=tuple(
         Waiter(id=f"w{i}", user=f"u{i}", machine="", count=r.count, created=now,
-               lease=now + timedelta(hours=1), min_free_mib=r.min_free_mib, hosts=r.hosts,
+               lease=now + timedelta(minutes=4), min_free_mib=r.min_free_mib, hosts=r.hosts,
                one_host=r.one_host) for i, r in enumerate(reqs)))
 
 

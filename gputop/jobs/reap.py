@@ -31,7 +31,9 @@ from gputop.reservations.store import Reservation, Store, StoreError, StoreState
 def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float) -> bool:
     assert r.job is not None
     if r.job.pid is None:
-        return (now - r.created).total_seconds() >= grace_s
+        # Not recorded yet: the job may well run (its gputop run stalled: stopped in the
+        # background, a laptop lid closed). Only expiry ends such a reservation.
+        return False
     return not alive.has(r.job.pid, r.job.session)
 
 
@@ -69,7 +71,10 @@ def apply_checks(store: Store, answers: dict[str, Alive | None],
         events = list(state.events)
         for r in state.reservations:
             alive = answers.get(r.host)
-            if r.job is None or alive is None or not r.active(now):
+            # Only the holder's own gputop decides that a job ended: another user's config
+            # may map the host name anywhere (a machine of theirs, local = true) and see no
+            # such process there.
+            if r.job is None or alive is None or not r.active(now) or r.user != me:
                 keep.append(r)
                 continue
             if not job_gone(r, alive, now, grace_s):
@@ -77,8 +82,7 @@ def apply_checks(store: Store, answers: dict[str, Alive | None],
                             if r.job.gone_since else r)
             elif r.job.gone_since is None and r.job.pid is not None:
                 keep.append(replace(r, job=replace(r.job, gone_since=now)))
-            elif r.job.pid is None or (now - (r.job.gone_since or now)).total_seconds() \
-                    >= grace_s:
+            elif (now - (r.job.gone_since or now)).total_seconds() >= grace_s:
                 released.append(r)
                 events.append({"time": iso(now), "action": "job-ended", "by": me,
                                "machine": here, "reservation": r.to_dict()})

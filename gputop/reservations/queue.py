@@ -27,6 +27,9 @@ from gputop.reservations.store import Job, Reservation, Store, StoreState, Waite
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
 DEFAULT_LEASE_S = 30.0
+#: Bounds on what one waiter may put into the shared file.
+MAX_PLACES_PER_USER = 4
+MAX_WAITER_HOSTS = 64
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,15 @@ class Queue:
         wid = secrets.token_hex(6)
         pos = [0]
 
+        if len(self.req.hosts) > MAX_WAITER_HOSTS:
+            raise Invalid(f"{len(self.req.hosts)} hosts to wait on; at most {MAX_WAITER_HOSTS}"
+                          " (name fewer with --host or a narrower --tag)")
+
         def change(state: StoreState, now: datetime) -> StoreState:
+            mine = sum(1 for w in state.waiting(now) if w.user == self.user)
+            if mine >= MAX_PLACES_PER_USER:  # one person cannot fill the queue (or the file)
+                raise Refused(f"you already wait in {mine} places in the queue; at most "
+                              f"{MAX_PLACES_PER_USER}")
             w = Waiter(id=wid, user=self.user, machine=self.machine, count=self.req.count,
                        created=now, lease=now + timedelta(seconds=self.lease_s),
                        min_free_mib=self.req.min_free_mib, hosts=self.req.hosts,

@@ -41,6 +41,8 @@ MAX_RESERVATIONS = 10_000
 MAX_EVENTS = 200
 MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
+#: The longest lease a queue waiter may hold (it renews every half lease).
+MAX_LEASE_S = 300.0
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
 
@@ -310,8 +312,12 @@ class StoreState:
         return [r for r in self.active(now) if r.covers(host, gpu, instance)]
 
     def waiting(self, now: datetime | None = None) -> list[Waiter]:
+        """Waiters whose lease runs. A lease further ahead than MAX_LEASE_S was never
+        written by a live waiter (they renew every half lease): it is not honoured, so a
+        waiter killed with a lease of years cannot hold the queue's head."""
         now = now or utcnow()
-        return [w for w in self.queue if w.lease > now]
+        latest = now + timedelta(seconds=MAX_LEASE_S)
+        return [w for w in self.queue if now < w.lease <= latest]
 
     def to_json(self) -> str:
         new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
