@@ -470,9 +470,10 @@ class Fleet:
             "UsePAM no\nPermitRootLogin prohibit-password\nLogLevel INFO\n"
             "AllowTcpForwarding yes\n"
             # The sessions run the connecting user's ~/.bashrc (bash does for sshd). Where
-            # that runs `pyenv init` (this machine's root), a rehash killed with its session
-            # leaves pyenv's lock behind and every later session waited 60 s for it.
-            f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin PYENV_REHASH_TIMEOUT=0\n"
+            # that runs `pyenv init` (this machine's root), each session rehashed (slow), and
+            # one killed with its session left pyenv's lock behind: every later session
+            # waited 60 s. A negative timeout skips the rehash.
+            f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin PYENV_REHASH_TIMEOUT=-1\n"
         )
 
     def set_scenario(self, h: Host, scenario: str, delay: float | None = None) -> None:

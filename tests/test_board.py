@@ -760,7 +760,7 @@ async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
     def w(i: int, user: str, count: int, want: str = "") -> Waiter:
         t = NOW - timedelta(minutes=10 - i)
         return Waiter(id=f"w{i}", user=user, machine="m", count=count, created=t,
-                      lease=NOW + timedelta(hours=1), want=want)
+                      lease=NOW + timedelta(minutes=4), want=want)
 
     Store(tmp_path / "reservations.json").update(lambda s, now: replace(s, queue=(
         w(0, "bob", 2, "--tag a100"), w(1, "erin", 1, "[bold red]x[/]"), w(2, "ann", 4))))

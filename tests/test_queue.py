@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -514,3 +515,27 @@ def test_ps_rows_zombies_are_not_alive_and_odd_rows_refused() -> None:
     for bad in ("1 1\n", "1 x S\n", "1 1 S evil\n", "", "1 1 \u00e9\n"):
         with pytest.raises(ValueError):
             parse_ps(bad)
+
+
+def test_an_argument_with_a_backslash_is_probed_and_arrives_intact(team: Team) -> None:
+    """Such an argument is quoted safely only for a POSIX login shell: gputop asks which
+    login shell the host runs (bash here) before sending it, and it arrives unchanged."""
+    r = team.run("run", "--host", "q2", "--", "printf", "<%s>", "a\\d+", "x!y", "\\'")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "<a\\d+><x!y><\\'>"
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
+def test_fish_would_run_what_a_backslash_smuggles_so_such_commands_are_probed(
+        tmp_path: Path) -> None:
+    """Why the probe exists: fish (a real one) reads ``\\'`` inside single quotes as a quote,
+    so POSIX quoting lets an argument run a command under a fish login shell. Commands
+    like that are the ones ``portable`` sends to the login-shell check."""
+    from gputop.jobs.run import portable, remote_command
+
+    pwned = tmp_path / "pwned"
+    cmd = remote_command(["true", "\\''(touch " + str(pwned) + ")\\"], "GPU-a")
+    assert not portable(cmd)
+    subprocess.run(["fish", "-c", cmd], capture_output=True, timeout=30)
+    assert pwned.exists()  # the hazard is real
+    assert portable(remote_command(["python", "train.py", "--lr", "3e-4", "$(id)", "'"], "G"))

@@ -38,17 +38,34 @@ MARKER = b"gputop-job-pid "
 MAX_PREAMBLE = 64 * 1024
 EXIT_SSH = 255
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_REFUSED_SHELL = 2
 
 
 def remote_command(argv: Sequence[str], devices: str) -> str:
     """The script sent to the remote shell: nothing but quoted words."""
     if not argv:
         raise ValueError("no command given")
-    script = ("printf 'gputop-job-pid %s\\n' \"$$\"; "
+    script = ('echo "gputop-job-pid $$"; '
               f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
               "exec " + " ".join(shlex.quote(a) for a in argv))
     # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
     return "exec /bin/sh -c " + shlex.quote(script)
+
+
+#: Login shells that read a single-quoted word as POSIX sh does (sshd hands the command to
+#: the user's login shell first; that shell then execs /bin/sh on the quoted script).
+POSIX_SHELLS = frozenset({"sh", "bash", "dash", "ash", "ksh", "ksh93", "mksh", "pdksh", "zsh",
+                          "yash", "posh", "busybox"})
+#: What fish and csh read differently inside single quotes: with these in an argument the
+#: quoting holds only under a POSIX login shell (fish turned ``\'`` into a way out).
+NOT_PORTABLE = ("\\", "\n", "!")
+#: Asks which login shell sshd runs: no backslash, no user data.
+LOGIN_SHELL_PROBE = "exec /bin/sh -c 'echo \"${SHELL##*/}\"'"
+
+
+def portable(command: str) -> bool:
+    """True when every shell (POSIX, fish, csh) reads ``command``'s quoting alike."""
+    return not any(c in command for c in NOT_PORTABLE)
 
 
 def devices_of(rs: Sequence[Reservation]) -> str:
@@ -146,8 +163,16 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
             size = os.get_terminal_size(0)
             kw = {"term_type": os.environ.get("TERM", "xterm"),
                   "term_size": (size.columns, size.lines)}
-        proc = await conn.create_process(remote_command(argv, devices), encoding=None,
-                                         **kw)
+        command = remote_command(argv, devices)
+        if not portable(command):
+            probe = await asyncio.wait_for(conn.run(LOGIN_SHELL_PROBE, check=False), 30)
+            shell = str(probe.stdout or "").strip().splitlines()[-1:] or ["unknown"]
+            if shell[0] not in POSIX_SHELLS:
+                say(f"{host.name}'s login shell is {clean(shell[0])}: an argument with a "
+                    "backslash, a newline or '!' would not reach the job intact through it "
+                    "(run a script on the host instead)")
+                return JobResult(EXIT_REFUSED_SHELL, True)  # nothing was started
+        proc = await conn.create_process(command, encoding=None, **kw)
         loop = asyncio.get_running_loop()
         signalling: set[asyncio.Task[None]] = set()
 
