@@ -190,13 +190,17 @@ async def test_filter_sort_and_free_only(tmp_path: Path) -> None:
         await pilot.press("escape")
         await pilot.pause()
         assert len(keys(table)) == 12
+        stale = fixed_snapshots()[3]  # a 0 % GPU on a host named after the n/a one's
+        app.ingest(replace(stale, gpus=(replace(stale.gpus[0], utilization_percent=0),)))
         await pilot.press("s")  # utilisation, flat
         await pilot.pause()
         ks = keys(table)
         assert "gpu-h100" not in ks and ks[0] == gk("gpu-h100", 0)
-        utils = [app.model.find(k).gpu.utilization_percent or 0  # type: ignore[union-attr]
+        utils = [app.model.find(k).gpu.utilization_percent  # type: ignore[union-attr]
                  for k in ks if K in k]
-        assert utils == sorted(utils, reverse=True)
+        known = [u for u in utils if u is not None]
+        assert None in utils and 0 in known  # n/a (a MIG GPU) sorts after every 0 %
+        assert utils == sorted(known, reverse=True) + [None] * (len(utils) - len(known))
         await pilot.press("s")  # free memory
         await pilot.pause()
         frees = [app.model.find(k).free_mib for k in keys(table) if K in k]  # type: ignore[union-attr]

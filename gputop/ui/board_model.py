@@ -470,7 +470,9 @@ class BoardModel:
                 flat.extend(gpus)  # (rows that name their host: see _HostRows.rows_flat)
         if not grouped:
             if self.sort_mode == "utilization":
-                flat.sort(key=lambda r: (-(r.gpu.utilization_percent or 0), r.host,
+                # Unknown utilisation (n/a, e.g. a MIG GPU) is not 0 %: it goes last.
+                flat.sort(key=lambda r: (r.gpu.utilization_percent is None,
+                                         -(r.gpu.utilization_percent or 0), r.host,
                                          r.gpu.index or 0))
             else:
                 flat.sort(key=lambda r: (-r.free_mib, r.host, r.gpu.index or 0))
