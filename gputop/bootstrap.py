@@ -176,7 +176,12 @@ _gputop() {
     # bash splits words at ':' (COMP_WORDBREAKS): offer only what follows the last one.
     if [[ "$cur" == *:* && "$COMP_WORDBREAKS" == *:* ]]; then
         local colon="${cur%"${cur##*:}"}"
-        for i in "${!COMPREPLY[@]}"; do COMPREPLY[i]="${COMPREPLY[i]#"$colon"}"; done
+        local -a kept=()
+        for w in "${COMPREPLY[@]}"; do
+            w="${w#"$colon"}"
+            [[ -n "$w" ]] && kept+=("$w")  # the word typed itself would offer a blank
+        done
+        COMPREPLY=("${kept[@]}")
     fi
     if [[ ${#COMPREPLY[@]} -eq 1 && "${COMPREPLY[0]}" == *: ]]; then
         compopt -o nospace 2>/dev/null

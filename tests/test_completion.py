@@ -44,12 +44,12 @@ read -ra COMP_WORDS <<< "$(printf '%s' "$LINE" | sed 's/:/ : /g')"
 [[ "$LINE" == *" " ]] && COMP_WORDS+=("")
 COMP_CWORD=$(( ${#COMP_WORDS[@]} - 1 ))
 _gputop gputop "${COMP_WORDS[COMP_CWORD]}" "${COMP_WORDS[COMP_CWORD-1]}"
-printf '%s\n' "${COMPREPLY[@]}"
+for w in "${COMPREPLY[@]}"; do printf '<%s>\n' "$w"; done
 '''
     r = subprocess.run(["bash", "-c", code], env={**env, "LINE": line}, capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    return sorted(x for x in r.stdout.splitlines() if x)
+    return sorted(x[1:-1] for x in r.stdout.splitlines())  # a blank offer stays visible
 
 
 def test_subcommands_and_options(setup: dict[str, str]) -> None:
@@ -69,6 +69,7 @@ def test_reserve_completes_hosts_from_the_config(setup: dict[str, str]) -> None:
 def test_release_offers_your_reservations_on_configured_hosts(setup: dict[str, str]) -> None:
     # bash splits at ':'; the words offered are what follows it.
     assert complete(setup, "gputop release gpu-02:") == ["3"]
+    assert complete(setup, "gputop reserve gpu-01:") == []  # not a blank entry
     offered = complete(setup, "gputop release ")
     assert "gpu-02:3" in offered and not any(o.startswith("gone-host") for o in offered)
 
