@@ -278,13 +278,13 @@ async def test_reset_makes_the_next_query_try_at_once(fleet_home: Fleet) -> None
     try:
         first = (await poller.snapshot()).hosts[0]
         again = (await poller.snapshot()).hosts[0]
-        assert again.error is not None and "retrying in" in again.error.message
+        assert again.error is not None and "waiting to retry" in again.error.message
         src.reset()  # type: ignore[attr-defined]
         third = (await poller.snapshot()).hosts[0]
     finally:
         await poller.aclose()
     assert first.error is not None and third.error is not None
-    assert third.error.kind == "auth" and "retrying in" not in third.error.message
+    assert third.error.kind == "auth" and "waiting to retry" not in third.error.message
 
 
 async def test_host_key_and_auth_messages_name_the_host_and_the_fix(fleet_home: Fleet) -> None:

@@ -220,11 +220,14 @@ async def test_auth_failure_is_not_retried_in_a_tight_loop(fleet_home: Fleet) ->
     try:
         first = (await poller.snapshot()).hosts[0]
         again = (await poller.snapshot()).hosts[0]
+        await asyncio.sleep(1.1)
+        third = (await poller.snapshot()).hosts[0]
     finally:
         await poller.aclose()
     assert first.error is not None and first.error.kind == "auth"
+    assert third.error == again.error  # no countdown: unchanged until the next try
     assert again.error is not None and again.error.kind == "auth"
-    assert "retrying in" in again.error.message  # answered from backoff, no new attempt
+    assert "waiting to retry" in again.error.message  # answered from backoff, no new attempt
     assert poller.sources[0].connects == 0
 
 

@@ -105,6 +105,10 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
 
 
+#: Appended to a failed host's last error while it waits for its next try.
+WAITING_TO_RETRY = "(waiting to retry)"
+
+
 class _ChannelClosed(Exception):
     """The streaming channel ended before a refresh was complete."""
 
@@ -526,9 +530,10 @@ class SshSource:
         """This host's GPUs, or its classified error. Never raises (but CancelledError)."""
         now = time.monotonic()
         if now < self._retry_at and self._last_error is not None:
-            wait = self._retry_at - now
+            # The same words on every refresh until the next try (a countdown here made
+            # every --watch document differ for a host that had not changed).
             return [], HostError(self._last_error.kind,
-                                 f"{self._last_error.message} (retrying in {wait:.0f}s)")
+                                 f"{self._last_error.message} {WAITING_TO_RETRY}")
         try:
             if self.streaming:
                 result = await self._stream_query()
