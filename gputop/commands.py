@@ -119,7 +119,9 @@ async def _poll(config: Config, names: set[str] | None = None) -> list[HostSnaps
 
     if names is not None:
         config = replace(config, hosts=tuple(h for h in config.hosts if h.name in names))
-    poller = Poller(config)
+    # One look: one query per host, as `--json` does (starting streams and waiting for
+    # their first samples made `free` and `reserve` take seconds).
+    poller = Poller(replace(config, collection="query"))
     try:
         return list((await poller.snapshot()).hosts)
     finally:

@@ -301,3 +301,17 @@ def test_times_in_messages_are_not_utc_when_local_is_not(gputop: Any) -> None:
     assert gputop("reserve", "gpu-mixed:1", "--for", "1h", TZ="XYZ+3").returncode == 0
     listed = gputop("reservations", TZ="XYZ+3").stdout
     assert (now + timedelta(hours=-3 + 1)).strftime("%Y-%m-%d") in listed and "XYZ" in listed
+
+
+def test_one_look_commands_query_once_and_start_no_loop(gputop: Any, fleet: Fleet) -> None:
+    """`free` and `reserve` look once: one query per host (as `--json`), never the
+    streaming loops, whose first samples they would otherwise wait for."""
+    only(gputop, "gpu-h100")
+    host = fleet.hosts["gpu-h100"]
+    before = len(fleet.calls(host))
+    assert gputop("free", "--whole").returncode in (0, 1)
+    r = gputop("reserve", "gpu-h100:1", "--for", "1m")
+    assert r.returncode == 0, r.stderr
+    calls = fleet.calls(host)[before:]
+    assert calls and not any("-lms" in c or "--loop" in c for c in calls), calls
+    assert sum("--query-gpu" in c for c in calls) == 2, calls  # one query per command
