@@ -99,7 +99,8 @@ _TAGGER = r'{printf "%s", "T " substr($0, 1, 2000) "\n"; fflush()}'
 #: The relay: the one writer to the channel. It collects tagged lines and writes them out
 #: at once (one SSH packet) when a GPU sample is complete (``count``, field 2 of each row,
 #: says how many rows; a lost GPU's line counts as one), at a ``ps`` answer's marker and at
-#: a loop's exit marker. Until two GPU samples have gone out, apps rows go out as they come
+#: a loop's exit marker, at a GPU line that is no row (an error text: the client judges it)
+#: and beyond 64 KiB. Until two GPU samples have gone out, apps rows go out as they come
 #: (the first sample may wait for the first apps rows). A miscount only delays a flush to
 #: the next sample or marker, never loses a line; an untagged line is dropped.
 _RELAY = (
@@ -108,9 +109,10 @@ _RELAY = (
     r'if (t == "g " && !f) { r = substr($0, 3); '
     r'l += gsub(/Unable to determine the device handle for GPU/, "", r); '
     r'if (split(r, c, ", ") >= NF_GPU) { if (c[1] != ts) { ts = c[1]; k = 0 } k++; '
-    r'n = c[2] + 0 } if (n > 0 && k + l >= n) { f = 1; k = 0; l = 0; s++ } } '
+    r'n = c[2] + 0 } else if (r == substr($0, 3)) f = 1; '
+    r'if (n > 0 && k + l >= n) { f = 1; k = 0; l = 0; s++ } } '
     r'else if (t == "a " && s < 2) f = 1; '
-    r'if (f) { printf "%s", b; fflush(); b = "" } } '
+    r'if (f || length(b) > 65536) { printf "%s", b; fflush(); b = "" } } '
     r'END { printf "%s", b }'
 )
 

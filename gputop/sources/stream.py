@@ -281,6 +281,8 @@ class HostSession:
                 for line in self._reader.feed(data):
                     self._line(line)
         except ParseError as exc:  # framing, or more output than a sample may have
+            for loop in list(self._bad):  # a loop went astray first: that is the story
+                self._judge(loop, None)
             self._fail(HostError("parse", str(exc)))
             return
         except (asyncssh.Error, OSError) as exc:
@@ -378,8 +380,9 @@ class HostSession:
 
     def _keep(self, loop: str, x: str) -> None:
         lines = self._bad[loop][0]
-        if sum(len(t) for t in lines) < FAILURE_TEXT:
-            lines.append(x)
+        lines.append(x)
+        if sum(len(t) for t in lines) >= FAILURE_TEXT:
+            self._judge(loop, None)
 
     def _judge(self, loop: str, rc: int | None) -> None:
         lines, why = self._bad[loop]
