@@ -2,6 +2,7 @@
 
     python bench/streaming.py                 # 50 hosts, 30 s per mode, 5 s slow start
     python bench/streaming.py --hosts 10 --steady 10 --slow-steady 10   # quicker
+    python bench/streaming.py --old c38dcab   # also the streams of that commit (3 sessions)
 
 Brings up N real OpenSSH sshd hosts (``tests/fleet.py``; 4 GPUs and one job of a real
 user each; stand-in nvidia-smi with ``--latency`` start-up) and runs ``gputop --json
@@ -91,12 +92,17 @@ def _cpu(pid: int) -> float:
 
 
 def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
-          first_timeout: float = 60.0) -> dict[str, object]:
+          first_timeout: float = 60.0, code: Path | None = None) -> dict[str, object]:
+    """``gputop --json --watch`` until ``seconds`` into the steady state; ``code``: run the
+    gputop package found there instead (an older commit's, for comparison)."""
     cfg = fleet.write_config(timeout=10.0, interval=interval, first_sample_timeout=first_timeout,
                              extra=f'collection = "{collection}"')
+    env = fleet.env()
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     proc = subprocess.Popen([PY, "-m", "gputop", "--json", "--watch", "--config", str(cfg)],
-                            env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=str(code) if code is not None else None)
     assert proc.stdout is not None
     launched = time.monotonic()
     arrivals: list[float] = []
@@ -148,6 +154,8 @@ def main() -> int:
     ap.add_argument("--latency", type=float, default=0.15)
     ap.add_argument("--slow", type=float, default=5.0)
     ap.add_argument("--slow-steady", type=float, default=20.0)
+    ap.add_argument("--old", metavar="REV",
+                    help="also run the streaming collection of this git commit (steady state)")
     args = ap.parse_args()
     reason = sshd_available()
     if reason:
@@ -156,11 +164,25 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gputop-bench-stream-"))
     os.chmod(root, 0o755)
     results: dict[str, object] = {"hosts": args.hosts, "latency_s": args.latency,
-                                  "slow_s": args.slow, "cores": os.cpu_count()}
+                                  "slow_s": args.slow, "cores": os.cpu_count(),
+                                  "load": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
+    old: Path | None = None
+    if args.old:
+        old = root / "old"
+        old.mkdir()
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.old],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gputop"],
+                             capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
+        results["old_rev"] = rev
     fleet = up(args.hosts, args.latency, root)
     try:
-        for mode in ("query", "stream"):
-            r = watch(fleet, mode, args.steady)
+        for mode in ("query", "stream", "old-stream"):
+            if mode == "old-stream" and old is None:
+                continue
+            r = watch(fleet, mode.removeprefix("old-"), args.steady,
+                      code=old if mode.startswith("old-") else None)
             results[mode] = r
             print(r, flush=True)
         for h in fleet.hosts.values():
@@ -188,14 +210,18 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
     ratio = q["host_cpu_ms_per_host_per_refresh"] / lower
     at_least = "" if s["host_cpu_ms_per_host_per_refresh"] >= tick_ms else "at least "
     rows = []
-    for label, x in (("query per refresh (before)", q), ("streams (now)", s)):
+    runs = [("query per refresh", q)]
+    if "old-stream" in r:
+        runs.append((f"streams, 3 sessions per host ({r['old_rev']})", r["old-stream"]))
+    runs.append(("streams, 1 session per host (now)", s))
+    for label, x in runs:
         rows.append(f"| {label} | {x['host_cpu_ms_per_host_per_refresh']:.2f} ms | "
                     f"{x['process_starts_per_host_per_refresh']:.2f} | "
                     f"{x['client_cpu_ms_per_refresh']:.0f} ms | {x['first_complete_s']:.1f} s | "
                     f"{x['gap_median_s']:.2f} / {x['gap_max_s']:.2f} s | {x['refreshes']} | "
                     f"{'yes' if x['all_complete'] else 'NO'} |")
     slow = []
-    for label, x in (("query per refresh (before)", sq), ("streams (now)", ss)):
+    for label, x in (("query per refresh", sq), ("streams, 1 session per host (now)", ss)):
         slow.append(f"| {label} | {x['first_complete_s']:.1f} s | {x['gap_median_s']:.2f} s | "
                     f"{x['gap_max_s']:.2f} s | {x['gap_max_s'] / 2.0:.2f} x | "
                     f"{x['process_starts_per_host_per_refresh']:.2f} | "
@@ -205,7 +231,8 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
         f"One run, one fleet: {r['hosts']} real OpenSSH sshd hosts on loopback (4 GPUs and one "
         f"job of a real user each), stand-in nvidia-smi starting in {r['latency_s'] * 1000:.0f}"
         f" ms, `gputop --json --watch` at a 2 s interval; {r['cores']} cores shared by the "
-        "fleet, the client and other work, so compare the rows, not the absolute numbers. "
+        "fleet, the client and other work, so compare the rows, not the absolute numbers "
+        f"(load average before the run: {r.get('load', '?')}). "
         "Produced by `python bench/streaming.py`. No GPU machine was used: the stand-in "
         "nvidia-smi replays real captures and loops like the real one (`-lms`).\n",
         "## Steady state\n",
