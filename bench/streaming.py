@@ -87,6 +87,12 @@ def starts(fleet: Fleet) -> int:
     return sum(len(fleet.calls(h)) for h in fleet.hosts.values())
 
 
+def calls_since(fleet: Fleet, before: dict[str, int]) -> list[str]:
+    """The processes each host started since ``before`` (its call counts then)."""
+    return [f"{name}: {c}" for name, h in fleet.hosts.items()
+            for c in fleet.calls(h)[before.get(name, 0):]]
+
+
 def _cpu(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / TICK
@@ -112,6 +118,7 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
     cold = None
     c0 = h0 = 0.0
     s0 = 0
+    counts: dict[str, int] = {}
     deadline = None
     while True:
         line = proc.stdout.readline()
@@ -125,6 +132,7 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
                 continue  # starting: not yet the steady state
             cold = now - launched
             c0, h0, s0, deadline = _cpu(proc.pid), host_cpu(fleet), starts(fleet), now + seconds
+            counts = {name: len(fleet.calls(h)) for name, h in fleet.hosts.items()}
         arrivals.append(now)
         # How old the oldest host's data is: each host's ``time`` is when its last answer
         # came (whole seconds, so this is an upper bound: up to 1 s too old).
@@ -137,6 +145,7 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
     cpu = _cpu(proc.pid) - c0
     hcpu = host_cpu(fleet) - h0
     started = starts(fleet) - s0
+    steady_calls = calls_since(fleet, counts)
     proc.terminate()
     proc.wait(10)
     time.sleep(1.0)  # the streams end with their channels
@@ -151,7 +160,8 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
             "host_cpu_ms_per_host_per_refresh": 1000 * hcpu / n / refreshes,
             "process_starts_per_host_per_refresh": started / n / refreshes,
             "client_cpu_ms_per_refresh": 1000 * cpu / refreshes,
-            "left_running": sum(len(fleet.remote_processes(h)) for h in fleet.hosts.values())}
+            "left_running": sum(len(fleet.remote_processes(h)) for h in fleet.hosts.values()),
+            "steady_calls": steady_calls[:20]}
 
 
 def main() -> int:

@@ -100,7 +100,7 @@ MIG_SCRIPT = (
 #: loop's first rows: it prints nothing while no process runs.
 FIRST_APPS_WAIT_S = 1.0
 #: ...and then this long for the rest of that first batch.
-SETTLE_S = 0.2
+SETTLE_S = 0.05
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
