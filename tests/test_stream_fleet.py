@@ -383,3 +383,32 @@ async def test_host_without_awk_falls_back_to_a_query_and_says_so(sfleet: Fleet)
     assert isinstance(src, SshSource) and not src.streaming
     calls = sfleet.calls(alpha)
     assert not any("-lms" in c for c in calls) and smi_starts(calls) == 2 * 2, calls
+
+
+async def test_the_last_job_ending_shows_no_processes_within_two_samples(sfleet: Fleet) -> None:
+    """The apps loop then prints nothing at all: the GPU sample's host-clock time says its
+    last rows are stale (they are never kept as "still arriving")."""
+    alpha = sfleet.hosts["alpha"]
+    poller = poller_for(sfleet, ["alpha"])
+    procs: list[int] = []
+    ended_at = 0
+    try:
+        async for _t, snap in updates(poller, 20):
+            assert snap.error is None, snap.error
+            procs.append(sum(len(g.processes) for g in snap.gpus))
+            if len(procs) == 3:
+                assert procs == [1, 1, 1]
+                (job,) = alpha.processes
+                alpha.processes.clear()
+                sfleet.set_scenario(alpha, "ok")  # the apps loop prints nothing from now
+                assert job.popen is not None
+                job.popen.kill()
+                job.popen.wait(5)
+                ended_at = len(procs)
+            if ended_at and len(procs) >= ended_at + 5:
+                break
+    finally:
+        await poller.aclose()
+    after = procs[ended_at:]
+    # The sample in flight may still show it; from the next but one on, never again.
+    assert after[2:] == [0] * len(after[2:]) and len(after) >= 5, procs
