@@ -851,7 +851,6 @@ class SshSource:
         while True:
             st = self._streams
             assert st is not None and self._conn is not None
-            st.event.clear()
             if st.error is not None:
                 err = st.error
                 cannot_stream = st.first_at is None and err.kind == "error"
@@ -896,8 +895,7 @@ class SshSource:
                     self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
                                         "restarting it")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(st.event.wait(), until - now)
+            await st.changed(until - now)
 
     async def _await_streams(self, asked: float) -> RemoteResult | None:
         """Open the session (an SSH session set-up: on a busy host that alone takes a while).
@@ -943,7 +941,6 @@ class SshSource:
         self.first_sample_s = st.first_sample_s
         if first and not st.apps.seen:
             # Both loops started together; the apps one prints nothing without processes.
-            st.event.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._apps_seen(st),
                                        min(FIRST_APPS_WAIT_S, self.interval))
@@ -971,8 +968,7 @@ class SshSource:
     @staticmethod
     async def _apps_seen(st: HostSession) -> None:
         while not st.apps.seen:
-            await st.event.wait()
-            st.event.clear()
+            await st.changed(FIRST_APPS_WAIT_S)
         await asyncio.sleep(SETTLE_S)  # the rest of its first batch
 
     async def _owners_of(self, st: HostSession, apps: list[AppRow],

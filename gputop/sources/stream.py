@@ -187,6 +187,11 @@ class AppsBatches:
         return []
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class NoAwk(Exception):
     """The host has no awk: the session cannot run, collect with a query per refresh."""
 
@@ -201,8 +206,8 @@ _EXIT = re.compile(r"exit (\d{1,3})")
 class HostSession:
     """One host's streaming session: both loops and ps, read by one task.
 
-    ``seq`` counts complete GPU samples; ``event`` is set whenever anything changes (a
-    sample, an error, the end of a loop), so a refresh waits without polling.
+    ``seq`` counts complete GPU samples; :meth:`changed` returns whenever anything changes
+    (a sample, apps rows, an error, the end of a loop), so a refresh waits without polling.
     """
 
     def __init__(self, conn: asyncssh.SSHClientConnection, interval: float,
@@ -222,7 +227,7 @@ class HostSession:
         #: A loop ended (its rc): a dead session is restarted, one that cannot stream
         #: (ended with a plain failure before any sample) makes the host fall back.
         self.ended: int | None = None
-        self.event = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
         #: Channels opened (for tests and the benchmark): one per session.
         self.channels = 0
         #: Lines read (for tests) and reads that brought data (the client's wake-ups).
@@ -370,7 +375,7 @@ class HostSession:
         except ParseError as exc:
             self._spoilt("a", x, str(exc))
             return
-        self.event.set()
+        self._wake()
 
     def _spoilt(self, loop: str, text: str, why: str) -> None:
         """A loop printed what is not a sample: keep what follows for a moment, so that a
@@ -412,6 +417,27 @@ class HostSession:
             lines = await fut
         return split_frame(lines, nonce, OWNER_SECTIONS)
 
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the next change, or after ``timeout`` seconds. (A bare future and a
+        timer: ``wait_for(event.wait())`` costs a task and two more loop turns per host
+        per refresh, and the client's CPU is mostly such turns.)"""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        timer = loop.call_later(max(0.0, timeout), _settle, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
     def _later(self, delay: float, what: object) -> None:
         assert callable(what)
         self._timers.append(asyncio.get_running_loop().call_later(delay, what))
@@ -420,13 +446,13 @@ class HostSession:
         if self.error is None and self.ended is None:
             self.error = err
         self._stop_ps(f"{err.kind}: {err.message}")
-        self.event.set()
+        self._wake()
 
     def _end(self, rc: int) -> None:
         if self.ended is None and self.error is None:
             self.ended = rc
         self._stop_ps(f"the nvidia-smi session ended (exit {rc})")
-        self.event.set()
+        self._wake()
 
     def _stop_ps(self, why: str) -> None:
         if self._ps is not None:
@@ -443,7 +469,7 @@ class HostSession:
         self.gpus = gpus
         self.stamp = self._sampler.stamp
         self.seq += 1
-        self.event.set()
+        self._wake()
 
     @property
     def first_sample_s(self) -> float | None:
