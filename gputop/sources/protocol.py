@@ -9,7 +9,10 @@ Remote output is hostile: any user on a GPU host chooses their jobs' command lin
 - the sections come in a fixed order, each closed by its marker with the exit code; output
   after the end marker, a missing or misplaced marker is a framing error: that refresh is
   the host's ``parse`` error and the channel is reopened, never read from again;
-- the size of one refresh is checked while it is read (:class:`LineReader`).
+- the size of one refresh is checked while it is read (:class:`LineReader`);
+- in the streaming session (:func:`session_script`) every line is tagged by our own awk
+  where it is produced (``g`` GPU loop, ``a`` apps loop, ``p`` ps), one line per write
+  below the pipe's atomic size: a ps line stays a ``p`` line whatever it says.
 
 Only the owners section decides who uses a GPU, and it holds no user text: the command
 lines are a section of their own, read after it and parsed leniently.
@@ -91,10 +94,10 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
 #: byte a remote process prints can start a line with another producer's tag.
 TAGS = ("g", "a", "p")
 
-#: awk that tags each line it reads with ``T `` in one write of at most PIPE_BUF bytes (a
+#: awk that tags each line it reads with ``TAG `` in one write of at most PIPE_BUF bytes (a
 #: line is cut at 2000 bytes; ``ps`` command lines are cut at 512): lines written by the
 #: three producers into one pipe never interleave.
-_TAGGER = r'{printf "%s", "T " substr($0, 1, 2000) "\n"; fflush()}'
+_TAGGER = r'{printf "%s", "TAG " substr($0, 1, 2000) "\n"; fflush()}'
 
 #: The relay: the one writer to the channel. It collects tagged lines and writes them out
 #: at once (one SSH packet) when a GPU sample is complete (``count``, field 2 of each row,
@@ -125,8 +128,9 @@ def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
     host has no awk (the client then queries per refresh). Then it runs both nvidia-smi
     loops in the background, each through a tagger (``g``/``a``) and each closed by
     ``@@gputop NONCE exit RC``; and it answers ``NONCE PID,PID,...`` lines read on stdin
-    with ``ps`` for those pids (tagged ``p``, framed as :func:`owners_script`'s, the request's
-    own nonce in the markers). Everything goes through one relay awk, which writes about
+    with ``ps`` for those pids (tagged ``p``; sections ``owners`` and ``args`` framed as in
+    :func:`remote_script`, with the request's own nonce). Everything goes through one
+    relay awk, which writes about
     once per refresh. When stdin closes (gputop exits, the connection drops) or a request
     line is malformed, the whole process group is killed: an apps loop that prints nothing
     would never notice otherwise.
@@ -135,7 +139,7 @@ def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
     interactive``: probed once, used where it is accepted silently.
     """
     check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
-    tag = {t: _TAGGER.replace("T ", f"{t} ") for t in TAGS}
+    tag = {t: _TAGGER.replace("TAG", t) for t in TAGS}
     relay = _RELAY.replace("NF_GPU", str(int(gpu_fields)))
     probe = ("A=; if o=$(awk -W interactive 'BEGIN{}' </dev/null 2>&1) && [ -z \"$o\" ]; "
              "then A='awk -W interactive'; elif awk 'BEGIN{}' </dev/null >/dev/null 2>&1; "
