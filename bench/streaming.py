@@ -2,6 +2,7 @@
 
     python bench/streaming.py                 # 50 hosts, 30 s per mode, 5 s slow start
     python bench/streaming.py --hosts 10 --steady 10 --slow-steady 10   # quicker
+    python bench/streaming.py --old c38dcab   # also the streams of that commit (3 sessions)
 
 Brings up N real OpenSSH sshd hosts (``tests/fleet.py``; 4 GPUs and one job of a real
 user each; stand-in nvidia-smi with ``--latency`` start-up) and runs ``gputop --json
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,25 +87,38 @@ def starts(fleet: Fleet) -> int:
     return sum(len(fleet.calls(h)) for h in fleet.hosts.values())
 
 
+def calls_since(fleet: Fleet, before: dict[str, int]) -> list[str]:
+    """The processes each host started since ``before`` (its call counts then)."""
+    return [f"{name}: {c}" for name, h in fleet.hosts.items()
+            for c in fleet.calls(h)[before.get(name, 0):]]
+
+
 def _cpu(pid: int) -> float:
     f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / TICK
 
 
 def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
-          first_timeout: float = 60.0) -> dict[str, object]:
+          first_timeout: float = 60.0, code: Path | None = None) -> dict[str, object]:
+    """``gputop --json --watch`` until ``seconds`` into the steady state; ``code``: run the
+    gputop package found there instead (an older commit's, for comparison)."""
     cfg = fleet.write_config(timeout=10.0, interval=interval, first_sample_timeout=first_timeout,
                              extra=f'collection = "{collection}"')
+    env = fleet.env()
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     proc = subprocess.Popen([PY, "-m", "gputop", "--json", "--watch", "--config", str(cfg)],
-                            env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, cwd=str(code) if code is not None else None)
     assert proc.stdout is not None
     launched = time.monotonic()
     arrivals: list[float] = []
+    ages: list[float] = []
     complete: list[bool] = []
     cold = None
     c0 = h0 = 0.0
     s0 = 0
+    counts: dict[str, int] = {}
     deadline = None
     while True:
         line = proc.stdout.readline()
@@ -117,13 +132,20 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
                 continue  # starting: not yet the steady state
             cold = now - launched
             c0, h0, s0, deadline = _cpu(proc.pid), host_cpu(fleet), starts(fleet), now + seconds
+            counts = {name: len(fleet.calls(h)) for name, h in fleet.hosts.items()}
         arrivals.append(now)
+        # How old the oldest host's data is: each host's ``time`` is when its last answer
+        # came (whole seconds, so this is an upper bound: up to 1 s too old).
+        wall = time.time()
+        ages.append(max(wall - datetime.fromisoformat(h["time"].replace("Z", "+00:00"))
+                        .timestamp() for h in doc["hosts"]))
         complete.append(ok)
         if now >= deadline:
             break
     cpu = _cpu(proc.pid) - c0
     hcpu = host_cpu(fleet) - h0
     started = starts(fleet) - s0
+    steady_calls = calls_since(fleet, counts)
     proc.terminate()
     proc.wait(10)
     time.sleep(1.0)  # the streams end with their channels
@@ -133,11 +155,13 @@ def watch(fleet: Fleet, collection: str, seconds: float, interval: float = 2.0,
     return {"collection": collection, "hosts": n, "refreshes": refreshes,
             "first_complete_s": cold,
             "gap_median_s": statistics.median(gaps), "gap_max_s": max(gaps),
+            "age_median_s": statistics.median(ages), "age_max_s": max(ages),
             "all_complete": all(complete),
             "host_cpu_ms_per_host_per_refresh": 1000 * hcpu / n / refreshes,
             "process_starts_per_host_per_refresh": started / n / refreshes,
             "client_cpu_ms_per_refresh": 1000 * cpu / refreshes,
-            "left_running": sum(len(fleet.remote_processes(h)) for h in fleet.hosts.values())}
+            "left_running": sum(len(fleet.remote_processes(h)) for h in fleet.hosts.values()),
+            "steady_calls": steady_calls[:4]}
 
 
 def main() -> int:
@@ -148,6 +172,8 @@ def main() -> int:
     ap.add_argument("--latency", type=float, default=0.15)
     ap.add_argument("--slow", type=float, default=5.0)
     ap.add_argument("--slow-steady", type=float, default=20.0)
+    ap.add_argument("--old", metavar="REV",
+                    help="also run the streaming collection of this git commit (steady state)")
     args = ap.parse_args()
     reason = sshd_available()
     if reason:
@@ -156,11 +182,25 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="gputop-bench-stream-"))
     os.chmod(root, 0o755)
     results: dict[str, object] = {"hosts": args.hosts, "latency_s": args.latency,
-                                  "slow_s": args.slow, "cores": os.cpu_count()}
+                                  "slow_s": args.slow, "cores": os.cpu_count(),
+                                  "load": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
+    old: Path | None = None
+    if args.old:
+        old = root / "old"
+        old.mkdir()
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.old],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "gputop"],
+                             capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
+        results["old_rev"] = rev
     fleet = up(args.hosts, args.latency, root)
     try:
-        for mode in ("query", "stream"):
-            r = watch(fleet, mode, args.steady)
+        for mode in ("query", "stream", "old-stream"):
+            if mode == "old-stream" and old is None:
+                continue
+            r = watch(fleet, mode.removeprefix("old-"), args.steady,
+                      code=old if mode.startswith("old-") else None)
             results[mode] = r
             print(r, flush=True)
         for h in fleet.hosts.values():
@@ -188,16 +228,20 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
     ratio = q["host_cpu_ms_per_host_per_refresh"] / lower
     at_least = "" if s["host_cpu_ms_per_host_per_refresh"] >= tick_ms else "at least "
     rows = []
-    for label, x in (("query per refresh (before)", q), ("streams (now)", s)):
+    runs = [("query per refresh", q)]
+    if "old-stream" in r:
+        runs.append((f"streams, 3 sessions per host ({r['old_rev']})", r["old-stream"]))
+    runs.append(("streams, 1 session per host (now)", s))
+    for label, x in runs:
         rows.append(f"| {label} | {x['host_cpu_ms_per_host_per_refresh']:.2f} ms | "
                     f"{x['process_starts_per_host_per_refresh']:.2f} | "
                     f"{x['client_cpu_ms_per_refresh']:.0f} ms | {x['first_complete_s']:.1f} s | "
                     f"{x['gap_median_s']:.2f} / {x['gap_max_s']:.2f} s | {x['refreshes']} | "
                     f"{'yes' if x['all_complete'] else 'NO'} |")
     slow = []
-    for label, x in (("query per refresh (before)", sq), ("streams (now)", ss)):
-        slow.append(f"| {label} | {x['first_complete_s']:.1f} s | {x['gap_median_s']:.2f} s | "
-                    f"{x['gap_max_s']:.2f} s | {x['gap_max_s'] / 2.0:.2f} x | "
+    for label, x in (("query per refresh", sq), ("streams, 1 session per host (now)", ss)):
+        slow.append(f"| {label} | {x['first_complete_s']:.1f} s | {x['age_median_s']:.1f} s | "
+                    f"{x['age_max_s']:.1f} s | {x['age_max_s'] / 2.0:.2f} x | "
                     f"{x['process_starts_per_host_per_refresh']:.2f} | "
                     f"{'yes' if x['all_complete'] else 'NO'} |")
     return "\n".join([
@@ -205,7 +249,8 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
         f"One run, one fleet: {r['hosts']} real OpenSSH sshd hosts on loopback (4 GPUs and one "
         f"job of a real user each), stand-in nvidia-smi starting in {r['latency_s'] * 1000:.0f}"
         f" ms, `gputop --json --watch` at a 2 s interval; {r['cores']} cores shared by the "
-        "fleet, the client and other work, so compare the rows, not the absolute numbers. "
+        "fleet, the client and other work, so compare the rows, not the absolute numbers "
+        f"(load average before the run: {r.get('load', '?')}). "
         "Produced by `python bench/streaming.py`. No GPU machine was used: the stand-in "
         "nvidia-smi replays real captures and loops like the real one (`-lms`).\n",
         "## Steady state\n",
@@ -221,17 +266,19 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
         "starts are nvidia-smi and ps starts logged by the stand-ins (the per-refresh script "
         "also forks subshells, not counted).\n",
         f"## Slow nvidia-smi: {r['slow_s']:g} s start-up on every host\n",
-        "| collection | first complete document | refresh-to-refresh median | max (= oldest "
-        "data shown) | max / interval | process starts per host per refresh | every "
+        "| collection | first complete document | data age, oldest host per document: "
+        "median | max | max / interval | process starts per host per refresh | every "
         "refresh complete |",
         "|---|---:|---:|---:|---:|---:|:---:|",
         *slow,
         "",
-        "Before, every refresh waits for nvidia-smi's start-up, so the data shown is as old as "
-        "the start-up time plus the interval; a host whose start-up exceeds `timeout` is a "
-        "permanent `timeout`. Streaming pays the start-up once (the host shows `starting "
-        "nvidia-smi: N s` meanwhile, and `first_sample_s` after), then delivers a sample "
-        "every interval.\n",
+        "Data age: at each document, the time since the oldest host's last answer (its "
+        "`time`, in whole seconds: an upper bound, up to 1 s more than the true age). "
+        "`--watch` emits a document every interval with each host's latest data, so with a "
+        "query per refresh the data shown is as old as the start-up time plus the wait for "
+        "the next refresh; a host whose start-up exceeds `timeout` is a permanent `timeout`. "
+        "Streaming pays the start-up once (the host shows `starting nvidia-smi: N s` "
+        "meanwhile, and `first_sample_s` after), then delivers a sample every interval.\n",
     ])
 
 

@@ -119,7 +119,7 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
                 assert snap.hosts[0].gpus[0].instances
             src = poller.sources[0]
             assert isinstance(src, SshSource)
-            return src.mig_reads, src.channels - (3 if src.streaming else 1)
+            return src.mig_reads, src.channels - 1
         finally:
             await poller.aclose()
 

@@ -105,9 +105,8 @@ async def test_end_mark_in_a_command_line_hides_nothing(home: Fleet, collection:
             assert got[bob.pid].command == "python evil.py @@gputop end"
             if home.users:
                 assert (got[alice.pid].user, got[bob.pid].user) == ("gtalice", "gtbob")
-        # One channel per refresh loop; streaming: the two streams and the ps channel.
-        assert poller.sources[0].channels == (  # type: ignore[attr-defined]
-            1 if collection == "query" else 3)
+        # One channel per refresh loop; streaming: one session (both loops and ps).
+        assert poller.sources[0].channels == 1  # type: ignore[attr-defined]
     finally:
         await poller.aclose()
 
@@ -144,8 +143,8 @@ async def test_output_over_the_limit_is_cut_off_and_the_channel_reopened(
             home.set_scenario(huge, "huge")
         assert h.error is None and len(h.gpus) == 1
         src = poller.sources[0]
-        assert (src.connects, src.channels) == (  # type: ignore[attr-defined]
-            (1, 2) if collection == "query" else (1, 5))  # streams: 2 + ps, then 2
+        # A new channel (query) or a new session (streaming), on the same connection.
+        assert (src.connects, src.channels) == (1, 2)  # type: ignore[attr-defined]
     finally:
         await poller.aclose()
 

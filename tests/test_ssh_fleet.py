@@ -140,10 +140,10 @@ async def test_connections_are_reused_across_refreshes(fleet_home: Fleet) -> Non
             assert [h.ok for h in snap.hosts] == [True, True, False]
             channels.append([s.channels for s in poller.sources])  # type: ignore[attr-defined]
         assert poller.connects == 3  # one per host, none per refresh
-        # ...and the healthy hosts' channels (two nvidia-smi streams and one for ps) are
-        # kept: a refresh opens no new session remotely. The failing host's streams end
-        # with the failure: they are started again per refresh.
-        assert [c[:2] for c in channels] == [[3, 3]] * 3
+        # ...and the healthy hosts' channel (one session: both nvidia-smi loops and ps) is
+        # kept: a refresh opens no new session remotely. The failing host's session ends
+        # with the failure: it is started again per refresh.
+        assert [c[:2] for c in channels] == [[1, 1]] * 3
     finally:
         await poller.aclose()
 

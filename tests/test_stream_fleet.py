@@ -18,7 +18,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
+from fleet import Fleet, GpuProcess, Host, gpu_uuid
 
 from gputop.config import load_config
 from gputop.model import FleetSnapshot, HostSnapshot
@@ -62,6 +62,25 @@ def smi_starts(calls: list[str]) -> int:
     return sum(c.startswith("nvidia-smi ") for c in calls)
 
 
+def sessions_of(fleet: Fleet, h: Host) -> dict[int, list[int]]:
+    """The host's stand-in nvidia-smi processes by SSH session (sshd starts each exec
+    channel's command in a session of its own: a session id is a channel)."""
+    out: dict[int, list[int]] = {}
+    for ln in fleet.remote_processes(h):
+        pid = int(ln.split()[0])
+        sid = subprocess.run(["ps", "-o", "sid=", "-p", str(pid)], capture_output=True,
+                             text=True).stdout.strip()
+        if sid:
+            out.setdefault(int(sid), []).append(pid)
+    return out
+
+
+def session_pids(sid: int) -> set[int]:
+    """Every process in that session on the host (the loops, their awks, the relay)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return {int(p) for p, s in (ln.split() for ln in out.splitlines()) if int(s) == sid}
+
+
 async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     sfleet: Fleet,
 ) -> None:
@@ -74,15 +93,29 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     channels = 0
     newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
     found_at: int | None = None
+    at3: tuple[set[int], int, int] = (set(), 0, 0)
     try:
         async for _t, snap in updates(poller, 30):
             assert snap.error is None, snap.error
             seen.append(snap)
             if len(seen) == 1:
                 first_calls, channels = sfleet.calls(alpha), src.channels
+            st = src._streams
+            assert st is not None
+            if len(seen) == 3:
+                # ONE exec channel carries both loops and ps: one SSH session on the host.
+                assert channels == 1 and src.channels == 1
+                groups = sessions_of(sfleet, alpha)
+                assert list(groups) == [st.pid] and len(groups[st.pid]) == 2, groups
+                at3 = (session_pids(st.pid), st.reads, st.seq)
             if len(seen) == 8:  # steady state: nothing new was started on the host
                 assert sfleet.calls(alpha) == first_calls
                 assert src.channels == channels and src.connects == 1
+                # ...not even an awk: the session's processes are the same ones.
+                assert session_pids(st.pid) == at3[0]
+                # One write per refresh: the client wakes once per sample, not per loop.
+                reads, samples = st.reads - at3[1], st.seq - at3[2]
+                assert samples >= 4 and reads <= samples + 1, (reads, samples)
                 # A new job appears: its owner is asked once, with ps; nothing else starts.
                 sfleet.start_process(newcomer)
                 alpha.processes.append(newcomer)
@@ -156,6 +189,7 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
     poller = poller_for(sfleet, ["alpha"], first_sample_timeout=10.0)
     stopped: list[int] = []
     kinds: list[str] = []
+    groups: dict[int, list[int]] = {}
     try:
         async for _t, snap in updates(poller, 40):
             kinds.append(snap.error.kind if snap.error else "ok")
@@ -167,6 +201,7 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
                 stopped.append(int(line.split()[0]))
                 os.kill(stopped[0], signal.SIGSTOP)
             if "timeout" in kinds and kinds[-1] == "ok" and kinds.count("ok") >= 5:
+                groups = sessions_of(sfleet, alpha)
                 break
     finally:
         await poller.aclose()
@@ -179,6 +214,11 @@ async def test_stalled_stream_is_a_timeout_killed_on_the_host_and_restarted(
                          text=True)
     assert out.stdout.strip() in ("", "Z"), out.stdout  # gone, or a zombie for init to reap
     assert smi_starts(sfleet.calls(alpha)) == 4  # one restart of the pair
+    # ...in one new session: nothing of the stalled one was left on the host.
+    (pids,) = groups.values()
+    assert len(pids) == 2 and stopped[0] not in pids, groups
+    await asyncio.sleep(0.5)
+    assert sfleet.remote_processes(alpha) == []  # closing the channel ended the session
 
 
 async def test_lost_gpu_mid_stream_shows_it_and_the_stream_restarts(sfleet: Fleet) -> None:
@@ -225,3 +265,150 @@ async def test_nvidia_smi_that_cannot_stream_falls_back_to_a_query_per_refresh(
     # One try at streaming (the apps loop may be killed before it even started), then two
     # nvidia-smi per refresh.
     assert 1 <= len(loops) <= 2 and smi_starts(calls) - len(loops) == 2 * 3, calls
+
+
+NONCE_GUESS = "0123456789abcdef0123456789abcdef"
+
+
+async def test_hostile_command_lines_cannot_forge_a_row_or_a_marker(sfleet: Fleet) -> None:
+    """ps's lines share the channel with the GPU and apps rows: a job whose command line
+    looks like a tagged row or a marker (any nonce) is just a command line."""
+    alpha = sfleet.hosts["alpha"]
+    row = ("2026/07/14 08:12:53.500, 2, 7, GPU-forged, NVIDIA H100, 00000000:99:00.0, "
+           "Enabled, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10")
+    hostile = [
+        f"g {row}",
+        f"\ng {row}\n",
+        f"a 2026/07/14 08:12:53.500, {gpu_uuid(alpha.name, 1)}, 1, 4096",
+        f"@@gputop {NONCE_GUESS} exit 15",
+        f"g @@gputop {NONCE_GUESS} exit 0",
+        f"p @@gputop {NONCE_GUESS} end",
+        "@@gputop end\np @@gputop end",
+    ]
+    jobs = [GpuProcess("gtbob", argv0, gpu=i % 2) for i, argv0 in enumerate(hostile)]
+    for j in jobs:
+        sfleet.start_process(j)
+        alpha.processes.append(j)
+    sfleet.set_scenario(alpha, "ok")
+    poller = poller_for(sfleet, ["alpha"])
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    snaps: list[HostSnapshot] = []
+    try:
+        async for _t, snap in updates(poller, 20):
+            snaps.append(snap)
+            if len(snaps) >= 4:
+                break
+    finally:
+        await poller.aclose()
+    for snap in snaps:
+        assert snap.error is None, snap.error
+        assert [g.index for g in snap.gpus] == [0, 1]
+        assert [g.uuid for g in snap.gpus] == [gpu_uuid("alpha", 0), gpu_uuid("alpha", 1)]
+    last = snaps[-1]
+    by_pid = {p.pid: (g.index, p) for g in last.gpus for p in g.processes}
+    want = {j.pid: j for j in [*alpha.processes]}
+    assert set(by_pid) == set(want)  # no forged pid 1, every real job
+    for pid, (gpu, p) in by_pid.items():
+        assert gpu == want[pid].gpu  # on the right GPU
+        # (ps shows a newline as a blank: it never starts a line of its own)
+        assert p.command is not None
+        assert p.command.strip() == want[pid].argv0.replace("\n", " ").strip()
+        if sfleet.users:
+            assert p.user == want[pid].user
+    assert (src.channels, src.stream_starts) == (1, 1)  # nothing broke the session
+
+
+async def test_hung_ps_is_a_timeout_that_kills_the_session_on_the_host(sfleet: Fleet) -> None:
+    alpha = sfleet.hosts["alpha"]
+    bindir = sfleet.root / "alpha" / "bin"
+    flag = sfleet.root / "alpha" / "ps-hangs"
+    real = (bindir / "ps").read_text()
+    # ps that hangs while the flag exists (as on a host with a hung NFS mount in /proc).
+    (bindir / "ps").write_text(real.replace("exec /bin/ps", f"[ -e {flag} ] && exec sleep 600\n"
+                                                              "exec /bin/ps"))
+    poller = poller_for(sfleet, ["alpha"], timeout=1.0)
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    kinds: list[str] = []
+    newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
+    hung_sid = 0
+    try:
+        async for _t, snap in updates(poller, 40):
+            kinds.append(snap.error.kind if snap.error else "ok")
+            if len(kinds) == 2:
+                assert kinds == ["ok", "ok"]
+                st = src._streams
+                assert st is not None
+                hung_sid = st.pid
+                flag.write_text("")
+                sfleet.start_process(newcomer)
+                alpha.processes.append(newcomer)
+                sfleet.set_scenario(alpha, "ok")
+            if "timeout" in kinds and flag.exists():
+                # The hung ps went with its session: nothing of it is left on the host.
+                for _ in range(50):
+                    left = session_pids(hung_sid)
+                    if not left:
+                        break
+                    await asyncio.sleep(0.1)
+                assert left == set(), kinds
+                flag.unlink()
+            if "timeout" in kinds and kinds[-1] == "ok" and any(
+                    p.pid == newcomer.pid for g in snap.gpus for p in g.processes):
+                break
+    finally:
+        await poller.aclose()
+    assert "timeout" in kinds and kinds[-1] == "ok", kinds
+    assert src.stream_starts >= 2  # the session was restarted (the flag may outlive one)
+
+
+async def test_host_without_awk_falls_back_to_a_query_and_says_so(sfleet: Fleet) -> None:
+    alpha = sfleet.hosts["alpha"]
+    # What a shell says when a command is missing (a stand-in first on PATH: the real
+    # awk stays installed for the rest of the machine).
+    (sfleet.root / "alpha" / "bin" / "awk").write_text(
+        "#!/bin/sh\necho 'sh: 1: awk: not found' >&2\nexit 127\n")
+    (sfleet.root / "alpha" / "bin" / "awk").chmod(0o755)
+    poller = poller_for(sfleet, ["alpha"])
+    try:
+        snaps = [(await poller.snapshot()).hosts[0] for _ in range(2)]
+    finally:
+        await poller.aclose()
+    assert all(s.error is None for s in snaps), [s.error for s in snaps]
+    assert len(snaps[-1].gpus) == 2 and snaps[-1].gpus[0].processes
+    assert any("no awk on the host: collecting with a query per refresh" in w
+               for w in snaps[-1].warnings), snaps[-1].warnings
+    src = poller.sources[0]
+    assert isinstance(src, SshSource) and not src.streaming
+    calls = sfleet.calls(alpha)
+    assert not any("-lms" in c for c in calls) and smi_starts(calls) == 2 * 2, calls
+
+
+async def test_the_last_job_ending_shows_no_processes_within_two_samples(sfleet: Fleet) -> None:
+    """The apps loop then prints nothing at all: the GPU sample's host-clock time says its
+    last rows are stale (they are never kept as "still arriving")."""
+    alpha = sfleet.hosts["alpha"]
+    poller = poller_for(sfleet, ["alpha"])
+    procs: list[int] = []
+    ended_at = 0
+    try:
+        async for _t, snap in updates(poller, 20):
+            assert snap.error is None, snap.error
+            procs.append(sum(len(g.processes) for g in snap.gpus))
+            if len(procs) == 3:
+                assert procs == [1, 1, 1]
+                (job,) = alpha.processes
+                alpha.processes.clear()
+                sfleet.set_scenario(alpha, "ok")  # the apps loop prints nothing from now
+                assert job.popen is not None
+                job.popen.kill()
+                job.popen.wait(5)
+                ended_at = len(procs)
+            if ended_at and len(procs) >= ended_at + 5:
+                break
+    finally:
+        await poller.aclose()
+    after = procs[ended_at:]
+    # The sample in flight may still show it; from the next but one on, never again.
+    assert after[2:] == [0] * len(after[2:]) and len(after) >= 5, procs

@@ -7,7 +7,7 @@ from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
 from gputop.sources.protocol import LineReader, OutputTooLarge, ParseError
-from gputop.sources.stream import AppsBatches, GpuSampler, parse_timestamp, stream_scripts
+from gputop.sources.stream import AppsBatches, GpuSampler, parse_timestamp, session_command
 
 TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
 LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
@@ -79,11 +79,11 @@ def test_malformed_streams_are_parse_errors(lines: list[str]) -> None:
 
 def test_no_field_a_remote_user_controls_is_streamed() -> None:
     """A user's process name could hold a newline and start a row: it is never asked for."""
-    gpu, apps = stream_scripts(2.0)
-    assert "process_name" not in APPS_QUERY and "process_name" not in apps
+    script = session_command(2.0)
+    assert "process_name" not in APPS_QUERY and "process_name" not in script
     assert GPU_QUERY.startswith("timestamp,count,") and APPS_QUERY.startswith("timestamp,")
-    assert "-lms 2000" in gpu and "-lms 2000" in apps
-    assert "-lms 100 " in stream_scripts(0.01)[0]  # never a busier loop than 100 ms
+    assert script.count("-lms 2000 ") == 2
+    assert session_command(0.01).count("-lms 100 ") == 2  # never a busier loop than 100 ms
 
 
 def test_the_output_limit_is_per_sample() -> None:
@@ -96,22 +96,27 @@ def test_the_output_limit_is_per_sample() -> None:
             reader.feed(b"y" * 400)
 
 
-def test_apps_rows_group_by_timestamp_and_go_stale() -> None:
+def test_apps_rows_group_by_timestamp_and_match_the_gpu_sample_by_host_clock() -> None:
     b = AppsBatches(interval=2.0)
-    b.feed(f"{TS}, GPU-0, 11327, 2566", now=100.0)
-    b.feed("2026/07/14 08:12:53.512, GPU-1, 11328, 1542", now=100.0)
-    assert [r.pid for r in b.current(100.5)] == [11327, 11328]
-    b.feed("2026/07/14 08:12:55.500, GPU-0, 11327, 2600", now=102.0)  # next iteration
-    # Still arriving (its last row is younger than SETTLE_S): the last batch's others stay.
-    assert [(r.pid, r.used_memory_mib) for r in b.current(102.1)] == [
-        (11327, 2600), (11328, 1542)]
-    assert [(r.pid, r.used_memory_mib) for r in b.current(102.3)] == [(11327, 2600)]
-    assert b.current(102.0 + 3.6) == []  # no rows for 1.5 intervals: no processes now
-    b.feed(LOST, now=104.0)  # a lost GPU's line is no row
+    t0 = parse_timestamp(TS)
+    assert b.for_sample(t0) == [] and not b.seen
+    b.feed(f"{TS}, GPU-0, 11327, 2566")
+    b.feed("2026/07/14 08:12:53.512, GPU-1, 11328, 1542")
+    assert b.seen and [r.pid for r in b.for_sample(t0)] == [11327, 11328]
+    # The next iteration, taken 40 ms after the next GPU sample: it belongs to that one
+    # (it came in the same packet), the sample before keeps its own batch.
+    b.feed("2026/07/14 08:12:55.540, GPU-0, 11327, 2600")
+    assert [(r.pid, r.used_memory_mib) for r in b.for_sample(t0)] == [
+        (11327, 2566), (11328, 1542)]
+    assert [(r.pid, r.used_memory_mib) for r in b.for_sample(t0 + 2)] == [(11327, 2600)]
+    # The loop printed nothing since: no processes once 1.5 intervals have passed.
+    assert [r.pid for r in b.for_sample(t0 + 4)] == [11327]
+    assert b.for_sample(t0 + 5.6) == []
+    b.feed(LOST)  # a lost GPU's line is no row
     with pytest.raises(ParseError):
-        b.feed("GPU-0, 11327, 2566", now=104.0)  # no timestamp
+        b.feed("GPU-0, 11327, 2566")  # no timestamp
     with pytest.raises(ParseError):
-        b.feed(f"{TS}, GPU-0, python, 2566", now=104.0)
+        b.feed(f"{TS}, GPU-0, python, 2566")
 
 
 def test_timestamps_are_checked() -> None:

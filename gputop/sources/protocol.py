@@ -9,7 +9,10 @@ Remote output is hostile: any user on a GPU host chooses their jobs' command lin
 - the sections come in a fixed order, each closed by its marker with the exit code; output
   after the end marker, a missing or misplaced marker is a framing error: that refresh is
   the host's ``parse`` error and the channel is reopened, never read from again;
-- the size of one refresh is checked while it is read (:class:`LineReader`).
+- the size of one refresh is checked while it is read (:class:`LineReader`);
+- in the streaming session (:func:`session_script`) every line is tagged by our own awk
+  where it is produced (``g`` GPU loop, ``a`` apps loop, ``p`` ps), one line per write
+  below the pipe's atomic size: a ps line stays a ``p`` line whatever it says.
 
 Only the owners section decides who uses a GPU, and it holds no user text: the command
 lines are a section of their own, read after it and parsed leniently.
@@ -86,41 +89,83 @@ def remote_script(gpu_query: str, apps_query: str) -> str:
             f'printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
 
 
-def stream_script(command: str) -> str:
-    """A channel that runs one long-running command, whose output (stdout and stderr, in
-    order) is then all the channel carries, and whose exit code is the channel's.
+#: Tags our awk puts at the start of every line of a streaming session: a GPU row, an apps
+#: row, a line of a ``ps`` answer. Every line is tagged by the producer's own awk, so no
+#: byte a remote process prints can start a line with another producer's tag.
+TAGS = ("g", "a", "p")
 
-    It first reads a nonce line and answers the start line with its pid (the session's
-    process group, killed as a whole when the command stalls), as :func:`remote_script`
-    does. The command is killed as soon as the channel's stdin closes (gputop exits or the
-    connection drops): an apps stream that prints nothing would never notice otherwise.
+#: awk that tags each line it reads with ``TAG `` in one write of at most PIPE_BUF bytes (a
+#: line is cut at 2000 bytes; ``ps`` command lines are cut at 512): lines written by the
+#: three producers into one pipe never interleave.
+_TAGGER = r'{printf "%s", "TAG " substr($0, 1, 2000) "\n"; fflush()}'
+
+#: The relay: the one writer to the channel. It collects tagged lines and writes them out
+#: at once (one SSH packet) when a GPU sample is complete (``count``, field 2 of each row,
+#: says how many rows; a lost GPU's line counts as one), at a ``ps`` answer's marker and at
+#: a loop's exit marker, at a GPU line that is no row (an error text: the client judges it)
+#: and beyond 64 KiB. Until two GPU samples have gone out, apps rows go out as they come
+#: (the first sample may wait for the first apps rows). A miscount only delays a flush to
+#: the next sample or marker, never loses a line; an untagged line is dropped.
+_RELAY = (
+    r'{t = substr($0, 1, 2); if (t != "g " && t != "a " && t != "p ") next; '
+    r'b = b $0 "\n"; f = substr($0, 3, 9) == "@@gputop "; '
+    r'if (t == "g " && !f) { r = substr($0, 3); '
+    r'l += gsub(/Unable to determine the device handle for GPU/, "", r); '
+    r'if (split(r, c, ", ") >= NF_GPU) { if (c[1] != ts) { ts = c[1]; k = 0 } k++; '
+    r'n = c[2] + 0 } else if (r == substr($0, 3)) f = 1; '
+    r'if (n > 0 && k + l >= n) { f = 1; k = 0; l = 0; s++ } } '
+    r'else if (t == "a " && s < 2) f = 1; '
+    r'if (f || length(b) > 65536) { printf "%s", b; fflush(); b = "" } } '
+    r'END { printf "%s", b }'
+)
+
+
+def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
+    """One SSH session carrying a host's whole streaming collection, in one framed stdout.
+
+    It reads a nonce line and answers ``@@gputop NONCE start PID`` (the session's process
+    group, killed as a whole when a stream stalls), or ``@@gputop NONCE noawk`` where the
+    host has no awk (the client then queries per refresh). Then it runs both nvidia-smi
+    loops in the background, each through a tagger (``g``/``a``) and each closed by
+    ``@@gputop NONCE exit RC``; and it answers ``NONCE PID,PID,...`` lines read on stdin
+    with ``ps`` for those pids (tagged ``p``; sections ``owners`` and ``args`` framed as in
+    :func:`remote_script`, with the request's own nonce). Everything goes through one
+    relay awk, which writes about
+    once per refresh. When stdin closes (gputop exits, the connection drops) or a request
+    line is malformed, the whole process group is killed: an apps loop that prints nothing
+    would never notice otherwise.
+
+    mawk reads a pipe in blocks (a sample would wait for 4 KiB more) unless ``-W
+    interactive``: probed once, used where it is accepted silently.
     """
     check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
-    return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
-            f"exec 3<&0; {command} </dev/null 2>&1 & c=$!; "
-            '(read -r _ <&3; kill "$c") >/dev/null 2>&1 </dev/null & w=$!; '
-            'wait "$c"; r=$?; kill "$w" 2>/dev/null; exit "$r"')
+    tag = {t: _TAGGER.replace("TAG", t) for t in TAGS}
+    relay = _RELAY.replace("NF_GPU", str(int(gpu_fields)))
+    probe = ("A=; if o=$(awk -W interactive 'BEGIN{}' </dev/null 2>&1) && [ -z \"$o\" ]; "
+             "then A='awk -W interactive'; elif awk 'BEGIN{}' </dev/null >/dev/null 2>&1; "
+             "then A=awk; fi")
+    ask = (f'{{ {PS_OWNERS} "$p" </dev/null; printf "\\n{MARK} %s owners %s\\n" "$m" "$?"; '
+           f'{PS_ARGS} "$p" </dev/null; '
+           f'printf "\\n{MARK} %s args %s\\n{MARK} %s end\\n" "$m" "$?" "$m"; }} 2>&1')
+
+    def loop(command: str, t: str) -> str:
+        return (f'{{ {command} </dev/null 2>&1; printf "\\n{MARK} %s exit %s\\n" "$n" "$?"; }}'
+                f" | LC_ALL=C $A '{tag[t]}' &")
+
+    return (
+        f"IFS= read -r n || exit 0; {check}; {probe}; "
+        f'if [ -z "$A" ]; then printf "{MARK} %s noawk\\n" "$n"; exit 0; fi; '
+        f'printf "{MARK} %s start %s\\n" "$n" "$$"; exec 3<&0; '
+        f"{{ {loop(gpu_command, 'g')} {loop(apps_command, 'a')} "
+        "while IFS=' ' read -r m p <&3; do "
+        "case $m in *[!0-9a-f]*|'') break ;; esac; case $p in ''|*[!0-9,]*) break ;; esac; "
+        f"{ask} | LC_ALL=C $A '{tag['p']}'; done; kill -s KILL 0; }} 2>/dev/null "
+        f"| LC_ALL=C $A '{relay}'"
+    )
 
 
 #: The sections of one owners query (streaming collection: ``ps`` for new pids only).
 OWNER_SECTIONS = ("owners", "args")
-
-
-def owners_script() -> str:
-    """The constant loop that answers ``NONCE PID,PID,...`` lines with ``ps`` for those pids:
-    their owners (strict) and command lines (lenient), framed as :func:`remote_script`'s.
-    A line that is not a nonce and a pid list ends the loop."""
-    check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
-    ask = (
-        f'{PS_OWNERS} "$p" </dev/null; '
-        f'printf "\\n{MARK} %s owners %s\\n" "$n" "$?"; '
-        f'{PS_ARGS} "$p" </dev/null; '
-        f'printf "\\n{MARK} %s args %s" "$n" "$?"'
-    )
-    return (f'IFS= read -r n || exit 0; {check}; printf "{MARK} %s start %s\\n" "$n" "$$"; '
-            f"while IFS=' ' read -r n p; do {check}; "
-            "case $p in ''|*[!0-9,]*) exit 0 ;; esac; "
-            f'r=$({{ {ask}; }} 2>&1); printf "%s\\n{MARK} %s end\\n" "$r" "$n"; done')
 
 
 class OutputTooLarge(FramingError):
@@ -159,6 +204,10 @@ class LineReader:
     def pending(self) -> bool:
         """Bytes received that are not a complete line yet."""
         return bool(self._partial)
+
+    def rest(self) -> bytes:
+        """The partial line received so far (handed on to the next reader)."""
+        return self._partial
 
     def tail(self) -> str:
         return excerpt(self._partial[-200:].decode("utf-8", "replace"))

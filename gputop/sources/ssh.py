@@ -1,9 +1,9 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection, kept open. Streaming (the default): two exec channels running
-``nvidia-smi -lms`` loops (:mod:`gputop.sources.stream`) and one running a constant loop
-that answers ``ps`` for new pids (:data:`OWNERS_SCRIPT`); a refresh reads the next sample
-and starts nothing on the host. Per-refresh query (``collection = "query"``, one-shot
+Per host: one connection, kept open. Streaming (the default): one exec channel whose
+session runs both ``nvidia-smi -lms`` loops and answers ``ps`` for new pids on its stdin,
+multiplexed into one framed stdout (:mod:`gputop.sources.stream`); a refresh reads the
+next sample and starts nothing on the host. Per-refresh query (``collection = "query"``, one-shot
 ``--json``, or a host that cannot stream): one exec channel running a constant POSIX shell
 loop (:data:`~gputop.sources.nvidia_smi.REMOTE_SCRIPT`); per refresh one line sent (a fresh
 nonce), one framed block read back (:mod:`gputop.sources.protocol`).
@@ -52,18 +52,16 @@ from gputop.sources.nvidia_smi import (
 )
 from gputop.sources.protocol import (
     MARK,
-    OWNER_SECTIONS,
     FramingError,
     LineReader,
     ParseError,
     Section,
     end_line,
     new_nonce,
-    owners_script,
     split_frame,
     start_pid,
 )
-from gputop.sources.stream import SETTLE_S, HostStreams
+from gputop.sources.stream import HostSession, NoAwk, SessionClosed
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
@@ -98,8 +96,11 @@ MIG_SCRIPT = (
     f'printf "\\n{MARK} %s xml %s\\n" "$n" "$?"'
 )
 
-#: The control channel of a streaming host: ``ps`` for new pids only.
-OWNERS_SCRIPT = owners_script()
+#: A streaming host's first sample waits this long (at most one interval) for the apps
+#: loop's first rows: it prints nothing while no process runs.
+FIRST_APPS_WAIT_S = 1.0
+#: ...and then this long for the rest of that first batch.
+SETTLE_S = 0.05
 
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
                      "chacha20-poly1305@openssh.com", "aes128-ctr", "aes256-ctr")
@@ -327,10 +328,12 @@ class SshSource:
     ) -> None:
         self.host = host
         self.first_sample_timeout = first_sample_timeout
-        #: Streaming (two nvidia-smi loops per host) or one framed query per refresh; a host
-        #: whose nvidia-smi cannot stream falls back to the query for good.
+        #: Streaming (one session per host: two nvidia-smi loops and ps) or one framed
+        #: query per refresh; a host that cannot stream falls back to the query for good.
         self.streaming = collection == "stream"
-        self._streams: HostStreams | None = None
+        #: Why this host fell back to a query per refresh (shown among its warnings).
+        self._fallback_note: str | None = None
+        self._streams: HostSession | None = None
         self._first_deadline = 0.0
         self._opening: asyncio.Task[None] | None = None
         self._short_streams = 0
@@ -370,7 +373,7 @@ class SshSource:
         self._mig_pids: frozenset[tuple[str | None, int]] = frozenset()
         #: MIG inventories read (each on a short-lived channel of its own), for tests.
         self.mig_reads = 0
-        #: nvidia-smi streams started (two channels each), for tests and the benchmark.
+        #: Streaming sessions started (one channel each), for tests and the benchmark.
         self.stream_starts = 0
 
     def reset(self) -> None:
@@ -552,7 +555,8 @@ class SshSource:
         self._failures = 0
         self._last_error = None
         gpus, mig_warnings = await self._with_mig(result)
-        self.warnings = result.warnings + mig_warnings
+        note = (self._fallback_note,) if self._fallback_note else ()
+        self.warnings = result.warnings + mig_warnings + note
         return gpus, result.error
 
     def _classify(self, exc: BaseException) -> HostError:
@@ -612,8 +616,7 @@ class SshSource:
         """Start the remote loop and read its start line (with a nonce of its own)."""
         # The script sends its own stderr to stdout, in order. What arrives on the channel's
         # stderr comes from the user's shell startup files: not ours.
-        script = OWNERS_SCRIPT if self.streaming else REMOTE_SCRIPT
-        proc = await conn.create_process(script, stderr=asyncssh.DEVNULL, encoding=None)
+        proc = await conn.create_process(REMOTE_SCRIPT, stderr=asyncssh.DEVNULL, encoding=None)
         self._proc = proc
         self.channels += 1
         nonce = new_nonce()
@@ -796,14 +799,11 @@ class SshSource:
 
     async def _start_streams(self, conn: asyncssh.SSHClientConnection) -> None:
         self._stop_streams()
-        streams = HostStreams(conn, self.interval, self.max_output)
+        streams = HostSession(conn, self.interval, self.max_output)
         self._seen_seq = 0
         self.stream_starts += 1
         try:
-            if self._proc is None:  # the ps channel too, at once: the first sample needs it
-                await asyncio.gather(streams.start(), self._open_channel(conn))
-            else:
-                await streams.start()
+            await streams.start()
         except BaseException:
             streams.close()
             raise
@@ -811,9 +811,10 @@ class SshSource:
             self.channels += streams.channels
         self._streams = streams
 
-    def _kill_streams(self, st: HostStreams) -> None:
-        """Kill a stalled pair on the host in the background: the answer does not wait."""
-        self._streams = None
+    def _kill_streams(self, st: HostSession) -> None:
+        """Kill a stalled session on the host in the background: the answer does not wait."""
+        if self._streams is st:
+            self._streams = None
         task = asyncio.create_task(st.kill())
         self._stream_kills.add(task)
         task.add_done_callback(self._stream_kills.discard)
@@ -822,6 +823,15 @@ class SshSource:
         if self._streams is not None:
             self._streams.close()
             self._streams = None
+
+    async def _fall_back(self, why: str) -> RemoteResult:
+        """Collect with a query per refresh from now on (a host that cannot stream)."""
+        self.streaming = False
+        self._fallback_note = f"{why}: collecting with a query per refresh"
+        self._stop_streams()
+        self._close_channel()
+        self.warnings = ()
+        return await asyncio.wait_for(self._query(reopen=False), self.timeout)
 
     async def _stream_query(self) -> RemoteResult:
         """The next GPU sample of this host's streams (waiting for it), with processes.
@@ -836,24 +846,23 @@ class SshSource:
             self._first_deadline = asked + self.first_sample_timeout  # connecting included
             await self._open()
         if self._streams is None:
-            starting = await self._await_streams(asked)
+            try:
+                starting = await self._await_streams(asked)
+            except NoAwk:
+                return await self._fall_back("no awk on the host")
             if starting is not None:
                 return starting
         restarted = False
         while True:
             st = self._streams
             assert st is not None and self._conn is not None
-            st.event.clear()
             if st.error is not None:
                 err = st.error
                 cannot_stream = st.first_at is None and err.kind == "error"
                 await st.kill()
                 self._streams = None
                 if cannot_stream:  # e.g. an nvidia-smi without -lms: query per refresh
-                    self.streaming = False
-                    self._close_channel()
-                    self.warnings = ()
-                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
+                    return await self._fall_back(f"nvidia-smi cannot stream ({err.message})")
                 return RemoteResult([], err)
             if st.seq > self._seen_seq:
                 return await self._sample(st)
@@ -863,13 +872,14 @@ class SshSource:
                 # exits 15) costs the host more than a query per refresh: fall back.
                 self._short_streams = self._short_streams + 1 if st.seq <= 1 else 0
                 if self._short_streams >= 3:
-                    self.streaming = False
-                    self._close_channel()
-                    return await asyncio.wait_for(self._query(reopen=False), self.timeout)
+                    return await self._fall_back("nvidia-smi's stream ends after every sample")
                 if restarted:
                     raise _ChannelClosed(f"nvidia-smi's stream ended (exit {st.ended})")
                 self._first_deadline = time.monotonic() + self.first_sample_timeout
-                await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+                try:
+                    await asyncio.wait_for(self._start_streams(self._conn), self.timeout)
+                except NoAwk:
+                    return await self._fall_back("no awk on the host")
                 restarted = True
                 continue
             now = time.monotonic()
@@ -890,11 +900,10 @@ class SshSource:
                     self._kill_streams(st)
                     raise _PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
                                         "restarting it")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(st.event.wait(), until - now)
+            await st.changed(until - now)
 
     async def _await_streams(self, asked: float) -> RemoteResult | None:
-        """Open the streams (three SSH sessions: on a busy host that alone takes a while).
+        """Open the session (an SSH session set-up: on a busy host that alone takes a while).
 
         Opening runs on in the background and counts against ``first_sample_timeout``, not
         ``timeout``: until then the host is ``starting``, and a refresh that comes back
@@ -929,7 +938,7 @@ class SshSource:
             self._opening.cancel()
             self._opening = None
 
-    async def _sample(self, st: HostStreams) -> RemoteResult:
+    async def _sample(self, st: HostSession) -> RemoteResult:
         """The newest GPU sample with the apps stream's processes and their owners."""
         first = self._seen_seq == 0
         self._seen_seq = st.seq
@@ -937,13 +946,13 @@ class SshSource:
         self.first_sample_s = st.first_sample_s
         if first and not st.apps.seen:
             # Both loops started together; the apps one prints nothing without processes.
-            st.event.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._apps_seen(st), min(1.0, self.interval))
+                await asyncio.wait_for(self._apps_seen(st),
+                                       min(FIRST_APPS_WAIT_S, self.interval))
         gpus = st.gpus
         now = time.monotonic()
-        apps = st.apps.current(now)
-        owners, args = await self._owners_of(apps, now)
+        apps = st.apps.for_sample(st.stamp)
+        owners, args = await self._owners_of(st, apps, now)
         warnings = index_warnings(gpus)
         off = [str(g.index) for g in gpus if g.persistence_mode == "Disabled"]
         if off:
@@ -955,20 +964,19 @@ class SshSource:
 
     async def _inventory(self, gpus: list[GpuInfo]) -> list[GpuInfo]:
         """Where a rarely-run inventory query belongs (the MIG layout: ``nvidia-smi -L`` or
-        ``-q -x -d ...``): run it over the control channel (:data:`OWNERS_SCRIPT` answers
-        one request line per round trip; add a request kind there) when a sample shows a
+        ``-q -x -d ...``): run it over the session's stdin (it answers one request line per
+        round trip; add a request kind there) when a sample shows a
         uuid the inventory does not know, or every few minutes, never per refresh, so the
         steady state still starts no process. Today: nothing to add."""
         return gpus
 
     @staticmethod
-    async def _apps_seen(st: HostStreams) -> None:
+    async def _apps_seen(st: HostSession) -> None:
         while not st.apps.seen:
-            await st.event.wait()
-            st.event.clear()
+            await st.changed(FIRST_APPS_WAIT_S)
         await asyncio.sleep(SETTLE_S)  # the rest of its first batch
 
-    async def _owners_of(self, apps: list[AppRow],
+    async def _owners_of(self, st: HostSession, apps: list[AppRow],
                          now: float) -> tuple[dict[int, Owner], dict[int, str]]:
         """Owners and command lines: ``ps`` only for pids not in the last sample (a pid
         that left and came back may be another process, so it is asked again)."""
@@ -976,7 +984,7 @@ class SshSource:
         self._owners = {p: v for p, v in self._owners.items() if p in pids}
         new = [p for p in pids if p not in self._owners]
         if new:
-            found, cmds = await asyncio.wait_for(self._ask_ps(new), self.timeout)
+            found, cmds = await self._ask_ps(st, new)
             for p in new:
                 o = found.get(p)
                 if o is not None:
@@ -990,40 +998,19 @@ class SshSource:
                 args[p] = cmd
         return owners, args
 
-    async def _ask_ps(self, pids: list[int]) -> tuple[dict[int, Owner], dict[int, str]]:
-        """One round trip on the control channel: ``NONCE PIDS`` -> owners, args."""
-        assert self._conn is not None
-        if self._proc is None:
-            await self._open_channel(self._conn)
-        proc = self._proc
-        assert proc is not None
-        nonce = new_nonce()
-        end = end_line(nonce)
-        reader = LineReader(self.max_output)
-        lines: list[str] = []
+    async def _ask_ps(self, st: HostSession,
+                      pids: list[int]) -> tuple[dict[int, Owner], dict[int, str]]:
+        """One round trip on the session's stdin: ``NONCE PIDS`` -> owners, args. A ps
+        that hangs, or an answer whose frame does not check out, ends the session (killed
+        on the host, restarted by a later refresh): that refresh is the host's error."""
         try:
-            proc.stdin.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
-            done = False
-            while not done:
-                data = await proc.stdout.read(65536)
-                if not data:
-                    self._close_channel()
-                    raise _ChannelClosed(excerpt(" ".join(lines[-3:])) or "no output")
-                for line in reader.feed(data):
-                    if done:
-                        raise FramingError("output after the end of the ps answer")
-                    if line == end:
-                        done = True
-                    else:
-                        lines.append(line)
-            if reader.pending:
-                raise FramingError("output after the end of the ps answer")
-            sections = split_frame(lines, nonce, OWNER_SECTIONS)
-        except FramingError:
-            await self._kill_remote(self._conn)
-            raise
-        except asyncio.CancelledError:
-            await asyncio.shield(self._kill_remote(self._conn))
+            sections = await asyncio.wait_for(st.ask_ps(pids), self.timeout)
+        except SessionClosed:
+            # The loops ended meanwhile (e.g. a lost GPU): this sample is shown without
+            # owners; the next refresh restarts the session and asks again.
+            return {}, {}
+        except BaseException:
+            self._kill_streams(st)
             raise
         return (parse_owner_rows(sections["owners"].text, pids),
                 parse_args_rows(sections["args"].text, pids))

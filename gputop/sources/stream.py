@@ -1,14 +1,21 @@
-"""Streaming collection: two long-running ``nvidia-smi -lms`` loops per host.
+"""Streaming collection: one SSH session per host carries both ``nvidia-smi -lms`` loops
+and the ``ps`` answers, in one framed stdout (:func:`~gputop.sources.protocol.session_script`).
 
-A refresh then starts no process on the host: nvidia-smi initialises NVML once per stream
+A refresh then starts no process on the host: nvidia-smi initialises NVML once per loop
 (seconds per GPU without persistence mode) instead of twice per refresh, and ``ps`` runs
-only for pids not seen before (:class:`~gputop.sources.ssh.SshSource`).
+only for pids not seen before (asked on the session's stdin). One session instead of
+three: a third of the SSH set-up at cold start, and the host's relay writes about once per
+refresh (the GPU sample with the apps rows that came before it), so the client wakes once.
 
-Framing: the queried fields are numbers, uuids and driver-given names; nothing a remote
-user chooses (no ``process_name``) is in either stream. ``timestamp`` starts every row and
-``count`` says how many rows (GPUs) one GPU sample has, so a sample is complete when its
-last row arrives. The apps stream prints nothing while no process runs: its rows are
-grouped by timestamp, and the host's liveness is judged from the GPU stream only.
+Framing: every line on the channel starts with the tag our own awk gave it at its source
+(``g`` GPU loop, ``a`` apps loop, ``p`` a ps answer); an untagged line is a framing error.
+The streamed fields are numbers, uuids and driver-given names; nothing a remote user
+chooses (no ``process_name``) is in either loop, and ps's lines are tagged ``p`` however
+they look. Markers (a loop's exit, a ps answer's sections) carry a nonce sent on stdin.
+``timestamp`` starts every row and ``count`` says how many rows (GPUs) one GPU sample has,
+so a sample is complete when its last row arrives. The apps loop prints nothing while no
+process runs: its rows are grouped by timestamp and matched to the GPU sample by the
+host's clock, and the host's liveness is judged from the GPU loop only.
 """
 
 from __future__ import annotations
@@ -34,22 +41,35 @@ from gputop.sources.nvidia_smi import (
     parse_apps_row,
     parse_gpu_rows,
 )
-from gputop.sources.protocol import LineReader, ParseError, new_nonce, start_pid, stream_script
+from gputop.sources.protocol import (
+    MARK,
+    OWNER_SECTIONS,
+    FramingError,
+    LineReader,
+    ParseError,
+    Section,
+    end_line,
+    new_nonce,
+    session_script,
+    split_frame,
+    start_pid,
+)
 from gputop.text import excerpt
-
-#: An apps batch whose last row is younger than this may still be arriving.
-SETTLE_S = 0.2
 
 #: Most GPUs one host may report (a sample claiming more is not nvidia-smi talking).
 MAX_GPUS = 1024
 
+#: How much of a failing loop's output is kept to classify its failure.
+FAILURE_TEXT = 64 * 1024
 
-def stream_scripts(interval: float) -> tuple[str, str]:
-    """The GPU and apps stream commands for ``interval`` seconds (``-lms``, >= 100 ms)."""
+
+def session_command(interval: float) -> str:
+    """The whole session's command for ``interval`` seconds (``-lms``, >= 100 ms)."""
     ms = max(100, round(interval * 1000))
     fmt = "--format=csv,noheader,nounits"
-    return (stream_script(f"nvidia-smi --query-gpu={GPU_QUERY} {fmt} -lms {ms}"),
-            stream_script(f"nvidia-smi --query-compute-apps={APPS_QUERY} {fmt} -lms {ms}"))
+    return session_script(f"nvidia-smi --query-gpu={GPU_QUERY} {fmt} -lms {ms}",
+                          f"nvidia-smi --query-compute-apps={APPS_QUERY} {fmt} -lms {ms}",
+                          len(GPU_FIELDS))
 
 
 class GpuSampler:
@@ -62,6 +82,8 @@ class GpuSampler:
 
     def __init__(self) -> None:
         self._lines: list[str] = []
+        #: The host-clock time of the last complete sample (its first row's timestamp).
+        self.stamp = 0.0
 
     @property
     def text(self) -> str:
@@ -90,6 +112,7 @@ class GpuSampler:
             if row.split(", ")[1].strip() != count:
                 raise ParseError(f"GPU count changed within a sample: {excerpt(row)}")
         gpus = parse_gpu_rows(self.text)
+        self.stamp = parse_timestamp(data[0].split(", ", 1)[0])
         self._lines = []
         return gpus
 
@@ -119,24 +142,27 @@ def parse_timestamp(value: str) -> float:
 
 
 @dataclass
+class _Batch:
+    stamp: float
+    rows: list[AppRow] = field(default_factory=list)
+
+
+@dataclass
 class AppsBatches:
-    """Rows of a ``--query-compute-apps=timestamp,...`` stream, grouped into samples.
+    """Rows of a ``--query-compute-apps=timestamp,...`` loop, grouped into samples.
 
     Rows whose timestamps lie within half an interval of the batch's first belong to one
-    loop iteration. The stream prints nothing while no process runs, so a batch older than
-    1.5 intervals means "no processes now".
+    loop iteration. A GPU sample taken at ``stamp`` (host clock) shows the newest batch not
+    later than half an interval after it; none within 1.5 intervals before it means "no
+    processes now" (the loop prints nothing then). Both clocks are the host's.
     """
 
     interval: float
-    rows: list[AppRow] = field(default_factory=list)
-    #: The batch before, while the newest may still be arriving (rows come one write each).
-    previous: list[AppRow] = field(default_factory=list)
-    stamp: float = 0.0
-    at: float = 0.0
+    batches: list[_Batch] = field(default_factory=list)
     seen: bool = False
     _carry: str = ""
 
-    def feed(self, line: str, now: float) -> None:
+    def feed(self, line: str) -> None:
         m = _LOST.search(line)
         if m:  # a lost GPU's line (stderr), maybe inside a row: keep the row's first half
             self._carry += line[: m.start()]
@@ -146,34 +172,42 @@ class AppsBatches:
             return
         row = parse_apps_row(line)
         stamp = parse_timestamp(line.split(", ", 1)[0])
-        if not self.rows or abs(stamp - self.stamp) > self.interval / 2:
-            self.previous, self.rows, self.stamp = self.rows, [], stamp
-        self.rows.append(row)
-        self.at, self.seen = now, True
+        if not self.batches or abs(stamp - self.batches[-1].stamp) > self.interval / 2:
+            self.batches = [*self.batches[-3:], _Batch(stamp)]
+        self.batches[-1].rows.append(row)
+        self.seen = True
 
-    def current(self, now: float) -> list[AppRow]:
-        if not self.rows or now - self.at > 1.5 * self.interval + 0.25:
-            return []
-        if now - self.at < SETTLE_S:  # may be half-read: keep the last batch's others
-            have = {r.pid for r in self.rows}
-            return self.rows + [r for r in self.previous if r.pid not in have]
-        return list(self.rows)
-
-
-class _Stream:
-    """One channel running one nvidia-smi loop, read by a task of its own."""
-
-    def __init__(self, proc: asyncssh.SSHClientProcess[bytes], pid: int) -> None:
-        self.proc = proc
-        self.pid = pid
-        self.task: asyncio.Task[None] | None = None
+    def for_sample(self, stamp: float) -> list[AppRow]:
+        """The processes a GPU sample taken at ``stamp`` shows."""
+        for b in reversed(self.batches):
+            if b.stamp <= stamp + self.interval / 2:
+                if stamp - b.stamp > 1.5 * self.interval:
+                    return []
+                return list(b.rows)
+        return []
 
 
-class HostStreams:
-    """The GPU and apps streams of one host, on its SSH connection.
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
-    ``seq`` counts complete GPU samples; ``event`` is set whenever anything changes (a
-    sample, an error, the end of a stream), so a refresh waits without polling.
+
+class NoAwk(Exception):
+    """The host has no awk: the session cannot run, collect with a query per refresh."""
+
+
+class SessionClosed(Exception):
+    """The session ended (or failed) while a ps answer was awaited."""
+
+
+_EXIT = re.compile(r"exit (\d{1,3})")
+
+
+class HostSession:
+    """One host's streaming session: both loops and ps, read by one task.
+
+    ``seq`` counts complete GPU samples; :meth:`changed` returns whenever anything changes
+    (a sample, apps rows, an error, the end of a loop), so a refresh waits without polling.
     """
 
     def __init__(self, conn: asyncssh.SSHClientConnection, interval: float,
@@ -186,94 +220,123 @@ class HostStreams:
         self.last_at = 0.0
         self.seq = 0
         self.gpus: list[GpuInfo] = []
+        #: Host-clock time of the newest GPU sample.
+        self.stamp = 0.0
         self.apps = AppsBatches(interval)
         self.error: HostError | None = None
-        #: The stream ended (its rc): a dead stream is restarted, one that cannot stream
+        #: A loop ended (its rc): a dead session is restarted, one that cannot stream
         #: (ended with a plain failure before any sample) makes the host fall back.
         self.ended: int | None = None
-        self.event = asyncio.Event()
-        self._streams: list[_Stream] = []
-        #: Channels opened (for tests and the benchmark).
+        self._waiters: list[asyncio.Future[None]] = []
+        #: Channels opened (for tests and the benchmark): one per session.
         self.channels = 0
+        #: Lines read (for tests) and reads that brought data (the client's wake-ups).
+        self.reads = 0
+        self.pid = 0
+        self._proc: asyncssh.SSHClientProcess[bytes] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._nonce = ""
+        self._sampler = GpuSampler()
+        self._reader = LineReader(max_output)
+        #: A loop whose output stopped making sense: its text, kept to classify it.
+        self._bad: dict[str, tuple[list[str], str]] = {}
+        self._timers: list[asyncio.TimerHandle] = []
+        self._ps: tuple[str, list[str], asyncio.Future[list[str]]] | None = None
+        self._ps_lock = asyncio.Lock()
 
     async def start(self) -> None:
-        gpu_script, apps_script = stream_scripts(self.interval)
-        # Time to first sample counts from here: the session's start-up is part of it.
+        """Open the channel and read its start line (a NoAwk where the host has none)."""
         self.started_at = time.monotonic()
-        gpu, apps = await asyncio.gather(self._open(gpu_script), self._open(apps_script))
-        gpu.task = asyncio.create_task(self._read_gpu(gpu))
-        apps.task = asyncio.create_task(self._read_apps(apps))
-
-    async def _open(self, script: str) -> _Stream:
-        proc = await self.conn.create_process(script, stderr=asyncssh.DEVNULL, encoding=None)
+        proc = await self.conn.create_process(session_command(self.interval),
+                                              stderr=asyncssh.DEVNULL, encoding=None)
+        self._proc = proc
         self.channels += 1
-        nonce = new_nonce()
+        self._nonce = nonce = new_nonce()
         proc.stdin.write(f"{nonce}\n".encode())
-        reader = LineReader(64 * 1024)  # a shell startup file's banner may come first
-        while True:
-            data = await proc.stdout.read(65536)
-            if not data:
-                proc.close()
-                raise ParseError("the remote shell did not run the gputop stream")
-            for line in reader.feed(data):
-                pid = start_pid(line, nonce)
-                if pid is not None:
-                    stream = _Stream(proc, pid)
-                    self._streams.append(stream)
-                    return stream
-
-    def _fail(self, err: HostError) -> None:
-        if self.error is None:
-            self.error = err
-        self.event.set()
-
-    async def _rest(self, stream: _Stream, text: str,
-                    limit: int = 64 * 1024) -> tuple[str, int | None]:
-        """After output that is not a sample: the rest of it (briefly, bounded) and the rc,
-        so that a failure nvidia-smi explains is classified as such."""
-        parts = [text]
-
-        async def read() -> None:
-            size = len(text)
-            while size < limit:
-                data = await stream.proc.stdout.read(65536)
+        banner = LineReader(64 * 1024)  # a shell startup file's banner may come first
+        noawk = f"{MARK} {nonce} noawk"
+        try:
+            while not self.pid:
+                data = await proc.stdout.read(65536)
                 if not data:
-                    await stream.proc.wait_closed()
-                    return
-                parts.append(data.decode("utf-8", "replace"))
-                size += len(data)
+                    raise ParseError("the remote shell did not run the gputop session")
+                lines = banner.feed(data)
+                for i, line in enumerate(lines):
+                    if line == noawk:
+                        raise NoAwk("no awk on the host")
+                    pid = start_pid(line, nonce)
+                    if pid is not None:
+                        self.pid = pid
+                        self._reader.feed(banner.rest())
+                        for after in lines[i + 1:]:
+                            self._line(after)
+                        break
+        except BaseException:
+            proc.close()
+            raise
+        self._task = asyncio.create_task(self._read(proc))
 
-        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
-            await asyncio.wait_for(read(), 0.5)
-        return "".join(parts)[:limit], stream.proc.exit_status
-
-    async def _ended(self, stream: _Stream) -> int | None:
-        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
-            await asyncio.wait_for(stream.proc.wait_closed(), 2.0)
-        return stream.proc.exit_status
-
-    async def _read_gpu(self, stream: _Stream) -> None:
-        sampler = GpuSampler()
-        reader = LineReader(self.max_output)
+    async def _read(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
         try:
             while True:
-                data = await stream.proc.stdout.read(65536)
+                data = await proc.stdout.read(65536)
                 if not data:
                     break
-                for line in reader.feed(data):
-                    gpus = sampler.feed(line)
-                    if gpus is not None:
-                        reader.restart()  # the limit is per sample
-                        self._publish(gpus)
-        except ParseError as exc:
-            text, rc = await self._rest(stream, sampler.text + "\n")
-            self._fail(classify_failure(text, rc) or HostError("parse", str(exc)))
+                self.reads += 1
+                for line in self._reader.feed(data):
+                    self._line(line)
+        except ParseError as exc:  # framing, or more output than a sample may have
+            for loop in list(self._bad):  # a loop went astray first: that is the story
+                self._judge(loop, None)
+            self._fail(HostError("parse", str(exc)))
             return
         except (asyncssh.Error, OSError) as exc:
-            self._fail(HostError("ssh", f"nvidia-smi's stream broke: {excerpt(str(exc))}"))
+            self._fail(HostError("ssh", f"the nvidia-smi session broke: {excerpt(str(exc))}"))
             return
-        rc = await self._ended(stream)
-        text = sampler.text
+        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
+            await asyncio.wait_for(proc.wait_closed(), 2.0)
+        self._end(-1 if proc.exit_status is None else proc.exit_status)
+
+    def _line(self, line: str) -> None:
+        tag, x = line[:2], line[2:]
+        if tag == "g ":
+            self._gpu(x)
+        elif tag == "a ":
+            self._apps_line(x)
+        elif tag == "p ":
+            self._ps_line(x)
+        else:
+            raise FramingError(f"untagged line in the nvidia-smi session: {excerpt(line)}")
+
+    def _exit_rc(self, x: str) -> int | None:
+        prefix = f"{MARK} {self._nonce} "
+        m = _EXIT.fullmatch(x[len(prefix):]) if x.startswith(prefix) else None
+        return int(m.group(1)) if m else None
+
+    def _gpu(self, x: str) -> None:
+        rc = self._exit_rc(x)
+        if "g" in self._bad:
+            if rc is not None:
+                self._judge("g", rc)
+            else:
+                self._keep("g", x)
+            return
+        if rc is not None:
+            self._gpu_exit(rc)
+            return
+        if not x.strip():
+            return  # the marker's own line break
+        try:
+            gpus = self._sampler.feed(x)
+        except ParseError as exc:
+            self._spoilt("g", self._sampler.text, str(exc))
+            return
+        if gpus is not None:
+            self._reader.restart()  # the limit is per sample
+            self._publish(gpus)
+
+    def _gpu_exit(self, rc: int) -> None:
+        text = self._sampler.text
         # After complete samples, an exit with nothing more to say (a lost GPU ends the
         # loop with 15 after the sample that shows it) is just the end: restart it.
         said = bool(text.strip()) or self.first_at is None
@@ -282,7 +345,7 @@ class HostStreams:
             self._fail(failure)
             return
         try:
-            rest = sampler.flush()
+            rest = self._sampler.flush()
         except ParseError as exc:
             self._fail(HostError("parse", str(exc)))
             return
@@ -292,40 +355,111 @@ class HostStreams:
             self._fail(HostError("parse", f"nvidia-smi's stream ended mid-sample: "
                                           f"{excerpt(text)}"))
             return
-        self.ended = -1 if rc is None else rc
-        self.event.set()
+        self._end(rc)
 
-    async def _read_apps(self, stream: _Stream) -> None:
-        reader = LineReader(self.max_output)
-        last = ""
+    def _apps_line(self, x: str) -> None:
+        rc = self._exit_rc(x)
+        if "a" in self._bad:
+            if rc is not None:
+                self._judge("a", rc)
+            else:
+                self._keep("a", x)
+            return
+        if rc is not None:
+            # A failure (or a lost GPU) ends both loops: the GPU loop says what happened,
+            # so give it a moment to say it. Either way the session is restarted.
+            self._later(1.0, lambda: self._end(rc))
+            return
         try:
-            while True:
-                data = await stream.proc.stdout.read(65536)
-                if not data:
-                    break
-                lines = reader.feed(data)
-                reader.restart()  # bounded per batch of rows as they come
-                for line in lines:
-                    last = line
-                    self.apps.feed(line, time.monotonic())
-                if lines:
-                    self.event.set()
+            self.apps.feed(x)
         except ParseError as exc:
-            text, rc = await self._rest(stream, last + "\n")
-            self._fail(classify_failure(text, rc) or HostError("parse", str(exc)))
+            self._spoilt("a", x, str(exc))
             return
-        except (asyncssh.Error, OSError) as exc:
-            self._fail(HostError("ssh", f"nvidia-smi's apps stream broke: {excerpt(str(exc))}"))
-            return
-        rc = await self._ended(stream)
-        # A failure (or a lost GPU) ends both loops: the GPU stream says what happened, so
-        # give it a moment to say it. Either way the pair is restarted together.
-        gpu_task = self._streams[0].task if self._streams else None
-        if gpu_task is not None:
-            await asyncio.wait({gpu_task}, timeout=1.0)
+        self._wake()
+
+    def _spoilt(self, loop: str, text: str, why: str) -> None:
+        """A loop printed what is not a sample: keep what follows for a moment, so that a
+        failure nvidia-smi explains (then exits) is classified as such."""
+        self._bad[loop] = ([text], why)
+        self._later(0.5, lambda: self._judge(loop, None))
+
+    def _keep(self, loop: str, x: str) -> None:
+        lines = self._bad[loop][0]
+        lines.append(x)
+        if sum(len(t) for t in lines) >= FAILURE_TEXT:
+            self._judge(loop, None)
+
+    def _judge(self, loop: str, rc: int | None) -> None:
+        lines, why = self._bad[loop]
+        text = "\n".join(lines)[:FAILURE_TEXT]
+        self._fail(classify_failure(text, rc) or HostError("parse", why))
+
+    def _ps_line(self, x: str) -> None:
+        if self._ps is None:
+            raise FramingError(f"ps output nobody asked for: {excerpt(x)}")
+        nonce, lines, fut = self._ps
+        if x == end_line(nonce):
+            self._ps = None
+            if not fut.done():
+                fut.set_result(lines)
+        else:
+            lines.append(x)
+
+    async def ask_ps(self, pids: list[int]) -> dict[str, Section]:
+        """One ps request on the session (``NONCE PIDS`` in, owners and args out)."""
+        async with self._ps_lock:
+            if self._proc is None or self.error is not None or self.ended is not None:
+                raise SessionClosed("the nvidia-smi session has ended")
+            nonce = new_nonce()
+            fut: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
+            self._ps = (nonce, [], fut)
+            self._proc.stdin.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
+            lines = await fut
+        return split_frame(lines, nonce, OWNER_SECTIONS)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the next change, or after ``timeout`` seconds. (A bare future and a
+        timer: ``wait_for(event.wait())`` costs a task and two more loop turns per host
+        per refresh, and the client's CPU is mostly such turns.)"""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        timer = loop.call_later(max(0.0, timeout), _settle, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def _later(self, delay: float, what: object) -> None:
+        assert callable(what)
+        self._timers.append(asyncio.get_running_loop().call_later(delay, what))
+
+    def _fail(self, err: HostError) -> None:
+        if self.error is None and self.ended is None:
+            self.error = err
+        self._stop_ps(f"{err.kind}: {err.message}")
+        self._wake()
+
+    def _end(self, rc: int) -> None:
         if self.ended is None and self.error is None:
-            self.ended = -1 if rc is None else rc
-        self.event.set()
+            self.ended = rc
+        self._stop_ps(f"the nvidia-smi session ended (exit {rc})")
+        self._wake()
+
+    def _stop_ps(self, why: str) -> None:
+        if self._ps is not None:
+            fut = self._ps[2]
+            self._ps = None
+            if not fut.done():
+                fut.set_exception(SessionClosed(why))
 
     def _publish(self, gpus: list[GpuInfo]) -> None:
         now = time.monotonic()
@@ -333,29 +467,33 @@ class HostStreams:
             self.first_at = now
         self.last_at = now
         self.gpus = gpus
+        self.stamp = self._sampler.stamp
         self.seq += 1
-        self.event.set()
+        self._wake()
 
     @property
     def first_sample_s(self) -> float | None:
         return None if self.first_at is None else self.first_at - self.started_at
 
     def close(self) -> None:
-        """Stop reading and close the channels: the remote script kills nvidia-smi when
-        its stdin closes (:func:`~gputop.sources.protocol.stream_script`)."""
-        for s in self._streams:
-            if s.task is not None:
-                s.task.cancel()
-            s.proc.close()
-        self._streams = []
+        """Stop reading and close the channel: the remote script kills its process group
+        when its stdin closes (:func:`~gputop.sources.protocol.session_script`)."""
+        for t in self._timers:
+            t.cancel()
+        self._timers = []
+        if self._task is not None:
+            self._task.cancel()
+        self._stop_ps("the nvidia-smi session was closed")
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
 
     async def kill(self) -> None:
-        """A stalled stream: kill both loops' process groups on the host, then close."""
-        pids = [s.pid for s in self._streams if s.pid > 1]
+        """A stalled session: kill its process group on the host, then close."""
+        pid = self.pid
         self.close()
-        if not pids:
+        if pid <= 1:
             return
-        groups = " ".join(f"-{int(p)}" for p in pids)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.conn.run(f"kill -s KILL -- {groups}", check=False),
+            await asyncio.wait_for(self.conn.run(f"kill -s KILL -- -{int(pid)}", check=False),
                                    timeout=1.5)
