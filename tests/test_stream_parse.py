@@ -124,3 +124,34 @@ def test_timestamps_are_checked() -> None:
     for bad in ("2026-07-14 08:12:53", "now", "2026/13/14 08:12:53.500"):
         with pytest.raises(ParseError):
             parse_timestamp(bad)
+
+
+def test_owner_cache_outlives_a_late_sample_but_not_an_absence() -> None:
+    """ps is asked once per pid: a pid missing from a sample or two (a late apps batch on a
+    loaded host) keeps its owner; one gone for longer than OWNER_MEMORY intervals is asked
+    again (it may be another process now). The ps round trip is a stand-in here (the rule
+    is the cache's; tests/test_stream_fleet.py runs the real ps over real SSH)."""
+    import asyncio
+
+    from gputop.config import HostConfig
+    from gputop.sources.nvidia_smi import AppRow, Owner
+    from gputop.sources.ssh import OWNER_MEMORY, JumpPool, SshSource
+
+    async def scenario() -> list[list[int]]:
+        src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,
+                        handshakes=asyncio.Semaphore(1), jumps=JumpPool(None))
+        asked: list[list[int]] = []
+
+        async def ask_ps(_st: object, pids: list[int]) -> tuple[dict[int, Owner], dict[int, str]]:
+            asked.append(pids)
+            return {p: Owner(p, "gtalice", 5) for p in pids}, {p: "train.py" for p in pids}
+
+        src._ask_ps = ask_ps  # type: ignore[method-assign]
+        row = [AppRow("GPU-1", 42, 100)]
+        for now, apps in ((0.0, row), (1.0, []), (2.0, []), (3.0, row),  # late: kept
+                          (4.0, []), (4.0 + OWNER_MEMORY + 0.5, row)):  # gone: asked again
+            owners, _ = await src._owners_of(None, apps, now)  # type: ignore[arg-type]
+            assert (42 in owners) == bool(apps)
+        return asked
+
+    assert asyncio.run(scenario()) == [[42], [42]]

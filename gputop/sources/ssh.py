@@ -110,6 +110,10 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
 WAITING_TO_RETRY = "(waiting to retry)"
 
 
+#: Intervals a pid may be missing from the samples and keep the owner ps gave for it.
+OWNER_MEMORY = 3
+
+
 class _ChannelClosed(Exception):
     """The streaming channel ended before a refresh was complete."""
 
@@ -341,7 +345,8 @@ class SshSource:
         self._seen_seq = 0
         self._starting = False
         #: Owners and command lines of the pids in the last sample, and when ps was asked.
-        self._owners: dict[int, tuple[Owner, str | None, float]] = {}
+        #: pid -> (owner, command line, when ps answered, when last in a sample)
+        self._owners: dict[int, tuple[Owner, str | None, float, float]] = {}
         #: Probe cost: seconds the last stream took to its first sample.
         self.first_sample_s: float | None = None
         self.name = host.name
@@ -978,20 +983,29 @@ class SshSource:
 
     async def _owners_of(self, st: HostSession, apps: list[AppRow],
                          now: float) -> tuple[dict[int, Owner], dict[int, str]]:
-        """Owners and command lines: ``ps`` only for pids not in the last sample (a pid
-        that left and came back may be another process, so it is asked again)."""
+        """Owners and command lines: ``ps`` only for pids not seen lately. A pid missing
+        from a sample or two (a late apps batch on a loaded host) keeps its owner; one gone
+        for longer than ``OWNER_MEMORY`` intervals may come back as another process, so it
+        is asked again."""
         pids = list(dict.fromkeys(a.pid for a in apps))
-        self._owners = {p: v for p, v in self._owners.items() if p in pids}
+        keep = OWNER_MEMORY * self.interval
+        self._owners = {p: v for p, v in self._owners.items() if now - v[3] <= keep}
+        for p in pids:
+            if p in self._owners:
+                self._owners[p] = (*self._owners[p][:3], now)
         new = [p for p in pids if p not in self._owners]
         if new:
             found, cmds = await self._ask_ps(st, new)
             for p in new:
                 o = found.get(p)
                 if o is not None:
-                    self._owners[p] = (o, cmds.get(p), now)
+                    self._owners[p] = (o, cmds.get(p), now, now)
         owners: dict[int, Owner] = {}
         args: dict[int, str] = {}
-        for p, (o, cmd, at) in self._owners.items():
+        for p in pids:
+            if p not in self._owners:
+                continue
+            o, cmd, at, _seen = self._owners[p]
             age = None if o.elapsed_s is None else o.elapsed_s + int(now - at)
             owners[p] = Owner(o.pid, o.user, age)
             if cmd:
