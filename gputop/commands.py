@@ -30,7 +30,13 @@ from gputop.reservations import (
 )
 from gputop.reservations.flags import free_gpus, other_users
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
-from gputop.reservations.queue import DEFAULT_LEASE_S, Request, request_of
+from gputop.reservations.queue import (
+    DEFAULT_LEASE_S,
+    Request,
+    could_use,
+    request_of,
+    unsatisfiable,
+)
 from gputop.reservations.store import MAX_LEASE_S, Job
 from gputop.text import clean
 
@@ -442,8 +448,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.
     waiters = [request_of(w) for w in state.waiting()]
+    taken = could_use(waiters, hosts, [h.name for h in config.hosts])
     found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
-             if req.fits(f) and not any(w.fits(f) for w in waiters)
+             if req.fits(f) and not taken(f)
              and not (args.whole and f.instance)][: args.count]
     if len(found) < args.count:
         print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
@@ -519,8 +526,12 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         from gputop.reservations.queue import reserve_now
 
         hosts = asyncio.run(_poll(config, set(req.hosts) or None))
+        fleet = [h.name for h in config.hosts]
+        why = unsatisfiable(req, hosts, fleet)
+        if why:
+            raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
         made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending)
+                           job=lambda h: pending, fleet=fleet)
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"

@@ -464,6 +464,93 @@ def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use(
     assert got is not None and {f.host for f in got} == {"b"}
 
 
+def _held(state: StoreState, *gpus: str) -> StoreState:
+    now = utcnow()
+    return replace(state, reservations=tuple(
+        new_reservation(g.split(":")[0], int(g.split(":")[1]), "x", "m", now, 3600, None, "")
+        for g in gpus))
+
+
+def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
+    """Hosts of different sizes: a has one 80G GPU and one 24G, b two 80G (b:0 held). A
+    head that wants 2 GPUs with 40G on one host can only ever be served by b, so a:0 is not
+    its to wait for: a later waiter for 1 GPU with 40G gets a:0 at once."""
+    from gputop.reservations.queue import Request, grantable
+
+    now = utcnow()
+    hosts = _hosts({"a": [80, 24], "b": [80, 80]})
+    state = _held(_queue(Request(2, 40 * 1024, (), True), Request(1, 40 * 1024)), "b:0")
+    assert grantable(state, "w0", hosts, now, fleet=["a", "b"]) is None
+    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
+    # The same head, but free to span hosts: a:0 and b:1 together meet it, so a:0 waits.
+    state = _held(_queue(Request(2, 40 * 1024), Request(1, 40 * 1024)), "b:0")
+    assert grantable(state, "w1", hosts, now, fleet=["a", "b"]) is None
+    # Only b for the head (--host b): a:0 is free for the later waiter.
+    state = _held(_queue(Request(2, 40 * 1024, ("b",)), Request(1, 40 * 1024)), "b:0")
+    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
+    # Someone outside the queue is judged by the same rule.
+    state = _held(_queue(Request(2, 40 * 1024, (), True)), "b:0")
+    got = grantable(state, None, hosts, now, Request(1), fleet=["a", "b"])
+    assert got is not None and got[0].host == "a"
+
+
+def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
+    """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
+    must not hold the queue; a host that did not answer keeps the doubt on the head's side."""
+    from gputop.model import HostError, HostSnapshot
+    from gputop.reservations.queue import Request, grantable, unsatisfiable
+
+    now = utcnow()
+    hosts = _hosts({"a": [24, 24], "b": [24, 24]})
+    fleet = ["a", "b"]
+    for head in (Request(3, 0, (), True), Request(1, 100 * 1024), Request(5)):
+        assert unsatisfiable(head, hosts, fleet), head
+        got = grantable(_queue(head, Request(1)), "w1", hosts, now, fleet=fleet)
+        assert got is not None, head
+    assert unsatisfiable(Request(3, 0, (), True), hosts, fleet) == (
+        "no host can ever give 3 GPU(s) on one host (a has 2, the largest 24G; b has 2, "
+        "the largest 24G)")
+    assert unsatisfiable(Request(4), hosts, fleet) is None  # 2 + 2 across hosts
+    assert unsatisfiable(Request(2, 0, ("a",), True), hosts, fleet) is None
+    # c did not answer: it may be big enough; the head keeps its GPUs.
+    down = [*hosts, HostSnapshot(name="c", error=HostError("timeout", "no answer"))]
+    assert unsatisfiable(Request(5), down, [*fleet, "c"]) is None
+    assert grantable(_queue(Request(5), Request(1)), "w1", down, now,
+                     fleet=[*fleet, "c"]) is None
+
+
+def test_a_request_no_host_can_meet_is_refused_before_joining(team: Team) -> None:
+    """Exit 2 (a usage error, like naming a GPU that does not exist: it can never succeed,
+    so scripts must not retry it), with what the hosts have; nothing joins the queue."""
+    for args in (["free", "--wait", "--count", "4"],
+                 ["run", "--wait", "--count", "3", "--", "true"],
+                 ["run", "--count", "3", "--", "true"],
+                 ["free", "--wait", "--min-free-memory", "100G"]):
+        r = team.run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "no host can ever give" in r.stderr and "q1 has 2" in r.stderr, r.stderr
+        assert team.state().queue == ()
+
+
+def test_a_later_waiter_takes_a_gpu_the_head_can_never_use(team: Team) -> None:
+    """Head: `run --wait --count 2` (one host): q2 has one GPU, so q2:0 is never the head's.
+    A later waiter for one GPU gets it while the head still waits."""
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("run", "--wait", "--count", "2", "--lease", "5", "--", "true",
+                   user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    team.free("q2:0")
+    until(lambda: team.held().get("q2:0") == "gtbob", what="B granted q2:0")
+    assert wait_as(b[0], 30) == 0
+    assert team.queue_users() == ["gtalice"]
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
+
+
 def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
     (a byte in raw mode) interrupts it there: exit 130, reservation released."""

@@ -11,17 +11,17 @@ taken up at once, not at the next refresh.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gputop.config import Config
-from gputop.model import utcnow
+from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations.queue import LeftQueue, Queue, Request, grantable
-from gputop.reservations.store import Job, Reservation, Store, StoreState
+from gputop.reservations.ops import Invalid
+from gputop.reservations.queue import LeftQueue, Queue, Request, grantable, unsatisfiable
+from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
 from gputop.text import clean
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
@@ -66,8 +66,13 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                         poller: Poller | None = None,
                         reaper: Callable[[], object] | None = None) -> list[Reservation]:
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
-    SIGTERM) and every error leave the queue at once; nothing is half-reserved."""
+    SIGTERM) and every error leave the queue at once; nothing is half-reserved. A request
+    no host could ever meet is refused before joining (Invalid, exit 2); one that becomes
+    so while waiting leaves the queue the same way. A lock held by another writer for
+    less than the lease costs nothing: the lease is renewed on its own task, which waits
+    for the lock up to the lease's end, and a grant that times out is tried again."""
     own = poller is None
+    fleet = [h.name for h in config.hosts]
     if poller is None:
         if req.hosts:  # poll only the hosts it can be granted on
             config = replace(config, hosts=tuple(h for h in config.hosts
@@ -75,29 +80,43 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         poller = Poller(config)
     q = Queue(store, req, lease_s=lease_s)
     started = time.monotonic()
+    keeper: asyncio.Task[None] | None = None
     try:
-        pos = q.join()
+        snap = await poller.snapshot()
+        why = unsatisfiable(req, list(snap.hosts), fleet)
+        if why:
+            raise Invalid(f"not joining the queue: {why}; ask for fewer GPUs or less memory "
+                          "(or name other hosts)")
+        pos = await asyncio.to_thread(q.join)
         say(f"waiting for {describe_request(req)}: position {pos} in the queue")
+        keeper = asyncio.create_task(keep_lease(q, say))
         last = pos
+        doubts = 0
+        fresh = True
         while True:
             loop_start = time.monotonic()
-            snap = await poller.snapshot()
+            if not fresh:
+                snap = await poller.snapshot()
+            fresh = False
             if reaper is not None:
                 reaper()
             state = store.read()
             now = snap.time
             hosts = list(snap.hosts)
+            why = unsatisfiable(req, hosts, fleet)
+            doubts = doubts + 1 if why else 0
+            if doubts >= GIVE_UP_AFTER:  # not a one-off odd answer: the hosts changed
+                raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)
             if pos_now is None:
                 say("your place in the queue lapsed (lease not renewed in time); joining "
                     "again at the end")
-                last = q.join()
+                last = await asyncio.to_thread(q.join)
                 continue
-            if grantable(state, q.id, hosts, now) is not None:
-                with contextlib.suppress(LeftQueue):  # then it joins again, above
-                    got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                    if got is not None:
-                        return got
+            if grantable(state, q.id, hosts, now, fleet=fleet) is not None:
+                got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
+                if got is not None:
+                    return got
             elif pos_now != last:
                 say(f"position {pos_now} of {len(state.waiting(now))}: "
                     f"{_ahead(state, q, now)}")
@@ -105,11 +124,6 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if max_wait is not None and time.monotonic() - started >= max_wait:
                 raise WaitedTooLong(f"waited {max_wait:g}s for {describe_request(req)}; still "
                                     f"position {pos_now} in the queue (left it)")
-            if q.renew_due(now):
-                try:
-                    q.renew()
-                except LeftQueue:
-                    continue
             # Until the next refresh, watch the file: a release there is acted on within
             # WATCH_S, against the hosts as the last refresh saw them.
             sig = _signature(store)
@@ -119,18 +133,64 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                     continue
                 sig = _signature(store)
                 state = store.read()
-                if grantable(state, q.id, hosts, utcnow()) is not None:
-                    with contextlib.suppress(LeftQueue):
-                        got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                        if got is not None:
-                            return got
+                if grantable(state, q.id, hosts, utcnow(), fleet=fleet) is not None:
+                    got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
+                    if got is not None:
+                        return got
                     break
     finally:
+        if keeper is not None:
+            keeper.cancel()
         try:
-            await asyncio.shield(asyncio.to_thread(q.leave))
+            await asyncio.shield(asyncio.to_thread(_leave, q, say))
         finally:
             if own:
                 await poller.aclose()
+
+
+#: Refreshes in a row that must find a request unsatisfiable before its waiter gives up.
+GIVE_UP_AFTER = 3
+
+
+async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,
+                     job: Callable[[str], Job | None] | None, fleet: list[str],
+                     say: Callable[[str], None]) -> list[Reservation] | None:
+    """One grant attempt off the event loop; a lapsed place (joined again by the loop) or
+    a lock held too long (tried again next time) is not the end of the wait."""
+    try:
+        return await asyncio.to_thread(q.try_grant, hosts, seconds=seconds, note=note,
+                                       job=job, fleet=fleet)
+    except LeftQueue:
+        return None
+    except StoreError as exc:
+        say(f"could not write the grant yet ({exc}); still waiting, trying again")
+        return None
+
+
+async def keep_lease(q: Queue, say: Callable[[str], None]) -> None:
+    """Renew the lease every half lease, for as long as the wait lasts. Each renewal waits
+    for the lock up to the lease's end, so a writer that stalls the file for less than the
+    lease never costs this waiter its place."""
+    while True:
+        until = q.lease_until
+        due = 0.0 if until is None else (until - utcnow()).total_seconds() - q.lease_s / 2
+        await asyncio.sleep(max(due, WATCH_S))
+        if not q.id or q.lease_until is None:
+            continue
+        left = (q.lease_until - utcnow()).total_seconds()
+        try:
+            await asyncio.to_thread(q.renew, max(left, WATCH_S))
+        except LeftQueue:
+            await asyncio.sleep(WATCH_S)  # the main loop joins again
+        except StoreError as exc:
+            say(f"could not renew your place in the queue ({exc}); trying again")
+
+
+def _leave(q: Queue, say: Callable[[str], None]) -> None:
+    try:
+        q.leave()
+    except StoreError as exc:
+        say(f"could not leave the queue ({exc}); your place lapses when its lease ends")
 
 
 def _ahead(state: StoreState, q: Queue, now: object) -> str:

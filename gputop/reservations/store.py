@@ -482,13 +482,15 @@ class Store:
 
     # -- writing (under the lock) ----------------------------------------------------------
 
-    def update(self, change: Callable[[StoreState, datetime], StoreState]) -> StoreState:
+    def update(self, change: Callable[[StoreState, datetime], StoreState], *,
+               timeout: float | None = None) -> StoreState:
         """Apply ``change`` to the current state under the lock and write it atomically.
 
         ``change`` may raise to refuse; then nothing is written. Expired reservations are
-        pruned on every write.
+        pruned on every write. ``timeout``: how long to wait for another writer's lock
+        (default LOCK_TIMEOUT; a waiter renewing its lease waits up to the lease's end).
         """
-        with self._locked():
+        with self._locked(LOCK_TIMEOUT if timeout is None else timeout):
             state = self.read()
             now = utcnow()
             new = change(state, now)
@@ -500,7 +502,7 @@ class Store:
             return new
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, timeout: float) -> Iterator[None]:
         d = self.path.parent
         try:
             d.mkdir(parents=True, exist_ok=True)
@@ -513,7 +515,7 @@ class Store:
             raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
         try:
             self._make_group_writable(fd)
-            deadline = time.monotonic() + LOCK_TIMEOUT
+            deadline = time.monotonic() + timeout
             while True:
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -528,7 +530,7 @@ class Store:
                         raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {LOCK_TIMEOUT:.0f}s") from None
+                                         f"after {timeout:.0f}s") from None
                     time.sleep(0.005)
             self._remove_stale_temps()
             yield
