@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime
 from typing import Any, TextIO
 
 from gputop.config import Config, HostConfig, parse_duration
@@ -28,7 +30,7 @@ from gputop.reservations import (
     flags,
     release,
 )
-from gputop.reservations.flags import free_gpus, other_users
+from gputop.reservations.flags import FreeGpu, free_gpus, other_users
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
 from gputop.reservations.queue import (
     DEFAULT_LEASE_S,
@@ -37,7 +39,7 @@ from gputop.reservations.queue import (
     request_of,
     unsatisfiable,
 )
-from gputop.reservations.store import MAX_LEASE_S, Job
+from gputop.reservations.store import MAX_LEASE_S, Job, StoreState
 from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -147,12 +149,16 @@ def _duration(config: Config, text: str | None) -> float:
     return seconds
 
 
-def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
+def _validate_gpus(config: Config, targets: list[Target],
+                   snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
     """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
-    someone else is using can be reserved, with a warning naming them."""
+    someone else is using can be reserved, with a warning naming them. ``snaps`` receives
+    the hosts as polled."""
     me = whoami()[0]
-    snaps = {h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))}
+    if snaps is None:
+        snaps = {}
+    snaps.update({h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))})
     out = []
     for t in _resolve_mig(config, targets, snaps):
         h = snaps[t.host]
@@ -213,15 +219,59 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
     store = Store(config.reservations_path)
     _reap(config, store)
-    targets = _validate_gpus(config, targets)
+    snaps: dict[str, HostSnapshot] = {}
+    targets = _validate_gpus(config, targets, snaps)
+    check = None if args.skip_queue else _queue_claim(config, targets, snaps)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job)
+                            job=job, check=check,
+                            event="skip-queue" if args.skip_queue else None)
     _print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
               file=sys.stdout)
     return EXIT_OK
+
+
+def _queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, HostSnapshot]
+                 ) -> Callable[[StoreState, datetime], None]:
+    """The queue's claim on a direct reservation, checked under the lock: a GPU that a
+    waiter (not you) could use is theirs to wait for (the order rule: ``reserve`` comes
+    after every waiter). The GPU is judged as if empty: reserving a busy GPU would still
+    keep it from the waiter once it frees. A GPU you already hold is yours to extend."""
+    hosts = list(snaps.values())
+    fleet = [h.name for h in config.hosts]
+    me = whoami()[0]
+
+    def gpu_of(t: Target) -> FreeGpu | None:
+        h = snaps.get(t.host)
+        g = next((g for g in h.gpus if g.index == t.gpu), None) if h and h.ok else None
+        if g is None:  # not checked (the host did not answer): the queue cannot judge it
+            return None
+        empty = replace(g, memory_used_mib=0, processes=())
+        return FreeGpu(t.host, empty)
+
+    def check(state: StoreState, now: datetime) -> None:
+        queue = [w for w in state.waiting(now) if w.user != me]
+        if not queue:
+            return
+        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+        for t in targets:
+            f = gpu_of(t)
+            if f is None or (t.host, t.gpu) in mine:
+                continue
+            claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
+            if claim:
+                w = claim[0]
+                raise Refused(
+                    f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, "
+                    f"first who could use it: {clean(w.user)} (since "
+                    f"{local_time(w.created)}, for {w.count} GPU(s)"
+                    + (f", {clean(w.want)}" if w.want else "") + "). Join the queue: "
+                    f"gputop free --wait --host {clean(t.host)} (or --skip-queue to reserve "
+                    "it anyway; that is recorded in the file with your name)")
+
+    return check
 
 
 def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
@@ -584,6 +634,9 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("--until-exit", type=int, metavar="PID",
                    help="release it once process PID (on that host) has ended")
+    p.add_argument("--skip-queue", action="store_true",
+                   help="reserve even a GPU that people in the queue wait for (recorded in "
+                   "the file with your name)")
     p = sub.add_parser("release", parents=parents, help="release GPUs you reserved")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")

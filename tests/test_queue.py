@@ -551,6 +551,32 @@ def test_a_later_waiter_takes_a_gpu_the_head_can_never_use(team: Team) -> None:
     assert wait_as(a[0], 20) == 130
 
 
+def test_direct_reserve_does_not_take_what_a_waiter_waits_for(team: Team) -> None:
+    """gtbob waits for 2 GPUs on q1 (q1:1 held). gtalice's `reserve q1:0` would take the
+    GPU his turn needs: refused (exit 1) naming him and how to join; q2:0 (no waiter could
+    use it: q2 is not his host) is fine. --skip-queue reserves anyway and is recorded."""
+    team.block("q1:1", user="gtalice")
+    a = team.start("free", "--wait", "--count", "2", "--host", "q1", "--lease", "5",
+                   user="gtbob", tag="a")
+    until(lambda: team.queue_users() == ["gtbob"], what="B queued")
+    r = team.run("reserve", "q1:0")
+    assert r.returncode == 1, r.stderr
+    assert "gtbob" in r.stderr and "free --wait" in r.stderr and "--skip-queue" in r.stderr
+    assert "q1:0" not in team.held()
+    r = team.run("reserve", "q2:0")
+    assert r.returncode == 0, r.stderr
+    r = team.run("reserve", "q1:1")  # your own: extending it takes nothing from the queue
+    assert r.returncode == 0, r.stderr
+    r = team.run("reserve", "q1:0", "--skip-queue")
+    assert r.returncode == 0, r.stderr
+    assert team.held()["q1:0"] == "gtalice"
+    ev = team.state().events[-1]
+    assert ev["action"] == "skip-queue" and ev["by"] == "gtalice"
+    assert ev["reservation"]["gpu"] == 0
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
+
+
 def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
     (a byte in raw mode) interrupts it there: exit 130, reservation released."""
