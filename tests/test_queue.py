@@ -577,6 +577,77 @@ def test_direct_reserve_does_not_take_what_a_waiter_waits_for(team: Team) -> Non
     assert wait_as(a[0], 20) == 130
 
 
+@contextlib.contextmanager
+def _file_locked(team: Team) -> Iterator[None]:
+    """Another writer holding the reservations file's lock (this test process)."""
+    import fcntl
+
+    fd = os.open(team.store.lock_path, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_stall_shorter_than_the_lease_keeps_the_waiters_place(
+        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock timeout (15 s) is shortened to 0.5 s for the forked gputop processes, so a
+    3.6 s stall stands for a 20 s one; the lease is 4 s. The waiter keeps its place through
+    the stall (its renewal waits the stall out), then gets its GPU."""
+    from gputop.reservations import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LOCK_TIMEOUT", 0.5)
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("free", "--wait", "--count", "1", "--lease", "4", user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    first = team.state().queue[0]
+    # Settled: its first renewal is in the file; the stall starts just after it.
+    until(lambda: team.state().queue[0].lease > first.lease, timeout=10, what="renewed")
+    wid = first.id
+    with _file_locked(team):
+        time.sleep(3.6)
+        assert os.waitpid(a[0], os.WNOHANG) == (0, 0), text(a[2])
+    until(lambda: [w.id for w in team.state().waiting()] == [wid], timeout=5,
+          what="the same place renewed")
+    team.free("q2:0")
+    assert wait_as(a[0], 20) == 0, text(a[2])
+    assert team.held()["q2:0"] == "gtalice"
+
+
+def test_a_lock_stall_loses_no_output_and_no_exit_status(
+        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the file is locked past the lock timeout, the job's pid is recorded late
+    (output goes on meanwhile) and the release at its end fails: the output and the exit
+    status still come through; the reservation stays for the job check."""
+    from gputop.reservations import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LOCK_TIMEOUT", 0.5)
+    flag = team.tmp / "go"
+    pid, out, err = team.start(
+        "run", "--host", "q2", "--", "sh", "-c",
+        f'echo up; while [ ! -e {flag} ]; do sleep 0.05; done; echo after; exit 3',
+        user="gtalice", tag="run")
+    # Take the lock between the grant and the pid's recording when we can (the window is
+    # an SSH session's start); either way the release at the end meets a locked file.
+    caught = False
+    deadline = time.monotonic() + 20
+    while not team.held() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    with _file_locked(team):
+        job = team.state().active()[0].job
+        caught = job is not None and job.pid is None
+        until(lambda: "up" in text(out), what="job started")
+        if caught:  # the output flows while the pid waits for the lock
+            until(lambda: "could not record the job's pid yet" in text(err), what="retry")
+        flag.touch()
+        assert wait_as(pid, 20) == 3, text(err)
+    assert text(out) == "up\nafter\n"
+    assert "could not release the reservation" in text(err), text(err)
+    assert "Traceback" not in text(err)
+    assert team.held() == {"q2:0": "gtalice"}  # kept: the job check releases it
+
+
 def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
     (a byte in raw mode) interrupts it there: exit 130, reservation released."""

@@ -30,7 +30,7 @@ import asyncssh
 from gputop.config import Config, HostConfig
 from gputop.jobs.reap import check_jobs, release_ids
 from gputop.jobs.remote import connect
-from gputop.reservations.store import Job, Reservation, Store, StoreState
+from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
 from gputop.text import clean
 
 MARKER = b"gputop-job-pid "
@@ -109,10 +109,35 @@ async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Re
     else:
         result = await _run_remote(config, host, store, rs, argv, devices, say)
     if result.ended:
-        gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
+        try:
+            gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
+        except StoreError as exc:  # the job's status is never lost to the file's lock
+            say(f"could not release the reservation ({exc}); it stays until a gputop of "
+                "yours sees the job gone (or it expires)")
+            return result.code
         if gone:
             say("released " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in gone))
     return result.code
+
+
+async def _recorded(recording: list[asyncio.Task[None]]) -> None:
+    """The job may outlive us: its pid must be in the file for a later check to release
+    it, so wait (a while) for a recording held up by a locked file."""
+    if recording and not recording[0].done():
+        await asyncio.wait(recording, timeout=60)
+
+
+async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+                  say: Callable[[str], None]) -> None:
+    """Record the job's pid, waiting out a locked file (tried again until it is written or
+    the job ends): the job and its output never wait for the file."""
+    while True:
+        try:
+            await asyncio.to_thread(record_pid, store, rs, pid, session)
+            return
+        except StoreError as exc:
+            say(f"could not record the job's pid yet ({exc}); trying again")
+            await asyncio.sleep(1.0)
 
 
 async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
@@ -125,7 +150,7 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
     except OSError as exc:
         print(f"gputop: cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
         return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True)
-    await asyncio.to_thread(record_pid, store, rs, proc.pid, not tty)
+    recording = asyncio.create_task(_record(store, rs, proc.pid, not tty, _say_err))
     loop = asyncio.get_running_loop()
 
     def forward(sig: int) -> None:
@@ -144,7 +169,12 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
     finally:
         for s in FORWARDED:
             loop.remove_signal_handler(s)
+        recording.cancel()
     return JobResult(128 - rc if rc < 0 else rc, True)
+
+
+def _say_err(msg: str) -> None:
+    print(f"gputop: {msg}", file=sys.stderr, flush=True)
 
 
 async def _run_remote(config: Config, host: HostConfig, store: Store,
@@ -157,6 +187,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
         return JobResult(EXIT_SSH, True)  # nothing was started
     tty = sys.stdin.isatty()
     pid: list[int] = []
+    recording: list[asyncio.Task[None]] = []
     try:
         kw: dict[str, object] = {}
         if tty:
@@ -190,12 +221,15 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
         raw = _raw_terminal() if tty else contextlib.nullcontext()
         try:
             with raw:
-                pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid)),
+                pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid,
+                                                       recording, say)),
                          asyncio.create_task(_pump_plain(proc.stderr, 2))]
                 feeder = _feed_stdin(loop, proc)
                 try:
                     await proc.wait_closed()
-                    await asyncio.gather(*pumps, return_exceptions=True)
+                    for res in await asyncio.gather(*pumps, return_exceptions=True):
+                        if isinstance(res, Exception):  # said, never swallowed
+                            say(f"copying the job's output failed: {res!r}")
                 finally:
                     feeder()
         finally:
@@ -207,14 +241,18 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
             say(f"the SSH connection to {host.name} was lost; {what} may still be running "
                 f"there. Its reservation is kept until a gputop sees the job gone for "
                 f"{config.job_grace_s:g}s (or it expires)")
+            await _recorded(recording)
             return JobResult(EXIT_SSH, False)
         return JobResult(exit_code(status, sig[0] if sig else None), True)
     except (OSError, asyncssh.Error) as exc:
         say(f"the SSH connection to {host.name} failed: {clean(str(exc))}; the job "
             + (f"(pid {pid[0]}) may still be running; its reservation is kept until a "
                "gputop sees it gone" if pid else "was not started"))
+        await _recorded(recording)
         return JobResult(EXIT_SSH, not pid)
     finally:
+        for t in recording:
+            t.cancel()
         conn.close()
         with contextlib.suppress(Exception):
             await jumps.close()
@@ -230,8 +268,10 @@ async def _signal_remote(conn: asyncssh.SSHClientConnection, pid: int, sig: int)
 
 
 async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
-                    rs: Sequence[Reservation], pid: list[int]) -> None:
-    """Find the marker line (the job's pid), record it, then copy the rest."""
+                    rs: Sequence[Reservation], pid: list[int],
+                    recording: list[asyncio.Task[None]], say: Callable[[str], None]) -> None:
+    """Find the marker line (the job's pid), record it (on its own task: a locked file
+    never holds up the output), then copy the rest."""
     buf = b""
     while not pid:
         chunk = await stream.read(65536)
@@ -244,7 +284,7 @@ async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
             value = buf[at + len(MARKER):end].strip()
             if value.isdigit() and len(value) < 11:
                 pid.append(int(value))
-                await asyncio.to_thread(record_pid, store, rs, pid[0], True)
+                recording.append(asyncio.create_task(_record(store, rs, pid[0], True, say)))
             buf = buf[end + 1:]
             break
         if len(buf) > MAX_PREAMBLE:

@@ -21,7 +21,14 @@ from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import LeftQueue, Queue, Request, grantable, unsatisfiable
-from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
+from gputop.reservations.store import (
+    LAPSED_KEEP_S,
+    Job,
+    Reservation,
+    Store,
+    StoreError,
+    StoreState,
+)
 from gputop.text import clean
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
@@ -89,7 +96,8 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                           "(or name other hosts)")
         pos = await asyncio.to_thread(q.join)
         say(f"waiting for {describe_request(req)}: position {pos} in the queue")
-        keeper = asyncio.create_task(keep_lease(q, say))
+        renewing: set[str] = set()
+        keeper = asyncio.create_task(keep_lease(q, say, renewing))
         last = pos
         doubts = 0
         fresh = True
@@ -108,6 +116,9 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if doubts >= GIVE_UP_AFTER:  # not a one-off odd answer: the hosts changed
                 raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)
+            if pos_now is None and renewing and any(w.id == q.id for w in state.queue):
+                await asyncio.sleep(WATCH_S)  # lapsed while the lock was held: the lease
+                continue                      # keeper takes it back, or it is dropped
             if pos_now is None:
                 say("your place in the queue lapsed (lease not renewed in time); joining "
                     "again at the end")
@@ -167,10 +178,11 @@ async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: 
         return None
 
 
-async def keep_lease(q: Queue, say: Callable[[str], None]) -> None:
-    """Renew the lease every half lease, for as long as the wait lasts. Each renewal waits
-    for the lock up to the lease's end, so a writer that stalls the file for less than the
-    lease never costs this waiter its place."""
+async def keep_lease(q: Queue, say: Callable[[str], None], renewing: set[str]) -> None:
+    """Renew the lease every half lease, for as long as the wait lasts. A renewal started
+    in time waits for the lock past the lease's end and takes the place back (see
+    ``Queue.renew``), so a writer that stalls the file for less than the lease (or longer,
+    if no other write dropped the place) never costs this waiter its place."""
     while True:
         until = q.lease_until
         due = 0.0 if until is None else (until - utcnow()).total_seconds() - q.lease_s / 2
@@ -178,12 +190,17 @@ async def keep_lease(q: Queue, say: Callable[[str], None]) -> None:
         if not q.id or q.lease_until is None:
             continue
         left = (q.lease_until - utcnow()).total_seconds()
+        renewing.add(q.id)  # while it waits for the lock, the main loop does not join again
         try:
-            await asyncio.to_thread(q.renew, max(left, WATCH_S))
+            # Wait for the lock as long as the place can still be taken back.
+            await asyncio.to_thread(q.renew, max(left, 0) + LAPSED_KEEP_S / 2,
+                                    lapsed_ok=left > 0)
         except LeftQueue:
             await asyncio.sleep(WATCH_S)  # the main loop joins again
         except StoreError as exc:
             say(f"could not renew your place in the queue ({exc}); trying again")
+        finally:
+            renewing.clear()
 
 
 def _leave(q: Queue, say: Callable[[str], None]) -> None:

@@ -32,7 +32,15 @@ from datetime import datetime, timedelta
 from gputop.model import GpuInfo, HostSnapshot
 from gputop.reservations.flags import FreeGpu, free_gpus
 from gputop.reservations.ops import Invalid, Refused, Target, whoami
-from gputop.reservations.store import Job, Reservation, Store, StoreState, Waiter, new_reservation
+from gputop.reservations.store import (
+    LAPSED_KEEP_S,
+    Job,
+    Reservation,
+    Store,
+    StoreState,
+    Waiter,
+    new_reservation,
+)
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
 DEFAULT_LEASE_S = 30.0
@@ -185,18 +193,19 @@ class Queue:
                           " (name fewer with --host or a narrower --tag)")
 
         def change(state: StoreState, now: datetime) -> StoreState:
-            mine = sum(1 for w in state.waiting(now) if w.user == self.user)
-            if mine >= MAX_PLACES_PER_USER:  # one person cannot fill the queue (or the file)
-                raise Refused(f"you already wait in {mine} places in the queue; at most "
+            # Lapsed places still in the file count too: one person cannot fill the file.
+            mine = sum(1 for w in state.queue if w.user == self.user)
+            if mine >= MAX_PLACES_PER_USER:
+                raise Refused(f"you already wait in {mine} places in the queue (a place "
+                              f"lapsed less than {LAPSED_KEEP_S:.0f}s ago counts); at most "
                               f"{MAX_PLACES_PER_USER}")
             w = Waiter(id=wid, user=self.user, machine=self.machine, count=self.req.count,
                        created=now, lease=now + timedelta(seconds=self.lease_s),
                        min_free_mib=self.req.min_free_mib, hosts=self.req.hosts,
                        want=self.req.want, one_host=self.req.one_host)
             self.lease_until = w.lease
-            queue = [*state.waiting(now), w]
-            pos[0] = len(queue)
-            return replace(state, queue=tuple(queue))
+            pos[0] = len(state.waiting(now)) + 1
+            return replace(state, queue=(*state.queue, w))
 
         self.store.update(change)
         self.id = wid
@@ -210,12 +219,16 @@ class Queue:
         return (self.lease_until is None
                 or (self.lease_until - now).total_seconds() < self.lease_s / 2)
 
-    def renew(self, timeout: float | None = None) -> None:
-        """Push the lease on; ``timeout``: how long to wait for the lock (a stall shorter
-        than the lease must not cost the place)."""
+    def renew(self, timeout: float | None = None, *, lapsed_ok: bool = False) -> None:
+        """Push the lease on; ``timeout``: how long to wait for the lock. ``lapsed_ok``:
+        the renewal started while the lease ran and only waited for another writer's
+        lock; then a place that lapsed meanwhile is taken back if it is still in the file
+        (no write dropped it, so nobody acted on its absence but by the rule: a lapsed
+        place blocks nobody)."""
         def change(state: StoreState, now: datetime) -> StoreState:
-            queue = list(state.waiting(now))
-            at = next((i for i, w in enumerate(queue) if w.id == self.id), None)
+            queue = list(state.queue)
+            at = next((i for i, w in enumerate(queue) if w.id == self.id
+                       and (lapsed_ok or w.lease > now)), None)
             if at is None:
                 raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
                                 "in time)")

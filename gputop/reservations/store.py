@@ -18,6 +18,7 @@ import re
 import secrets
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -43,6 +44,10 @@ MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
 #: The longest lease a queue waiter may hold (it renews every half lease).
 MAX_LEASE_S = 300.0
+#: A lapsed waiter stays in the file (counting for nobody) this long before a write drops
+#: it, so that one whose renewal waited out another writer's lock can still take its place
+#: back (see ``Queue.renew``).
+LAPSED_KEEP_S = 60.0
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
 
@@ -450,6 +455,10 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
 class Store:
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
@@ -496,7 +505,8 @@ class Store:
             new = change(state, now)
             new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
                           events=new.events[-MAX_EVENTS:],
-                          queue=tuple(w for w in new.queue if w.lease > now))
+                          queue=tuple(w for w in new.queue
+                                      if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
             if new != state:
                 self._write(encode(new, self.path))
             return new
@@ -509,6 +519,22 @@ class Store:
         except OSError as exc:
             raise StoreError(self._os_message(exc, d, "create it")) from None
         self._check_nfs_once()
+        # POSIX record locks belong to the process, not the thread: two threads of one
+        # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
+        # One thread lock per lock file serialises them first.
+        with _THREAD_LOCKS_GUARD:
+            tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
+        if not tlock.acquire(timeout=max(timeout, 0.001)):
+            raise StoreError(f"{self.lock_path}: still locked by another writer "
+                             f"after {timeout:.3g}s")
+        try:
+            with self._file_locked(timeout):
+                yield
+        finally:
+            tlock.release()
+
+    @contextlib.contextmanager
+    def _file_locked(self, timeout: float) -> Iterator[None]:
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
@@ -530,7 +556,7 @@ class Store:
                         raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {timeout:.0f}s") from None
+                                         f"after {timeout:.3g}s") from None
                     time.sleep(0.005)
             self._remove_stale_temps()
             yield
