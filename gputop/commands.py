@@ -291,7 +291,7 @@ def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
         raise Refused(f"cannot check process {pid} on {host.name}: {exc}") from None
     if not alive.has(pid, False):
         raise Invalid(f"--until-exit {pid}: no such process on {host.name}")
-    return Job(pid, session=False)
+    return Job(pid, session=False, start=alive.start_of(pid))
 
 
 def _host(config: Config, name: str) -> HostConfig:

@@ -323,6 +323,93 @@ def test_reserve_until_exit_is_released_when_the_process_exits(team: Team) -> No
     assert team.held() == {}
 
 
+def _session_pids(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-s", str(sid), "-o", "pid="], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_run_keeps_the_reservation_while_a_backgrounded_child_runs(team: Team) -> None:
+    """The job is its session: `nohup ... &` outlives the command, so the reservation
+    stays until that child has ended too (and a grace period passed)."""
+    r = team.run("run", "--host", "q2", "--", "sh", "-c",
+                 "nohup sleep 60 >/dev/null 2>&1 & echo started")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "started\n"
+    assert "still run on q2" in r.stderr and "released" not in r.stderr, r.stderr
+    job = team.state().active()[0].job
+    assert job is not None and job.pid is not None and job.start is not None
+    left = _session_pids(job.pid)
+    assert len(left) == 1  # the sleep, a real process of gtalice's on the host
+    try:
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        team.run("reservations")
+        assert team.held() == {"q2:0": "gtalice"}  # the child runs: kept
+    finally:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    until(lambda: not _session_pids(job.pid), what="child gone")
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr
+    assert team.held() == {}
+
+
+def test_a_pid_that_started_after_the_job_is_not_the_job(team: Team) -> None:
+    """--until-exit records when the process started (ps on the host). A process holding
+    that pid but started at another time (the pid reused after the job ended) does not
+    keep the reservation."""
+    proc = subprocess.Popen(["sleep", "60"], user="gtalice")
+    try:
+        r = team.run("reserve", "q1:1", "--until-exit", str(proc.pid))
+        assert r.returncode == 0, r.stderr
+        job = team.state().active()[0].job
+        assert job is not None and job.start is not None
+        from gputop.jobs.remote import local_start
+
+        real = local_start(proc.pid)
+        assert real is not None and abs((job.start - real).total_seconds()) <= 1
+        # The same pid, as if recorded for an earlier process that has ended.
+        team.store.update(lambda s, now: replace(s, reservations=tuple(
+            replace(x, job=replace(x.job, start=real - timedelta(hours=1))) if x.job else x
+            for x in s.reservations)))
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        r = team.run("reservations")
+        assert "its job has ended" in r.stderr, r.stderr
+        assert team.held() == {}
+        assert proc.poll() is None  # the process with that pid still runs
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ps_rows_with_start_times() -> None:
+    from datetime import datetime, timezone
+
+    from gputop.jobs.remote import parse_ps
+
+    alive = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
+                     "  200   200 S    Mon Nov 30 09:00:00 2026\n"
+                     "  300   200 S    Mon Nov 30 09:00:05 2026\n"
+                     "  400   400 S    Mon Nov 30 09:30:00 2026\n")
+    t = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
+    assert alive.has(200, True, t) and alive.has(200, False, t)
+    assert not alive.has(200, False, t.replace(hour=8))  # same pid, another process
+    assert not alive.has(200, True, t.replace(hour=8))
+    # The leader is gone; a process left in its session keeps the job alive, but not one
+    # in a session a reused pid leads now.
+    gone = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
+                    "  300   200 S    Mon Nov 30 09:00:05 2026\n")
+    assert gone.has(200, True, t) and gone.in_session(200, t) == [300]
+    for bad in ("1 1 S Mon Foo 30 08:00:00 2026\n", "1 1 S Mon Nov 30 8:00 2026\n",
+                "1 1 S Mon Nov 30 08:00:00\n"):
+        with pytest.raises(ValueError):
+            parse_ps(bad)
+
+
 # -- the file: version 2, still reading and writing version 1 --------------------------------
 
 

@@ -34,7 +34,7 @@ def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float) -> boo
         # Not recorded yet: the job may well run (its gputop run stalled: stopped in the
         # background, a laptop lid closed). Only expiry ends such a reservation.
         return False
-    return not alive.has(r.job.pid, r.job.session)
+    return not alive.has(r.job.pid, r.job.session, r.job.start)
 
 
 async def check_jobs(config: Config, store: Store) -> list[Reservation]:

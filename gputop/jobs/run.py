@@ -21,7 +21,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -29,7 +29,15 @@ import asyncssh
 
 from gputop.config import Config, HostConfig
 from gputop.jobs.reap import check_jobs, release_ids
-from gputop.jobs.remote import connect
+from gputop.jobs.remote import (
+    Alive,
+    JobHostError,
+    alive_local,
+    alive_via,
+    connect,
+    local_start,
+    parse_lstart,
+)
 from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
 from gputop.text import clean
 
@@ -45,7 +53,9 @@ def remote_command(argv: Sequence[str], devices: str) -> str:
     """The script sent to the remote shell: nothing but quoted words."""
     if not argv:
         raise ValueError("no command given")
-    script = ('echo "gputop-job-pid $$"; '
+    # The marker: the job's pid and when it started (ps lstart, C locale, UTC), so a later
+    # process given the same pid is never taken for the job.
+    script = ('echo "gputop-job-pid $$ $(LC_ALL=C TZ=UTC0 ps -o lstart= -p $$ 2>/dev/null)"; '
               f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
               "exec " + " ".join(shlex.quote(a) for a in argv))
     # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
@@ -82,12 +92,13 @@ def exit_code(status: int | None, sig: str | None) -> int:
     return EXIT_SSH if status is None else status
 
 
-def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool) -> None:
+def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+               start: datetime | None = None) -> None:
     ids = {r.id for r in rs}
 
     def change(state: StoreState, now: datetime) -> StoreState:
         return replace(state, reservations=tuple(
-            replace(r, job=Job(pid, session)) if r.id in ids else r
+            replace(r, job=Job(pid, session, start=start)) if r.id in ids else r
             for r in state.reservations))
 
     store.update(change)
@@ -105,7 +116,7 @@ async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Re
     """Run the job, then release its reservations if it is known to have ended."""
     devices = devices_of(rs)
     if host.local:
-        result = await _run_local(store, rs, argv, devices)
+        result = await _run_local(store, rs, argv, devices, config.job_grace_s)
     else:
         result = await _run_remote(config, host, store, rs, argv, devices, say)
     if result.ended:
@@ -120,6 +131,37 @@ async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Re
     return result.code
 
 
+#: After the command exits, its session is looked at this often before what is left
+#: counts as left behind (children killed by the hang-up take a moment to go).
+LEFTOVER_CHECKS = (0.0, 0.2, 0.5, 1.0)
+
+
+async def _leftovers(ask: Callable[[], Awaitable[Alive]], sid: int,
+                     start: datetime | None) -> list[int]:
+    """The job's processes still running once its command exited: the session it led.
+    A host that cannot be asked: none (released as before; the job check cannot see them
+    either)."""
+    left: list[int] = []
+    for delay in LEFTOVER_CHECKS:
+        await asyncio.sleep(delay)
+        try:
+            left = (await ask()).in_session(sid, start)
+        except (JobHostError, OSError, ValueError):
+            return []
+        if not left:
+            return []
+    return left
+
+
+def _say_left(say: Callable[[str], None], code: int, left: Sequence[int], host: str,
+              grace: float) -> None:
+    pids = ", ".join(str(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
+    say(f"the command exited ({code}), but {len(left)} process(es) it started still run on "
+        f"{clean(host)} (pid {pids}): the reservation stays until none is left for "
+        f"{grace:g}s, then any gputop command of yours (e.g. gputop reservations) "
+        "releases it")
+
+
 async def _recorded(recording: list[asyncio.Task[None]]) -> None:
     """The job may outlive us: its pid must be in the file for a later check to release
     it, so wait (a while) for a recording held up by a locked file."""
@@ -128,12 +170,12 @@ async def _recorded(recording: list[asyncio.Task[None]]) -> None:
 
 
 async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
-                  say: Callable[[str], None]) -> None:
+                  say: Callable[[str], None], start: datetime | None = None) -> None:
     """Record the job's pid, waiting out a locked file (tried again until it is written or
     the job ends): the job and its output never wait for the file."""
     while True:
         try:
-            await asyncio.to_thread(record_pid, store, rs, pid, session)
+            await asyncio.to_thread(record_pid, store, rs, pid, session, start)
             return
         except StoreError as exc:
             say(f"could not record the job's pid yet ({exc}); trying again")
@@ -141,7 +183,7 @@ async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bo
 
 
 async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
-                     devices: str) -> JobResult:
+                     devices: str, job_grace_s: float) -> JobResult:
     tty = sys.stdin.isatty()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
     try:
@@ -150,7 +192,8 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
     except OSError as exc:
         print(f"gputop: cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
         return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True)
-    recording = asyncio.create_task(_record(store, rs, proc.pid, not tty, _say_err))
+    start = local_start(proc.pid)
+    recording = asyncio.create_task(_record(store, rs, proc.pid, not tty, _say_err, start))
     loop = asyncio.get_running_loop()
 
     def forward(sig: int) -> None:
@@ -166,11 +209,18 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
         loop.add_signal_handler(s, forward, s)
     try:
         rc = await proc.wait()
+        code = 128 - rc if rc < 0 else rc
+        if not tty:  # its own session: what it left running is found by the session id
+            left = await _leftovers(lambda: asyncio.to_thread(alive_local), proc.pid, start)
+            if left:
+                await asyncio.wait([recording], timeout=60)
+                _say_left(_say_err, code, left, "this host", job_grace_s)
+                return JobResult(code, False)
     finally:
         for s in FORWARDED:
             loop.remove_signal_handler(s)
         recording.cancel()
-    return JobResult(128 - rc if rc < 0 else rc, True)
+    return JobResult(code, True)
 
 
 def _say_err(msg: str) -> None:
@@ -188,6 +238,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
     tty = sys.stdin.isatty()
     pid: list[int] = []
     recording: list[asyncio.Task[None]] = []
+    starts: list[datetime | None] = []
     try:
         kw: dict[str, object] = {}
         if tty:
@@ -222,7 +273,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
         try:
             with raw:
                 pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid,
-                                                       recording, say)),
+                                                       recording, say, starts)),
                          asyncio.create_task(_pump_plain(proc.stderr, 2))]
                 feeder = _feed_stdin(loop, proc)
                 try:
@@ -243,7 +294,14 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
                 f"{config.job_grace_s:g}s (or it expires)")
             await _recorded(recording)
             return JobResult(EXIT_SSH, False)
-        return JobResult(exit_code(status, sig[0] if sig else None), True)
+        code = exit_code(status, sig[0] if sig else None)
+        if pid:
+            left = await _leftovers(lambda: alive_via(conn, host.name, config.timeout),
+                                    pid[0], starts[0] if starts else None)
+            if left:
+                _say_left(say, code, left, host.name, config.job_grace_s)
+                return JobResult(code, False)
+        return JobResult(code, True)
     except (OSError, asyncssh.Error) as exc:
         say(f"the SSH connection to {host.name} failed: {clean(str(exc))}; the job "
             + (f"(pid {pid[0]}) may still be running; its reservation is kept until a "
@@ -269,7 +327,8 @@ async def _signal_remote(conn: asyncssh.SSHClientConnection, pid: int, sig: int)
 
 async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
                     rs: Sequence[Reservation], pid: list[int],
-                    recording: list[asyncio.Task[None]], say: Callable[[str], None]) -> None:
+                    recording: list[asyncio.Task[None]], say: Callable[[str], None],
+                    starts: list[datetime | None]) -> None:
     """Find the marker line (the job's pid), record it (on its own task: a locked file
     never holds up the output), then copy the rest."""
     buf = b""
@@ -281,10 +340,16 @@ async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
         at = buf.find(MARKER)
         end = buf.find(b"\n", at) if at >= 0 else -1
         if end >= 0:
-            value = buf[at + len(MARKER):end].strip()
-            if value.isdigit() and len(value) < 11:
-                pid.append(int(value))
-                recording.append(asyncio.create_task(_record(store, rs, pid[0], True, say)))
+            words = buf[at + len(MARKER):end].decode("ascii", "replace").split()
+            if words and words[0].isdigit() and len(words[0]) < 11:
+                pid.append(int(words[0]))
+                try:
+                    start: datetime | None = parse_lstart(words[1:])
+                except ValueError:  # no ps there: the pid alone, as before
+                    start = None
+                starts.append(start)
+                recording.append(asyncio.create_task(_record(store, rs, pid[0], True, say,
+                                                             start)))
             buf = buf[end + 1:]
             break
         if len(buf) > MAX_PREAMBLE:

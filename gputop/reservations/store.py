@@ -128,29 +128,38 @@ MAX_PID = 2**31 - 1
 class Job:
     """The work a reservation belongs to, on the reservation's host: ``pid`` (``None`` while
     ``gputop run`` is still starting it), whether it names a whole session (``run``: every
-    process of the remote session) or one process (``reserve --until-exit``), and since when
-    a checker has seen it gone (the release waits a grace period after that)."""
+    process of the remote session) or one process (``reserve --until-exit``), when that pid
+    started (as the host tells it: a later process that gets the same pid is not the job),
+    and since when a checker has seen it gone (the release waits a grace period after
+    that)."""
 
     pid: int | None
     session: bool = False
     gone_since: datetime | None = None
+    start: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "session": self.session,
-                "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        d = {"pid": self.pid, "session": self.session,
+             "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        if self.start is not None:
+            d["start"] = iso(self.start)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Job:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
-        if set(d) != {"pid", "session", "gone_since"}:
-            raise ValueError(f"{where}: expected the fields gone_since, pid, session")
+        if set(d) - {"start"} != {"pid", "session", "gone_since"}:
+            raise ValueError(f"{where}: expected the fields gone_since, pid, session "
+                             "(and start)")
         pid = None if d["pid"] is None else _int(d["pid"], f"{where}.pid", 1, MAX_PID)
         if not isinstance(d["session"], bool):
             raise ValueError(f"{where}.session: expected a boolean, not {_jtype(d['session'])}")
         gone = d["gone_since"]
+        start = d.get("start")
         return cls(pid, d["session"],
-                   None if gone is None else parse_time(gone, f"{where}.gone_since"))
+                   None if gone is None else parse_time(gone, f"{where}.gone_since"),
+                   None if start is None else parse_time(start, f"{where}.start"))
 
 
 @dataclass(frozen=True)
