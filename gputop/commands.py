@@ -420,6 +420,15 @@ def _notify(args: argparse.Namespace, result: str, got: Sequence[Reservation]) -
 
 
 def cmd_release(config: Config, args: argparse.Namespace) -> int:
+    if args.waiter is not None:
+        if args.mine or args.targets:
+            raise Invalid("give --waiter ID alone (not with HOST:GPU or --mine)")
+        from gputop.reservations.queue import remove_waiter
+
+        w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
+        print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
+              + (f", {clean(w.want)}" if w.want else "") + ") from the queue")
+        return EXIT_OK
     if args.mine and args.targets:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
@@ -458,7 +467,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
     for i, w in enumerate(queue):
         print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
               + (f" ({clean(w.want)})" if w.want else "")
-              + f" since {local_time(w.created)}", file=sys.stderr)
+              + f" since {local_time(w.created)} [id {w.id}]")
     if not active:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
@@ -637,11 +646,16 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--skip-queue", action="store_true",
                    help="reserve even a GPU that people in the queue wait for (recorded in "
                    "the file with your name)")
-    p = sub.add_parser("release", parents=parents, help="release GPUs you reserved")
+    p = sub.add_parser("release", parents=parents,
+                       help="release GPUs you reserved, or a place in the queue (--waiter)")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")
     p.add_argument("--force", action="store_true",
-                   help="release someone else's reservation (recorded with your name)")
+                   help="release someone else's reservation or waiter (recorded with your "
+                   "name)")
+    p.add_argument("--waiter", metavar="ID",
+                   help="take waiter ID (from gputop reservations) out of the queue: "
+                   "your own, or with --force anyone's")
     p = sub.add_parser("reservations", parents=parents, help="list current reservations")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("free", parents=parents,

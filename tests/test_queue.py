@@ -410,6 +410,47 @@ def test_ps_rows_with_start_times() -> None:
             parse_ps(bad)
 
 
+def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> None:
+    """`release --waiter ID`: your own stale place at once; someone else's only with --force,
+    recorded as an event; their running waiter then stops (exit 1) naming who removed it
+    instead of joining again. `reservations` lists the queue, ids included, on stdout."""
+    from gputop.reservations.queue import Queue, Request
+
+    team.block("q1:0", "q1:1", "q2:0")
+    stale = Queue(team.store, Request(1), lease_s=60, user="gtalice", machine="laptop")
+    stale.join()
+    b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    bid = team.state().waiting()[1].id
+    r = team.run("reservations")
+    assert r.returncode == 0
+    assert "waiting 1: gtalice for 1 GPU(s)" in r.stdout and f"[id {stale.id}]" in r.stdout
+    assert "waiting 2: gtbob" in r.stdout and f"[id {bid}]" in r.stdout
+    assert "waiting" not in r.stderr
+    js = json.loads(team.run("reservations", "--json").stdout)
+    assert [w["id"] for w in js["queue"]] == [stale.id, bid]
+
+    r = team.run("release", "--waiter", stale.id)
+    assert r.returncode == 0 and "removed waiter" in r.stdout, r.stderr
+    assert team.queue_users() == ["gtbob"]
+    r = team.run("release", "--waiter", bid)
+    assert r.returncode == 1 and "gtbob's" in r.stderr and "--force" in r.stderr
+    assert team.queue_users() == ["gtbob"]
+    r = team.run("release", "--waiter", "nosuchid")
+    assert r.returncode == 1 and "no waiter" in r.stderr
+    r = team.run("release", "--waiter", bid, "--force")
+    assert r.returncode == 0, r.stderr
+    assert team.queue_users() == []
+    ev = team.state().events[-1]
+    assert ev["action"] == "queue-remove" and ev["by"] == "gtalice"
+    assert ev["waiter"]["id"] == bid and ev["waiter"]["user"] == "gtbob"
+    assert wait_as(b[0], 20) == 1
+    assert "gtalice removed your place from the queue" in text(b[2])
+    assert team.queue_users() == []  # it did not join again
+    # The event round-trips through the file's strict reader.
+    assert decode(team.path.read_bytes(), team.path).events[-1]["waiter"]["id"] == bid
+
+
 # -- the file: version 2, still reading and writing version 1 --------------------------------
 
 

@@ -19,8 +19,15 @@ from dataclasses import dataclass, replace
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations.ops import Invalid
-from gputop.reservations.queue import LeftQueue, Queue, Request, grantable, unsatisfiable
+from gputop.reservations.ops import Invalid, Refused
+from gputop.reservations.queue import (
+    LeftQueue,
+    Queue,
+    Request,
+    grantable,
+    removed_by,
+    unsatisfiable,
+)
 from gputop.reservations.store import (
     LAPSED_KEEP_S,
     Job,
@@ -119,6 +126,10 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if pos_now is None and renewing and any(w.id == q.id for w in state.queue):
                 await asyncio.sleep(WATCH_S)  # lapsed while the lock was held: the lease
                 continue                      # keeper takes it back, or it is dropped
+            if pos_now is None and (by := removed_by(state, q.id)) is not None:
+                q.id = ""
+                raise Refused(f"{clean(by)} removed your place from the queue "
+                              "(gputop release --waiter)")
             if pos_now is None:
                 say("your place in the queue lapsed (lease not renewed in time); joining "
                     "again at the end")

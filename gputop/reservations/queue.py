@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from gputop.model import GpuInfo, HostSnapshot
+from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus
 from gputop.reservations.ops import Invalid, Refused, Target, whoami
 from gputop.reservations.store import (
@@ -41,6 +41,7 @@ from gputop.reservations.store import (
     Waiter,
     new_reservation,
 )
+from gputop.text import clean
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
 DEFAULT_LEASE_S = 30.0
@@ -162,6 +163,44 @@ def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
     taken = could_use([request_of(w) for w in ahead], hosts, fleet)
     return [f for f in free_gpus(hosts, state, 0, now, user=None)
             if f.instance is None and not taken(f)]
+
+
+#: The audit event of a waiter taken out of the queue by ``release --waiter``.
+REMOVED = "queue-remove"
+
+
+def remove_waiter(store: Store, wid: str, *, force: bool = False,
+                  user: str | None = None) -> Waiter:
+    """Take waiter ``wid`` out of the queue (``release --waiter``): your own place (a stale
+    one from a closed laptop, say), or with ``force`` anyone's. Either way a
+    ``queue-remove`` event is recorded, so that a waiter still running learns who removed
+    it and stops instead of joining again."""
+    me, here = whoami()
+    me = user or me
+    gone: list[Waiter] = []
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        w = next((w for w in state.queue if w.id == wid), None)
+        if w is None:
+            raise Refused(f"no waiter {wid!r} in the queue (it may have left or been served "
+                          "already; gputop reservations lists the queue with ids)")
+        if w.user != me and not force:
+            raise Refused(f"waiter {wid} is {clean(w.user)}'s; --force removes it (recorded "
+                          "in the file with your name)")
+        gone[:] = [w]
+        ev = {"time": iso(now), "action": REMOVED, "by": me, "machine": here,
+              "waiter": w.to_dict()}
+        return replace(state, queue=tuple(x for x in state.queue if x.id != wid),
+                       events=(*state.events, ev))
+
+    store.update(change)
+    return gone[0]
+
+
+def removed_by(state: StoreState, wid: str) -> str | None:
+    """Who took waiter ``wid`` out of the queue, if someone did."""
+    return next((str(e["by"]) for e in reversed(state.events)
+                 if e.get("action") == REMOVED and e.get("waiter", {}).get("id") == wid), None)
 
 
 class LeftQueue(Exception):

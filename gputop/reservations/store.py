@@ -286,19 +286,26 @@ class Waiter:
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
+#: A waiter removed from the queue by a command (version 2): the waiter instead of a
+#: reservation.
+_WAITER_EVENT_KEYS = {"time", "action", "by", "machine", "waiter"}
 
 
 def check_event(e: Any, where: str) -> dict[str, Any]:
     """An audit event is written back as it was read, so it is validated as strictly."""
     if not isinstance(e, dict):
         raise ValueError(f"{where}: expected an object, not {_jtype(e)}")
-    if set(e) != _EVENT_KEYS:
-        raise ValueError(f"{where}: expected the fields {', '.join(sorted(_EVENT_KEYS))}")
+    if set(e) not in (_EVENT_KEYS, _WAITER_EVENT_KEYS):
+        raise ValueError(f"{where}: expected the fields {', '.join(sorted(_EVENT_KEYS))}"
+                         " (or waiter instead of reservation)")
     parse_time(e["time"], f"{where}.time")
     for k in ("action", "by"):
         _text(e[k], f"{where}.{k}")
     _text(e["machine"], f"{where}.machine", empty=True)
-    Reservation.from_dict(e["reservation"], f"{where}.reservation")
+    if "waiter" in e:
+        Waiter.from_dict(e["waiter"], f"{where}.waiter")
+    else:
+        Reservation.from_dict(e["reservation"], f"{where}.reservation")
     return e
 
 
@@ -335,7 +342,7 @@ class StoreState:
 
     def to_json(self) -> str:
         new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
-               or any("job" in e["reservation"] for e in self.events))
+               or any("waiter" in e or "job" in e["reservation"] for e in self.events))
         doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
@@ -422,9 +429,10 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
     try:
         rs = tuple(Reservation.from_dict(d, f"reservations[{i}]") for i, d in enumerate(items))
         if version < 2 and (any(r.job is not None for r in rs) or any(
-                isinstance(e, dict) and isinstance(e.get("reservation"), dict)
-                and "job" in e["reservation"] for e in events)):
-            raise ValueError("reservations: 'job' needs version 2")
+                isinstance(e, dict) and ("waiter" in e or (
+                    isinstance(e.get("reservation"), dict) and "job" in e["reservation"]))
+                for e in events)):
+            raise ValueError("reservations: 'job' (and a waiter's event) needs version 2")
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
         ws = tuple(Waiter.from_dict(w, f"queue[{i}]") for i, w in enumerate(queue))
