@@ -814,6 +814,57 @@ def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     assert team.held() == {}
 
 
+def test_run_forwards_terminal_resizes_to_the_jobs_pty(team: Team) -> None:
+    """A real pty (pty.fork: gputop's controlling terminal): resizing it (TIOCSWINSZ, the
+    kernel sends SIGWINCH) reaches the remote job's pty, as `stty size` there shows."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "gputop", "--config", str(team.config), "run", "--host",
+            "q2", "--", "sh", "-c", 'stty size; read x; stty size; read y']
+    env = team.fleet.env() | {"TERM": "xterm"}
+    pid, master = pty.fork()
+    if pid == 0:  # the child: becomes gputop at once
+        try:
+            os.chdir(Path(__file__).resolve().parents[1])
+            os.execve(sys.executable, argv, env)
+        finally:
+            os._exit(127)
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(master, 4096)
+
+    def resize(rows: int, cols: int) -> None:
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    try:
+        resize(24, 80)  # before gputop reads it (it is still starting Python)
+        read_until(b"24 80")  # the job's first `stty size`
+        resize(33, 111)
+        time.sleep(0.5)  # the SIGWINCH is handled before the key below is sent
+        os.write(master, b"\r")
+        read_until(b"33 111")
+        os.write(master, b"\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, seen
+    finally:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(master)
+    assert team.held() == {}
+
+
 def test_ps_rows_zombies_are_not_alive_and_odd_rows_refused() -> None:
     """A job whose parent has not reaped it yet (a zombie, what sshd leaves for a moment
     after `run` is killed) has ended; any row that is not numbers and a state is refused."""

@@ -269,6 +269,14 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
 
         for s in FORWARDED:
             loop.add_signal_handler(s, forward, s)
+
+        def resized() -> None:  # the terminal's new size, to the job's pty
+            with contextlib.suppress(OSError, asyncssh.Error):
+                size = os.get_terminal_size(0)
+                proc.change_terminal_size(size.columns, size.lines)
+
+        if tty:
+            loop.add_signal_handler(signal.SIGWINCH, resized)
         raw = _raw_terminal() if tty else contextlib.nullcontext()
         try:
             with raw:
@@ -284,7 +292,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
                 finally:
                     feeder()
         finally:
-            for s in FORWARDED:
+            for s in (*FORWARDED, signal.SIGWINCH):
                 loop.remove_signal_handler(s)
         status, sig = proc.exit_status, proc.exit_signal
         if status is None and sig is None:
