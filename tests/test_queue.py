@@ -451,6 +451,28 @@ def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> No
     assert decode(team.path.read_bytes(), team.path).events[-1]["waiter"]["id"] == bid
 
 
+def test_a_hung_host_does_not_delay_a_grant_on_another(team: Team) -> None:
+    """q1's nvidia-smi hangs (the config's timeout is 20 s). A waiter for any GPU gets q2:0
+    as soon as it frees, not when q1's query times out. (Collection by query: a stream
+    keeps its last sample and never blocked a refresh.)"""
+    team.config.write_text(team.config.read_text().replace(
+        "[defaults]\n", '[defaults]\ncollection = "query"\n'))
+    q1 = team.fleet.hosts["q1"]
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    team.fleet.set_scenario(q1, "hang")
+    try:
+        time.sleep(4 * INTERVAL)  # q1's next query is hanging now
+        team.free("q2:0")
+        freed = time.monotonic()
+        until(lambda: team.held().get("q2:0") == "gtalice", timeout=25, what="A granted")
+        assert time.monotonic() - freed < 3.0
+        assert wait_as(a[0], 30) == 0, text(a[2])
+    finally:
+        team.fleet.set_scenario(q1, "ok")
+
+
 # -- the file: version 2, still reading and writing version 1 --------------------------------
 
 

@@ -1,16 +1,17 @@
 """Waiting in the queue until the order rule grants this waiter its GPUs.
 
-One loop per waiter: poll the hosts (one refresh per interval over the kept connections),
-read the file without the lock, and take the lock only to write: to grant (re-checked under
-the lock), to renew the lease (once per half lease) or to leave. So 50 waiters at the
-default interval cost a few short writes a second, not 25 locked read-modify-writes.
-Between refreshes a waiter stats the file every 0.2 s: a reservation released there is
-taken up at once, not at the next refresh.
-"""
+One loop per waiter: each host is polled on its own loop (one refresh per interval over
+the kept connections) and the waiter looks again whenever a host answers, so a hung host
+delays nothing but its own GPUs. The file is read without the lock; the lock is taken only
+to write: to grant (re-checked under the lock), to renew the lease (once per half lease,
+on its own task) or to leave. So 50 waiters at the default interval cost a few short
+writes a second. Between answers a waiter stats the file every 0.2 s: a reservation
+released there is taken up at once, not at the next refresh."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
     q = Queue(store, req, lease_s=lease_s)
     started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
+    feeder: asyncio.Task[None] | None = None
     try:
         snap = await poller.snapshot()
         why = unsatisfiable(req, list(snap.hosts), fleet)
@@ -105,22 +107,33 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         say(f"waiting for {describe_request(req)}: position {pos} in the queue")
         renewing: set[str] = set()
         keeper = asyncio.create_task(keep_lease(q, say, renewing))
+        # Each host's answers as they come (one loop per host): a hung host delays
+        # nothing but itself; its last answer stands until its query times out.
+        latest = {h.name: h for h in snap.hosts}
+        changed = asyncio.Event()
+
+        async def feed() -> None:
+            async for h in poller.updates():
+                latest[h.name] = h
+                changed.set()
+
+        feeder = asyncio.create_task(feed())
         last = pos
-        doubts = 0
-        fresh = True
+        doubt_since: float | None = None
         while True:
-            loop_start = time.monotonic()
-            if not fresh:
-                snap = await poller.snapshot()
-            fresh = False
             if reaper is not None:
                 reaper()
+            hosts = list(latest.values())
             state = store.read()
-            now = snap.time
-            hosts = list(snap.hosts)
+            sig = _signature(store)
+            now = utcnow()
             why = unsatisfiable(req, hosts, fleet)
-            doubts = doubts + 1 if why else 0
-            if doubts >= GIVE_UP_AFTER:  # not a one-off odd answer: the hosts changed
+            if why is None:
+                doubt_since = None
+            elif doubt_since is None:
+                doubt_since = time.monotonic()
+            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.interval:
+                # Not a one-off odd answer: the hosts changed.
                 raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)
             if pos_now is None and renewing and any(w.id == q.id for w in state.queue):
@@ -146,23 +159,24 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if max_wait is not None and time.monotonic() - started >= max_wait:
                 raise WaitedTooLong(f"waited {max_wait:g}s for {describe_request(req)}; still "
                                     f"position {pos_now} in the queue (left it)")
-            # Until the next refresh, watch the file: a release there is acted on within
-            # WATCH_S, against the hosts as the last refresh saw them.
-            sig = _signature(store)
-            while (left := config.interval - (time.monotonic() - loop_start)) > 0:
-                await asyncio.sleep(min(WATCH_S, left))
-                if _signature(store) == sig:
-                    continue
-                sig = _signature(store)
-                state = store.read()
-                if grantable(state, q.id, hosts, utcnow(), fleet=fleet) is not None:
-                    got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
-                    if got is not None:
-                        return got
+            # Until a host answers again or the file changes (a release there is acted on
+            # within WATCH_S), nothing can change the answer.
+            while not changed.is_set() and _signature(store) == sig:
+                if feeder.done():
+                    feeder.result()  # the poller failed: say why
+                    raise RuntimeError("host polling stopped")
+                if max_wait is not None and time.monotonic() - started >= max_wait:
                     break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), WATCH_S)
+            changed.clear()
     finally:
-        if keeper is not None:
-            keeper.cancel()
+        for task in (keeper, feeder):
+            if task is not None:
+                task.cancel()
+        if feeder is not None:  # its host loops end before the poller closes
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
         try:
             await asyncio.shield(asyncio.to_thread(_leave, q, say))
         finally:
@@ -170,7 +184,8 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                 await poller.aclose()
 
 
-#: Refreshes in a row that must find a request unsatisfiable before its waiter gives up.
+#: For how many refresh intervals a request must look unsatisfiable before its waiter
+#: gives up.
 GIVE_UP_AFTER = 3
 
 
