@@ -357,6 +357,39 @@ def test_run_keeps_the_reservation_while_a_backgrounded_child_runs(team: Team) -
     assert team.held() == {}
 
 
+def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) -> None:
+    """A child that left the job's session (setsid, a daemon) is not found by the session
+    id, but the driver lists it on the GPU: while a process of the holder uses the job's GPU
+    the reservation stays. (The fleet starts that real process of gtalice's and its
+    nvidia-smi stand-in reports it on q2:0.)"""
+    from fleet import GpuProcess
+
+    q2 = team.fleet.hosts["q2"]
+    daemon = GpuProcess("gtalice", "python serve.py", gpu=0)
+    team.fleet.start_process(daemon)
+    q2.processes.append(daemon)
+    team.fleet.set_scenario(q2, q2.scenario)
+    try:
+        r = team.run("run", "--host", "q2", "--", "true")
+        assert r.returncode == 0, r.stderr
+        assert "still use q2:0" in r.stderr and "released" not in r.stderr, r.stderr
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        team.run("reservations")
+        assert team.held() == {"q2:0": "gtalice"}
+    finally:
+        q2.processes.remove(daemon)
+        assert daemon.popen is not None
+        daemon.popen.kill()
+        daemon.popen.wait()
+        team.fleet.set_scenario(q2, q2.scenario)
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr, r.stderr
+    assert team.held() == {}
+
+
 def test_a_pid_that_started_after_the_job_is_not_the_job(team: Team) -> None:
     """--until-exit records when the process started (ps on the host). A process holding
     that pid but started at another time (the pid reused after the job ended) does not

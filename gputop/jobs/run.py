@@ -28,7 +28,7 @@ from datetime import datetime
 import asyncssh
 
 from gputop.config import Config, HostConfig
-from gputop.jobs.reap import check_jobs, release_ids
+from gputop.jobs.reap import check_jobs, gpus_on, release_ids, uses_gpu
 from gputop.jobs.remote import (
     Alive,
     JobHostError,
@@ -109,6 +109,8 @@ class JobResult:
     code: int
     #: True: the job is known to have ended (release now); False: it may still run.
     ended: bool
+    #: False: the command never started (nothing can be left on the GPUs).
+    started: bool = True
 
 
 async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Reservation],
@@ -119,6 +121,19 @@ async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Re
         result = await _run_local(store, rs, argv, devices, config.job_grace_s)
     else:
         result = await _run_remote(config, host, store, rs, argv, devices, say)
+    if result.ended and result.started:
+        # A child that left the job's session (setsid, a daemon) is the job while it uses
+        # the job's GPUs.
+        with contextlib.suppress(Exception):
+            seen = (await gpus_on(config, [host.name])).get(host.name)
+            busy = [r for r in rs if uses_gpu(r, seen)]
+            if busy:
+                say(f"the command exited ({result.code}), but processes of yours still use "
+                    + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in busy)
+                    + ": the reservation stays until none is left for "
+                    f"{config.job_grace_s:g}s, then any gputop command of yours (e.g. "
+                    "gputop reservations) releases it")
+                return result.code
     if result.ended:
         try:
             gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
@@ -191,7 +206,7 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
                                                     start_new_session=not tty)
     except OSError as exc:
         print(f"gputop: cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
-        return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True)
+        return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True, False)
     start = local_start(proc.pid)
     recording = asyncio.create_task(_record(store, rs, proc.pid, not tty, _say_err, start))
     loop = asyncio.get_running_loop()
@@ -234,7 +249,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
         conn, jumps = await connect(config, host)
     except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
         say(f"cannot connect to {host.name}: {clean(str(exc)) or type(exc).__name__}")
-        return JobResult(EXIT_SSH, True)  # nothing was started
+        return JobResult(EXIT_SSH, True, False)  # nothing was started
     tty = sys.stdin.isatty()
     pid: list[int] = []
     recording: list[asyncio.Task[None]] = []
@@ -253,7 +268,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
                 say(f"{host.name}'s login shell is {clean(shell[0])}: an argument with a "
                     "backslash, a newline or '!' would not reach the job intact through it "
                     "(run a script on the host instead)")
-                return JobResult(EXIT_REFUSED_SHELL, True)  # nothing was started
+                return JobResult(EXIT_REFUSED_SHELL, True, False)  # nothing was started
         proc = await conn.create_process(command, encoding=None, **kw)
         loop = asyncio.get_running_loop()
         signalling: set[asyncio.Task[None]] = set()
@@ -315,7 +330,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
             + (f"(pid {pid[0]}) may still be running; its reservation is kept until a "
                "gputop sees it gone" if pid else "was not started"))
         await _recorded(recording)
-        return JobResult(EXIT_SSH, not pid)
+        return JobResult(EXIT_SSH, not pid, bool(pid))
     finally:
         for t in recording:
             t.cancel()
