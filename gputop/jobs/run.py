@@ -7,6 +7,12 @@ starts each session in a new session (setsid), so that pid is the job's session 
 process the job starts is found by it, by ``run`` and by any gputop checking the job later
 (see ``gputop.jobs.reap``). A pty when stdin is a terminal, plain pipes otherwise.
 
+**The job is its session.** When the command exits, ``run`` looks at the session once
+more (a few times within a second: children killed by the hang-up take a moment): if
+processes it started still run there (``nohup ... &``), or a process of the holder's still
+uses the job's GPUs (a ``setsid`` child, a daemon), the reservation is kept for the job
+check (``gputop.jobs.reap``) and ``run`` exits with the command's status all the same.
+
 **Connection-drop rule.** If the SSH connection drops while the job runs, ``run`` says so
 (host, pid) and keeps the reservation: the job may still be running there. It is released
 by the first gputop that finds the job's session gone for ``job_grace`` (or at its expiry).
