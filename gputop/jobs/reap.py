@@ -9,11 +9,12 @@ in the queue (every refresh), ``gputop run``, ``free``, ``reserve``, ``reservati
 as soon as anyone on the team uses gputop. **Rule:** the first checker that finds no
 process of the job on its host records ``gone_since``; any checker at least
 ``[reservations] job_grace`` later that still finds it gone releases it and records a
-``job-ended`` event. "Gone": no process of the session (or the pid) whose start time
-matches the recorded one, and no process of the holder's on the reservation's GPU. A job seen again clears ``gone_since``. A host that cannot be asked
-changes nothing. A reservation whose job never got a pid (``run`` killed while starting it)
-counts as gone once ``job_grace`` has passed since it was made. Every job-tied reservation
-still expires at its ``--for`` end at the latest.
+``job-ended`` event. "Gone": no process of the session (or the pid) whose start
+time matches the recorded one, and no process of the holder's on the reservation's GPU.
+A job seen again clears ``gone_since``. A host that cannot be asked changes nothing. A
+reservation whose job never got a pid (``run`` stalled or killed while starting it) is
+never taken for gone: the job may run. Every job-tied reservation still expires at its
+``--for`` end at the latest.
 """
 
 from __future__ import annotations
