@@ -124,8 +124,8 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if reaper is not None:
                 reaper()
             hosts = list(latest.values())
+            sig = _signature(store)  # before the read: a change in between is seen below
             state = store.read()
-            sig = _signature(store)
             now = utcnow()
             why = unsatisfiable(req, hosts, fleet)
             if why is None:
