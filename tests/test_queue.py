@@ -365,14 +365,20 @@ def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) ->
     from fleet import GpuProcess
 
     q2 = team.fleet.hosts["q2"]
+    flag = team.tmp / "go"
+    pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
+                               f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
+                               user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    # While the job runs, "its daemon" appears on its GPU (what the driver would list).
     daemon = GpuProcess("gtalice", "python serve.py", gpu=0)
     team.fleet.start_process(daemon)
     q2.processes.append(daemon)
     team.fleet.set_scenario(q2, q2.scenario)
     try:
-        r = team.run("run", "--host", "q2", "--", "true")
-        assert r.returncode == 0, r.stderr
-        assert "still use q2:0" in r.stderr and "released" not in r.stderr, r.stderr
+        flag.touch()
+        assert wait_as(pid, 20) == 0, text(err)
+        assert "still use q2:0" in text(err) and "released" not in text(err), text(err)
         team.run("reservations")
         time.sleep(GRACE + 0.2)
         team.run("reservations")
