@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime
 from typing import Any, TextIO
 
 from gputop.config import Config, HostConfig, parse_duration
@@ -28,10 +30,16 @@ from gputop.reservations import (
     flags,
     release,
 )
-from gputop.reservations.flags import free_gpus, other_users
+from gputop.reservations.flags import FreeGpu, free_gpus, other_users
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
-from gputop.reservations.queue import DEFAULT_LEASE_S, Request, request_of
-from gputop.reservations.store import MAX_LEASE_S, Job
+from gputop.reservations.queue import (
+    DEFAULT_LEASE_S,
+    Request,
+    could_use,
+    request_of,
+    unsatisfiable,
+)
+from gputop.reservations.store import MAX_LEASE_S, Job, StoreState
 from gputop.text import clean
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
@@ -143,12 +151,16 @@ def _duration(config: Config, text: str | None) -> float:
     return seconds
 
 
-def _validate_gpus(config: Config, targets: list[Target]) -> list[Target]:
+def _validate_gpus(config: Config, targets: list[Target],
+                   snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
     """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
-    someone else is using can be reserved, with a warning naming them."""
+    someone else is using can be reserved, with a warning naming them. ``snaps`` receives
+    the hosts as polled."""
     me = whoami()[0]
-    snaps = {h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))}
+    if snaps is None:
+        snaps = {}
+    snaps.update({h.name: h for h in asyncio.run(_poll(config, {t.host for t in targets}))})
     out = []
     for t in _resolve_mig(config, targets, snaps):
         h = snaps[t.host]
@@ -209,15 +221,59 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
     store = Store(config.reservations_path)
     _reap(config, store)
-    targets = _validate_gpus(config, targets)
+    snaps: dict[str, HostSnapshot] = {}
+    targets = _validate_gpus(config, targets, snaps)
+    check = None if args.skip_queue else _queue_claim(config, targets, snaps)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job)
+                            job=job, check=check,
+                            event="skip-queue" if args.skip_queue else None)
     _print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
               file=sys.stdout)
     return EXIT_OK
+
+
+def _queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, HostSnapshot]
+                 ) -> Callable[[StoreState, datetime], None]:
+    """The queue's claim on a direct reservation, checked under the lock: a GPU that a
+    waiter (not you) could use is theirs to wait for (the order rule: ``reserve`` comes
+    after every waiter). The GPU is judged as if empty: reserving a busy GPU would still
+    keep it from the waiter once it frees. A GPU you already hold is yours to extend."""
+    hosts = list(snaps.values())
+    fleet = [h.name for h in config.hosts]
+    me = whoami()[0]
+
+    def gpu_of(t: Target) -> FreeGpu | None:
+        h = snaps.get(t.host)
+        g = next((g for g in h.gpus if g.index == t.gpu), None) if h and h.ok else None
+        if g is None:  # not checked (the host did not answer): the queue cannot judge it
+            return None
+        empty = replace(g, memory_used_mib=0, processes=())
+        return FreeGpu(t.host, empty)
+
+    def check(state: StoreState, now: datetime) -> None:
+        queue = [w for w in state.waiting(now) if w.user != me]
+        if not queue:
+            return
+        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+        for t in targets:
+            f = gpu_of(t)
+            if f is None or (t.host, t.gpu) in mine:
+                continue
+            claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
+            if claim:
+                w = claim[0]
+                raise Refused(
+                    f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, "
+                    f"first who could use it: {clean(w.user)} (since "
+                    f"{local_time(w.created)}, for {w.count} GPU(s)"
+                    + (f", {clean(w.want)}" if w.want else "") + "). Join the queue: "
+                    f"gputop free --wait --host {clean(t.host)} (or --skip-queue to reserve "
+                    "it anyway; that is recorded in the file with your name)")
+
+    return check
 
 
 def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
@@ -237,7 +293,7 @@ def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
         raise Refused(f"cannot check process {pid} on {host.name}: {exc}") from None
     if not alive.has(pid, False):
         raise Invalid(f"--until-exit {pid}: no such process on {host.name}")
-    return Job(pid, session=False)
+    return Job(pid, session=False, start=alive.start_of(pid))
 
 
 def _host(config: Config, name: str) -> HostConfig:
@@ -366,6 +422,15 @@ def _notify(args: argparse.Namespace, result: str, got: Sequence[Reservation]) -
 
 
 def cmd_release(config: Config, args: argparse.Namespace) -> int:
+    if args.waiter is not None:
+        if args.mine or args.targets:
+            raise Invalid("give --waiter ID alone (not with HOST:GPU or --mine)")
+        from gputop.reservations.queue import remove_waiter
+
+        w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
+        print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
+              + (f", {clean(w.want)}" if w.want else "") + ") from the queue")
+        return EXIT_OK
     if args.mine and args.targets:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
@@ -404,7 +469,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
     for i, w in enumerate(queue):
         print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
               + (f" ({clean(w.want)})" if w.want else "")
-              + f" since {local_time(w.created)}", file=sys.stderr)
+              + f" since {local_time(w.created)} [id {w.id}]")
     if not active:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
@@ -444,8 +509,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.
     waiters = [request_of(w) for w in state.waiting()]
+    taken = could_use(waiters, hosts, [h.name for h in config.hosts])
     found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
-             if req.fits(f) and not any(w.fits(f) for w in waiters)
+             if req.fits(f) and not taken(f)
              and not (args.whole and f.instance)][: args.count]
     if len(found) < args.count:
         print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
@@ -521,8 +587,12 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         from gputop.reservations.queue import reserve_now
 
         hosts = asyncio.run(_poll(config, set(req.hosts) or None))
+        fleet = [h.name for h in config.hosts]
+        why = unsatisfiable(req, hosts, fleet)
+        if why:
+            raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
         made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending)
+                           job=lambda h: pending, fleet=fleet)
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"
@@ -575,11 +645,19 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("--until-exit", type=int, metavar="PID",
                    help="release it once process PID (on that host) has ended")
-    p = sub.add_parser("release", parents=parents, help="release GPUs you reserved")
+    p.add_argument("--skip-queue", action="store_true",
+                   help="reserve even a GPU that people in the queue wait for (recorded in "
+                   "the file with your name)")
+    p = sub.add_parser("release", parents=parents,
+                       help="release GPUs you reserved, or a place in the queue (--waiter)")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")
     p.add_argument("--force", action="store_true",
-                   help="release someone else's reservation (recorded with your name)")
+                   help="release someone else's reservation or waiter (recorded with your "
+                   "name)")
+    p.add_argument("--waiter", metavar="ID",
+                   help="take waiter ID (from gputop reservations) out of the queue: "
+                   "your own, or with --force anyone's")
     p = sub.add_parser("reservations", parents=parents, help="list current reservations")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = sub.add_parser("free", parents=parents,

@@ -323,6 +323,195 @@ def test_reserve_until_exit_is_released_when_the_process_exits(team: Team) -> No
     assert team.held() == {}
 
 
+def _session_pids(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-s", str(sid), "-o", "pid="], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_run_keeps_the_reservation_while_a_backgrounded_child_runs(team: Team) -> None:
+    """The job is its session: `nohup ... &` outlives the command, so the reservation
+    stays until that child has ended too (and a grace period passed)."""
+    r = team.run("run", "--host", "q2", "--", "sh", "-c",
+                 "nohup sleep 60 >/dev/null 2>&1 & echo started")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "started\n"
+    assert "still run on q2" in r.stderr and "released" not in r.stderr, r.stderr
+    job = team.state().active()[0].job
+    assert job is not None and job.pid is not None and job.start is not None
+    left = _session_pids(job.pid)
+    assert len(left) == 1  # the sleep, a real process of gtalice's on the host
+    try:
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        team.run("reservations")
+        assert team.held() == {"q2:0": "gtalice"}  # the child runs: kept
+    finally:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    until(lambda: not _session_pids(job.pid), what="child gone")
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr
+    assert team.held() == {}
+
+
+def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) -> None:
+    """A child that left the job's session (setsid, a daemon) is not found by the session
+    id, but the driver lists it on the GPU: while a process of the holder uses the job's GPU
+    the reservation stays. (The fleet starts that real process of gtalice's and its
+    nvidia-smi stand-in reports it on q2:0.)"""
+    from fleet import GpuProcess
+
+    q2 = team.fleet.hosts["q2"]
+    flag = team.tmp / "go"
+    pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
+                               f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
+                               user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    # While the job runs, "its daemon" appears on its GPU (what the driver would list).
+    daemon = GpuProcess("gtalice", "python serve.py", gpu=0)
+    team.fleet.start_process(daemon)
+    q2.processes.append(daemon)
+    team.fleet.set_scenario(q2, q2.scenario)
+    try:
+        flag.touch()
+        assert wait_as(pid, 20) == 0, text(err)
+        assert "still use q2:0" in text(err) and "released" not in text(err), text(err)
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        team.run("reservations")
+        assert team.held() == {"q2:0": "gtalice"}
+    finally:
+        q2.processes.remove(daemon)
+        assert daemon.popen is not None
+        daemon.popen.kill()
+        daemon.popen.wait()
+        team.fleet.set_scenario(q2, q2.scenario)
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    r = team.run("reservations")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr, r.stderr
+    assert team.held() == {}
+
+
+def test_a_pid_that_started_after_the_job_is_not_the_job(team: Team) -> None:
+    """--until-exit records when the process started (ps on the host). A process holding
+    that pid but started at another time (the pid reused after the job ended) does not
+    keep the reservation."""
+    proc = subprocess.Popen(["sleep", "60"], user="gtalice")
+    try:
+        r = team.run("reserve", "q1:1", "--until-exit", str(proc.pid))
+        assert r.returncode == 0, r.stderr
+        job = team.state().active()[0].job
+        assert job is not None and job.start is not None
+        from gputop.jobs.remote import local_start
+
+        real = local_start(proc.pid)
+        assert real is not None and abs((job.start - real).total_seconds()) <= 1
+        # The same pid, as if recorded for an earlier process that has ended.
+        team.store.update(lambda s, now: replace(s, reservations=tuple(
+            replace(x, job=replace(x.job, start=real - timedelta(hours=1))) if x.job else x
+            for x in s.reservations)))
+        team.run("reservations")
+        time.sleep(GRACE + 0.2)
+        r = team.run("reservations")
+        assert "its job has ended" in r.stderr, r.stderr
+        assert team.held() == {}
+        assert proc.poll() is None  # the process with that pid still runs
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ps_rows_with_start_times() -> None:
+    from datetime import datetime, timezone
+
+    from gputop.jobs.remote import parse_ps
+
+    alive = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
+                     "  200   200 S    Mon Nov 30 09:00:00 2026\n"
+                     "  300   200 S    Mon Nov 30 09:00:05 2026\n"
+                     "  400   400 S    Mon Nov 30 09:30:00 2026\n")
+    t = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
+    assert alive.has(200, True, t) and alive.has(200, False, t)
+    assert not alive.has(200, False, t.replace(hour=8))  # same pid, another process
+    assert not alive.has(200, True, t.replace(hour=8))
+    # The leader is gone; a process left in its session keeps the job alive, but not one
+    # in a session a reused pid leads now.
+    gone = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
+                    "  300   200 S    Mon Nov 30 09:00:05 2026\n")
+    assert gone.has(200, True, t) and gone.in_session(200, t) == [300]
+    for bad in ("1 1 S Mon Foo 30 08:00:00 2026\n", "1 1 S Mon Nov 30 8:00 2026\n",
+                "1 1 S Mon Nov 30 08:00:00\n"):
+        with pytest.raises(ValueError):
+            parse_ps(bad)
+
+
+def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> None:
+    """`release --waiter ID`: your own stale place at once; someone else's only with --force,
+    recorded as an event; their running waiter then stops (exit 1) naming who removed it
+    instead of joining again. `reservations` lists the queue, ids included, on stdout."""
+    from gputop.reservations.queue import Queue, Request
+
+    team.block("q1:0", "q1:1", "q2:0")
+    stale = Queue(team.store, Request(1), lease_s=60, user="gtalice", machine="laptop")
+    stale.join()
+    b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    bid = team.state().waiting()[1].id
+    r = team.run("reservations")
+    assert r.returncode == 0
+    assert "waiting 1: gtalice for 1 GPU(s)" in r.stdout and f"[id {stale.id}]" in r.stdout
+    assert "waiting 2: gtbob" in r.stdout and f"[id {bid}]" in r.stdout
+    assert "waiting" not in r.stderr
+    js = json.loads(team.run("reservations", "--json").stdout)
+    assert [w["id"] for w in js["queue"]] == [stale.id, bid]
+
+    r = team.run("release", "--waiter", stale.id)
+    assert r.returncode == 0 and "removed waiter" in r.stdout, r.stderr
+    assert team.queue_users() == ["gtbob"]
+    r = team.run("release", "--waiter", bid)
+    assert r.returncode == 1 and "gtbob's" in r.stderr and "--force" in r.stderr
+    assert team.queue_users() == ["gtbob"]
+    r = team.run("release", "--waiter", "nosuchid")
+    assert r.returncode == 1 and "no waiter" in r.stderr
+    r = team.run("release", "--waiter", bid, "--force")
+    assert r.returncode == 0, r.stderr
+    assert team.queue_users() == []
+    ev = team.state().events[-1]
+    assert ev["action"] == "queue-remove" and ev["by"] == "gtalice"
+    assert ev["waiter"]["id"] == bid and ev["waiter"]["user"] == "gtbob"
+    assert wait_as(b[0], 20) == 1
+    assert "gtalice removed your place from the queue" in text(b[2])
+    assert team.queue_users() == []  # it did not join again
+    # The event round-trips through the file's strict reader.
+    assert decode(team.path.read_bytes(), team.path).events[-1]["waiter"]["id"] == bid
+
+
+def test_a_hung_host_does_not_delay_a_grant_on_another(team: Team) -> None:
+    """q1's nvidia-smi hangs (the config's timeout is 20 s). A waiter for any GPU gets q2:0
+    as soon as it frees, not when q1's query times out. (Collection by query: a stream
+    keeps its last sample and never blocked a refresh.)"""
+    team.config.write_text(team.config.read_text().replace(
+        "[defaults]\n", '[defaults]\ncollection = "query"\n'))
+    q1 = team.fleet.hosts["q1"]
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    team.fleet.set_scenario(q1, "hang")
+    try:
+        time.sleep(4 * INTERVAL)  # q1's next query is hanging now
+        team.free("q2:0")
+        freed = time.monotonic()
+        until(lambda: team.held().get("q2:0") == "gtalice", timeout=25, what="A granted")
+        assert time.monotonic() - freed < 3.0
+        assert wait_as(a[0], 30) == 0, text(a[2])
+    finally:
+        team.fleet.set_scenario(q1, "ok")
+
+
 # -- the file: version 2, still reading and writing version 1 --------------------------------
 
 
@@ -464,6 +653,190 @@ def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use(
     assert got is not None and {f.host for f in got} == {"b"}
 
 
+def _held(state: StoreState, *gpus: str) -> StoreState:
+    now = utcnow()
+    return replace(state, reservations=tuple(
+        new_reservation(g.split(":")[0], int(g.split(":")[1]), "x", "m", now, 3600, None, "")
+        for g in gpus))
+
+
+def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
+    """Hosts of different sizes: a has one 80G GPU and one 24G, b two 80G (b:0 held). A
+    head that wants 2 GPUs with 40G on one host can only ever be served by b, so a:0 is not
+    its to wait for: a later waiter for 1 GPU with 40G gets a:0 at once."""
+    from gputop.reservations.queue import Request, grantable
+
+    now = utcnow()
+    hosts = _hosts({"a": [80, 24], "b": [80, 80]})
+    state = _held(_queue(Request(2, 40 * 1024, (), True), Request(1, 40 * 1024)), "b:0")
+    assert grantable(state, "w0", hosts, now, fleet=["a", "b"]) is None
+    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
+    # The same head, but free to span hosts: a:0 and b:1 together meet it, so a:0 waits.
+    state = _held(_queue(Request(2, 40 * 1024), Request(1, 40 * 1024)), "b:0")
+    assert grantable(state, "w1", hosts, now, fleet=["a", "b"]) is None
+    # Only b for the head (--host b): a:0 is free for the later waiter.
+    state = _held(_queue(Request(2, 40 * 1024, ("b",)), Request(1, 40 * 1024)), "b:0")
+    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
+    # Someone outside the queue is judged by the same rule.
+    state = _held(_queue(Request(2, 40 * 1024, (), True)), "b:0")
+    got = grantable(state, None, hosts, now, Request(1), fleet=["a", "b"])
+    assert got is not None and got[0].host == "a"
+
+
+def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
+    """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
+    must not hold the queue; a host that did not answer keeps the doubt on the head's side."""
+    from gputop.model import HostError, HostSnapshot
+    from gputop.reservations.queue import Request, grantable, unsatisfiable
+
+    now = utcnow()
+    hosts = _hosts({"a": [24, 24], "b": [24, 24]})
+    fleet = ["a", "b"]
+    for head in (Request(3, 0, (), True), Request(1, 100 * 1024), Request(5)):
+        assert unsatisfiable(head, hosts, fleet), head
+        got = grantable(_queue(head, Request(1)), "w1", hosts, now, fleet=fleet)
+        assert got is not None, head
+    assert unsatisfiable(Request(3, 0, (), True), hosts, fleet) == (
+        "no host can ever give 3 GPU(s) on one host (a has 2, the largest 24G; b has 2, "
+        "the largest 24G)")
+    assert unsatisfiable(Request(4), hosts, fleet) is None  # 2 + 2 across hosts
+    assert unsatisfiable(Request(2, 0, ("a",), True), hosts, fleet) is None
+    # c did not answer: it may be big enough; the head keeps its GPUs.
+    down = [*hosts, HostSnapshot(name="c", error=HostError("timeout", "no answer"))]
+    assert unsatisfiable(Request(5), down, [*fleet, "c"]) is None
+    assert grantable(_queue(Request(5), Request(1)), "w1", down, now,
+                     fleet=[*fleet, "c"]) is None
+
+
+def test_a_request_no_host_can_meet_is_refused_before_joining(team: Team) -> None:
+    """Exit 2 (a usage error, like naming a GPU that does not exist: it can never succeed,
+    so scripts must not retry it), with what the hosts have; nothing joins the queue."""
+    for args in (["free", "--wait", "--count", "4"],
+                 ["run", "--wait", "--count", "3", "--", "true"],
+                 ["run", "--count", "3", "--", "true"],
+                 ["free", "--wait", "--min-free-memory", "100G"]):
+        r = team.run(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "no host can ever give" in r.stderr and "q1 has 2" in r.stderr, r.stderr
+        assert team.state().queue == ()
+
+
+def test_a_later_waiter_takes_a_gpu_the_head_can_never_use(team: Team) -> None:
+    """Head: `run --wait --count 2` (one host): q2 has one GPU, so q2:0 is never the head's.
+    A later waiter for one GPU gets it while the head still waits."""
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("run", "--wait", "--count", "2", "--lease", "5", "--", "true",
+                   user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
+    until(lambda: len(team.queue_users()) == 2, what="B queued")
+    team.free("q2:0")
+    until(lambda: team.held().get("q2:0") == "gtbob", what="B granted q2:0")
+    assert wait_as(b[0], 30) == 0
+    assert team.queue_users() == ["gtalice"]
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
+
+
+def test_direct_reserve_does_not_take_what_a_waiter_waits_for(team: Team) -> None:
+    """gtbob waits for 2 GPUs on q1 (q1:1 held). gtalice's `reserve q1:0` would take the
+    GPU his turn needs: refused (exit 1) naming him and how to join; q2:0 (no waiter could
+    use it: q2 is not his host) is fine. --skip-queue reserves anyway and is recorded."""
+    team.block("q1:1", user="gtalice")
+    a = team.start("free", "--wait", "--count", "2", "--host", "q1", "--lease", "5",
+                   user="gtbob", tag="a")
+    until(lambda: team.queue_users() == ["gtbob"], what="B queued")
+    r = team.run("reserve", "q1:0")
+    assert r.returncode == 1, r.stderr
+    assert "gtbob" in r.stderr and "free --wait" in r.stderr and "--skip-queue" in r.stderr
+    assert "q1:0" not in team.held()
+    r = team.run("reserve", "q2:0")
+    assert r.returncode == 0, r.stderr
+    r = team.run("reserve", "q1:1")  # your own: extending it takes nothing from the queue
+    assert r.returncode == 0, r.stderr
+    r = team.run("reserve", "q1:0", "--skip-queue")
+    assert r.returncode == 0, r.stderr
+    assert team.held()["q1:0"] == "gtalice"
+    ev = team.state().events[-1]
+    assert ev["action"] == "skip-queue" and ev["by"] == "gtalice"
+    assert ev["reservation"]["gpu"] == 0
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
+
+
+@contextlib.contextmanager
+def _file_locked(team: Team) -> Iterator[None]:
+    """Another writer holding the reservations file's lock (this test process)."""
+    import fcntl
+
+    fd = os.open(team.store.lock_path, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_stall_shorter_than_the_lease_keeps_the_waiters_place(
+        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock timeout (15 s) is shortened to 0.5 s for the forked gputop processes, so a
+    3.6 s stall stands for a 20 s one; the lease is 4 s. The waiter keeps its place through
+    the stall (its renewal waits the stall out), then gets its GPU."""
+    from gputop.reservations import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LOCK_TIMEOUT", 0.5)
+    team.block("q1:0", "q1:1", "q2:0")
+    a = team.start("free", "--wait", "--count", "1", "--lease", "4", user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    first = team.state().queue[0]
+    # Settled: its first renewal is in the file; the stall starts just after it.
+    until(lambda: team.state().queue[0].lease > first.lease, timeout=10, what="renewed")
+    wid = first.id
+    with _file_locked(team):
+        time.sleep(3.6)
+        assert os.waitpid(a[0], os.WNOHANG) == (0, 0), text(a[2])
+    until(lambda: [w.id for w in team.state().waiting()] == [wid], timeout=5,
+          what="the same place renewed")
+    team.free("q2:0")
+    assert wait_as(a[0], 20) == 0, text(a[2])
+    assert team.held()["q2:0"] == "gtalice"
+
+
+def test_a_lock_stall_loses_no_output_and_no_exit_status(
+        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the file is locked past the lock timeout, the job's pid is recorded late
+    (output goes on meanwhile) and the release at its end fails: the output and the exit
+    status still come through; the reservation stays for the job check."""
+    from gputop.reservations import store as store_mod
+
+    monkeypatch.setattr(store_mod, "LOCK_TIMEOUT", 0.5)
+    flag = team.tmp / "go"
+    pid, out, err = team.start(
+        "run", "--host", "q2", "--", "sh", "-c",
+        f'echo up; while [ ! -e {flag} ]; do sleep 0.05; done; echo after; exit 3',
+        user="gtalice", tag="run")
+    # Take the lock between the grant and the pid's recording when we can (the window is
+    # an SSH session's start); either way the release at the end meets a locked file.
+    caught = False
+    deadline = time.monotonic() + 20
+    while not team.held() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    with _file_locked(team):
+        job = team.state().active()[0].job
+        caught = job is not None and job.pid is None
+        until(lambda: "up" in text(out), what="job started")
+        if caught:  # the output flows while the pid waits for the lock
+            until(lambda: "could not record the job's pid yet" in text(err), what="retry")
+        flag.touch()
+        assert wait_as(pid, 20) == 3, text(err)
+    assert text(out) == "up\nafter\n"
+    assert "could not release the reservation" in text(err), text(err)
+    assert "Traceback" not in text(err)
+    assert team.held() == {"q2:0": "gtalice"}  # kept: the job check releases it
+
+
 def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     """stdin a terminal: the job gets a pty (``tty`` names one), keys reach it, and Ctrl-C
     (a byte in raw mode) interrupts it there: exit 130, reservation released."""
@@ -498,6 +871,57 @@ def test_run_on_a_terminal_gets_a_pty_and_ctrl_c(team: Team) -> None:
     finally:
         if p.poll() is None:
             p.kill()
+        os.close(master)
+    assert team.held() == {}
+
+
+def test_run_forwards_terminal_resizes_to_the_jobs_pty(team: Team) -> None:
+    """A real pty (pty.fork: gputop's controlling terminal): resizing it (TIOCSWINSZ, the
+    kernel sends SIGWINCH) reaches the remote job's pty, as `stty size` there shows."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    argv = [sys.executable, "-m", "gputop", "--config", str(team.config), "run", "--host",
+            "q2", "--", "sh", "-c", 'stty size; read x; stty size; read y']
+    env = team.fleet.env() | {"TERM": "xterm"}
+    pid, master = pty.fork()
+    if pid == 0:  # the child: becomes gputop at once
+        try:
+            os.chdir(Path(__file__).resolve().parents[1])
+            os.execve(sys.executable, argv, env)
+        finally:
+            os._exit(127)
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.2)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(master, 4096)
+
+    def resize(rows: int, cols: int) -> None:
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    try:
+        resize(24, 80)  # before gputop reads it (it is still starting Python)
+        read_until(b"24 80")  # the job's first `stty size`
+        resize(33, 111)
+        time.sleep(0.5)  # the SIGWINCH is handled before the key below is sent
+        os.write(master, b"\r")
+        read_until(b"33 111")
+        os.write(master, b"\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, seen
+    finally:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         os.close(master)
     assert team.held() == {}
 

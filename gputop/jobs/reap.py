@@ -9,32 +9,64 @@ in the queue (every refresh), ``gputop run``, ``free``, ``reserve``, ``reservati
 as soon as anyone on the team uses gputop. **Rule:** the first checker that finds no
 process of the job on its host records ``gone_since``; any checker at least
 ``[reservations] job_grace`` later that still finds it gone releases it and records a
-``job-ended`` event. A job seen again clears ``gone_since``. A host that cannot be asked
-changes nothing. A reservation whose job never got a pid (``run`` killed while starting it)
-counts as gone once ``job_grace`` has passed since it was made. Every job-tied reservation
-still expires at its ``--for`` end at the latest.
+``job-ended`` event. "Gone": no process of the session (or the pid) whose start
+time matches the recorded one, and no process of the holder's on the reservation's GPU.
+A job seen again clears ``gone_since``. A host that cannot be asked changes nothing. A
+reservation whose job never got a pid (``run`` stalled or killed while starting it) is
+never taken for gone: the job may run. Every job-tied reservation still expires at its
+``--for`` end at the latest.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 
 from gputop.config import Config
 from gputop.jobs.remote import Alive, JobHostError, alive_on
-from gputop.model import iso
+from gputop.model import HostSnapshot, iso
 from gputop.reservations.ops import whoami
 from gputop.reservations.store import Reservation, Store, StoreError, StoreState
 
 
-def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float) -> bool:
+def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float,
+             gpus: HostSnapshot | None = None) -> bool:
     assert r.job is not None
     if r.job.pid is None:
         # Not recorded yet: the job may well run (its gputop run stalled: stopped in the
         # background, a laptop lid closed). Only expiry ends such a reservation.
         return False
-    return not alive.has(r.job.pid, r.job.session)
+    return not alive.has(r.job.pid, r.job.session, r.job.start) and not uses_gpu(r, gpus)
+
+
+def uses_gpu(r: Reservation, host: HostSnapshot | None) -> bool:
+    """Whether a process of the holder (or of an owner nobody could tell) is on the
+    reservation's GPU: a child that left the job's session (``setsid``, a daemon) still
+    counts as the job while it uses the GPU. A host that did not answer: no."""
+    if host is None or not host.ok:
+        return False
+    for g in host.gpus:
+        if g.index == r.gpu and (r.uuid is None or g.uuid is None or g.uuid == r.uuid):
+            procs = g.processes if r.instance is None else tuple(
+                p for p in g.processes if p.gpu_instance_id in (None, r.instance))
+            return any(p.user in (r.user, None) for p in procs)
+    return False
+
+
+async def gpus_on(config: Config, names: Sequence[str]) -> dict[str, HostSnapshot]:
+    """One look at these hosts' GPUs (who runs what on them), by query: no stream is
+    started for a single look."""
+    from gputop.poller import Poller
+
+    cfg = replace(config, collection="query",
+                  hosts=tuple(h for h in config.hosts if h.name in names))
+    poller = Poller(cfg)
+    try:
+        return {h.name: h for h in (await poller.snapshot()).hosts}
+    finally:
+        await poller.aclose()
 
 
 async def check_jobs(config: Config, store: Store) -> list[Reservation]:
@@ -55,12 +87,15 @@ async def check_jobs(config: Config, store: Store) -> list[Reservation]:
         except JobHostError:
             return None
 
-    answers = dict(zip(names, await asyncio.gather(*(ask(n) for n in names))))
-    return await asyncio.to_thread(apply_checks, store, answers, config.job_grace_s)
+    answers, gpus = await asyncio.gather(
+        asyncio.gather(*(ask(n) for n in names)), gpus_on(config, names))
+    return await asyncio.to_thread(apply_checks, store, dict(zip(names, answers)),
+                                   config.job_grace_s, gpus)
 
 
 def apply_checks(store: Store, answers: dict[str, Alive | None],
-                 grace_s: float) -> list[Reservation]:
+                 grace_s: float, gpus: dict[str, HostSnapshot] | None = None
+                 ) -> list[Reservation]:
     """Record what the hosts said, under the lock, against the file as it is now."""
     released: list[Reservation] = []
     me, here = whoami()
@@ -77,7 +112,7 @@ def apply_checks(store: Store, answers: dict[str, Alive | None],
             if r.job is None or alive is None or not r.active(now) or r.user != me:
                 keep.append(r)
                 continue
-            if not job_gone(r, alive, now, grace_s):
+            if not job_gone(r, alive, now, grace_s, (gpus or {}).get(r.host)):
                 keep.append(replace(r, job=replace(r.job, gone_since=None))
                             if r.job.gone_since else r)
             elif r.job.gone_since is None and r.job.pid is not None:

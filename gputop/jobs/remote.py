@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import asyncssh
@@ -14,10 +16,28 @@ import asyncssh
 from gputop.config import Config, HostConfig
 from gputop.sources.ssh import JumpPool, known_hosts_for, resolve_options
 
-#: ``ps`` prints only numbers and a state here: nothing a remote user chooses can forge a
-#: row. A zombie (state Z: exited, not yet reaped by its parent) is not a running job.
-PS_COMMAND = "exec ps -A -o pid= -o sid= -o stat="
+#: ``ps`` prints only numbers, a state and a start time here (C locale, UTC): nothing a
+#: remote user chooses can forge a row. A zombie (state Z: exited, not yet reaped by its
+#: parent) is not a running job. The start time tells a job's pid from a stranger's that
+#: got the same pid after the job ended.
+PS_COMMAND = "exec env LC_ALL=C TZ=UTC0 ps -A -o pid= -o sid= -o stat= -o lstart="
 MAX_PS_BYTES = 8 * 1024 * 1024
+_MONTHS = {m: i + 1 for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul",
+                                           "Aug", "Sep", "Oct", "Nov", "Dec"))}
+#: Start times that differ by at most this much are the same process (rounding).
+START_SLACK_S = 1.0
+
+
+def parse_lstart(words: Sequence[str]) -> datetime:
+    """``Mon Nov 30 09:01:07 2026`` (ps ``lstart`` in the C locale, TZ=UTC0) as UTC."""
+    if len(words) != 5 or words[1] not in _MONTHS:
+        raise ValueError(f"not a ps start time: {' '.join(words)[:60]!r}")
+    hms = words[3].split(":")
+    if not (words[2].isdigit() and words[4].isdigit() and len(hms) == 3
+            and all(x.isdigit() for x in hms)):
+        raise ValueError(f"not a ps start time: {' '.join(words)[:60]!r}")
+    return datetime(int(words[4]), _MONTHS[words[1]], int(words[2]), int(hms[0]),
+                    int(hms[1]), int(hms[2]), tzinfo=timezone.utc)
 
 
 class JobHostError(Exception):
@@ -42,49 +62,98 @@ async def connect(config: Config, host: HostConfig,
 
 @dataclass(frozen=True)
 class Alive:
-    """The processes on a host: pids and session ids."""
+    """The running processes on a host: pid -> (session id, start time if known)."""
 
-    pids: frozenset[int]
-    sids: frozenset[int]
+    procs: Mapping[int, tuple[int, datetime | None]]
 
-    def has(self, pid: int, session: bool) -> bool:
-        return pid in (self.sids if session else self.pids)
+    def has(self, pid: int, session: bool, start: datetime | None = None) -> bool:
+        """Whether the job is alive: process ``pid`` (``session``: any process of the
+        session it leads). With ``start`` (when the job's pid started) a process with that
+        pid but another start time is a stranger that got the pid after the job ended."""
+        if not session:
+            return pid in self.procs and _same(self.procs[pid][1], start)
+        if pid in self.procs and self.procs[pid][0] == pid:  # the session's leader runs
+            return _same(self.procs[pid][1], start)
+        return bool(self.in_session(pid, start))
+
+    def in_session(self, sid: int, start: datetime | None = None) -> list[int]:
+        """The processes of session ``sid`` (started no earlier than its leader did)."""
+        return sorted(p for p, (s, t) in self.procs.items() if s == sid and (
+            start is None or t is None
+            or (t - start).total_seconds() >= -START_SLACK_S))
+
+    def start_of(self, pid: int) -> datetime | None:
+        return self.procs[pid][1] if pid in self.procs else None
+
+
+def _same(seen: datetime | None, recorded: datetime | None) -> bool:
+    return (seen is None or recorded is None
+            or abs((seen - recorded).total_seconds()) <= START_SLACK_S)
 
 
 def parse_ps(text: str) -> Alive:
-    pids: set[int] = set()
-    sids: set[int] = set()
+    procs: dict[int, tuple[int, datetime | None]] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) != 3 or not all(p.isdigit() and len(p) < 11 for p in parts[:2]) \
+        if len(parts) not in (3, 8) or not all(p.isdigit() and len(p) < 11 for p in parts[:2]) \
                 or not parts[2].isascii() or len(parts[2]) > 16:
             raise ValueError(f"unexpected ps output: {line[:60]!r}")
         if parts[2].startswith("Z"):
             continue
-        pids.add(int(parts[0]))
-        sids.add(int(parts[1]))
-    if not pids:
+        procs[int(parts[0])] = (int(parts[1]), parse_lstart(parts[3:]) if parts[3:] else None)
+    if not procs:
         raise ValueError("ps listed no processes")
-    return Alive(frozenset(pids), frozenset(sids))
+    return Alive(procs)
+
+
+def local_start(pid: int) -> datetime | None:
+    """When local process ``pid`` started (as ps computes ``lstart``), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read(4096).rpartition(b")")[2].split()
+        return _boot_time() + timedelta(seconds=int(fields[19]) // os.sysconf("SC_CLK_TCK"))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_time() -> datetime:
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return datetime.fromtimestamp(int(line.split()[1]), timezone.utc)
+    raise ValueError("no btime in /proc/stat")
 
 
 def alive_local() -> Alive:
-    pids: set[int] = set()
-    sids: set[int] = set()
+    procs: dict[int, tuple[int, datetime | None]] = {}
+    boot = _boot_time()
+    hz = os.sysconf("SC_CLK_TCK")
     for name in os.listdir("/proc"):
         if name.isdigit():
             pid = int(name)
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
-                    state = f.read(4096).rpartition(b")")[2].split()[:1]
+                    fields = f.read(4096).rpartition(b")")[2].split()
                 sid = os.getsid(pid)
-            except OSError:
+                start = boot + timedelta(seconds=int(fields[19]) // hz)
+            except (OSError, IndexError, ValueError):
                 continue
-            if state == [b"Z"]:  # exited, not yet reaped: not running
+            if fields[:1] == [b"Z"]:  # exited, not yet reaped: not running
                 continue
-            pids.add(pid)
-            sids.add(sid)
-    return Alive(frozenset(pids), frozenset(sids))
+            procs[pid] = (sid, start)
+    return Alive(procs)
+
+
+async def alive_via(conn: asyncssh.SSHClientConnection, name: str, timeout: float) -> Alive:
+    """Which processes run on the host of an open connection (one ``ps``)."""
+    try:
+        res = await asyncio.wait_for(conn.run(PS_COMMAND, encoding=None), timeout)
+        out = res.stdout if isinstance(res.stdout, bytes) else b""
+        if res.exit_status != 0 or len(out) > MAX_PS_BYTES:
+            raise JobHostError(f"{name}: ps failed (exit {res.exit_status})")
+        return parse_ps(out.decode("ascii", "replace"))
+    except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
+        raise JobHostError(f"{name}: {exc or type(exc).__name__}") from None
 
 
 async def alive_on(config: Config, host: HostConfig) -> Alive:
@@ -96,13 +165,7 @@ async def alive_on(config: Config, host: HostConfig) -> Alive:
     except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
         raise JobHostError(f"{host.name}: {exc or type(exc).__name__}") from None
     try:
-        res = await asyncio.wait_for(conn.run(PS_COMMAND, encoding=None), config.timeout)
-        out = res.stdout if isinstance(res.stdout, bytes) else b""
-        if res.exit_status != 0 or len(out) > MAX_PS_BYTES:
-            raise JobHostError(f"{host.name}: ps failed (exit {res.exit_status})")
-        return parse_ps(out.decode("ascii", "replace"))
-    except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
-        raise JobHostError(f"{host.name}: {exc or type(exc).__name__}") from None
+        return await alive_via(conn, host.name, config.timeout)
     finally:
         conn.close()
         await jumps.close()

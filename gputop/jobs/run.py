@@ -7,6 +7,12 @@ starts each session in a new session (setsid), so that pid is the job's session 
 process the job starts is found by it, by ``run`` and by any gputop checking the job later
 (see ``gputop.jobs.reap``). A pty when stdin is a terminal, plain pipes otherwise.
 
+**The job is its session.** When the command exits, ``run`` looks at the session once
+more (a few times within a second: children killed by the hang-up take a moment): if
+processes it started still run there (``nohup ... &``), or a process of the holder's still
+uses the job's GPUs (a ``setsid`` child, a daemon), the reservation is kept for the job
+check (``gputop.jobs.reap``) and ``run`` exits with the command's status all the same.
+
 **Connection-drop rule.** If the SSH connection drops while the job runs, ``run`` says so
 (host, pid) and keeps the reservation: the job may still be running there. It is released
 by the first gputop that finds the job's session gone for ``job_grace`` (or at its expiry).
@@ -21,16 +27,24 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
 import asyncssh
 
 from gputop.config import Config, HostConfig
-from gputop.jobs.reap import check_jobs, release_ids
-from gputop.jobs.remote import connect
-from gputop.reservations.store import Job, Reservation, Store, StoreState
+from gputop.jobs.reap import check_jobs, gpus_on, release_ids, uses_gpu
+from gputop.jobs.remote import (
+    Alive,
+    JobHostError,
+    alive_local,
+    alive_via,
+    connect,
+    local_start,
+    parse_lstart,
+)
+from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
 from gputop.text import clean
 
 MARKER = b"gputop-job-pid "
@@ -45,7 +59,9 @@ def remote_command(argv: Sequence[str], devices: str) -> str:
     """The script sent to the remote shell: nothing but quoted words."""
     if not argv:
         raise ValueError("no command given")
-    script = ('echo "gputop-job-pid $$"; '
+    # The marker: the job's pid and when it started (ps lstart, C locale, UTC), so a later
+    # process given the same pid is never taken for the job.
+    script = ('echo "gputop-job-pid $$ $(LC_ALL=C TZ=UTC0 ps -o lstart= -p $$ 2>/dev/null)"; '
               f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
               "exec " + " ".join(shlex.quote(a) for a in argv))
     # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
@@ -82,12 +98,13 @@ def exit_code(status: int | None, sig: str | None) -> int:
     return EXIT_SSH if status is None else status
 
 
-def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool) -> None:
+def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+               start: datetime | None = None) -> None:
     ids = {r.id for r in rs}
 
     def change(state: StoreState, now: datetime) -> StoreState:
         return replace(state, reservations=tuple(
-            replace(r, job=Job(pid, session)) if r.id in ids else r
+            replace(r, job=Job(pid, session, start=start)) if r.id in ids else r
             for r in state.reservations))
 
     store.update(change)
@@ -98,6 +115,8 @@ class JobResult:
     code: int
     #: True: the job is known to have ended (release now); False: it may still run.
     ended: bool
+    #: False: the command never started (nothing can be left on the GPUs).
+    started: bool = True
 
 
 async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Reservation],
@@ -105,18 +124,87 @@ async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Re
     """Run the job, then release its reservations if it is known to have ended."""
     devices = devices_of(rs)
     if host.local:
-        result = await _run_local(store, rs, argv, devices)
+        result = await _run_local(store, rs, argv, devices, config.job_grace_s)
     else:
         result = await _run_remote(config, host, store, rs, argv, devices, say)
+    if result.ended and result.started:
+        # A child that left the job's session (setsid, a daemon) is the job while it uses
+        # the job's GPUs.
+        with contextlib.suppress(Exception):
+            seen = (await gpus_on(config, [host.name])).get(host.name)
+            busy = [r for r in rs if uses_gpu(r, seen)]
+            if busy:
+                say(f"the command exited ({result.code}), but processes of yours still use "
+                    + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in busy)
+                    + ": the reservation stays until none is left for "
+                    f"{config.job_grace_s:g}s, then any gputop command of yours (e.g. "
+                    "gputop reservations) releases it")
+                return result.code
     if result.ended:
-        gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
+        try:
+            gone = await asyncio.to_thread(release_ids, store, {r.id for r in rs})
+        except StoreError as exc:  # the job's status is never lost to the file's lock
+            say(f"could not release the reservation ({exc}); it stays until a gputop of "
+                "yours sees the job gone (or it expires)")
+            return result.code
         if gone:
             say("released " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in gone))
     return result.code
 
 
+#: After the command exits, its session is looked at this often before what is left
+#: counts as left behind (children killed by the hang-up take a moment to go).
+LEFTOVER_CHECKS = (0.0, 0.2, 0.5, 1.0)
+
+
+async def _leftovers(ask: Callable[[], Awaitable[Alive]], sid: int,
+                     start: datetime | None) -> list[int]:
+    """The job's processes still running once its command exited: the session it led.
+    A host that cannot be asked: none (released as before; the job check cannot see them
+    either)."""
+    left: list[int] = []
+    for delay in LEFTOVER_CHECKS:
+        await asyncio.sleep(delay)
+        try:
+            left = (await ask()).in_session(sid, start)
+        except (JobHostError, OSError, ValueError):
+            return []
+        if not left:
+            return []
+    return left
+
+
+def _say_left(say: Callable[[str], None], code: int, left: Sequence[int], host: str,
+              grace: float) -> None:
+    pids = ", ".join(str(p) for p in left[:5]) + (", ..." if len(left) > 5 else "")
+    say(f"the command exited ({code}), but {len(left)} process(es) it started still run on "
+        f"{clean(host)} (pid {pids}): the reservation stays until none is left for "
+        f"{grace:g}s, then any gputop command of yours (e.g. gputop reservations) "
+        "releases it")
+
+
+async def _recorded(recording: list[asyncio.Task[None]]) -> None:
+    """The job may outlive us: its pid must be in the file for a later check to release
+    it, so wait (a while) for a recording held up by a locked file."""
+    if recording and not recording[0].done():
+        await asyncio.wait(recording, timeout=60)
+
+
+async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+                  say: Callable[[str], None], start: datetime | None = None) -> None:
+    """Record the job's pid, waiting out a locked file (tried again until it is written or
+    the job ends): the job and its output never wait for the file."""
+    while True:
+        try:
+            await asyncio.to_thread(record_pid, store, rs, pid, session, start)
+            return
+        except StoreError as exc:
+            say(f"could not record the job's pid yet ({exc}); trying again")
+            await asyncio.sleep(1.0)
+
+
 async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
-                     devices: str) -> JobResult:
+                     devices: str, job_grace_s: float) -> JobResult:
     tty = sys.stdin.isatty()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
     try:
@@ -124,8 +212,9 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
                                                     start_new_session=not tty)
     except OSError as exc:
         print(f"gputop: cannot run {argv[0]!r}: {exc.strerror}", file=sys.stderr)
-        return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True)
-    await asyncio.to_thread(record_pid, store, rs, proc.pid, not tty)
+        return JobResult(127 if isinstance(exc, FileNotFoundError) else 126, True, False)
+    start = local_start(proc.pid)
+    recording = asyncio.create_task(_record(store, rs, proc.pid, not tty, _say_err, start))
     loop = asyncio.get_running_loop()
 
     def forward(sig: int) -> None:
@@ -141,10 +230,22 @@ async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str
         loop.add_signal_handler(s, forward, s)
     try:
         rc = await proc.wait()
+        code = 128 - rc if rc < 0 else rc
+        if not tty:  # its own session: what it left running is found by the session id
+            left = await _leftovers(lambda: asyncio.to_thread(alive_local), proc.pid, start)
+            if left:
+                await asyncio.wait([recording], timeout=60)
+                _say_left(_say_err, code, left, "this host", job_grace_s)
+                return JobResult(code, False)
     finally:
         for s in FORWARDED:
             loop.remove_signal_handler(s)
-    return JobResult(128 - rc if rc < 0 else rc, True)
+        recording.cancel()
+    return JobResult(code, True)
+
+
+def _say_err(msg: str) -> None:
+    print(f"gputop: {msg}", file=sys.stderr, flush=True)
 
 
 async def _run_remote(config: Config, host: HostConfig, store: Store,
@@ -154,9 +255,11 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
         conn, jumps = await connect(config, host)
     except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
         say(f"cannot connect to {host.name}: {clean(str(exc)) or type(exc).__name__}")
-        return JobResult(EXIT_SSH, True)  # nothing was started
+        return JobResult(EXIT_SSH, True, False)  # nothing was started
     tty = sys.stdin.isatty()
     pid: list[int] = []
+    recording: list[asyncio.Task[None]] = []
+    starts: list[datetime | None] = []
     try:
         kw: dict[str, object] = {}
         if tty:
@@ -171,7 +274,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
                 say(f"{host.name}'s login shell is {clean(shell[0])}: an argument with a "
                     "backslash, a newline or '!' would not reach the job intact through it "
                     "(run a script on the host instead)")
-                return JobResult(EXIT_REFUSED_SHELL, True)  # nothing was started
+                return JobResult(EXIT_REFUSED_SHELL, True, False)  # nothing was started
         proc = await conn.create_process(command, encoding=None, **kw)
         loop = asyncio.get_running_loop()
         signalling: set[asyncio.Task[None]] = set()
@@ -187,19 +290,30 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
 
         for s in FORWARDED:
             loop.add_signal_handler(s, forward, s)
+
+        def resized() -> None:  # the terminal's new size, to the job's pty
+            with contextlib.suppress(OSError, asyncssh.Error):
+                size = os.get_terminal_size(0)
+                proc.change_terminal_size(size.columns, size.lines)
+
+        if tty:
+            loop.add_signal_handler(signal.SIGWINCH, resized)
         raw = _raw_terminal() if tty else contextlib.nullcontext()
         try:
             with raw:
-                pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid)),
+                pumps = [asyncio.create_task(_pump_out(proc.stdout, 1, store, rs, pid,
+                                                       recording, say, starts)),
                          asyncio.create_task(_pump_plain(proc.stderr, 2))]
                 feeder = _feed_stdin(loop, proc)
                 try:
                     await proc.wait_closed()
-                    await asyncio.gather(*pumps, return_exceptions=True)
+                    for res in await asyncio.gather(*pumps, return_exceptions=True):
+                        if isinstance(res, Exception):  # said, never swallowed
+                            say(f"copying the job's output failed: {res!r}")
                 finally:
                     feeder()
         finally:
-            for s in FORWARDED:
+            for s in (*FORWARDED, signal.SIGWINCH):
                 loop.remove_signal_handler(s)
         status, sig = proc.exit_status, proc.exit_signal
         if status is None and sig is None:
@@ -207,14 +321,25 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
             say(f"the SSH connection to {host.name} was lost; {what} may still be running "
                 f"there. Its reservation is kept until a gputop sees the job gone for "
                 f"{config.job_grace_s:g}s (or it expires)")
+            await _recorded(recording)
             return JobResult(EXIT_SSH, False)
-        return JobResult(exit_code(status, sig[0] if sig else None), True)
+        code = exit_code(status, sig[0] if sig else None)
+        if pid:
+            left = await _leftovers(lambda: alive_via(conn, host.name, config.timeout),
+                                    pid[0], starts[0] if starts else None)
+            if left:
+                _say_left(say, code, left, host.name, config.job_grace_s)
+                return JobResult(code, False)
+        return JobResult(code, True)
     except (OSError, asyncssh.Error) as exc:
         say(f"the SSH connection to {host.name} failed: {clean(str(exc))}; the job "
             + (f"(pid {pid[0]}) may still be running; its reservation is kept until a "
                "gputop sees it gone" if pid else "was not started"))
-        return JobResult(EXIT_SSH, not pid)
+        await _recorded(recording)
+        return JobResult(EXIT_SSH, not pid, bool(pid))
     finally:
+        for t in recording:
+            t.cancel()
         conn.close()
         with contextlib.suppress(Exception):
             await jumps.close()
@@ -230,8 +355,11 @@ async def _signal_remote(conn: asyncssh.SSHClientConnection, pid: int, sig: int)
 
 
 async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
-                    rs: Sequence[Reservation], pid: list[int]) -> None:
-    """Find the marker line (the job's pid), record it, then copy the rest."""
+                    rs: Sequence[Reservation], pid: list[int],
+                    recording: list[asyncio.Task[None]], say: Callable[[str], None],
+                    starts: list[datetime | None]) -> None:
+    """Find the marker line (the job's pid), record it (on its own task: a locked file
+    never holds up the output), then copy the rest."""
     buf = b""
     while not pid:
         chunk = await stream.read(65536)
@@ -241,10 +369,16 @@ async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
         at = buf.find(MARKER)
         end = buf.find(b"\n", at) if at >= 0 else -1
         if end >= 0:
-            value = buf[at + len(MARKER):end].strip()
-            if value.isdigit() and len(value) < 11:
-                pid.append(int(value))
-                await asyncio.to_thread(record_pid, store, rs, pid[0], True)
+            words = buf[at + len(MARKER):end].decode("ascii", "replace").split()
+            if words and words[0].isdigit() and len(words[0]) < 11:
+                pid.append(int(words[0]))
+                try:
+                    start: datetime | None = parse_lstart(words[1:])
+                except ValueError:  # no ps there: the pid alone, as before
+                    start = None
+                starts.append(start)
+                recording.append(asyncio.create_task(_record(store, rs, pid[0], True, say,
+                                                             start)))
             buf = buf[end + 1:]
             break
         if len(buf) > MAX_PREAMBLE:

@@ -1,12 +1,12 @@
 """Waiting in the queue until the order rule grants this waiter its GPUs.
 
-One loop per waiter: poll the hosts (one refresh per interval over the kept connections),
-read the file without the lock, and take the lock only to write: to grant (re-checked under
-the lock), to renew the lease (once per half lease) or to leave. So 50 waiters at the
-default interval cost a few short writes a second, not 25 locked read-modify-writes.
-Between refreshes a waiter stats the file every 0.2 s: a reservation released there is
-taken up at once, not at the next refresh.
-"""
+One loop per waiter: each host is polled on its own loop (one refresh per interval over
+the kept connections) and the waiter looks again whenever a host answers, so a hung host
+delays nothing but its own GPUs. The file is read without the lock; the lock is taken only
+to write: to grant (re-checked under the lock), to renew the lease (once per half lease,
+on its own task) or to leave. So 50 waiters at the default interval cost a few short
+writes a second. Between answers a waiter stats the file every 0.2 s: a reservation
+released there is taken up at once, not at the next refresh."""
 
 from __future__ import annotations
 
@@ -18,10 +18,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gputop.config import Config
-from gputop.model import utcnow
+from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations.queue import LeftQueue, Queue, Request, grantable
-from gputop.reservations.store import Job, Reservation, Store, StoreState
+from gputop.reservations.ops import Invalid, Refused
+from gputop.reservations.queue import (
+    LeftQueue,
+    Queue,
+    Request,
+    grantable,
+    removed_by,
+    unsatisfiable,
+)
+from gputop.reservations.store import (
+    LAPSED_KEEP_S,
+    Job,
+    Reservation,
+    Store,
+    StoreError,
+    StoreState,
+)
 from gputop.text import clean
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
@@ -66,8 +81,13 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                         poller: Poller | None = None,
                         reaper: Callable[[], object] | None = None) -> list[Reservation]:
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
-    SIGTERM) and every error leave the queue at once; nothing is half-reserved."""
+    SIGTERM) and every error leave the queue at once; nothing is half-reserved. A request
+    no host could ever meet is refused before joining (Invalid, exit 2); one that becomes
+    so while waiting leaves the queue the same way. A lock held by another writer for
+    less than the lease costs nothing: the lease is renewed on its own task, which waits
+    for the lock up to the lease's end, and a grant that times out is tried again."""
     own = poller is None
+    fleet = [h.name for h in config.hosts]
     if poller is None:
         if req.hosts:  # poll only the hosts it can be granted on
             config = replace(config, hosts=tuple(h for h in config.hosts
@@ -75,29 +95,63 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         poller = Poller(config)
     q = Queue(store, req, lease_s=lease_s)
     started = time.monotonic()
+    keeper: asyncio.Task[None] | None = None
+    feeder: asyncio.Task[None] | None = None
     try:
-        pos = q.join()
+        snap = await poller.snapshot()
+        why = unsatisfiable(req, list(snap.hosts), fleet)
+        if why:
+            raise Invalid(f"not joining the queue: {why}; ask for fewer GPUs or less memory "
+                          "(or name other hosts)")
+        pos = await asyncio.to_thread(q.join)
         say(f"waiting for {describe_request(req)}: position {pos} in the queue")
+        renewing: set[str] = set()
+        keeper = asyncio.create_task(keep_lease(q, say, renewing))
+        # Each host's answers as they come (one loop per host): a hung host delays
+        # nothing but itself; its last answer stands until its query times out.
+        latest = {h.name: h for h in snap.hosts}
+        changed = asyncio.Event()
+
+        async def feed() -> None:
+            async for h in poller.updates():
+                latest[h.name] = h
+                changed.set()
+
+        feeder = asyncio.create_task(feed())
         last = pos
+        doubt_since: float | None = None
         while True:
-            loop_start = time.monotonic()
-            snap = await poller.snapshot()
             if reaper is not None:
                 reaper()
+            hosts = list(latest.values())
+            sig = _signature(store)  # before the read: a change in between is seen below
             state = store.read()
-            now = snap.time
-            hosts = list(snap.hosts)
+            now = utcnow()
+            why = unsatisfiable(req, hosts, fleet)
+            if why is None:
+                doubt_since = None
+            elif doubt_since is None:
+                doubt_since = time.monotonic()
+            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.interval:
+                # Not a one-off odd answer: the hosts changed.
+                raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)
+            if pos_now is None and renewing and any(w.id == q.id for w in state.queue):
+                await asyncio.sleep(WATCH_S)  # lapsed while the lock was held: the lease
+                continue                      # keeper takes it back, or it is dropped
+            if pos_now is None and (by := removed_by(state, q.id)) is not None:
+                q.id = ""
+                raise Refused(f"{clean(by)} removed your place from the queue "
+                              "(gputop release --waiter)")
             if pos_now is None:
                 say("your place in the queue lapsed (lease not renewed in time); joining "
                     "again at the end")
-                last = q.join()
+                last = await asyncio.to_thread(q.join)
                 continue
-            if grantable(state, q.id, hosts, now) is not None:
-                with contextlib.suppress(LeftQueue):  # then it joins again, above
-                    got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                    if got is not None:
-                        return got
+            if grantable(state, q.id, hosts, now, fleet=fleet) is not None:
+                got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
+                if got is not None:
+                    return got
             elif pos_now != last:
                 say(f"position {pos_now} of {len(state.waiting(now))}: "
                     f"{_ahead(state, q, now)}")
@@ -105,32 +159,81 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if max_wait is not None and time.monotonic() - started >= max_wait:
                 raise WaitedTooLong(f"waited {max_wait:g}s for {describe_request(req)}; still "
                                     f"position {pos_now} in the queue (left it)")
-            if q.renew_due(now):
-                try:
-                    q.renew()
-                except LeftQueue:
-                    continue
-            # Until the next refresh, watch the file: a release there is acted on within
-            # WATCH_S, against the hosts as the last refresh saw them.
-            sig = _signature(store)
-            while (left := config.interval - (time.monotonic() - loop_start)) > 0:
-                await asyncio.sleep(min(WATCH_S, left))
-                if _signature(store) == sig:
-                    continue
-                sig = _signature(store)
-                state = store.read()
-                if grantable(state, q.id, hosts, utcnow()) is not None:
-                    with contextlib.suppress(LeftQueue):
-                        got = q.try_grant(hosts, seconds=seconds, note=note, job=job)
-                        if got is not None:
-                            return got
+            # Until a host answers again or the file changes (a release there is acted on
+            # within WATCH_S), nothing can change the answer.
+            while not changed.is_set() and _signature(store) == sig:
+                if feeder.done():
+                    feeder.result()  # the poller failed: say why
+                    raise RuntimeError("host polling stopped")
+                if max_wait is not None and time.monotonic() - started >= max_wait:
                     break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), WATCH_S)
+            changed.clear()
     finally:
+        for task in (keeper, feeder):
+            if task is not None:
+                task.cancel()
+        if feeder is not None:  # its host loops end before the poller closes
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
         try:
-            await asyncio.shield(asyncio.to_thread(q.leave))
+            await asyncio.shield(asyncio.to_thread(_leave, q, say))
         finally:
             if own:
                 await poller.aclose()
+
+
+#: For how many refresh intervals a request must look unsatisfiable before its waiter
+#: gives up.
+GIVE_UP_AFTER = 3
+
+
+async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,
+                     job: Callable[[str], Job | None] | None, fleet: list[str],
+                     say: Callable[[str], None]) -> list[Reservation] | None:
+    """One grant attempt off the event loop; a lapsed place (joined again by the loop) or
+    a lock held too long (tried again next time) is not the end of the wait."""
+    try:
+        return await asyncio.to_thread(q.try_grant, hosts, seconds=seconds, note=note,
+                                       job=job, fleet=fleet)
+    except LeftQueue:
+        return None
+    except StoreError as exc:
+        say(f"could not write the grant yet ({exc}); still waiting, trying again")
+        return None
+
+
+async def keep_lease(q: Queue, say: Callable[[str], None], renewing: set[str]) -> None:
+    """Renew the lease every half lease, for as long as the wait lasts. A renewal started
+    in time waits for the lock past the lease's end and takes the place back (see
+    ``Queue.renew``), so a writer that stalls the file for less than the lease (or longer,
+    if no other write dropped the place) never costs this waiter its place."""
+    while True:
+        until = q.lease_until
+        due = 0.0 if until is None else (until - utcnow()).total_seconds() - q.lease_s / 2
+        await asyncio.sleep(max(due, WATCH_S))
+        if not q.id or q.lease_until is None:
+            continue
+        left = (q.lease_until - utcnow()).total_seconds()
+        renewing.add(q.id)  # while it waits for the lock, the main loop does not join again
+        try:
+            # Wait for the lock as long as the place can still be taken back.
+            await asyncio.to_thread(q.renew, max(left, 0) + LAPSED_KEEP_S / 2,
+                                    lapsed_ok=left > 0)
+        except LeftQueue:
+            await asyncio.sleep(WATCH_S)  # the main loop joins again
+        except StoreError as exc:
+            say(f"could not renew your place in the queue ({exc}); trying again")
+        finally:
+            renewing.clear()
+
+
+def _leave(q: Queue, say: Callable[[str], None]) -> None:
+    try:
+        q.leave()
+    except StoreError as exc:
+        say(f"could not leave the queue ({exc}); your place lapses when its lease ends")
 
 
 def _ahead(state: StoreState, q: Queue, now: object) -> str:

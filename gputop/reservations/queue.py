@@ -7,23 +7,41 @@ runs; a waiter that dies (SIGKILL, a closed laptop, a lost SSH session) drops ou
 lease ends, and Ctrl-C leaves at once.
 
 **Order rule.** Waiters are served in the order they joined. A later waiter may be granted
-before one ahead of it only with GPUs that *no* waiter ahead of it could use (another host,
-a tag it did not ask for, less free memory than it needs), so going first can never delay
-anyone ahead. A GPU any earlier waiter could use waits for that waiter, even while that
-waiter still needs more.
+before one ahead of it only with GPUs that *no* waiter ahead of it could use, so going first
+can never delay anyone ahead. A GPU any earlier waiter could use waits for that waiter, even
+while that waiter still needs more. **"Could use"** (``could_use``): the GPU is on a host
+the waiter accepts (its ``--host``/``--tag``), has the free memory it asks for, and its host
+could ever meet the whole request: for a one-host request (``gputop run``) the host has at
+least the request's count of GPUs whose total memory meets the need; for a request that may
+span hosts, its hosts together have that many. A host that did not answer (or that this
+gputop does not poll) is assumed big enough, so a doubt never lets anyone jump ahead.
+
+**Unsatisfiable requests.** A request that no host it accepts could ever meet (3 GPUs on one
+host when hosts have 2, more memory than any GPU has) is refused before it joins
+(``unsatisfiable``); a waiter whose request becomes unsatisfiable later (hosts changed)
+blocks nobody (no GPU is one it could use) and leaves the queue itself.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from gputop.model import HostSnapshot
+from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus
 from gputop.reservations.ops import Invalid, Refused, Target, whoami
-from gputop.reservations.store import Job, Reservation, Store, StoreState, Waiter, new_reservation
+from gputop.reservations.store import (
+    LAPSED_KEEP_S,
+    Job,
+    Reservation,
+    Store,
+    StoreState,
+    Waiter,
+    new_reservation,
+)
+from gputop.text import clean
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
 DEFAULT_LEASE_S = 30.0
@@ -44,7 +62,61 @@ class Request:
     want: str = ""
 
     def fits(self, f: FreeGpu) -> bool:
-        return (not self.hosts or f.host in self.hosts) and f.free_mib >= self.min_free_mib
+        return self.accepts(f.host) and f.free_mib >= self.min_free_mib
+
+    def accepts(self, host: str) -> bool:
+        return not self.hosts or host in self.hosts
+
+    def sized(self, g: GpuInfo) -> bool:
+        """Whether this GPU, empty, would have the memory asked for (unknown total: yes)."""
+        return (g.index is not None and not g.lost
+                and (g.memory_total_mib is None or g.memory_total_mib >= self.min_free_mib))
+
+
+def capacity(req: Request, hosts: Iterable[HostSnapshot], fleet: Collection[str] | None
+             ) -> tuple[set[str], bool]:
+    """The hosts on which ``req`` could ever be met (see the order rule), and whether that
+    is known for sure: every host it accepts (``req.hosts``, else ``fleet``) answered."""
+    seen = {h.name: sum(1 for g in h.gpus if req.sized(g))
+            for h in hosts if h.ok and req.accepts(h.name)}
+    accepted = set(req.hosts) if req.hosts else (set(fleet) if fleet is not None else None)
+    complete = accepted is not None and accepted <= set(seen)
+    if req.one_host:
+        return {h for h, n in seen.items() if n >= req.count}, complete
+    if sum(seen.values()) >= req.count or not complete:
+        return {h for h, n in seen.items() if n}, complete
+    return set(), complete
+
+
+def unsatisfiable(req: Request, hosts: Sequence[HostSnapshot],
+                  fleet: Collection[str] | None) -> str | None:
+    """Why no host ``req`` accepts could ever meet it, as far as the hosts that answered
+    show (every host it accepts must have answered); None if it can be met or one of its
+    hosts did not answer."""
+    usable, complete = capacity(req, hosts, fleet)
+    if usable or not complete:
+        return None
+    mine = [h for h in hosts if h.ok and req.accepts(h.name)]
+    if not mine:
+        return "no host to wait on"
+    sizes = "; ".join(_size(h) for h in mine[:8]) + ("; ..." if len(mine) > 8 else "")
+    need = f"{req.count} GPU(s)" + (f" with {req.min_free_mib / 1024:g}G free"
+                                     if req.min_free_mib else "")
+    where = "on one host" if req.one_host else "in all"
+    return f"no host can ever give {need} {where} ({sizes})"
+
+
+def _size(h: HostSnapshot) -> str:
+    gpus = [g for g in h.gpus if g.index is not None and not g.lost]
+    big = max((g.memory_total_mib or 0 for g in gpus), default=0)
+    return f"{h.name} has {len(gpus)}" + (f", the largest {big / 1024:.3g}G" if big else "")
+
+
+def could_use(reqs: Sequence[Request], hosts: Sequence[HostSnapshot],
+              fleet: Collection[str] | None) -> Callable[[FreeGpu], bool]:
+    """Whether any of ``reqs`` could use a GPU (the order rule's test)."""
+    usable = [(r, capacity(r, hosts, fleet)[0]) for r in reqs]
+    return lambda f: any(f.host in on and r.fits(f) for r, on in usable)
 
 
 def request_of(w: Waiter) -> Request:
@@ -63,12 +135,14 @@ def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
     return None
 
 
-def grantable(state: StoreState, waiter_id: str | None, hosts: Iterable[HostSnapshot],
-              now: datetime, req: Request | None = None) -> list[FreeGpu] | None:
+def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnapshot],
+              now: datetime, req: Request | None = None,
+              fleet: Collection[str] | None = None) -> list[FreeGpu] | None:
     """The GPUs the order rule lets this waiter take now, or None (not its turn, or not
     enough). ``waiter_id`` None with ``req``: someone not in the queue (``free --reserve``,
     ``run`` without ``--wait``), who comes after every waiter. Only unreserved GPUs count:
-    nobody's reservation is ever taken or extended."""
+    nobody's reservation is ever taken or extended. ``fleet``: every host name this gputop
+    knows (a waiter that accepts any host is judged against all of them)."""
     queue = state.waiting(now)
     if waiter_id is None:
         assert req is not None
@@ -78,16 +152,55 @@ def grantable(state: StoreState, waiter_id: str | None, hosts: Iterable[HostSnap
         if found is None:
             return None
         at, req = found, request_of(queue[found])
-    return pick(req, usable_now(state, hosts, now, queue[:at]))
+    return pick(req, usable_now(state, hosts, now, queue[:at], fleet))
 
 
-def usable_now(state: StoreState, hosts: Iterable[HostSnapshot], now: datetime,
-               ahead: Sequence[Waiter]) -> list[FreeGpu]:
+def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
+               ahead: Sequence[Waiter], fleet: Collection[str] | None = None
+               ) -> list[FreeGpu]:
     """Free, unreserved whole GPUs that none of ``ahead`` could use (the order rule). The
     queue hands out whole GPUs: a MIG instance is reserved by name (``reserve``)."""
-    reqs = [request_of(w) for w in ahead]
+    taken = could_use([request_of(w) for w in ahead], hosts, fleet)
     return [f for f in free_gpus(hosts, state, 0, now, user=None)
-            if f.instance is None and not any(r.fits(f) for r in reqs)]
+            if f.instance is None and not taken(f)]
+
+
+#: The audit event of a waiter taken out of the queue by ``release --waiter``.
+REMOVED = "queue-remove"
+
+
+def remove_waiter(store: Store, wid: str, *, force: bool = False,
+                  user: str | None = None) -> Waiter:
+    """Take waiter ``wid`` out of the queue (``release --waiter``): your own place (a stale
+    one from a closed laptop, say), or with ``force`` anyone's. Either way a
+    ``queue-remove`` event is recorded, so that a waiter still running learns who removed
+    it and stops instead of joining again."""
+    me, here = whoami()
+    me = user or me
+    gone: list[Waiter] = []
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        w = next((w for w in state.queue if w.id == wid), None)
+        if w is None:
+            raise Refused(f"no waiter {wid!r} in the queue (it may have left or been served "
+                          "already; gputop reservations lists the queue with ids)")
+        if w.user != me and not force:
+            raise Refused(f"waiter {wid} is {clean(w.user)}'s; --force removes it (recorded "
+                          "in the file with your name)")
+        gone[:] = [w]
+        ev = {"time": iso(now), "action": REMOVED, "by": me, "machine": here,
+              "waiter": w.to_dict()}
+        return replace(state, queue=tuple(x for x in state.queue if x.id != wid),
+                       events=(*state.events, ev))
+
+    store.update(change)
+    return gone[0]
+
+
+def removed_by(state: StoreState, wid: str) -> str | None:
+    """Who took waiter ``wid`` out of the queue, if someone did."""
+    return next((str(e["by"]) for e in reversed(state.events)
+                 if e.get("action") == REMOVED and e.get("waiter", {}).get("id") == wid), None)
 
 
 class LeftQueue(Exception):
@@ -119,18 +232,19 @@ class Queue:
                           " (name fewer with --host or a narrower --tag)")
 
         def change(state: StoreState, now: datetime) -> StoreState:
-            mine = sum(1 for w in state.waiting(now) if w.user == self.user)
-            if mine >= MAX_PLACES_PER_USER:  # one person cannot fill the queue (or the file)
-                raise Refused(f"you already wait in {mine} places in the queue; at most "
+            # Lapsed places still in the file count too: one person cannot fill the file.
+            mine = sum(1 for w in state.queue if w.user == self.user)
+            if mine >= MAX_PLACES_PER_USER:
+                raise Refused(f"you already wait in {mine} places in the queue (a place "
+                              f"lapsed less than {LAPSED_KEEP_S:.0f}s ago counts); at most "
                               f"{MAX_PLACES_PER_USER}")
             w = Waiter(id=wid, user=self.user, machine=self.machine, count=self.req.count,
                        created=now, lease=now + timedelta(seconds=self.lease_s),
                        min_free_mib=self.req.min_free_mib, hosts=self.req.hosts,
                        want=self.req.want, one_host=self.req.one_host)
             self.lease_until = w.lease
-            queue = [*state.waiting(now), w]
-            pos[0] = len(queue)
-            return replace(state, queue=tuple(queue))
+            pos[0] = len(state.waiting(now)) + 1
+            return replace(state, queue=(*state.queue, w))
 
         self.store.update(change)
         self.id = wid
@@ -144,10 +258,16 @@ class Queue:
         return (self.lease_until is None
                 or (self.lease_until - now).total_seconds() < self.lease_s / 2)
 
-    def renew(self) -> None:
+    def renew(self, timeout: float | None = None, *, lapsed_ok: bool = False) -> None:
+        """Push the lease on; ``timeout``: how long to wait for the lock. ``lapsed_ok``:
+        the renewal started while the lease ran and only waited for another writer's
+        lock; then a place that lapsed meanwhile is taken back if it is still in the file
+        (no write dropped it, so nobody acted on its absence but by the rule: a lapsed
+        place blocks nobody)."""
         def change(state: StoreState, now: datetime) -> StoreState:
-            queue = list(state.waiting(now))
-            at = next((i for i, w in enumerate(queue) if w.id == self.id), None)
+            queue = list(state.queue)
+            at = next((i for i, w in enumerate(queue) if w.id == self.id
+                       and (lapsed_ok or w.lease > now)), None)
             if at is None:
                 raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
                                 "in time)")
@@ -155,7 +275,7 @@ class Queue:
             self.lease_until = queue[at].lease
             return replace(state, queue=tuple(queue))
 
-        self.store.update(change)
+        self.store.update(change, timeout=timeout)
 
     def leave(self) -> None:
         if not self.id:
@@ -165,7 +285,8 @@ class Queue:
         self.id = ""
 
     def try_grant(self, hosts: Sequence[HostSnapshot], *, seconds: float, note: str = "",
-                  job: Callable[[str], Job | None] | None = None) -> list[Reservation] | None:
+                  job: Callable[[str], Job | None] | None = None,
+                  fleet: Collection[str] | None = None) -> list[Reservation] | None:
         """If the order rule lets this waiter have its GPUs now, reserve all of them and
         leave the queue in one write; else None (nothing written). ``job(host)`` ties the
         reservations to a job."""
@@ -175,26 +296,26 @@ class Queue:
                                 "in time)")
 
         made = _grant(self.store, self.id, self.req, hosts, seconds=seconds, note=note,
-                      job=job, user=self.user, machine=self.machine, check=check)
+                      job=job, user=self.user, machine=self.machine, check=check, fleet=fleet)
         if made is not None:
             self.id = ""
         return made
 
 
 def reserve_now(store: Store, req: Request, hosts: Sequence[HostSnapshot], *, seconds: float,
-                note: str = "", job: Callable[[str], Job | None] | None = None
-                ) -> list[Reservation] | None:
+                note: str = "", job: Callable[[str], Job | None] | None = None,
+                fleet: Collection[str] | None = None) -> list[Reservation] | None:
     """Reserve ``req`` at once without queueing, behind every waiter (the order rule): None
     if not enough GPUs are free that no waiter could use."""
     me, here = whoami()
     return _grant(store, None, req, hosts, seconds=seconds, note=note, job=job, user=me,
-                  machine=here)
+                  machine=here, fleet=fleet)
 
 
 def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[HostSnapshot],
            *, seconds: float, note: str, job: Callable[[str], Job | None] | None, user: str,
-           machine: str, check: Callable[[StoreState, datetime], None] | None = None
-           ) -> list[Reservation] | None:
+           machine: str, check: Callable[[StoreState, datetime], None] | None = None,
+           fleet: Collection[str] | None = None) -> list[Reservation] | None:
     """One write: every GPU reserved and the waiter out of the queue, or nothing."""
     made: list[Reservation] = []
 
@@ -202,7 +323,7 @@ def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[Ho
         made.clear()
         if check is not None:
             check(state, now)
-        got = grantable(state, waiter_id, hosts, now, req)
+        got = grantable(state, waiter_id, hosts, now, req, fleet)
         if got is None:
             raise _NotYet
         ids = {r.id for r in state.reservations}

@@ -18,6 +18,7 @@ import re
 import secrets
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -43,6 +44,10 @@ MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
 #: The longest lease a queue waiter may hold (it renews every half lease).
 MAX_LEASE_S = 300.0
+#: A lapsed waiter stays in the file (counting for nobody) this long before a write drops
+#: it, so that one whose renewal waited out another writer's lock can still take its place
+#: back (see ``Queue.renew``).
+LAPSED_KEEP_S = 60.0
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
 
@@ -123,29 +128,38 @@ MAX_PID = 2**31 - 1
 class Job:
     """The work a reservation belongs to, on the reservation's host: ``pid`` (``None`` while
     ``gputop run`` is still starting it), whether it names a whole session (``run``: every
-    process of the remote session) or one process (``reserve --until-exit``), and since when
-    a checker has seen it gone (the release waits a grace period after that)."""
+    process of the remote session) or one process (``reserve --until-exit``), when that pid
+    started (as the host tells it: a later process that gets the same pid is not the job),
+    and since when a checker has seen it gone (the release waits a grace period after
+    that)."""
 
     pid: int | None
     session: bool = False
     gone_since: datetime | None = None
+    start: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "session": self.session,
-                "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        d = {"pid": self.pid, "session": self.session,
+             "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        if self.start is not None:
+            d["start"] = iso(self.start)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Job:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
-        if set(d) != {"pid", "session", "gone_since"}:
-            raise ValueError(f"{where}: expected the fields gone_since, pid, session")
+        if set(d) - {"start"} != {"pid", "session", "gone_since"}:
+            raise ValueError(f"{where}: expected the fields gone_since, pid, session "
+                             "(and start)")
         pid = None if d["pid"] is None else _int(d["pid"], f"{where}.pid", 1, MAX_PID)
         if not isinstance(d["session"], bool):
             raise ValueError(f"{where}.session: expected a boolean, not {_jtype(d['session'])}")
         gone = d["gone_since"]
+        start = d.get("start")
         return cls(pid, d["session"],
-                   None if gone is None else parse_time(gone, f"{where}.gone_since"))
+                   None if gone is None else parse_time(gone, f"{where}.gone_since"),
+                   None if start is None else parse_time(start, f"{where}.start"))
 
 
 @dataclass(frozen=True)
@@ -272,19 +286,26 @@ class Waiter:
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
+#: A waiter removed from the queue by a command (version 2): the waiter instead of a
+#: reservation.
+_WAITER_EVENT_KEYS = {"time", "action", "by", "machine", "waiter"}
 
 
 def check_event(e: Any, where: str) -> dict[str, Any]:
     """An audit event is written back as it was read, so it is validated as strictly."""
     if not isinstance(e, dict):
         raise ValueError(f"{where}: expected an object, not {_jtype(e)}")
-    if set(e) != _EVENT_KEYS:
-        raise ValueError(f"{where}: expected the fields {', '.join(sorted(_EVENT_KEYS))}")
+    if set(e) not in (_EVENT_KEYS, _WAITER_EVENT_KEYS):
+        raise ValueError(f"{where}: expected the fields {', '.join(sorted(_EVENT_KEYS))}"
+                         " (or waiter instead of reservation)")
     parse_time(e["time"], f"{where}.time")
     for k in ("action", "by"):
         _text(e[k], f"{where}.{k}")
     _text(e["machine"], f"{where}.machine", empty=True)
-    Reservation.from_dict(e["reservation"], f"{where}.reservation")
+    if "waiter" in e:
+        Waiter.from_dict(e["waiter"], f"{where}.waiter")
+    else:
+        Reservation.from_dict(e["reservation"], f"{where}.reservation")
     return e
 
 
@@ -321,7 +342,7 @@ class StoreState:
 
     def to_json(self) -> str:
         new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
-               or any("job" in e["reservation"] for e in self.events))
+               or any("waiter" in e or "job" in e["reservation"] for e in self.events))
         doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
@@ -408,9 +429,10 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
     try:
         rs = tuple(Reservation.from_dict(d, f"reservations[{i}]") for i, d in enumerate(items))
         if version < 2 and (any(r.job is not None for r in rs) or any(
-                isinstance(e, dict) and isinstance(e.get("reservation"), dict)
-                and "job" in e["reservation"] for e in events)):
-            raise ValueError("reservations: 'job' needs version 2")
+                isinstance(e, dict) and ("waiter" in e or (
+                    isinstance(e.get("reservation"), dict) and "job" in e["reservation"]))
+                for e in events)):
+            raise ValueError("reservations: 'job' (and a waiter's event) needs version 2")
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
         ws = tuple(Waiter.from_dict(w, f"queue[{i}]") for i, w in enumerate(queue))
@@ -450,6 +472,10 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
 class Store:
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
@@ -482,38 +508,57 @@ class Store:
 
     # -- writing (under the lock) ----------------------------------------------------------
 
-    def update(self, change: Callable[[StoreState, datetime], StoreState]) -> StoreState:
+    def update(self, change: Callable[[StoreState, datetime], StoreState], *,
+               timeout: float | None = None) -> StoreState:
         """Apply ``change`` to the current state under the lock and write it atomically.
 
         ``change`` may raise to refuse; then nothing is written. Expired reservations are
-        pruned on every write.
+        pruned on every write. ``timeout``: how long to wait for another writer's lock
+        (default LOCK_TIMEOUT; a waiter renewing its lease waits up to the lease's end).
         """
-        with self._locked():
+        with self._locked(LOCK_TIMEOUT if timeout is None else timeout):
             state = self.read()
             now = utcnow()
             new = change(state, now)
             new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
                           events=new.events[-MAX_EVENTS:],
-                          queue=tuple(w for w in new.queue if w.lease > now))
+                          queue=tuple(w for w in new.queue
+                                      if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
             if new != state:
                 self._write(encode(new, self.path))
             return new
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, timeout: float) -> Iterator[None]:
         d = self.path.parent
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(self._os_message(exc, d, "create it")) from None
         self._check_nfs_once()
+        # POSIX record locks belong to the process, not the thread: two threads of one
+        # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
+        # One thread lock per lock file serialises them first.
+        with _THREAD_LOCKS_GUARD:
+            tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
+        if not tlock.acquire(timeout=max(timeout, 0.001)):
+            raise StoreError(f"{self.lock_path}: still locked by another writer "
+                             f"after {timeout:.3g}s")
+        try:
+            with self._file_locked(timeout):
+                yield
+        finally:
+            tlock.release()
+
+    @contextlib.contextmanager
+    def _file_locked(self, timeout: float) -> Iterator[None]:
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
             raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
         try:
             self._make_group_writable(fd)
-            deadline = time.monotonic() + LOCK_TIMEOUT
+            deadline = time.monotonic() + timeout
             while True:
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -528,7 +573,7 @@ class Store:
                         raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {LOCK_TIMEOUT:.0f}s") from None
+                                         f"after {timeout:.3g}s") from None
                     time.sleep(0.005)
             self._remove_stale_temps()
             yield
