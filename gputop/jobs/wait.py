@@ -92,7 +92,11 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         if req.hosts:  # poll only the hosts it can be granted on
             config = replace(config, hosts=tuple(h for h in config.hosts
                                                  if h.name in req.hosts))
-        poller = Poller(config)
+        # A query per refresh, not the streams: a GPU is free the moment its last process
+        # is gone from a query, while the apps stream can only say "no process now" by
+        # staying silent for 1.5 intervals, and a waiter wants that moment (issue 11's
+        # bound: one interval plus one store write). A waiter is temporary; a board is not.
+        poller = Poller(replace(config, collection="query"))
     q = Queue(store, req, lease_s=lease_s)
     started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
