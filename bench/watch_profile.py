@@ -46,13 +46,14 @@ PROFILED = """
 import atexit, cProfile, sys, time
 import gputop.output as output
 path = sys.argv.pop(1)
-prof, seen, write = cProfile.Profile(time.process_time), [0], output.write_line
-def counted(text, stream):
-    write(text, stream)
+name = "write_line" if hasattr(output, "write_line") else "write_document"  # (older trees)
+prof, seen, write = cProfile.Profile(time.process_time), [0], getattr(output, name)
+def counted(doc, stream, **kw):
+    write(doc, stream, **kw)
     seen[0] += 1
     if seen[0] == 1 and path:
         prof.enable()
-output.write_line = counted
+setattr(output, name, counted)
 atexit.register(lambda: path and (prof.disable(), prof.dump_stats(path)))
 from gputop.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -94,7 +95,7 @@ def watch(fleet_env: dict[str, str], cfg: Path, seconds: float, profile: Path | 
            "--json", "--watch", "--config", str(cfg)]
     env = dict(fleet_env, PYTHONPATH=src) if src else fleet_env
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+                            stderr=subprocess.DEVNULL, text=True, cwd=src or ROOT)
     assert proc.stdout is not None
     docs = 0
     cpu0 = t0 = 0.0
