@@ -22,7 +22,7 @@ from datetime import datetime
 
 from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
-from gputop.model import GpuInfo, HostSnapshot
+from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Reservation, StoreState
 
 RAW_KEEP_S = 2 * 86400.0
@@ -130,9 +130,8 @@ class Recorder:
             return None
         return self._id("users", self._users, r.user)
 
-    def _user_ids(self, procs: tuple[object, ...]) -> list[int]:
-        return sorted({self._id("users", self._users, getattr(p, "user", None) or UNKNOWN_USER)
-                       for p in procs})
+    def _user_ids(self, procs: tuple[ProcessInfo, ...]) -> list[int]:
+        return sorted({self._id("users", self._users, p.user or UNKNOWN_USER) for p in procs})
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
