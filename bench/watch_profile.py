@@ -11,7 +11,10 @@ and the rest. Each ``--variant`` is one run on the same fleet:
     chacha        ~/.ssh/config says ``Ciphers chacha20-poly1305@openssh.com``
     noprofile     no profiler: the plain CPU % (cProfile inflates Python-heavy parts)
 
-    python bench/watch_profile.py --hosts 200 --seconds 30 --variant default,chacha,noprofile
+Each runs with the config's default ``collection = "stream"``; a variant whose name holds
+``query`` (``query``, ``noprofile-query``) runs with ``collection = "query"``.
+
+    python bench/watch_profile.py --hosts 200 --seconds 30 --variant noprofile,noprofile-query
 
 Prints one JSON line per variant.
 """
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from fleet import Fleet  # noqa: E402
 from run import _cpu, up  # noqa: E402
 
 #: gputop --json --watch with the profiler switched on after the first document (the
@@ -42,13 +46,14 @@ PROFILED = """
 import atexit, cProfile, sys, time
 import gputop.output as output
 path = sys.argv.pop(1)
-prof, seen, write = cProfile.Profile(time.process_time), [0], output.write_document
+name = "write_line" if hasattr(output, "write_line") else "write_document"  # (older trees)
+prof, seen, write = cProfile.Profile(time.process_time), [0], getattr(output, name)
 def counted(doc, stream, **kw):
     write(doc, stream, **kw)
     seen[0] += 1
     if seen[0] == 1 and path:
         prof.enable()
-output.write_document = counted
+setattr(output, name, counted)
 atexit.register(lambda: path and (prof.disable(), prof.dump_stats(path)))
 from gputop.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -65,6 +70,7 @@ GROUPS = (  # first match wins: (name, substring of the function's file or name)
     ("gputop parse", "gputop/sources/nvidia_smi"),
     ("gputop ssh source", "gputop/sources/ssh"),
     ("gputop document", "gputop/model"),
+    ("gputop document", "gputop/output"),
     ("gputop document", "gputop/reservations/flags"),
     ("json", "json/"),
     ("gputop other", "gputop/"),
@@ -83,12 +89,13 @@ def group(stats: pstats.Stats) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def watch(fleet_env: dict[str, str], cfg: Path, seconds: float, profile: Path | None
-          ) -> dict[str, object]:
+def watch(fleet_env: dict[str, str], cfg: Path, seconds: float, profile: Path | None,
+          src: str | None = None) -> dict[str, object]:
     cmd = [sys.executable, "-c", PROFILED, str(profile or ""),
            "--json", "--watch", "--config", str(cfg)]
-    proc = subprocess.Popen(cmd, env=fleet_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    env = dict(fleet_env, PYTHONPATH=src) if src else fleet_env
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=src or ROOT)
     assert proc.stdout is not None
     docs = 0
     cpu0 = t0 = 0.0
@@ -116,6 +123,9 @@ def main() -> int:
     ap.add_argument("--hosts", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--variant", default="default,chacha,noprofile")
+    ap.add_argument("--before", metavar="DIR",
+                    help="also run each variant with the gputop found in DIR (e.g. `git "
+                         "archive REV | tar -x -C DIR`), labelled \"before\"")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gputop-watchprof-"))
     os.chmod(root, 0o755)
@@ -125,26 +135,35 @@ def main() -> int:
         original = ssh_config.read_text()
         for variant in args.variant.split(","):
             ssh_config.write_text(
-                ("Ciphers chacha20-poly1305@openssh.com\n\n" if variant == "chacha" else "")
+                ("Ciphers chacha20-poly1305@openssh.com\n\n" if "chacha" in variant else "")
                 + original)
-            cfg = fleet.write_config(timeout=10.0, interval=2.0)
-            prof = None if variant == "noprofile" else root / f"{variant}.prof"
-            out: dict[str, object] = {"variant": variant, "hosts": args.hosts,
-                                      **watch(fleet.env(), cfg, args.seconds, prof)}
-            if prof is not None and prof.exists():
-                stats = pstats.Stats(str(prof))
-                total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
-                out["profile_share_percent"] = {k: round(100 * v / total, 1)
-                                                for k, v in group(stats).items()}
-                kept = Path(tempfile.gettempdir()) / f"gputop-watch-{variant}.prof"
-                stats.dump_stats(str(kept))
-                out["profile"] = str(kept)  # pstats: python -m pstats PATH
-            print(json.dumps(out), flush=True)
+            collection = "query" if "query" in variant else "stream"
+            cfg = fleet.write_config(timeout=10.0, interval=2.0,
+                                     extra=f'collection = "{collection}"\n')
+            for src in ([args.before] if args.before else []) + [None]:
+                run_variant(fleet, root, cfg, variant, collection, args, src)
         ssh_config.write_text(original)
     finally:
         fleet.stop()
         shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def run_variant(fleet: Fleet, root: Path, cfg: Path, variant: str, collection: str,
+                args: argparse.Namespace, src: str | None) -> None:
+    prof = None if "noprofile" in variant else root / f"{variant}.prof"
+    out: dict[str, object] = {"variant": variant, "collection": collection,
+                              "code": "before" if src else "after", "hosts": args.hosts,
+                              **watch(fleet.env(), cfg, args.seconds, prof, src)}
+    if prof is not None and prof.exists():
+        stats = pstats.Stats(str(prof))
+        total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
+        out["profile_share_percent"] = {k: round(100 * v / total, 1)
+                                        for k, v in group(stats).items()}
+        kept = Path(tempfile.gettempdir()) / f"gputop-watch-{variant}.prof"
+        stats.dump_stats(str(kept))
+        out["profile"] = str(kept)  # pstats: python -m pstats PATH
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,8 @@ class HostSnapshot:
     def ok(self) -> bool:
         return self.error is None
 
-    def to_dict(self) -> dict[str, Any]:
+    def head_dict(self) -> dict[str, Any]:
+        """``to_dict`` but the GPUs (the --watch writer serialises those one by one)."""
         return {
             "name": self.name,
             "status": "ok" if self.error is None else "error",
@@ -189,8 +190,10 @@ class HostSnapshot:
             "tags": list(self.tags),
             "warnings": list(self.warnings),
             "first_sample_s": self.first_sample_s,
-            "gpus": [g.to_dict() for g in self.gpus],
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.head_dict() | {"gpus": [g.to_dict() for g in self.gpus]}
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ def test_board_ends_cleanly(pane: Pane, how: str) -> None:
         os.kill(board_pid(pane), sig)
         code = 128 + sig
     rc = pane.root / "rc"
-    assert wait_for(lambda: (pane.root / "after").exists(), 20), screen(pane)
+    after = pane.root / "after"  # (the shell creates it before stty has written to it)
+    assert wait_for(lambda: after.exists() and after.read_text().endswith("\n"), 20), \
+        screen(pane)
     assert int(rc.read_text()) == code, screen(pane)
     assert (pane.root / "after").read_text() == (pane.root / "before").read_text()  # tty modes
     assert set(pane.flags().values()) == {"0"}, pane.flags()  # normal screen, no mouse

@@ -139,3 +139,61 @@ def test_process_reported_under_its_mig_uuid(doc: dict, mig_fleet: Fleet) -> Non
     assert on3["gpu_instance_id"] == 3 and on3["uuid"] == mig_uuid("gpu-migu", 0, 1)
     if mig_fleet.users:
         assert on3["processes"][0]["user"] == "gtbob"
+
+
+def test_recorded_run_counts_each_instance_as_its_fraction(
+        mig_fleet: Fleet, monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    """The real fleet recorded (two refreshes): on gpu-mig's GPU 0, gtalice's process on
+    the 3g.40gb counts 3/7 of the GPU, gtbob's on a 1g.10gb (his reservation
+    ``gpu-mig:0/9``) 1/7; the GPU counts once, whole."""
+    import asyncio
+    from datetime import timedelta
+    from pathlib import Path
+
+    from gputop.config import load_config
+    from gputop.history.db import HistoryDB
+    from gputop.history.recorder import Recorder
+    from gputop.history.report import collect, summarise
+    from gputop.model import utcnow
+    from gputop.poller import Poller
+    from gputop.reservations.store import StoreState, new_reservation
+
+    if not mig_fleet.users:
+        pytest.skip("needs the test users (root)")
+    monkeypatch.setenv("HOME", str(mig_fleet.home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    path = Path(str(tmp_path)) / "h.sqlite3"
+    start = utcnow()
+    rec = Recorder(HistoryDB(path, writer=True), interval=1.0, timeout=5.0)
+    rec.set_reservations(StoreState(reservations=(new_reservation(
+        "gpu-mig", 0, "gtbob", "m", start - timedelta(hours=1), 7200, None, "", 9),)))
+
+    async def go() -> None:
+        poller = Poller(load_config(mig_fleet.write_config(timeout=5.0)))
+        try:
+            for _ in range(2):
+                snap = await poller.snapshot()
+                host = snap.hosts[0]
+                assert host.ok and host.gpus[0].instances, host.error
+                rec.record(host)
+                await asyncio.sleep(0.3)
+        finally:
+            await poller.aclose()
+
+    asyncio.run(go())
+    rec.flush()
+    secs = rec.db.conn.execute("SELECT SUM(dt) FROM samples").fetchone()[0] / 1000
+    rec.db.close()
+    with HistoryDB(path) as db:
+        doc = summarise(collect(db, start.timestamp() - 60, utcnow().timestamp() + 60))
+    users = {u["user"]: u for u in doc["users"]}
+    a = pytest.approx
+    # gtalice also runs a plain process on GPU 1 (whole): 3/7 + 1
+    assert users["gtalice"]["used_hours"] * 3600 == a(secs * (3 / 7 + 1))
+    assert users["gtbob"]["used_hours"] * 3600 == a(secs * (1 / 7 + 1 / 7))  # GPU 2: GI 10
+    assert users["gtbob"]["reserved_hours"] * 3600 == a(secs / 7)
+    assert users["gtbob"]["reserved_idle_hours"] == 0
+    g0 = next(g for g in doc["gpus"] if g["index"] == 0)
+    assert g0["gpu_hours"] * 3600 == a(secs)
+    assert g0["used_hours"] * 3600 == a(secs * 4 / 7)
+    assert doc["headline"]["gpu_hours"] * 3600 == a(3 * secs)

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 #: Bumped for every schema change; each step has a migration below.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: PRAGMA application_id: "GPUT". Tells our file apart from any other SQLite database.
 APPLICATION_ID = 0x47505554
 _MAGIC = b"SQLite format 3\x00"
@@ -63,6 +63,12 @@ MIGRATIONS: dict[int, list[str]] = {
         "INSERT INTO meta VALUES ('minute_done', 0), ('hour_done', 0), ('day_done', 0), "
         "('minute_from', 0)",
     ],
+    # 2: a raw sample's GPU entry may carry a 7th item, its MIG instances as parts
+    # (``accounting.Entry``). No table changes shape and version-1 rows read as before,
+    # but a version-1 gputop would count such a GPU whole: the version refuses it that file.
+    # The mark says from when instances were recorded as fractions.
+    2: ["INSERT OR IGNORE INTO meta VALUES ('mig_parts_from', "
+        "CAST(strftime('%s', 'now') AS INTEGER))"],
 }
 
 

@@ -5,6 +5,11 @@ data* for the GPUs it last had, never as zeros. Rows are committed in batches (a
 every ``commit_every`` seconds), so a killed recorder loses at most that much and the
 database stays valid (SQLite WAL). ``maintain`` rolls complete minutes and hours up and
 drops raw samples and minutes past their keep windows.
+
+A MIG GPU whose instances are known is recorded with one part per instance (its GI id,
+fraction, users and holder; see ``accounting``), so that each instance counts for its
+fraction. If a process on it cannot be placed on an instance, or an instance's size is
+unknown, the GPU is recorded whole, as before: fractions need to know who runs where.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 
-from gputop.history.accounting import UNKNOWN_USER, account
+from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
-from gputop.model import HostSnapshot
+from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Reservation, StoreState
 
 RAW_KEEP_S = 2 * 86400.0
@@ -49,6 +54,7 @@ class Recorder:
         self._current: dict[int, list[int]] = {}
         self._last: dict[int, int] = {}
         self._held: dict[tuple[str, int], Reservation] = {}
+        self._inst_held: dict[tuple[str, int, int], Reservation] = {}
         self._pending: list[tuple[int, int, int, int, str | None, str]] = []
         self._last_commit = clock()
         try:
@@ -107,15 +113,42 @@ class Recorder:
 
     def set_reservations(self, state: StoreState | None) -> None:
         """The reservations file as last read (None: unreadable, so nobody holds anything)."""
-        self._held = {} if state is None else {(r.host, r.gpu): r for r in state.reservations}
+        rs = () if state is None else state.reservations
+        self._held = {(r.host, r.gpu): r for r in rs if r.instance is None}
+        self._inst_held = {(r.host, r.gpu, r.instance): r for r in rs if r.instance is not None}
 
-    def _holder(self, host: str, idx: int | None, at: datetime) -> int | None:
+    def _holder(self, host: str, idx: int | None, at: datetime,
+                instance: int | None = None) -> int | None:
+        """Who holds the GPU (or, with ``instance``, that MIG GPU instance: its own
+        reservation, else the whole GPU's)."""
         if idx is None:
             return None
-        r = self._held.get((host, idx))
+        r = None if instance is None else self._inst_held.get((host, idx, instance))
+        if r is None or not r.active(at):
+            r = self._held.get((host, idx))
         if r is None or not r.active(at):
             return None
         return self._id("users", self._users, r.user)
+
+    def _user_ids(self, procs: tuple[ProcessInfo, ...]) -> list[int]:
+        return sorted({self._id("users", self._users, p.user or UNKNOWN_USER) for p in procs})
+
+    def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
+        """One part per MIG instance, or None to record the GPU whole (see the module)."""
+        if not g.instances or g.lost:
+            return None
+        if sum(len(i.processes) for i in g.instances) != len(g.processes):
+            return None  # a process the inventory could not place
+        fracs = [mig_fraction(i.profile, g.name, i.memory_total_mib, g.memory_total_mib)
+                 for i in g.instances]
+        if any(f is None for f in fracs):
+            return None
+        total = sum(f for f in fracs if f is not None)
+        scale = 1.0 if total <= 1.0 else 1.0 / total  # instances that claim more than all
+        return [[i.gpu_instance_id, (f or 0.0) * scale, i.utilization_percent,
+                 self._user_ids(i.processes),
+                 self._holder(host, g.index, at, i.gpu_instance_id)]
+                for i, f in zip(g.instances, fracs)]
 
     def record(self, snap: HostSnapshot) -> None:
         """Buffer one host snapshot (committed by ``flush`` or the next timely ``record``)."""
@@ -143,11 +176,15 @@ class Recorder:
                     continue
                 gid = self._gpu_id(hid, key, g.index, g.name, g.memory_total_mib)
                 ids.append(gid)
-                users = sorted({self._id("users", self._users, p.user or UNKNOWN_USER)
-                                for p in g.processes})
                 util = None if g.lost else g.utilization_percent
-                entries.append([gid, util, g.memory_used_mib, users,
-                                self._holder(snap.name, g.index, snap.time), int(g.lost)])
+                entry: list[object] = [gid, util, g.memory_used_mib,
+                                       self._user_ids(g.processes),
+                                       self._holder(snap.name, g.index, snap.time),
+                                       int(g.lost)]
+                parts = self._parts(snap.name, g, snap.time)
+                if parts is not None:
+                    entry.append(parts)
+                entries.append(entry)
             if ids != self._current.get(hid):
                 self.db.conn.execute("UPDATE gpus SET current = 0 WHERE host = ?", (hid,))
                 self.db.conn.executemany("UPDATE gpus SET current = 1 WHERE id = ?",

@@ -10,7 +10,15 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, MigInstance, utcnow
+from gputop.model import (
+    SCHEMA_VERSION,
+    FleetSnapshot,
+    GpuInfo,
+    HostSnapshot,
+    MigInstance,
+    iso,
+    utcnow,
+)
 from gputop.reservations.store import Reservation, StoreState
 
 #: Utilisation at or below this, with memory held, counts as "idle holder".
@@ -132,29 +140,52 @@ def instance_reservation(held: dict[tuple[str, int], Reservation],
     return own or held.get((host, g.index))
 
 
+#: What ``annotate`` adds to one GPU: its reservation, its flags, and the same per instance.
+Annotation = tuple[Reservation | None, list[str],
+                   tuple[tuple[Reservation | None, list[str]], ...]]
+
+
+def gpu_annotation(host: str, g: GpuInfo, held: dict[tuple[str, int], Reservation],
+                   inst_held: dict[tuple[str, int, int], Reservation],
+                   tracker: IdleTracker | None, now: datetime) -> Annotation:
+    """One GPU's reservation and flags (and its MIG instances'), as ``annotate`` adds them."""
+    r = held.get((host, g.index)) if g.index is not None else None
+    idle = tracker.is_idle_holder(host, g.index, now) if tracker else False
+    unused = r is not None and tracker is not None and tracker.reservation_idle(host, g, r, now)
+    insts = []
+    for inst in g.instances:
+        ir = instance_reservation(held, inst_held, host, g, inst)
+        view = instance_view(g, inst)
+        # The holder's processes are remembered per GPU: seen anywhere on it counts.
+        iunused = (ir is not None and tracker is not None
+                   and tracker.reservation_idle(host, view, ir, now))
+        insts.append((ir, gpu_flags(view, ir, False, iunused)))
+    return r, gpu_flags(g, r, idle, unused), tuple(insts)
+
+
+def annotated_gpu(g: GpuInfo, ann: Annotation) -> dict[str, Any]:
+    """A GPU's ``--json`` object: ``to_dict`` plus its annotation."""
+    r, flags, insts = ann
+    gdoc = g.to_dict()
+    gdoc["reservation"] = r.to_dict() if r else None
+    gdoc["flags"] = flags
+    for (ir, iflags), idoc in zip(insts, gdoc["instances"]):
+        idoc["reservation"] = ir.to_dict() if ir else None
+        idoc["flags"] = iflags
+    return gdoc
+
+
 def annotate(snapshot: FleetSnapshot, state: StoreState | None,
              tracker: IdleTracker | None = None) -> dict[str, Any]:
     """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags."""
     now = snapshot.time
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
-    doc = snapshot.to_dict()
-    for host, hdoc in zip(snapshot.hosts, doc["hosts"]):
-        for g, gdoc in zip(host.gpus, hdoc["gpus"]):
-            r = held.get((host.name, g.index)) if g.index is not None else None
-            idle = tracker.is_idle_holder(host.name, g.index, now) if tracker else False
-            unused = (r is not None and tracker is not None
-                      and tracker.reservation_idle(host.name, g, r, now))
-            gdoc["reservation"] = r.to_dict() if r else None
-            gdoc["flags"] = gpu_flags(g, r, idle, unused)
-            for inst, idoc in zip(g.instances, gdoc["instances"]):
-                ir = instance_reservation(held, inst_held, host.name, g, inst)
-                view = instance_view(g, inst)
-                # The holder's processes are remembered per GPU: seen anywhere on it counts.
-                iunused = (ir is not None and tracker is not None
-                           and tracker.reservation_idle(host.name, view, ir, now))
-                idoc["reservation"] = ir.to_dict() if ir else None
-                idoc["flags"] = gpu_flags(view, ir, False, iunused)
+    doc = {"version": SCHEMA_VERSION, "time": iso(snapshot.time), "hosts": [
+        host.head_dict() | {"gpus": [
+            annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
+            for g in host.gpus]}
+        for host in snapshot.hosts]}
     return doc
 
 

@@ -194,12 +194,33 @@ class _HostRows:
     ``valid_until`` (a timestamp: the host turns stale, or time-driven flags are due)."""
 
     def __init__(self, version: tuple[object, ...], valid_until: float,
-                 rows: list[GpuRow]) -> None:
+                 rows: list[GpuRow], stale: bool = False) -> None:
         self.version = version
         self.valid_until = valid_until
         self.rows = rows
+        self.stale = stale
         self._flat: list[GpuRow] | None = None
         self._counts: _Counts | None = None
+        self._hays: list[str] | None = None
+        #: The host's own words (name, tags), lowered and joined.
+        self.host_hay: str | None = None
+        #: The filter's last answer for these rows: (filter key, terms, rows kept).
+        self.memo: tuple[tuple[object, ...], list[str], list[GpuRow]] | None = None
+
+    def hays(self) -> list[str]:
+        """Each row's own words (model, users, holder), lowered and joined, then all of
+        them joined as one last item: a term that is in none of the rows' words is not in
+        that last one, so a host is ruled out with one look."""
+        if self._hays is None:
+            hays = []
+            for r in self.rows:
+                words = [r.gpu.name or "", *r.users]
+                if r.reservation:
+                    words.append(r.reservation.user)
+                hays.append(SEP.join(w.lower() for w in words))
+            hays.append(SEP.join(hays))
+            self._hays = hays
+        return self._hays
 
     @property
     def rows_flat(self) -> list[GpuRow]:
@@ -363,7 +384,9 @@ class BoardModel:
                 rows.append(GpuRow(host, f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}", view,
                                    ir, gpu_flags(view, ir, False, iunused), stale, ifree,
                                    instance=inst))
-        out = self._row_cache[host] = _HostRows(version, valid_until, rows)
+        out = self._row_cache[host] = _HostRows(version, valid_until, rows, stale)
+        if self.filter_text.strip():  # while filtering, the words are worked out here (as
+            out.hays()  # the host answers: see warm), not in the next keystroke
         return out
 
     def _words(self, host: str, row: GpuRow | None) -> list[str]:
@@ -410,13 +433,63 @@ class BoardModel:
                 out.append(r)
         return out
 
+    def _filter_host(self, host: str, cached: _HostRows, grouped: bool,
+                     terms: list[str]) -> list[GpuRow]:
+        """``_filtered`` for one host's cached rows, as a keystroke needs it: the answer
+        is kept with the rows; typing on (each old term inside a new one: fewer rows can
+        match) looks only at the rows the last answer kept; a host none of whose words
+        holds a term is ruled out with one look (``_HostRows.hays``)."""
+        rows = cached.rows if grouped else cached.rows_flat
+        if not rows or any(SEP in t for t in terms):
+            return self._filtered(host, rows)
+        key = (self.filter_text, self.free_only, grouped)
+        memo = cached.memo
+        if memo is not None and memo[0] == key:
+            return memo[2]
+        index: range | list[int] = range(len(rows))
+        if memo is not None and memo[0][1:] == key[1:] and all(
+                any(old in new for new in terms) for old in memo[1]):
+            kept = memo[2]
+            if not kept:
+                cached.memo = (key, terms, kept)
+                return kept
+            if len(kept) != len(rows):
+                ids = {id(r) for r in kept}
+                index = [i for i, r in enumerate(rows) if id(r) in ids]
+        if cached.host_hay is None:
+            cached.host_hay = SEP.join(w.lower() for w in self._words(host, None))
+        rest = [t for t in terms if t not in cached.host_hay]
+        out: list[GpuRow]
+        if not rest:
+            out = rows if isinstance(index, range) else [rows[i] for i in index]
+            if self.free_only:
+                out = [r for r in out if r.free]
+        else:
+            hays = cached.hays()
+            if any(t not in hays[-1] for t in rest):
+                out = []
+            else:
+                out = [rows[i] for i in index if (not self.free_only or rows[i].free)
+                       and all(t in hays[i] for t in rest)]
+        cached.memo = (key, terms, out)
+        return out
+
     def warm(self, hosts: Iterable[str]) -> None:
         """Work out these hosts' rows now (as they answer, a few at a time) so that the
         next frame finds them ready instead of doing a whole fleet's burst at once."""
+        self.warmer()(hosts)
+
+    def warmer(self) -> Callable[[Iterable[str]], None]:
+        """``warm`` with the clock and the reservations looked up once, for a drain that
+        warms its hosts one by one (as it takes them, within its time budget)."""
         now = self.clock()
         held = reservation_index(self.state, now)
-        for host in hosts:
-            self._host_rows(host, now, held)
+        inst_held = instance_index(self.state, now)
+
+        def warm(hosts: Iterable[str]) -> None:
+            for host in hosts:
+                self._host_rows(host, now, held, inst_held)
+        return warm
 
     def view(self) -> tuple[list[Row], Summary]:
         """The rows to show and the summary, from one pass over the hosts (this runs on
@@ -441,12 +514,15 @@ class BoardModel:
         out: list[Row] = []
         flat: list[GpuRow] = []
         errors: list[Row] = []
+        terms = self.filter_text.strip().lower().split()
+        filtering = self.free_only or bool(terms)
         for host in self.host_order:
             snap = self.snapshots.get(host)
             cached = per_host[host]
-            gpus = cached.rows if grouped else cached.rows_flat
-            if self.free_only or self.filter_text.strip():
-                gpus = self._filtered(host, gpus)
+            if filtering:
+                gpus = self._filter_host(host, cached, grouped, terms)
+            else:
+                gpus = cached.rows if grouped else cached.rows_flat
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
@@ -462,8 +538,8 @@ class BoardModel:
                 continue
             if grouped:
                 collapsed = host in self.collapsed
-                out.append(HostRow(host, snap, len(gpus), collapsed,
-                                   self.is_stale(snap, now), snap.time))
+                out.append(HostRow(host, snap, len(gpus), collapsed, cached.stale,
+                                   snap.time))
                 if not collapsed:
                     out.extend(gpus)
             else:

@@ -5,6 +5,12 @@ bursts, and on the UI's loop a key pressed during one waited for all of it. Here
 runs on a private loop in a daemon thread and only hands finished snapshots over, through
 a thread-safe queue the board drains once per frame (see ``GputopApp._drain``). Python's
 GIL switches threads every few milliseconds, so a burst no longer holds a keypress.
+
+While a key is being handled the board asks the feed to wait (``hold``): a key's work then
+has the GIL, and on a loaded machine the CPU, to itself, instead of sharing them with a
+burst of a thousand answers. A hold is short (the board asks for ~0.1 s a key; at most
+``MAX_HOLD_S`` in a row), and the feed always gets ``MIN_RUN_S`` between holds, so a key
+held down never stops the data.
 """
 
 from __future__ import annotations
@@ -12,16 +18,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 
 from gputop.model import HostSnapshot
 from gputop.poller import Poller
 
+#: The longest the feed waits for the board in one go, and how long it then runs at least.
+MAX_HOLD_S = 0.25
+MIN_RUN_S = 0.1
+
 
 class FeedThread:
-    def __init__(self, poller: Poller, deliver: Callable[[HostSnapshot], None]) -> None:
+    def __init__(self, poller: Poller, deliver: Callable[[HostSnapshot], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.poller = poller
         self._deliver = deliver
+        self._clock = clock
+        #: Set by the board's thread: the feed waits until then (clock time) before it
+        #: hands over the next answer (and so before it polls on).
+        self.hold_until = 0.0
+        self._run_until = 0.0
+        self.held_s = 0.0  # time spent waiting for the board, for the benchmarks
         self._loop = asyncio.new_event_loop()
         self._main: asyncio.Task[None] | None = None
         self._stopping = False
@@ -44,11 +62,30 @@ class FeedThread:
             return
         try:
             async for snap in self.poller.updates():
+                self._wait_if_held()
                 self._deliver(snap)
         except asyncio.CancelledError:
             pass
         finally:
             await self.poller.aclose()
+
+    def hold(self, until: float) -> None:
+        """Ask the feed to wait until ``until`` (0: go on now). Thread-safe."""
+        self.hold_until = until
+
+    def _wait_if_held(self) -> None:
+        """Block this thread (its whole loop: it is the feed's) while the board holds
+        it, at most MAX_HOLD_S at a time, then run at least MIN_RUN_S."""
+        now = start = self._clock()
+        if now < self._run_until or now >= self.hold_until:
+            return
+        while now < self.hold_until and not self._stopping:
+            if now - start >= MAX_HOLD_S:
+                self._run_until = now + MIN_RUN_S
+                break
+            time.sleep(min(self.hold_until - now, 0.005))
+            now = self._clock()
+        self.held_s += now - start
 
     def reconnect(self, name: str) -> bool:
         """``Poller.reconnect`` on the feed's loop (its events are not thread-safe)."""

@@ -1,0 +1,155 @@
+"""Keys first at fleet scale (issue 13): the filter's per-host memo and pruning keep exactly
+the rows the rule keeps while typing and deleting; a key holds the feed thread, the drain
+and the board's own garbage collection for a moment, and the hold is bounded.
+
+(Latency itself is measured by bench/board_scale.py keys, not asserted here.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gputop.config import Config, HostConfig
+from gputop.demo import DemoSource
+from gputop.model import HostSnapshot, utcnow
+from gputop.poller import Poller
+from gputop.reservations.store import StoreState, new_reservation
+from gputop.ui import app as app_module
+from gputop.ui import feed as feed_module
+from gputop.ui.app import GputopApp
+from gputop.ui.board_model import BoardModel, GpuRow, HostRow, SortMode
+
+MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S")
+
+
+def _fleet(n: int) -> list[DemoSource]:
+    return [DemoSource(f"node{i:02d}", MODELS[i % 3], 4, 81559, 700.0, seed=i)
+            for i in range(n)]
+
+
+async def _answer(model: BoardModel, sources: list[DemoSource]) -> None:
+    for s in sources:
+        gpus, err = await s.query()
+        model.ingest(HostSnapshot(name=s.name, gpus=tuple(gpus), error=err,
+                                  tags=("h100",) if "H100" in s._model else ()))
+
+
+def _by_rule(model: BoardModel) -> list[str]:
+    """The rows the filter rule keeps, worked out row by row (no memo, no pruning)."""
+    now = model.clock()
+    fresh = BoardModel(host_order=list(model.host_order), clock=model.clock, me=model.me)
+    fresh.snapshots, fresh.last_good = model.snapshots, model.last_good
+    fresh.state, fresh.sort_mode, fresh.collapsed = model.state, model.sort_mode, model.collapsed
+    fresh.filter_text, fresh.free_only = model.filter_text, model.free_only
+    out = []
+    for row in fresh.rows():
+        if isinstance(row, GpuRow):
+            assert fresh._matches(row.host, row) and (row.free or not fresh.free_only)
+        out.append(row.key)
+    assert all(isinstance(r, (GpuRow, HostRow)) for r in fresh.rows())
+    del now
+    return out
+
+
+async def test_typing_and_deleting_keeps_exactly_the_rows_of_the_rule() -> None:
+    """Type a filter a key at a time (each step narrows: the memo's refinement path), delete
+    it (each step widens: a full look), hosts answering in between (new rows, memo gone),
+    with free-only and every sort order: the rows are those of the rule each time."""
+    sources = _fleet(24)
+    now = utcnow()
+    model = BoardModel(host_order=[s.name for s in sources], clock=utcnow, me="amira")
+    model.set_state(StoreState(reservations=(
+        new_reservation("node03", 1, "chen", "m", now - timedelta(minutes=1), 3600, None, ""),
+        new_reservation("node07", 0, "amira", "m", now - timedelta(minutes=1), 3600, None,
+                        ""))))
+    await _answer(model, sources)
+    typed = ["n", "no", "node", "node0", "node07", "node07 a", "node07 am", "node07 ami"]
+    words = ["h", "h1", "h10", "h100", "h100 c", "h100 ch", "h100 che", "h100 chen"]
+    sorts: tuple[SortMode, ...] = ("host", "utilization", "free-memory")
+    for sort in sorts:
+        model.sort_mode = sort
+        for free_only in (False, True):
+            model.free_only = free_only
+            for seq in (typed, words, ["a100", "l40s"]):
+                for i, text in enumerate([*seq, *reversed(seq[:-1]), ""]):
+                    model.filter_text = text
+                    if i % 3 == 2:  # some hosts answer between two keys
+                        await _answer(model, sources[i % 5::4])
+                    assert [r.key for r in model.rows()] == _by_rule(model), (sort, text)
+    model.sort_mode, model.free_only, model.filter_text = "host", False, "node07 chen"
+    assert [r.key for r in model.rows()] == []  # chen holds node03:1, not node07
+    model.filter_text = "node03 chen"
+    assert [r.key for r in model.rows() if isinstance(r, GpuRow)] == [
+        k for k in _by_rule(model) if "\x00" in k] != []
+
+
+async def test_a_hold_is_bounded_and_the_feed_then_runs() -> None:
+    """The feed waits while the board holds it, never longer than MAX_HOLD_S in a row,
+    and then runs MIN_RUN_S before it honours a hold again."""
+    cfg = Config(path=None, hosts=(HostConfig("node00"),), interval=2.0, timeout=5.0,
+                 reservations_path=Path("/nonexistent/r.json"))
+    thread = feed_module.FeedThread(Poller(cfg, _fleet(1)), lambda s: None)
+    t = time.monotonic()
+    thread.hold(t + 0.05)
+    thread._wait_if_held()
+    assert 0.04 <= time.monotonic() - t < 0.2
+    t = time.monotonic()
+    thread.hold(t + 60)  # a key held down: the board keeps asking
+    thread._wait_if_held()
+    waited = time.monotonic() - t
+    assert feed_module.MAX_HOLD_S - 0.01 <= waited < feed_module.MAX_HOLD_S + 0.2
+    t = time.monotonic()
+    thread._wait_if_held()  # within MIN_RUN_S of that: runs
+    assert time.monotonic() - t < 0.02
+    thread.hold(0.0)
+    await thread.poller.aclose()
+
+
+async def test_a_key_holds_the_feed_the_drain_and_the_collector(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = _fleet(6)
+    cfg = Config(path=None, hosts=tuple(HostConfig(s.name) for s in sources), interval=0.5,
+                 timeout=5.0, reservations_path=tmp_path / "r.json")
+    collected: list[int] = []
+
+    def collect(gen: int = 2) -> int:
+        collected.append(gen)
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    app = GputopApp(cfg, sources=sources, user="amira")
+    async with app.run_test(size=(120, 30)) as pilot:
+        for _ in range(100):
+            if len(app.model.snapshots) == len(sources) and app._feed_thread is not None:
+                break
+            await asyncio.sleep(0.05)
+        feed = app._feed_thread
+        assert feed is not None
+        app._collect_young()
+        assert collected == [0]  # no key: the board collects young garbage itself
+        t = time.monotonic()
+        await pilot.press("j")
+        assert feed.hold_until >= t + app_module.KEY_HOLD_S  # the key holds the feed...
+        assert app._key_hold_until == feed.hold_until
+        app._key_hold_until = time.monotonic() + 1  # (pilot.press waited past it: idle)
+        app._collect_young()
+        assert collected == [0]  # ...and the collector
+        # (no await from here on: the drain's own timer cannot run in between)
+        snap = HostSnapshot(name="node00", gpus=app.model.snapshots["node00"].gpus)
+        app._inbox.put(snap)
+        app._key_hold_until = time.monotonic() + 1
+        app._last_drain = time.perf_counter()
+        app._drain()
+        assert app.model.snapshots["node00"] is not snap  # ...and the drain
+        app._key_hold_until = 0.0
+        app._drain()
+        assert app.model.snapshots["node00"] is snap
+        app._collect_young()
+        assert collected == [0, 0]
+    assert app_module.KEY_HOLD_S < feed_module.MAX_HOLD_S
