@@ -126,18 +126,20 @@ def test_timestamps_are_checked() -> None:
             parse_timestamp(bad)
 
 
-def test_owner_cache_outlives_a_late_sample_but_not_an_absence() -> None:
-    """ps is asked once per pid: a pid missing from a sample or two (a late apps batch on a
-    loaded host) keeps its owner; one gone for longer than OWNER_MEMORY intervals is asked
-    again (it may be another process now). The ps round trip is a stand-in here (the rule
-    is the cache's; tests/test_stream_fleet.py runs the real ps over real SSH)."""
+def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
+    """ps is asked once per process (pid and start time): a process missing from a sample
+    or two (a late apps batch on a loaded host) keeps its owner; one gone for longer than
+    OWNER_MEMORY intervals, or a pid reused by another process (another start time, even
+    in the very next sample), is asked again; without a start time only a pid present in
+    every sample keeps its owner. The ps round trip is a stand-in here (the rule is the
+    cache's; tests/test_stream_fleet.py runs the real ps over real SSH)."""
     import asyncio
 
     from gputop.config import HostConfig
     from gputop.sources.nvidia_smi import AppRow, Owner
     from gputop.sources.ssh import OWNER_MEMORY, JumpPool, SshSource
 
-    async def scenario() -> list[list[int]]:
+    async def scenario(steps: list[tuple[float, str | None]]) -> list[list[int]]:
         src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,
                         handshakes=asyncio.Semaphore(1), jumps=JumpPool(None))
         asked: list[list[int]] = []
@@ -147,11 +149,30 @@ def test_owner_cache_outlives_a_late_sample_but_not_an_absence() -> None:
             return {p: Owner(p, "gtalice", 5) for p in pids}, {p: "train.py" for p in pids}
 
         src._ask_ps = ask_ps  # type: ignore[method-assign]
-        row = [AppRow("GPU-1", 42, 100)]
-        for now, apps in ((0.0, row), (1.0, []), (2.0, []), (3.0, row),  # late: kept
-                          (4.0, []), (4.0 + OWNER_MEMORY + 0.5, row)):  # gone: asked again
+        for now, start in steps:
+            apps = [] if start == "gone" else [AppRow("GPU-1", 42, 100, start)]
             owners, _ = await src._owners_of(None, apps, now)  # type: ignore[arg-type]
             assert (42 in owners) == bool(apps)
         return asked
 
-    assert asyncio.run(scenario()) == [[42], [42]]
+    late = [(0.0, "100"), (1.0, "gone"), (2.0, "gone"), (3.0, "100")]
+    assert asyncio.run(scenario(late)) == [[42]]  # late batches: asked once
+    gone = [*late, (4.0, "gone"), (4.0 + OWNER_MEMORY + 0.5, "101")]
+    assert asyncio.run(scenario(gone)) == [[42], [42]]
+    back = [*late, (4.0, "gone"), (4.0 + OWNER_MEMORY + 0.5, "100")]  # the same process
+    assert asyncio.run(scenario(back)) == [[42]]
+    reused = [(0.0, "100"), (1.0, "100"), (2.0, "777"), (3.0, "777")]  # same pid, new process
+    assert asyncio.run(scenario(reused)) == [[42], [42]]
+    unknown = [(0.0, None), (1.0, None), (2.0, "gone"), (3.0, None)]
+    assert asyncio.run(scenario(unknown)) == [[42], [42]]
+
+
+def test_session_apps_rows_carry_the_start_time() -> None:
+    from gputop.sources.stream import parse_session_apps_row
+
+    row = parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100, 1553884")
+    assert (row.pid, row.used_memory_mib, row.start) == (42, 100, "1553884")
+    assert parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100, -").start is None
+    assert parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100").start is None
+    with pytest.raises(ParseError):
+        parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100, x1")

@@ -75,3 +75,57 @@ def test_the_relay_writes_a_gpu_sample_once_and_stdin_eof_ends_the_session(
                          text=True).stdout
     alive = [ln for ln in out.splitlines() if not ln.split()[1].startswith("Z")]
     assert alive == [], out
+
+
+def test_apps_rows_carry_each_process_start_time_read_by_awk(tmp_path: Path) -> None:
+    """The apps tagger appends /proc/PID/stat's start time (field 22) to each row, counting
+    fields after the command name's last ``) ``: a process named ``x) R 1`` + newline +
+    ``2 3`` cannot shift them; a pid with no /proc entry gets ``-``."""
+    hostile = tmp_path / "x) R 1\n2 3"
+    hostile.write_bytes(Path("/bin/sleep").read_bytes())
+    hostile.chmod(0o755)
+    job = subprocess.Popen([str(hostile), "30"])
+    time.sleep(0.1)
+    stat = Path(f"/proc/{job.pid}/stat").read_text()
+    assert ") R 1\n2 3) " in stat  # the kernel shows the hostile name as it is
+    start = stat.rsplit(") ", 1)[1].split()[19]
+    missing = int(Path("/proc/sys/kernel/pid_max").read_text()) + 7
+    smi = tmp_path / "bin"
+    smi.mkdir()
+    (smi / "nvidia-smi").write_text(
+        "#!/bin/sh\n"
+        'ts() { date "+%Y/%m/%d %H:%M:%S.000"; }\n'
+        'case "$1" in\n'
+        f'--query-gpu=*) while :; do printf "%s, %s\\n" "$(ts)" "{row(0, 1).split(", ", 1)[1]}"; '
+        "sleep 0.2; done ;;\n"
+        f'*) while :; do printf "%s, GPU-0, {job.pid}, 100\\n%s, GPU-0, {missing}, 5\\n" '
+        '"$(ts)" "$(ts)"; sleep 0.2; done ;;\n'
+        "esac\n")
+    (smi / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{smi}:{os.environ['PATH']}"}
+    p = subprocess.Popen(["/bin/sh", "-c", session_command(0.2)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, env=env, start_new_session=True)
+    assert p.stdin is not None and p.stdout is not None
+    out = b""
+    try:
+        p.stdin.write(f"{NONCE}\n".encode())
+        p.stdin.flush()
+        end = time.monotonic() + 5
+        while out.count(b"\na ") < 4 and time.monotonic() < end:
+            ready, _, _ = select.select([p.stdout], [], [], 0.1)
+            if ready:
+                out += os.read(p.stdout.fileno(), 65536)
+    finally:
+        p.stdin.close()
+        p.wait(5)
+        job.kill()
+        job.wait()
+    rows = [ln[2:] for ln in out.decode().splitlines() if ln.startswith("a ")]
+    assert rows, out
+    for r in rows:
+        cells = r.split(", ")
+        assert len(cells) == 5, r
+        if cells[2] == str(missing):
+            assert cells[4] == "-", r
+        else:
+            assert cells[2] == str(job.pid) and cells[4] == start, r

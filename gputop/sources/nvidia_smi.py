@@ -173,6 +173,9 @@ class AppRow:
     gpu_uuid: str | None
     pid: int
     used_memory_mib: int | None
+    #: The process's start time (``/proc/PID/stat`` field 22, clock ticks since boot), as
+    #: the streaming session appends it: a pid with another start is another process.
+    start: str | None = None
 
 
 def parse_apps_rows(text: str) -> list[AppRow]:

@@ -99,6 +99,19 @@ TAGS = ("g", "a", "p")
 #: three producers into one pipe never interleave.
 _TAGGER = r'{printf "%s", "TAG " substr($0, 1, 2000) "\n"; fflush()}'
 
+#: The apps loop's tagger also appends each row's process start time (``/proc/PID/stat``
+#: field 22, read by awk itself: no process is started), so that a pid reused by another
+#: process is never shown with the first one's owner (``-`` where it cannot be read). The
+#: command name in that file is anyone's: the fields are counted after its last ``) ``.
+_APPS_TAGGER = (
+    r'function st(p,  f, s, l, a, n) { f = "/proc/" p "/stat"; s = ""; '
+    r'while (n < 64 && (getline l < f) > 0) { s = s l "\n"; n++ } close(f); '
+    r'if (s == "" || !sub(/.*\) /, "", s)) return "-"; split(s, a, " "); '
+    r'return (a[20] ~ /^[0-9]+$/) ? a[20] : "-" } '
+    r'{ r = $0; if (split(r, c, ", ") == 4 && c[3] ~ /^[0-9]+$/) r = r ", " st(c[3]); '
+    r'printf "%s", "a " substr(r, 1, 2000) "\n"; fflush() }'
+)
+
 #: The relay: the one writer to the channel. It collects tagged lines and writes them out
 #: at once (one SSH packet) when a GPU sample is complete (``count``, field 2 of each row,
 #: says how many rows; a lost GPU's line counts as one), at a ``ps`` answer's marker and at
@@ -139,7 +152,7 @@ def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
     interactive``: probed once, used where it is accepted silently.
     """
     check = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
-    tag = {t: _TAGGER.replace("TAG", t) for t in TAGS}
+    tag = {t: _TAGGER.replace("TAG", t) for t in TAGS} | {"a": _APPS_TAGGER}
     relay = _RELAY.replace("NF_GPU", str(int(gpu_fields)))
     probe = ("A=; if o=$(awk -W interactive 'BEGIN{}' </dev/null 2>&1) && [ -z \"$o\" ]; "
              "then A='awk -W interactive'; elif awk 'BEGIN{}' </dev/null >/dev/null 2>&1; "

@@ -345,8 +345,8 @@ class SshSource:
         self._seen_seq = 0
         self._starting = False
         #: Owners and command lines of the pids in the last sample, and when ps was asked.
-        #: pid -> (owner, command line, when ps answered, when last in a sample)
-        self._owners: dict[int, tuple[Owner, str | None, float, float]] = {}
+        #: pid -> (owner, command line, when ps answered, when last in a sample, start)
+        self._owners: dict[int, tuple[Owner, str | None, float, float, str | None]] = {}
         #: Probe cost: seconds the last stream took to its first sample.
         self.first_sample_s: float | None = None
         self.name = host.name
@@ -983,29 +983,35 @@ class SshSource:
 
     async def _owners_of(self, st: HostSession, apps: list[AppRow],
                          now: float) -> tuple[dict[int, Owner], dict[int, str]]:
-        """Owners and command lines: ``ps`` only for pids not seen lately. A pid missing
-        from a sample or two (a late apps batch on a loaded host) keeps its owner; one gone
-        for longer than ``OWNER_MEMORY`` intervals may come back as another process, so it
-        is asked again."""
+        """Owners and command lines: ``ps`` only for processes not seen lately. A process
+        is its pid and its start time (the session appends it to each apps row): a pid
+        reused by another process, even from one sample to the next, is asked again. A
+        known process missing from a sample or two (a late apps batch on a loaded host)
+        keeps its owner for ``OWNER_MEMORY`` intervals; where the start time is unknown
+        (no /proc), only while it stays in every sample."""
         pids = list(dict.fromkeys(a.pid for a in apps))
+        starts = {a.pid: a.start for a in apps}
         keep = OWNER_MEMORY * self.interval
-        self._owners = {p: v for p, v in self._owners.items() if now - v[3] <= keep}
+        self._owners = {
+            p: v for p, v in self._owners.items()
+            if (p in starts and starts[p] == v[4])
+            or (p not in starts and v[4] is not None and now - v[3] <= keep)}
         for p in pids:
             if p in self._owners:
-                self._owners[p] = (*self._owners[p][:3], now)
+                self._owners[p] = (*self._owners[p][:3], now, self._owners[p][4])
         new = [p for p in pids if p not in self._owners]
         if new:
             found, cmds = await self._ask_ps(st, new)
             for p in new:
                 o = found.get(p)
                 if o is not None:
-                    self._owners[p] = (o, cmds.get(p), now, now)
+                    self._owners[p] = (o, cmds.get(p), now, now, starts[p])
         owners: dict[int, Owner] = {}
         args: dict[int, str] = {}
         for p in pids:
             if p not in self._owners:
                 continue
-            o, cmd, at, _seen = self._owners[p]
+            o, cmd, at, _seen, _start = self._owners[p]
             age = None if o.elapsed_s is None else o.elapsed_s + int(now - at)
             owners[p] = Owner(o.pid, o.user, age)
             if cmd:

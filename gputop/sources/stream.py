@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
 import asyncssh
@@ -32,6 +32,7 @@ import asyncssh
 from gputop.model import GpuInfo, HostError
 from gputop.sources.nvidia_smi import (
     _LOST,
+    APPS_FIELDS,
     APPS_QUERY,
     GPU_FIELDS,
     GPU_QUERY,
@@ -170,7 +171,7 @@ class AppsBatches:
         line, self._carry = self._carry + line, ""
         if not line.strip():
             return
-        row = parse_apps_row(line)
+        row = parse_session_apps_row(line)
         stamp = parse_timestamp(line.split(", ", 1)[0])
         if not self.batches or abs(stamp - self.batches[-1].stamp) > self.interval / 2:
             self.batches = [*self.batches[-3:], _Batch(stamp)]
@@ -185,6 +186,17 @@ class AppsBatches:
                     return []
                 return list(b.rows)
         return []
+
+
+def parse_session_apps_row(line: str) -> AppRow:
+    """An apps row as the session sends it: nvidia-smi's four fields and, appended by the
+    session's awk, the process's start time (digits, or ``-`` when unknown)."""
+    head, sep, start = line.rpartition(", ")
+    if sep and line.count(", ") == len(APPS_FIELDS):
+        if start != "-" and not start.isdigit():
+            raise ParseError(f"unexpected process row: {excerpt(line)}")
+        return replace(parse_apps_row(head), start=None if start == "-" else start)
+    return parse_apps_row(line)
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
