@@ -7,6 +7,7 @@ no process on the host" is counted, not assumed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -412,3 +413,51 @@ async def test_the_last_job_ending_shows_no_processes_within_two_samples(sfleet:
     after = procs[ended_at:]
     # The sample in flight may still show it; from the next but one on, never again.
     assert after[2:] == [0] * len(after[2:]) and len(after) >= 5, procs
+
+
+async def test_closing_while_ps_hangs_leaves_nothing_on_the_host(sfleet: Fleet) -> None:
+    """gputop quits (q, SIGTERM) while a ps it asked for hangs: the session's shells, awks
+    and the hung ps are killed on the host, not left waiting for an EOF they cannot read."""
+    alpha = sfleet.hosts["alpha"]
+    bindir = sfleet.root / "alpha" / "bin"
+    flag = sfleet.root / "alpha" / "ps-hangs"
+    real = (bindir / "ps").read_text()
+    (bindir / "ps").write_text(real.replace("exec /bin/ps", f"[ -e {flag} ] && exec sleep 600\n"
+                                                              "exec /bin/ps"))
+    poller = poller_for(sfleet, ["alpha"], timeout=20.0)
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
+    sid = 0
+    try:
+        first = await poller.snapshot()
+        assert first.hosts[0].error is None, first.hosts[0].error
+        st = src._streams
+        assert st is not None
+        sid = st.pid
+        flag.write_text("")
+        sfleet.start_process(newcomer)
+        alpha.processes.append(newcomer)
+        sfleet.set_scenario(alpha, "ok")
+        refresh = asyncio.ensure_future(poller.snapshot())
+        for _ in range(200):  # refreshes until one waits on the hung ps
+            if st._ps is not None:
+                break
+            if refresh.done():
+                refresh = asyncio.ensure_future(poller.snapshot())
+            await asyncio.sleep(0.05)
+        assert st._ps is not None
+        refresh.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresh
+    finally:
+        await poller.aclose()
+        flag.unlink(missing_ok=True)
+    left = session_pids(sid)
+    for _ in range(30):
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+        left = session_pids(sid)
+    assert left == set(), subprocess.run(["ps", "-o", "pid,args", "-s", str(sid)],
+                                         capture_output=True, text=True).stdout

@@ -792,6 +792,15 @@ class SshSource:
         if killing is not None and not killing.done():
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(killing), timeout=2.0)
+        st = self._streams
+        if st is not None and st.ps_pending and self._connected():
+            # Its shell waits on that ps and would not see stdin close: kill the group.
+            self._streams = None
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(st.kill(), timeout=2.0)
+        if self._stream_kills:  # kills of stalled sessions still under way
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait(set(self._stream_kills), timeout=2.0)
         self._close_channel()
         self._cancel_opening()
         self._stop_streams()

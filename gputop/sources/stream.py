@@ -417,6 +417,12 @@ class HostSession:
         else:
             lines.append(x)
 
+    @property
+    def ps_pending(self) -> bool:
+        """A ps request is out and unanswered: the session's shell, busy with it, would
+        not see its stdin close, so ending the session needs a kill on the host."""
+        return self._ps is not None
+
     async def ask_ps(self, pids: list[int]) -> dict[str, Section]:
         """One ps request on the session (``NONCE PIDS`` in, owners and args out)."""
         async with self._ps_lock:
