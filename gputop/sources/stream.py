@@ -85,6 +85,10 @@ class GpuSampler:
         self._lines: list[str] = []
         #: The host-clock time of the last complete sample (its first row's timestamp).
         self.stamp = 0.0
+        #: While every line of this sample is a whole row (the usual case), its announced
+        #: count: rows are counted as they come instead of re-reading the sample per line.
+        self._count: str | None = None
+        self._plain = True
 
     @property
     def text(self) -> str:
@@ -92,6 +96,20 @@ class GpuSampler:
 
     def feed(self, line: str) -> list[GpuInfo] | None:
         self._lines.append(line)
+        if self._plain and _LOST.search(line) is None:
+            cells = line.split(", ")
+            if len(cells) == len(GPU_FIELDS):
+                count = cells[1].strip()
+                if self._count is None:
+                    if not count.isdigit() or not 1 <= int(count) <= MAX_GPUS:
+                        raise ParseError(f"bad GPU count in the stream: {excerpt(line)}")
+                    self._count = count
+                elif count != self._count:
+                    raise ParseError(f"GPU count changed within a sample: {excerpt(line)}")
+                if len(self._lines) < int(self._count):
+                    return None
+                return self._complete(self._lines[0])
+        self._plain = False  # a lost GPU's line, half a row: judge the sample as a whole
         data, lost = _split_lost(self.text)
         if not data:
             return None
@@ -112,9 +130,12 @@ class GpuSampler:
         for row in data:
             if row.split(", ")[1].strip() != count:
                 raise ParseError(f"GPU count changed within a sample: {excerpt(row)}")
+        return self._complete(data[0])
+
+    def _complete(self, first: str) -> list[GpuInfo]:
         gpus = parse_gpu_rows(self.text)
-        self.stamp = parse_timestamp(data[0].split(", ", 1)[0])
-        self._lines = []
+        self.stamp = parse_timestamp(first.split(", ", 1)[0])
+        self._lines, self._count, self._plain = [], None, True
         return gpus
 
     def flush(self) -> list[GpuInfo] | None:
@@ -122,24 +143,28 @@ class GpuSampler:
         data, lost = _split_lost(self.text)
         if not lost or data:
             return None
-        self._lines = []
+        self._lines, self._count, self._plain = [], None, True
         return parse_gpu_rows("\n".join(f"Unable to determine the device handle for GPU "
                                         f"{bus}: {why}" for bus, why in lost))
 
 
-_TIMESTAMP = re.compile(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2}(?:\.\d{1,6})?")
+_TIMESTAMP = re.compile(
+    r"(\d{4})/(\d{2})/(\d{2}) (\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,6}))?")
 
 
 def parse_timestamp(value: str) -> float:
-    """nvidia-smi's ``timestamp`` (``2026/07/14 08:12:53.500``) as seconds (host clock)."""
+    """nvidia-smi's ``timestamp`` (``2026/07/14 08:12:53.500``) as seconds (host clock).
+    (Read by hand, not ``strptime``: one per sample and process row per host.)"""
     v = value.strip()
-    if not _TIMESTAMP.fullmatch(v):
+    m = _TIMESTAMP.fullmatch(v)
+    if not m:
         raise ParseError(f"bad timestamp in the stream: {excerpt(v)}")
-    fmt = "%Y/%m/%d %H:%M:%S.%f" if "." in v else "%Y/%m/%d %H:%M:%S"
+    y, mo, d, h, mi, sec, frac = m.groups()
     try:
-        return datetime.strptime(v, fmt).replace(tzinfo=timezone.utc).timestamp()
+        day = datetime(int(y), int(mo), int(d), int(h), int(mi), int(sec), tzinfo=timezone.utc)
     except ValueError as exc:
         raise ParseError(f"bad timestamp in the stream: {excerpt(v)}") from exc
+    return day.timestamp() + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
 
 @dataclass
