@@ -143,6 +143,21 @@ def _split_lost(text: str) -> tuple[list[str], list[tuple[str, str]]]:
     return data, lost
 
 
+#: Converted cells by converter: most of a GPU's cells repeat from one sample to the next
+#: (its name, uuid, limits, often its load), and the converters are pure functions of the
+#: text. Bounded: a memo is emptied when it fills.
+_MEMOS: dict[Converter, dict[str, Any]] = {}
+_MEMO_SIZE = 4096
+_MISSING = object()
+
+
+def _memo(conv: Converter) -> dict[str, Any]:
+    memo = _MEMOS.get(conv)
+    if memo is None:
+        memo = _MEMOS[conv] = {}
+    return memo
+
+
 def parse_gpu_rows(
     text: str, fields: Sequence[tuple[str, str, Converter]] = GPU_FIELDS
 ) -> list[GpuInfo]:
@@ -155,13 +170,24 @@ def parse_gpu_rows(
     """
     rows, lost = _split_lost(text)
     gpus: list[GpuInfo] = []
+    kept = [(attr, conv, _memo(conv)) for _, attr, conv in fields]
     for line in rows:
         cells = line.split(", ")
         if len(cells) != len(fields):
             raise ParseError(
                 f"expected {len(fields)} comma-separated fields, got {len(cells)}: {excerpt(line)}"
             )
-        values = {attr: conv(cell) for (_, attr, conv), cell in zip(fields, cells) if attr}
+        values: dict[str, Any] = {}
+        for (attr, conv, memo), cell in zip(kept, cells):
+            if not attr:
+                continue
+            v = memo.get(cell, _MISSING)
+            if v is _MISSING:
+                v = conv(cell)
+                if len(memo) >= _MEMO_SIZE:
+                    memo.clear()
+                memo[cell] = v
+            values[attr] = v
         gpus.append(GpuInfo(**values))
     gpus.extend(GpuInfo(index=None, bus_id=clean(bus), lost=True, lost_reason=reason or None)
                 for bus, reason in lost)
