@@ -461,3 +461,43 @@ async def test_closing_while_ps_hangs_leaves_nothing_on_the_host(sfleet: Fleet) 
         left = session_pids(sid)
     assert left == set(), subprocess.run(["ps", "-o", "pid,args", "-s", str(sid)],
                                          capture_output=True, text=True).stdout
+
+
+async def test_a_command_line_ps_cannot_read_costs_its_text_not_the_host(
+    sfleet: Fleet,
+) -> None:
+    """A job whose command line cannot be read (ps hangs on it, as on argv pages behind a
+    FUSE mount its owner serves) keeps its owner and GPU; only its command is unknown. The
+    host stays on the board, and the hung ps is killed on the host."""
+    alpha = sfleet.hosts["alpha"]
+    bindir = sfleet.root / "alpha" / "bin"
+    flag = sfleet.root / "alpha" / "args-hang"
+    real = (bindir / "ps").read_text()
+    (bindir / "ps").write_text(real.replace(
+        "exec /bin/ps", f'case "$*" in *args=*) [ -e {flag} ] && exec sleep 600 ;; esac\n'
+                        "exec /bin/ps"))
+    poller = poller_for(sfleet, ["alpha"], timeout=6.0)  # command lines: 2 s
+    kinds: list[str] = []
+    newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
+    shown = None
+    try:
+        async for _t, snap in updates(poller, 30):
+            kinds.append(snap.error.kind if snap.error else "ok")
+            if len(kinds) == 2:
+                flag.write_text("")
+                sfleet.start_process(newcomer)
+                alpha.processes.append(newcomer)
+                sfleet.set_scenario(alpha, "ok")
+            found = [p for g in snap.gpus for p in g.processes
+                     if newcomer.popen is not None and p.pid == newcomer.pid]
+            if found:
+                shown = found[0]
+                break
+    finally:
+        await poller.aclose()
+        flag.unlink(missing_ok=True)
+    assert kinds and all(k == "ok" for k in kinds), kinds
+    assert shown is not None and shown.user == "gtbob", shown
+    assert not shown.command, shown  # unknown, not someone else's or a stale one
+    left = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

@@ -133,7 +133,8 @@ _RELAY = (
 )
 
 
-def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
+def session_script(gpu_command: str, apps_command: str, gpu_fields: int,
+                   args_wait_s: int = 3) -> str:
     """One SSH session carrying a host's whole streaming collection, in one framed stdout.
 
     It reads a nonce line and answers ``@@gputop NONCE start PID`` (the session's process
@@ -157,9 +158,17 @@ def session_script(gpu_command: str, apps_command: str, gpu_fields: int) -> str:
     probe = ("A=; if o=$(awk -W interactive 'BEGIN{}' </dev/null 2>&1) && [ -z \"$o\" ]; "
              "then A='awk -W interactive'; elif awk 'BEGIN{}' </dev/null >/dev/null 2>&1; "
              "then A=awk; fi")
+    # Command lines are read with a deadline: reading one can hang (a job's argv pages
+    # behind a FUSE mount it serves itself), and one such process must not keep its host
+    # off the board. A ps killed at the deadline answers ``args 137``: owners still count,
+    # its command lines are unknown (and not asked again for the same processes).
+    wait_s = max(1, int(args_wait_s))
     ask = (f'{{ {PS_OWNERS} "$p" </dev/null; printf "\\n{MARK} %s owners %s\\n" "$m" "$?"; '
-           f'{PS_ARGS} "$p" </dev/null; '
-           f'printf "\\n{MARK} %s args %s\\n{MARK} %s end\\n" "$m" "$?" "$m"; }} 2>&1')
+           f'{PS_ARGS} "$p" </dev/null & a=$!; '
+           f'( sleep {wait_s} & trap "kill \\$! 2>/dev/null; exit 0" TERM; wait $!; '
+           'kill -s KILL $a ) >/dev/null 2>&1 </dev/null & w=$!; '
+           'wait $a; r=$?; kill $w 2>/dev/null; wait $w 2>/dev/null; '
+           f'printf "\\n{MARK} %s args %s\\n{MARK} %s end\\n" "$m" "$r" "$m"; }} 2>&1')
 
     def loop(command: str, t: str) -> str:
         return (f'{{ {command} </dev/null 2>&1; printf "\\n{MARK} %s exit %s\\n" "$n" "$?"; }}'

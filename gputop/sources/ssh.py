@@ -813,7 +813,10 @@ class SshSource:
 
     async def _start_streams(self, conn: asyncssh.SSHClientConnection) -> None:
         self._stop_streams()
-        streams = HostSession(conn, self.interval, self.max_output)
+        # Command lines get a third of the timeout: a ps that cannot read one is cut
+        # short in time for the refresh to show the owners.
+        streams = HostSession(conn, self.interval, self.max_output,
+                              args_wait_s=max(1, int(self.timeout / 3)))
         self._seen_seq = 0
         self.stream_starts += 1
         try:

@@ -64,13 +64,14 @@ MAX_GPUS = 1024
 FAILURE_TEXT = 64 * 1024
 
 
-def session_command(interval: float) -> str:
-    """The whole session's command for ``interval`` seconds (``-lms``, >= 100 ms)."""
+def session_command(interval: float, args_wait_s: int = 3) -> str:
+    """The whole session's command for ``interval`` seconds (``-lms``, >= 100 ms); command
+    lines are given up on after ``args_wait_s``."""
     ms = max(100, round(interval * 1000))
     fmt = "--format=csv,noheader,nounits"
     return session_script(f"nvidia-smi --query-gpu={GPU_QUERY} {fmt} -lms {ms}",
                           f"nvidia-smi --query-compute-apps={APPS_QUERY} {fmt} -lms {ms}",
-                          len(GPU_FIELDS))
+                          len(GPU_FIELDS), args_wait_s)
 
 
 class GpuSampler:
@@ -248,9 +249,10 @@ class HostSession:
     """
 
     def __init__(self, conn: asyncssh.SSHClientConnection, interval: float,
-                 max_output: int) -> None:
+                 max_output: int, args_wait_s: int = 3) -> None:
         self.conn = conn
         self.interval = interval
+        self.args_wait_s = args_wait_s
         self.max_output = max_output
         self.started_at = time.monotonic()
         self.first_at: float | None = None
@@ -284,7 +286,7 @@ class HostSession:
     async def start(self) -> None:
         """Open the channel and read its start line (a NoAwk where the host has none)."""
         self.started_at = time.monotonic()
-        proc = await self.conn.create_process(session_command(self.interval),
+        proc = await self.conn.create_process(session_command(self.interval, self.args_wait_s),
                                               stderr=asyncssh.DEVNULL, encoding=None)
         self._proc = proc
         self.channels += 1
