@@ -204,6 +204,12 @@ def _print_outcomes(made: Sequence[Outcome], out: TextIO) -> None:
         r, gpu = o.reservation, clean(o.reservation.target)
         if o.action == "reserved":
             print(f"reserved {gpu} {_until(r)}", file=out)
+        elif o.action == "untied":
+            assert o.previous is not None and o.previous.job is not None
+            pid = o.previous.job.pid
+            print(f"reserved {gpu} {_until(r)}: no longer tied to its job"
+                  + (f" (pid {pid})" if pid is not None else "")
+                  + "; it stays when the job ends", file=out)
         elif o.action == "extended":
             assert o.previous is not None
             print(f"extended your reservation of {gpu} {_until(r)} (was until "

@@ -323,6 +323,26 @@ def test_reserve_until_exit_is_released_when_the_process_exits(team: Team) -> No
     assert team.held() == {}
 
 
+def test_reserving_your_jobs_gpu_by_hand_makes_it_a_plain_reservation(team: Team) -> None:
+    """`reserve` of a GPU your job holds is a reservation for the time asked that stays
+    when the job ends (it said "kept"/"extended" and the GPU went with the job)."""
+    proc = subprocess.Popen(["sleep", "60"], user="gtalice")
+    try:
+        assert team.run("reserve", "q1:1", "--until-exit", str(proc.pid)).returncode == 0
+        r = team.run("reserve", "q1:1", "--for", "30m", "--note", "next experiment")
+        assert r.returncode == 0, r.stderr
+        assert "no longer tied to its job" in r.stdout, r.stdout
+        (res,) = team.state().active()
+        assert res.job is None and res.note == "next experiment"
+    finally:
+        proc.kill()
+        proc.wait()
+    team.run("reservations")
+    time.sleep(GRACE + 0.2)
+    team.run("reservations")
+    assert team.held() == {"q1:1": "gtalice"}
+
+
 def _session_pids(sid: int) -> list[int]:
     out = subprocess.run(["ps", "-s", str(sid), "-o", "pid="], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]

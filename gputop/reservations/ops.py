@@ -98,9 +98,10 @@ class Target:
 @dataclass(frozen=True)
 class Outcome:
     """What ``reserve`` did to one GPU: a new reservation, or your own one extended or kept
-    (it already lasted longer than asked; ``previous`` is how it was before)."""
+    (it already lasted longer than asked; ``previous`` is how it was before), or your own
+    job's reservation made a plain one for the time asked ("untied")."""
 
-    action: Literal["reserved", "extended", "kept"]
+    action: Literal["reserved", "extended", "kept", "untied"]
     reservation: Reservation
     previous: Reservation | None = None
 
@@ -156,6 +157,14 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
             if own is not None:
                 at = next(i for i, r in enumerate(keep) if r.id == own.id)
                 if keep[at] is not own:  # two targets on one reservation: said once
+                    continue
+                if job is None and own.job is not None:
+                    # Asked for by hand: it is now yours for the time asked, no longer
+                    # released when the job (a `run`, an --until-exit pid) ends.
+                    new = replace(own, expires=until, note=note or own.note,
+                                  uuid=t.uuid or own.uuid, job=None)
+                    keep[at] = new
+                    made.append(Outcome("untied", new, own))
                     continue
                 new = replace(own, expires=max(own.expires, until), note=note or own.note,
                               uuid=t.uuid or own.uuid, job=job or own.job)
