@@ -774,6 +774,7 @@ async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
         await pilot.press("Q")
         await pilot.pause()
         assert type(app.screen).__name__ == "QueueScreen"
+        assert app.focused is not None and app.focused.id == "queue-count"  # enter joins
         text = app.screen.query_one("#queue-text").render()
         plain = text.plain if isinstance(text, Text) else str(text)
         lines = plain.splitlines()

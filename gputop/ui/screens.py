@@ -228,6 +228,9 @@ class QueueScreen(ModalScreen[int | None]):
             yield Label("Join: how many GPUs (any host)? enter to join, esc to close")
             yield Input(value="1", id="queue-count")
 
+    def on_mount(self) -> None:
+        self.query_one("#queue-count", Input).focus()  # enter joins, as the label says
+
     def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()
         if not value.isdigit() or not 1 <= int(value) <= 64:
