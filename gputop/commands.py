@@ -265,19 +265,31 @@ def _queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, Hos
             return
         mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
         for t in targets:
-            f = gpu_of(t)
-            if f is None or (t.host, t.gpu) in mine:
+            if (t.host, t.gpu) in mine:
                 continue
-            claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
+            f = gpu_of(t)
+            if f is None:  # not checked (its host did not answer): the queue cannot
+                # judge it, so it is anyone's who waits for GPUs on that host
+                claim = [w for w in queue if request_of(w).accepts(t.host)]
+                unjudged = True
+            else:
+                claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
+                unjudged = False
             if claim:
                 w = claim[0]
+                how = ("the queue hands out whole GPUs: --skip-queue reserves the instance "
+                       "anyway" if t.instance is not None else
+                       f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
+                       "--skip-queue to reserve it anyway")
                 raise Refused(
-                    f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, "
-                    f"first who could use it: {clean(w.user)} (since "
-                    f"{local_time(w.created)}, for {w.count} GPU(s)"
-                    + (f", {clean(w.want)}" if w.want else "") + "). Join the queue: "
-                    f"gputop free --wait --host {clean(t.host)} (or --skip-queue to reserve "
-                    "it anyway; that is recorded in the file with your name)")
+                    f"{clean(t.label)} is one the queue waits for"
+                    + (f" ({clean(t.host)} did not answer, so it cannot be checked)"
+                       if unjudged else "")
+                    + f": {len(queue)} waiting, first who could use it: {clean(w.user)} "
+                    f"(since {local_time(w.created)}, for {w.count} GPU(s)"
+                    + (f", {clean(w.want)}" if w.want else "") + f"). {how}; that is "
+                    "recorded in the file with your name" + (")" if t.instance is None
+                                                              else ""))
 
     return check
 

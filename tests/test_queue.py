@@ -654,9 +654,9 @@ def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use(
     from gputop.reservations.queue import Request, grantable
 
     now = utcnow()
-    hosts = _hosts({"a": [80], "b": [24, 24]})
-    # Head wants 2 GPUs with 40G: only a:0 fits it, and one is not enough.
-    state = _queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",)))
+    hosts = _hosts({"a": [80, 80], "b": [24, 24]})
+    # Head wants 2 GPUs with 40G: only a's fit it, a:1 is held, and one is not enough.
+    state = _held(_queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",))), "a:1")
     assert grantable(state, "w0", hosts, now) is None
     # Second (any GPU): a:0 is the head's to wait for, b's GPUs are not: it gets b's best.
     got = grantable(state, "w1", hosts, now)
@@ -669,7 +669,7 @@ def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use(
     alone = _queue(Request(2, 0, (), True))
     got = grantable(alone, "w0", _hosts({"a": [80], "b": [24]}), now)
     assert got is None
-    got = grantable(alone, "w0", hosts, now)
+    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24, 24]}), now)
     assert got is not None and {f.host for f in got} == {"b"}
 
 
@@ -723,10 +723,18 @@ def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
         "the largest 24G)")
     assert unsatisfiable(Request(4), hosts, fleet) is None  # 2 + 2 across hosts
     assert unsatisfiable(Request(2, 0, ("a",), True), hosts, fleet) is None
-    # c did not answer: it may be big enough; the head keeps its GPUs.
+    # c did not answer: it may be big enough, so the head stays in the queue (patient)...
     down = [*hosts, HostSnapshot(name="c", error=HostError("timeout", "no answer"))]
     assert unsatisfiable(Request(5), down, [*fleet, "c"]) is None
+    # ...but holds back no GPU on the strength of capacity nobody can see: a request for
+    # more than the hosts that answered have (a host down, or one named only in the
+    # waiter's own config) froze every GPU it accepts (found by the hostile review).
     assert grantable(_queue(Request(5), Request(1)), "w1", down, now,
+                     fleet=[*fleet, "c"]) is not None
+    ghost = Request(50, 0, ("a", "b", "ghost"))
+    assert grantable(_queue(ghost, Request(1)), "w1", hosts, now, fleet=fleet) is not None
+    # What the answering hosts can meet still waits its turn.
+    assert grantable(_queue(Request(4), Request(1)), "w1", down, now,
                      fleet=[*fleet, "c"]) is None
 
 
@@ -983,3 +991,23 @@ def test_fish_would_run_what_a_backslash_smuggles_so_such_commands_are_probed(
     subprocess.run(["fish", "-c", cmd], capture_output=True, timeout=30)
     assert pwned.exists()  # the hazard is real
     assert portable(remote_command(["python", "train.py", "--lr", "3e-4", "$(id)", "'"], "G"))
+
+
+def test_a_gpu_whose_host_did_not_answer_is_claimed_by_its_waiters() -> None:
+    """`reserve HOST:GPU` when HOST did not answer the reserver's look (a blip, or the name
+    mapped elsewhere in a private config): the queue cannot judge the GPU, so anyone waiting
+    for GPUs on that host claims it. It was reserved "by index only", past the queue, with
+    nothing recorded (found by the hostile review). --skip-queue still does it, recorded."""
+    from gputop.commands import _queue_claim
+    from gputop.config import Config, HostConfig
+    from gputop.reservations.ops import Target
+    from gputop.reservations.queue import Request
+
+    config = Config(path=None, hosts=(HostConfig(name="q2"), HostConfig(name="q3")))
+    check = _queue_claim(config, [Target("q2", 0)], {})
+    with pytest.raises(Refused, match="q2 did not answer"):
+        check(_queue(Request(1, 0, ("q2",))), utcnow())
+    check(_queue(Request(1, 0, ("q3",))), utcnow())  # nobody waits on q2: free to take
+    inst = _queue_claim(config, [Target("q2", 0, None, 3)], {})
+    with pytest.raises(Refused, match="whole GPUs: --skip-queue reserves the instance"):
+        inst(_queue(Request(1)), utcnow())

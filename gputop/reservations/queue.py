@@ -13,8 +13,9 @@ while that waiter still needs more. **"Could use"** (``could_use``): the GPU is 
 the waiter accepts (its ``--host``/``--tag``), has the free memory it asks for, and its host
 could ever meet the whole request: for a one-host request (``gputop run``) the host has at
 least the request's count of GPUs whose total memory meets the need; for a request that may
-span hosts, its hosts together have that many. A host that did not answer (or that this
-gputop does not poll) is assumed big enough, so a doubt never lets anyone jump ahead.
+span hosts, its hosts together have that many, counting only hosts that answered: a host
+that did not (or that this gputop does not poll) is no room, so a request nobody can see
+being met holds no GPU back (it still waits, patiently: see ``unsatisfiable``).
 
 **Unsatisfiable requests.** A request that no host it accepts could ever meet (3 GPUs on one
 host when hosts have 2, more memory than any GPU has) is refused before it joins
@@ -73,17 +74,21 @@ class Request:
                 and (g.memory_total_mib is None or g.memory_total_mib >= self.min_free_mib))
 
 
-def capacity(req: Request, hosts: Iterable[HostSnapshot], fleet: Collection[str] | None
-             ) -> tuple[set[str], bool]:
+def capacity(req: Request, hosts: Iterable[HostSnapshot], fleet: Collection[str] | None,
+             *, known_only: bool = False) -> tuple[set[str], bool]:
     """The hosts on which ``req`` could ever be met (see the order rule), and whether that
-    is known for sure: every host it accepts (``req.hosts``, else ``fleet``) answered."""
+    is known for sure: every host it accepts (``req.hosts``, else ``fleet``) answered.
+    ``known_only``: hosts that did not answer (or that this gputop does not know) count
+    as no GPUs, not as room for anything: a waiter never holds GPUs back on the strength
+    of capacity nobody here can see (a request for 50 GPUs naming an unreachable host
+    would otherwise block every GPU it accepts, for good)."""
     seen = {h.name: sum(1 for g in h.gpus if req.sized(g))
             for h in hosts if h.ok and req.accepts(h.name)}
     accepted = set(req.hosts) if req.hosts else (set(fleet) if fleet is not None else None)
     complete = accepted is not None and accepted <= set(seen)
     if req.one_host:
         return {h for h, n in seen.items() if n >= req.count}, complete
-    if sum(seen.values()) >= req.count or not complete:
+    if sum(seen.values()) >= req.count or not (complete or known_only):
         return {h for h, n in seen.items() if n}, complete
     return set(), complete
 
@@ -114,8 +119,9 @@ def _size(h: HostSnapshot) -> str:
 
 def could_use(reqs: Sequence[Request], hosts: Sequence[HostSnapshot],
               fleet: Collection[str] | None) -> Callable[[FreeGpu], bool]:
-    """Whether any of ``reqs`` could use a GPU (the order rule's test)."""
-    usable = [(r, capacity(r, hosts, fleet)[0]) for r in reqs]
+    """Whether any of ``reqs`` could use a GPU (the order rule's test), judged on the hosts
+    that answered (see :func:`capacity`'s ``known_only``)."""
+    usable = [(r, capacity(r, hosts, fleet, known_only=True)[0]) for r in reqs]
     return lambda f: any(f.host in on and r.fits(f) for r, on in usable)
 
 
