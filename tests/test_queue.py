@@ -450,21 +450,30 @@ def test_ps_rows_with_start_times() -> None:
 
     from gputop.jobs.remote import parse_ps
 
-    alive = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
-                     "  200   200 S    Mon Nov 30 09:00:00 2026\n"
-                     "  300   200 S    Mon Nov 30 09:00:05 2026\n"
-                     "  400   400 S    Mon Nov 30 09:30:00 2026\n")
+    alive = parse_ps("1001\n"
+                     "    1     1 1001 Ss   Mon Nov 30 08:00:00 2026\n"
+                     "  200   200 1001 S    Mon Nov 30 09:00:00 2026\n"
+                     "  300   200 1001 S    Mon Nov 30 09:00:05 2026\n"
+                     "  400   400 1001 S    Mon Nov 30 09:30:00 2026\n")
     t = datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc)
     assert alive.has(200, True, t) and alive.has(200, False, t)
     assert not alive.has(200, False, t.replace(hour=8))  # same pid, another process
     assert not alive.has(200, True, t.replace(hour=8))
     # The leader is gone; a process left in its session keeps the job alive, but not one
     # in a session a reused pid leads now.
-    gone = parse_ps("    1     1 Ss   Mon Nov 30 08:00:00 2026\n"
-                    "  300   200 S    Mon Nov 30 09:00:05 2026\n")
+    gone = parse_ps("1001\n"
+                    "    1     1 1001 Ss   Mon Nov 30 08:00:00 2026\n"
+                    "  300   200 1001 S    Mon Nov 30 09:00:05 2026\n")
     assert gone.has(200, True, t) and gone.in_session(200, t) == [300]
-    for bad in ("1 1 S Mon Foo 30 08:00:00 2026\n", "1 1 S Mon Nov 30 8:00 2026\n",
-                "1 1 S Mon Nov 30 08:00:00\n"):
+    # A teammate who got the dead job's pid and leads a session with that id (fork until
+    # the pid comes round, then setsid) is not the job: only the login's processes count.
+    stolen = parse_ps("1001\n"
+                      "  200   200 1002 Ss   Mon Nov 30 09:10:00 2026\n"
+                      "  201   200 1002 S    Mon Nov 30 09:10:01 2026\n")
+    assert not stolen.has(200, True, t) and stolen.in_session(200, t) == []
+    for bad in ("1001\n1 1 1001 S Mon Foo 30 08:00:00 2026\n",
+                "1001\n1 1 1001 S Mon Nov 30 8:00 2026\n",
+                "1001\n1 1 1001 S Mon Nov 30 08:00:00\n", "1 1 1001 S\n"):
         with pytest.raises(ValueError):
             parse_ps(bad)
 
@@ -959,12 +968,13 @@ def test_ps_rows_zombies_are_not_alive_and_odd_rows_refused() -> None:
     after `run` is killed) has ended; any row that is not numbers and a state is refused."""
     from gputop.jobs.remote import parse_ps
 
-    alive = parse_ps("    1     1 Ss\n  200   200 Z\n  201   200 S+\n")
+    alive = parse_ps("7\n    1     1 7 Ss\n  200   200 7 Z\n  201   200 7 S+\n")
     assert alive.has(1, False) and not alive.has(200, False)
     assert alive.has(200, True)  # its child is still in the session
-    alive = parse_ps("    1     1 Ss\n  200   200 Zs\n")
+    alive = parse_ps("7\n    1     1 7 Ss\n  200   200 7 Zs\n")
     assert not alive.has(200, True) and not alive.has(200, False)
-    for bad in ("1 1\n", "1 x S\n", "1 1 S evil\n", "", "1 1 \u00e9\n"):
+    for bad in ("7\n1 1 7\n", "7\n1 x 7 S\n", "7\n1 1 7 S evil\n", "", "7\n",
+                "7\n1 1 7 \u00e9\n", "x\n1 1 7 S\n"):
         with pytest.raises(ValueError):
             parse_ps(bad)
 

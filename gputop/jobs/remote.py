@@ -20,7 +20,11 @@ from gputop.sources.ssh import JumpPool, known_hosts_for, resolve_options
 #: remote user chooses can forge a row. A zombie (state Z: exited, not yet reaped by its
 #: parent) is not a running job. The start time tells a job's pid from a stranger's that
 #: got the same pid after the job ended.
-PS_COMMAND = "exec env LC_ALL=C TZ=UTC0 ps -A -o pid= -o sid= -o stat= -o lstart="
+#: The first line is the login's own uid: only its processes count as a ``run`` job's
+#: session (a teammate who forks until he gets a dead job's pid, then ``setsid``s, leads a
+#: session with that id, and kept the holder's reservation alive as long as he liked).
+PS_COMMAND = ("exec env LC_ALL=C TZ=UTC0 sh -c "
+              "'id -u && exec ps -A -o pid= -o sid= -o uid= -o stat= -o lstart='")
 MAX_PS_BYTES = 8 * 1024 * 1024
 _MONTHS = {m: i + 1 for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul",
                                            "Aug", "Sep", "Oct", "Nov", "Dec"))}
@@ -62,9 +66,12 @@ async def connect(config: Config, host: HostConfig,
 
 @dataclass(frozen=True)
 class Alive:
-    """The running processes on a host: pid -> (session id, start time if known)."""
+    """The running processes on a host: pid -> (session id, start time if known), and
+    which of them are not the login's own (``others``): a ``run`` job's session is the
+    login's processes only."""
 
     procs: Mapping[int, tuple[int, datetime | None]]
+    others: frozenset[int] = frozenset()
 
     def has(self, pid: int, session: bool, start: datetime | None = None) -> bool:
         """Whether the job is alive: process ``pid`` (``session``: any process of the
@@ -72,15 +79,18 @@ class Alive:
         pid but another start time is a stranger that got the pid after the job ended."""
         if not session:
             return pid in self.procs and _same(self.procs[pid][1], start)
+        if pid in self.others:  # a teammate's process that got the pid and setsid'ed
+            return bool(self.in_session(pid, start))
         if pid in self.procs and self.procs[pid][0] == pid:  # the session's leader runs
             return _same(self.procs[pid][1], start)
         return bool(self.in_session(pid, start))
 
     def in_session(self, sid: int, start: datetime | None = None) -> list[int]:
         """The processes of session ``sid`` (started no earlier than its leader did)."""
-        return sorted(p for p, (s, t) in self.procs.items() if s == sid and (
-            start is None or t is None
-            or (t - start).total_seconds() >= -START_SLACK_S))
+        return sorted(p for p, (s, t) in self.procs.items()
+                      if s == sid and p not in self.others
+                      and (start is None or t is None
+                           or (t - start).total_seconds() >= -START_SLACK_S))
 
     def start_of(self, pid: int) -> datetime | None:
         return self.procs[pid][1] if pid in self.procs else None
@@ -92,18 +102,26 @@ def _same(seen: datetime | None, recorded: datetime | None) -> bool:
 
 
 def parse_ps(text: str) -> Alive:
+    """:data:`PS_COMMAND`'s output: the login's uid, then ``pid sid uid stat [lstart]``
+    rows."""
     procs: dict[int, tuple[int, datetime | None]] = {}
-    for line in text.splitlines():
+    others: set[int] = set()
+    me, *lines = text.splitlines() or [""]
+    if not me.strip().isdigit():
+        raise ValueError(f"unexpected ps output: {me[:60]!r}")
+    for line in lines:
         parts = line.split()
-        if len(parts) not in (3, 8) or not all(p.isdigit() and len(p) < 11 for p in parts[:2]) \
-                or not parts[2].isascii() or len(parts[2]) > 16:
+        if len(parts) not in (4, 9) or not all(p.isdigit() and len(p) < 11 for p in parts[:3]) \
+                or not parts[3].isascii() or len(parts[3]) > 16:
             raise ValueError(f"unexpected ps output: {line[:60]!r}")
-        if parts[2].startswith("Z"):
+        if parts[3].startswith("Z"):
             continue
-        procs[int(parts[0])] = (int(parts[1]), parse_lstart(parts[3:]) if parts[3:] else None)
-    if not procs:
+        procs[int(parts[0])] = (int(parts[1]), parse_lstart(parts[4:]) if parts[4:] else None)
+        if parts[2] != me.strip():
+            others.add(int(parts[0]))
+    if not lines:
         raise ValueError("ps listed no processes")
-    return Alive(procs)
+    return Alive(procs, frozenset(others))
 
 
 def local_start(pid: int) -> datetime | None:
@@ -126,6 +144,7 @@ def _boot_time() -> datetime:
 
 def alive_local() -> Alive:
     procs: dict[int, tuple[int, datetime | None]] = {}
+    others: set[int] = set()
     boot = _boot_time()
     hz = os.sysconf("SC_CLK_TCK")
     for name in os.listdir("/proc"):
@@ -140,8 +159,13 @@ def alive_local() -> Alive:
                 continue
             if fields[:1] == [b"Z"]:  # exited, not yet reaped: not running
                 continue
+            try:
+                if os.stat(f"/proc/{name}").st_uid != os.getuid():
+                    others.add(pid)
+            except OSError:
+                continue
             procs[pid] = (sid, start)
-    return Alive(procs)
+    return Alive(procs, frozenset(others))
 
 
 async def alive_via(conn: asyncssh.SSHClientConnection, name: str, timeout: float) -> Alive:
