@@ -1021,3 +1021,45 @@ def test_a_gpu_whose_host_did_not_answer_is_claimed_by_its_waiters() -> None:
     inst = _queue_claim(config, [Target("q2", 0, None, 3)], {})
     with pytest.raises(Refused, match="whole GPUs: --skip-queue reserves the instance"):
         inst(_queue(Request(1)), utcnow())
+
+
+def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the holder's gputop decides that a job ended, so it asks only the hosts of its
+    own jobs: a teammate's job row on a hung host made every command wait its timeout
+    (found by the hostile review). The SSH calls are recorded by stand-ins here: the rule
+    is which hosts are asked."""
+    import asyncio
+
+    from gputop.config import Config, HostConfig
+    from gputop.jobs import reap
+    from gputop.reservations.ops import whoami
+    from gputop.reservations.store import Job
+
+    me = whoami()[0]
+    store = Store(tmp_path / "reservations.json")
+    now = utcnow()
+
+    def seed(state: StoreState, _now: Any) -> StoreState:
+        return replace(state, reservations=(
+            replace(new_reservation("mine", 0, me, "m", now, 3600, None, ""), job=Job(4242)),
+            replace(new_reservation("slow", 0, "someone-else", "m", now, 3600, None, ""),
+                    job=Job(4343, session=True))))
+
+    store.update(seed)
+    asked: list[str] = []
+
+    async def alive_on(_config: Any, host: Any) -> Any:
+        asked.append(host.name)
+        raise reap.JobHostError("not asked for real")
+
+    async def gpus_on(_config: Any, names: Any) -> dict[str, Any]:
+        asked.extend(f"gpus:{n}" for n in names)
+        return {}
+
+    monkeypatch.setattr(reap, "alive_on", alive_on)
+    monkeypatch.setattr(reap, "gpus_on", gpus_on)
+    config = Config(path=None, hosts=(HostConfig(name="mine"), HostConfig(name="slow")))
+    assert asyncio.run(reap.check_jobs(config, store)) == []
+    assert sorted(asked) == ["gpus:mine", "mine"], asked

@@ -75,7 +75,10 @@ async def check_jobs(config: Config, store: Store) -> list[Reservation]:
         state = store.read()
     except StoreError:
         return []
-    jobs = [r for r in state.active() if r.job is not None]
+    # Only the holder's own gputop decides (apply_checks): ask only the hosts of your own
+    # jobs (a teammate's job on a hung host made everyone's commands wait its timeout).
+    me = whoami()[0]
+    jobs = [r for r in state.active() if r.job is not None and r.user == me]
     if not jobs:
         return []
     hosts = {h.name: h for h in config.hosts}
