@@ -40,7 +40,7 @@ from gputop.reservations.queue import (
     unsatisfiable,
 )
 from gputop.reservations.store import MAX_LEASE_S, Job, StoreState
-from gputop.text import clean
+from gputop.text import clean, excerpt
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
 
@@ -287,7 +287,7 @@ def _queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, Hos
                        if unjudged else "")
                     + f": {len(queue)} waiting, first who could use it: {clean(w.user)} "
                     f"(since {local_time(w.created)}, for {w.count} GPU(s)"
-                    + (f", {clean(w.want)}" if w.want else "") + f"). {how}; that is "
+                    + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
                     "recorded in the file with your name" + (")" if t.instance is None
                                                               else ""))
 
@@ -447,7 +447,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
 
         w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
         print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
-              + (f", {clean(w.want)}" if w.want else "") + ") from the queue")
+              + (f", {excerpt(w.want, 60)}" if w.want else "") + ") from the queue")
         return EXIT_OK
     if args.mine and args.targets:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
@@ -486,7 +486,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         return EXIT_OK
     for i, w in enumerate(queue):
         print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
-              + (f" ({clean(w.want)})" if w.want else "")
+              + (f" ({excerpt(w.want, 60)})" if w.want else "")
               + f" since {local_time(w.created)} [id {w.id}]")
     if not active:
         print("no reservations", file=sys.stderr)

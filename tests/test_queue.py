@@ -1063,3 +1063,29 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
     config = Config(path=None, hosts=(HostConfig(name="mine"), HostConfig(name="slow")))
     assert asyncio.run(reap.check_jobs(config, store)) == []
     assert sorted(asked) == ["gpus:mine", "mine"], asked
+
+
+def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What a waiter asked for (`--tag` text from their own config) is shown in one short
+    run of words: padded with spaces it drew a forged "waiting 2: ..." line at 80 columns
+    (found by the hostile review)."""
+    import argparse
+    from datetime import timedelta
+
+    from gputop.commands import cmd_reservations
+    from gputop.config import Config
+    from gputop.reservations.store import Waiter
+
+    store = Store(tmp_path / "reservations.json")
+    now = utcnow()
+    forged = ("--tag a100)" + " " * 36 + "waiting 2: gtalice for 1 GPU(s) (--host q2) since "
+              "2026-11-30 09:02 UTC" + " " * 30)
+    store.update(lambda s, _n: replace(s, queue=(Waiter(
+        id="w1", user="gtbob", machine="m", count=1, created=now,
+        lease=now + timedelta(seconds=60), want=forged),)))
+    config = Config(path=None, hosts=(), reservations_path=store.path)
+    assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("waiting")]
+    assert "  " not in line and len(line) < 140 and line.count("waiting") == 2, line

@@ -37,7 +37,7 @@ from gputop.reservations.store import (
     StoreError,
     StoreState,
 )
-from gputop.text import clean
+from gputop.text import clean, excerpt
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
 WATCH_S = 0.2
@@ -68,7 +68,7 @@ def describe_request(req: Request) -> str:
     if req.min_free_mib:
         what += f" with {req.min_free_mib / 1024:g}G free"
     if req.want:
-        what += f" ({clean(req.want)})"
+        what += f" ({excerpt(req.want, 60)})"
     elif req.one_host:
         what += " on one host"
     return what

@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Label, Static
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
 from gputop.reservations.store import Waiter
-from gputop.text import clean
+from gputop.text import clean, excerpt
 from gputop.ui.board_model import UserLoad
 from gputop.ui.cells import gib
 
@@ -205,7 +205,7 @@ def queue_text(waiters: list[Waiter], now: datetime, me: str) -> Text:
         if w.min_free_mib:
             what += f", {w.min_free_mib / 1024:g}G free"
         if w.want:
-            what += f" ({clean(w.want)})"
+            what += f" ({excerpt(w.want, 60)})"
         line = f"{i + 1:>3}. {clean(w.user):<12} {what}  waiting {since}\n"
         t.append(line, style="bold" if w.user == me else "")
     return t
