@@ -82,6 +82,15 @@ def session_pids(sid: int) -> set[int]:
     return {int(p) for p, s in (ln.split() for ln in out.splitlines()) if int(s) == sid}
 
 
+def hang_ps(fleet: Fleet, host: str, flag: Path, when: str = "") -> None:
+    """Make ``host``'s ps hang while ``flag`` exists (as on a host with a hung NFS mount in
+    /proc), for every call or only those whose arguments match the case pattern ``when``."""
+    ps = fleet.root / host / "bin" / "ps"
+    hang = f"[ -e {flag} ] && exec sleep 600"
+    guard = f'case "$*" in {when}) {hang} ;; esac' if when else hang
+    ps.write_text(ps.read_text().replace("exec /bin/ps", f"{guard}\nexec /bin/ps"))
+
+
 async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     sfleet: Fleet,
 ) -> None:
@@ -322,12 +331,8 @@ async def test_hostile_command_lines_cannot_forge_a_row_or_a_marker(sfleet: Flee
 
 async def test_hung_ps_is_a_timeout_that_kills_the_session_on_the_host(sfleet: Fleet) -> None:
     alpha = sfleet.hosts["alpha"]
-    bindir = sfleet.root / "alpha" / "bin"
     flag = sfleet.root / "alpha" / "ps-hangs"
-    real = (bindir / "ps").read_text()
-    # ps that hangs while the flag exists (as on a host with a hung NFS mount in /proc).
-    (bindir / "ps").write_text(real.replace("exec /bin/ps", f"[ -e {flag} ] && exec sleep 600\n"
-                                                              "exec /bin/ps"))
+    hang_ps(sfleet, "alpha", flag)
     poller = poller_for(sfleet, ["alpha"], timeout=1.0)
     src = poller.sources[0]
     assert isinstance(src, SshSource)
@@ -419,11 +424,8 @@ async def test_closing_while_ps_hangs_leaves_nothing_on_the_host(sfleet: Fleet) 
     """gputop quits (q, SIGTERM) while a ps it asked for hangs: the session's shells, awks
     and the hung ps are killed on the host, not left waiting for an EOF they cannot read."""
     alpha = sfleet.hosts["alpha"]
-    bindir = sfleet.root / "alpha" / "bin"
     flag = sfleet.root / "alpha" / "ps-hangs"
-    real = (bindir / "ps").read_text()
-    (bindir / "ps").write_text(real.replace("exec /bin/ps", f"[ -e {flag} ] && exec sleep 600\n"
-                                                              "exec /bin/ps"))
+    hang_ps(sfleet, "alpha", flag)
     poller = poller_for(sfleet, ["alpha"], timeout=20.0)
     src = poller.sources[0]
     assert isinstance(src, SshSource)
@@ -470,12 +472,8 @@ async def test_a_command_line_ps_cannot_read_costs_its_text_not_the_host(
     FUSE mount its owner serves) keeps its owner and GPU; only its command is unknown. The
     host stays on the board, and the hung ps is killed on the host."""
     alpha = sfleet.hosts["alpha"]
-    bindir = sfleet.root / "alpha" / "bin"
     flag = sfleet.root / "alpha" / "args-hang"
-    real = (bindir / "ps").read_text()
-    (bindir / "ps").write_text(real.replace(
-        "exec /bin/ps", f'case "$*" in *args=*) [ -e {flag} ] && exec sleep 600 ;; esac\n'
-                        "exec /bin/ps"))
+    hang_ps(sfleet, "alpha", flag, when="*args=*")
     poller = poller_for(sfleet, ["alpha"], timeout=6.0)  # command lines: 2 s
     kinds: list[str] = []
     newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
