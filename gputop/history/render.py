@@ -107,6 +107,8 @@ def _step_words(step: int) -> str:
 
 
 def _defuse(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 6)  # hours to 4 ms; not 100.00000000000001
     if not isinstance(v, str):
         return v
     v = clean(v)

@@ -307,9 +307,15 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
                 feeder = _feed_stdin(loop, proc)
                 try:
                     await proc.wait_closed()
+                    said: set[str] = set()
                     for res in await asyncio.gather(*pumps, return_exceptions=True):
-                        if isinstance(res, Exception):  # said, never swallowed
-                            say(f"copying the job's output failed: {res!r}")
+                        # Said, never swallowed; a lost connection is said below, once.
+                        if isinstance(res, Exception) and not isinstance(
+                                res, asyncssh.ConnectionLost):
+                            why = str(res) or type(res).__name__
+                            if why not in said:
+                                said.add(why)
+                                say(f"copying the job's output failed: {why}")
                 finally:
                     feeder()
         finally:
