@@ -976,16 +976,7 @@ class SshSource:
             warnings.append(f"persistence mode is off on GPU {', '.join(off)}: every "
                             "nvidia-smi start initialises the GPU again; enable "
                             "nvidia-persistenced")
-        gpus = await self._inventory(gpus)
         return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
-
-    async def _inventory(self, gpus: list[GpuInfo]) -> list[GpuInfo]:
-        """Where a rarely-run inventory query belongs (the MIG layout: ``nvidia-smi -L`` or
-        ``-q -x -d ...``): run it over the session's stdin (it answers one request line per
-        round trip; add a request kind there) when a sample shows a
-        uuid the inventory does not know, or every few minutes, never per refresh, so the
-        steady state still starts no process. Today: nothing to add."""
-        return gpus
 
     @staticmethod
     async def _apps_seen(st: HostSession) -> None:
