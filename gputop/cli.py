@@ -181,7 +181,7 @@ class _Reservations:
 async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
                 pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
-    from gputop.output import WatchDocuments, write_document, write_line
+    from gputop.output import write_document
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
 
@@ -203,17 +203,13 @@ async def _json(config: Config, sources: list[Source] | None, *, watch: bool,
             assert live is not None
             live.observe(host)
 
-    documents = WatchDocuments()  # (each GPU's JSON kept from one line to the next)
-
     def emit(snap: FleetSnapshot) -> None:
         if reaping is not None:
             reaping.kick()
         state, problem = reservations.read()
-        extra = {"reservations_error": problem} if problem else None
-        if not pretty:
-            write_line(documents.text(snap, state, tracker, extra), sys.stdout)
-            return
-        doc = annotate(snap, state, tracker) | (extra or {})
+        doc = annotate(snap, state, tracker)
+        if problem:
+            doc["reservations_error"] = problem
         write_document(doc, sys.stdout, pretty=pretty)
 
     try:
