@@ -277,10 +277,10 @@ class GputopApp(App[int]):
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
         itself: its crop of its whole width is itself), and only the garbage collector
         frees them: at 1,000 hosts an automatic collection found 20,000+ such objects
-        and took 60-100 ms, in the middle of whatever key came then. Collected here, four
-        times a second and never while a key is being handled, each takes a few ms; the
-        older generations are collected a twentieth as often (the automatic thresholds
-        stay as a safety net)."""
+        and took 60-100 ms, in the middle of whatever key came then. Collected here, every
+        GC_PERIOD and never while a key is being handled, each takes a few ms; the next
+        generation is collected one time in fifty (the automatic thresholds stay as a
+        safety net)."""
         if time.monotonic() < self._key_hold_until:
             return
         self._gc_runs += 1
