@@ -162,11 +162,12 @@ def session_script(gpu_command: str, apps_command: str, gpu_fields: int,
     # behind a FUSE mount it serves itself), and one such process must not keep its host
     # off the board. A ps killed at the deadline answers ``args 137``: owners still count,
     # its command lines are unknown (and not asked again for the same processes). The
-    # watchdog's trap is set before its sleep starts: a TERM that comes first leaves none.
+    # watchdog's trap is set before its sleep starts (a TERM that comes first leaves none)
+    # and reaps it (no zombie is left in the session).
     wait_s = max(1, int(args_wait_s))
     ask = (f'{{ {PS_OWNERS} "$p" </dev/null; printf "\\n{MARK} %s owners %s\\n" "$m" "$?"; '
            f'{PS_ARGS} "$p" </dev/null & a=$!; '
-           f'( trap "kill \\$! 2>/dev/null; exit 0" TERM; sleep {wait_s} & wait $!; '
+           f'( trap "kill \\$! 2>/dev/null; wait \\$!; exit 0" TERM; sleep {wait_s} & wait $!; '
            'kill -s KILL $a ) >/dev/null 2>&1 </dev/null & w=$!; '
            'wait $a; r=$?; kill $w 2>/dev/null; wait $w 2>/dev/null; '
            f'printf "\\n{MARK} %s args %s\\n{MARK} %s end\\n" "$m" "$r" "$m"; }} 2>&1')
