@@ -474,7 +474,7 @@ async def test_a_command_line_ps_cannot_read_costs_its_text_not_the_host(
     alpha = sfleet.hosts["alpha"]
     flag = sfleet.root / "alpha" / "args-hang"
     hang_ps(sfleet, "alpha", flag, when="*args=*")
-    poller = poller_for(sfleet, ["alpha"], timeout=6.0)  # command lines: 2 s
+    poller = poller_for(sfleet, ["alpha"], timeout=6.0)  # command lines: 3 s
     kinds: list[str] = []
     newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
     shown = None

@@ -813,10 +813,10 @@ class SshSource:
 
     async def _start_streams(self, conn: asyncssh.SSHClientConnection) -> None:
         self._stop_streams()
-        # Command lines get a third of the timeout: a ps that cannot read one is cut
-        # short in time for the refresh to show the owners.
+        # Command lines get half the timeout: a ps that cannot read one is cut short in
+        # time for the refresh to show the owners (a loaded host's ps may need a second).
         streams = HostSession(conn, self.interval, self.max_output,
-                              args_wait_s=max(1, int(self.timeout / 3)))
+                              args_wait_s=max(1, int(self.timeout / 2)))
         self._seen_seq = 0
         self.stream_starts += 1
         try:
