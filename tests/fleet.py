@@ -89,8 +89,12 @@ fi
 # write per stdout chunk; stderr (a lost GPU's line) is not buffered.
 sample() {{
   cd -P "$d" || exit 1  # the scenario now: set_scenario swaps the directory at once
-  printf -v ts '%(%Y/%m/%d %H:%M:%S)T' -1
-  ms=${{EPOCHREALTIME#*.}}; ts="$ts.${{ms:0:3}}"
+  # One reading of the clock for both halves: bash's -1 is time(), the kernel's coarse
+  # seconds, which lag EPOCHREALTIME by up to a tick (a sample a few ms after a second
+  # began was stamped a whole second early, and its processes went to the wrong sample).
+  now=$EPOCHREALTIME
+  printf -v ts '%(%Y/%m/%d %H:%M:%S)T' "${{now%.*}}"
+  ms=${{now#*.}}; ts="$ts.${{ms:0:3}}"
   for f in "./$k".[0-9]*; do
     [ -f "$f" ] || continue
     out=
