@@ -20,6 +20,7 @@ from gputop import __version__
 from gputop.config import NO_CONFIG_HINT, Config, ConfigError, default_config_path, load_config
 from gputop.history.db import HistoryError
 from gputop.model import FleetSnapshot, HostSnapshot
+from gputop.pacing import set_pace
 from gputop.sources import Source
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -27,6 +28,8 @@ EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
+#: ``--watch`` handles the hosts' answers in batches at most this far apart (gputop.pacing).
+WATCH_PACE_S = 0.05
 
 
 class UsageError(Exception):
@@ -106,10 +109,12 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
 # --- ending cleanly on a signal ------------------------------------------------------------
 
 
-def run_until_signal(make: Callable[[], Coroutine[Any, Any, int]]) -> int:
+def run_until_signal(make: Callable[[], Coroutine[Any, Any, int]], *,
+                     paced: bool = False) -> int:
     """Run a coroutine; SIGTERM, SIGHUP or SIGINT cancel it, so its ``finally`` blocks end
     every remote loop before the process goes. Exit code 128 + the signal's number. A
-    second signal while that cleanup runs ends the process at once."""
+    second signal while that cleanup runs ends the process at once. ``paced``: on a loop
+    the coroutine may pace (:mod:`gputop.pacing`)."""
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
@@ -135,6 +140,10 @@ def run_until_signal(make: Callable[[], Coroutine[Any, Any, int]]) -> int:
             for sig in EXIT_SIGNALS:
                 loop.remove_signal_handler(sig)
 
+    if paced:
+        from gputop.pacing import run_paced
+
+        return run_paced(main())
     return asyncio.run(main())
 
 
@@ -290,6 +299,9 @@ async def watch_latest(poller: Any, interval: float, emit: Callable[[FleetSnapsh
         if feed.done():  # the feed failed: say why
             feed.result()
         loop = asyncio.get_running_loop()
+        # Every host answered once: from now on nothing here needs an answer the moment it
+        # arrives, so the loop handles them in batches (a no-op on an unpaced loop).
+        set_pace(WATCH_PACE_S)
         while True:
             started = loop.time()
             emit(FleetSnapshot(hosts=tuple(latest[n] for n in names)))
@@ -385,7 +397,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             if args.json:
                 return run_until_signal(
                     lambda: _json(cfg, sources, watch=args.watch, pretty=args.pretty,
-                                  record=args.record))
+                                  record=args.record), paced=args.watch)
             return run_until_signal(lambda: _table(cfg, sources))
     return _run_board(config, args)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -47,6 +46,11 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
     return sources, jumps
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Poller:
     def __init__(self, config: Config, sources: Sequence[Source] | None = None) -> None:
         self.config = config
@@ -58,7 +62,9 @@ class Poller:
         self._hosts: dict[str, HostConfig] = {h.name: h for h in config.hosts}
         self._last_ok: dict[str, datetime] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._wake: dict[str, asyncio.Event] = {}
+        #: Each host's sleep between refreshes, and hosts asked for during their query.
+        self._naps: dict[str, asyncio.Future[None]] = {}
+        self._woken: set[str] = set()
 
     async def poll_host(self, source: Source) -> HostSnapshot:
         try:
@@ -97,14 +103,33 @@ class Poller:
             await self._stop_tasks()
 
     async def _loop(self, source: Source, queue: asyncio.Queue[HostSnapshot]) -> None:
-        wake = self._wake.setdefault(source.name, asyncio.Event())
+        name = source.name
+        loop = asyncio.get_running_loop()
         while True:
-            started = time.monotonic()
-            wake.clear()
+            started = loop.time()
+            self._woken.discard(name)
             queue.put_nowait(await self.poll_host(source))
-            left = max(0.0, self.config.interval - (time.monotonic() - started))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), left)
+            spent = loop.time() - started
+            if spent >= self.config.interval / 2 and getattr(source, "paced", False):
+                continue  # a streamed sample it waited for: the next query waits again
+            left = self.config.interval - spent
+            if left > 0 and name not in self._woken:
+                await self._nap(name, left)
+
+    async def _nap(self, name: str, seconds: float) -> None:
+        """Sleep until the next refresh or a ``reconnect``. (A bare future and a timer: a
+        ``wait_for`` on an event makes a task and two more loop turns per host per
+        refresh, and at fleet scale the client's CPU is mostly such turns.)"""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._naps[name] = fut
+        timer = loop.call_later(seconds, _settle, fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            if self._naps.get(name) is fut:
+                del self._naps[name]
 
     def reconnect(self, name: str) -> bool:
         """Query host ``name`` now: its source forgets its backoff (``reset``, where it has
@@ -114,8 +139,9 @@ class Poller:
                 reset = getattr(source, "reset", None)
                 if callable(reset):
                     reset()
-                if (wake := self._wake.get(name)) is not None:
-                    wake.set()
+                self._woken.add(name)
+                if (nap := self._naps.get(name)) is not None:
+                    _settle(nap)
                 return True
         return False
 

@@ -12,7 +12,8 @@ class Source(Protocol):
 
     A source may also have ``warnings: tuple[str, ...]``, what its last query found odd in
     data it still returned, and ``first_sample_s`` (its stream's time to first sample); the
-    poller copies both onto the host snapshot.
+    poller copies both onto the host snapshot. One whose ``paced`` is true after a query
+    waited for its host's own next sample, so the poller asks again without sleeping.
     """
 
     name: str

@@ -11,6 +11,7 @@ through it in tests. nvidia-smi reports a value it cannot read as ``[N/A]``,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -177,6 +178,9 @@ def parse_gpu_rows(
             raise ParseError(
                 f"expected {len(fields)} comma-separated fields, got {len(cells)}: {excerpt(line)}"
             )
+        if fields is GPU_FIELDS:
+            gpus.append(gpu_from_cells(cells))
+            continue
         values: dict[str, Any] = {}
         for (attr, conv, memo), cell in zip(kept, cells):
             if not attr:
@@ -192,6 +196,32 @@ def parse_gpu_rows(
     gpus.extend(GpuInfo(index=None, bus_id=clean(bus), lost=True, lost_reason=reason or None)
                 for bus, reason in lost)
     return gpus
+
+
+#: GPU_FIELDS' kept cells are GpuInfo's first fields, in order: a row is built positionally.
+_ROW_START = 2
+_ROW_CONVERTERS = tuple(conv for _, attr, conv in GPU_FIELDS[_ROW_START:])
+assert all(attr for _, attr, _ in GPU_FIELDS[_ROW_START:])
+assert [a for _, a, _ in GPU_FIELDS[_ROW_START:]] == [
+    f.name for f in dataclasses.fields(GpuInfo)][:len(GPU_FIELDS) - _ROW_START]
+
+
+def gpu_from_cells(cells: Sequence[str]) -> GpuInfo:
+    """One GPU_FIELDS row, already split into its cells (the caller checked their count).
+    (The hot path of every refresh: each cell's value is memoised by its text.)"""
+    values: list[Any] = []
+    for conv, cell in zip(_ROW_CONVERTERS, cells[_ROW_START:]):
+        memo = _MEMOS.get(conv)
+        if memo is None:
+            memo = _MEMOS[conv] = {}
+        v = memo.get(cell, _MISSING)
+        if v is _MISSING:
+            v = conv(cell)
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[cell] = v
+        values.append(v)
+    return GpuInfo(*values)
 
 
 @dataclass(frozen=True)

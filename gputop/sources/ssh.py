@@ -344,6 +344,9 @@ class SshSource:
         self._stream_kills: set[asyncio.Task[None]] = set()
         self._seen_seq = 0
         self._starting = False
+        #: The last answer was a new stream sample: the poller queries again at once (the
+        #: query waits for the next sample) instead of sleeping first.
+        self.paced = False
         #: Owners and command lines of the pids in the last sample, and when ps was asked.
         #: pid -> (owner, command line, when ps answered, when last in a sample, start)
         self._owners: dict[int, tuple[Owner, str | None, float, float, str | None]] = {}
@@ -536,6 +539,7 @@ class SshSource:
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]:
         """This host's GPUs, or its classified error. Never raises (but CancelledError)."""
+        self.paced = False
         now = time.monotonic()
         if now < self._retry_at and self._last_error is not None:
             # The same words on every refresh until the next try (a countdown here made
@@ -959,6 +963,7 @@ class SshSource:
         """The newest GPU sample with the apps stream's processes and their owners."""
         first = self._seen_seq == 0
         self._seen_seq = st.seq
+        self.paced = True  # a new sample: the next query waits for the next one
         self._starting = False
         self.first_sample_s = st.first_sample_s
         if first and not st.apps.seen:

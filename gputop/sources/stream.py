@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import asyncssh
@@ -39,8 +39,11 @@ from gputop.sources.nvidia_smi import (
     AppRow,
     _split_lost,
     classify_failure,
+    gpu_from_cells,
     parse_apps_row,
     parse_gpu_rows,
+    to_int,
+    to_str,
 )
 from gputop.sources.protocol import (
     MARK,
@@ -56,6 +59,9 @@ from gputop.sources.protocol import (
     start_pid,
 )
 from gputop.text import excerpt
+
+#: What every lost GPU's line holds (looked for before the regex that reads one).
+_LOST_TEXT = "Unable to determine the device handle for GPU"
 
 #: Most GPUs one host may report (a sample claiming more is not nvidia-smi talking).
 MAX_GPUS = 1024
@@ -86,9 +92,11 @@ class GpuSampler:
         self._lines: list[str] = []
         #: The host-clock time of the last complete sample (its first row's timestamp).
         self.stamp = 0.0
-        #: While every line of this sample is a whole row (the usual case), its announced
-        #: count: rows are counted as they come instead of re-reading the sample per line.
+        #: While every line of this sample is a whole row (the usual case): its announced
+        #: count and each row's cells, so a row is split once and a sample is built from
+        #: its cells instead of being joined and read again.
         self._count: str | None = None
+        self._cells: list[list[str]] = []
         self._plain = True
 
     @property
@@ -97,7 +105,7 @@ class GpuSampler:
 
     def feed(self, line: str) -> list[GpuInfo] | None:
         self._lines.append(line)
-        if self._plain and _LOST.search(line) is None:
+        if self._plain and _LOST_TEXT not in line:
             cells = line.split(", ")
             if len(cells) == len(GPU_FIELDS):
                 count = cells[1].strip()
@@ -107,9 +115,12 @@ class GpuSampler:
                     self._count = count
                 elif count != self._count:
                     raise ParseError(f"GPU count changed within a sample: {excerpt(line)}")
-                if len(self._lines) < int(self._count):
+                self._cells.append(cells)
+                if len(self._cells) < int(self._count):
                     return None
-                return self._complete(self._lines[0])
+                rows = self._cells
+                gpus = [gpu_from_cells(c) for c in rows]
+                return self._complete(gpus, rows[0][0])
         self._plain = False  # a lost GPU's line, half a row: judge the sample as a whole
         data, lost = _split_lost(self.text)
         if not data:
@@ -131,12 +142,11 @@ class GpuSampler:
         for row in data:
             if row.split(", ")[1].strip() != count:
                 raise ParseError(f"GPU count changed within a sample: {excerpt(row)}")
-        return self._complete(data[0])
+        return self._complete(parse_gpu_rows(self.text), data[0].split(", ", 1)[0])
 
-    def _complete(self, first: str) -> list[GpuInfo]:
-        gpus = parse_gpu_rows(self.text)
-        self.stamp = parse_timestamp(first.split(", ", 1)[0])
-        self._lines, self._count, self._plain = [], None, True
+    def _complete(self, gpus: list[GpuInfo], stamp: str) -> list[GpuInfo]:
+        self.stamp = parse_timestamp(stamp)
+        self._lines, self._count, self._cells, self._plain = [], None, [], True
         return gpus
 
     def flush(self) -> list[GpuInfo] | None:
@@ -144,7 +154,7 @@ class GpuSampler:
         data, lost = _split_lost(self.text)
         if not lost or data:
             return None
-        self._lines, self._count, self._plain = [], None, True
+        self._lines, self._count, self._cells, self._plain = [], None, [], True
         return parse_gpu_rows("\n".join(f"Unable to determine the device handle for GPU "
                                         f"{bus}: {why}" for bus, why in lost))
 
@@ -190,7 +200,7 @@ class AppsBatches:
     _carry: str = ""
 
     def feed(self, line: str) -> None:
-        m = _LOST.search(line)
+        m = _LOST.search(line) if _LOST_TEXT in line else None
         if m:  # a lost GPU's line (stderr), maybe inside a row: keep the row's first half
             self._carry += line[: m.start()]
             return
@@ -217,12 +227,16 @@ class AppsBatches:
 def parse_session_apps_row(line: str) -> AppRow:
     """An apps row as the session sends it: nvidia-smi's four fields and, appended by the
     session's awk, the process's start time (digits, or ``-`` when unknown)."""
-    head, sep, start = line.rpartition(", ")
-    if sep and line.count(", ") == len(APPS_FIELDS):
-        if start != "-" and not start.isdigit():
-            raise ParseError(f"unexpected process row: {excerpt(line)}")
-        return replace(parse_apps_row(head), start=None if start == "-" else start)
-    return parse_apps_row(line)
+    cells = line.split(", ")
+    if len(cells) != len(APPS_FIELDS) + 1:
+        return parse_apps_row(line)
+    start = cells[-1]
+    if start != "-" and not start.isdigit():
+        raise ParseError(f"unexpected process row: {excerpt(line)}")
+    pid = to_int(cells[2])  # as parse_apps_row, without joining the row again
+    if pid is None or not cells[2].strip().isdigit():
+        raise ParseError(f"unexpected process row: {excerpt(line)}")
+    return AppRow(to_str(cells[1]), pid, to_int(cells[3]), None if start == "-" else start)
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
@@ -239,6 +253,24 @@ class SessionClosed(Exception):
 
 
 _EXIT = re.compile(r"exit (\d{1,3})")
+
+
+class _Channel(asyncssh.SSHClientSession[bytes]):
+    """asyncssh's callbacks for a session's channel, handed to its HostSession."""
+
+    def __init__(self, host: HostSession) -> None:
+        self.host = host
+
+    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
+        if datatype is None:  # the channel's stderr is the login shell's, not ours
+            self.host._data(data)
+
+    def eof_received(self) -> bool:
+        self.host._eof()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.host._lost(exc)
 
 
 class HostSession:
@@ -272,8 +304,12 @@ class HostSession:
         #: Lines read (for tests) and reads that brought data (the client's wake-ups).
         self.reads = 0
         self.pid = 0
-        self._proc: asyncssh.SSHClientProcess[bytes] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._chan: asyncssh.SSHClientChannel[bytes] | None = None
+        #: Until the start line came: resolved then (or failed).
+        self._opened: asyncio.Future[None] | None = None
+        self._banner = LineReader(64 * 1024)  # a shell startup file's banner may come first
+        #: Failed or closed: what still arrives is not read (the source kills the session).
+        self._dead = False
         self._nonce = ""
         self._sampler = GpuSampler()
         self._reader = LineReader(max_output)
@@ -286,55 +322,93 @@ class HostSession:
     async def start(self) -> None:
         """Open the channel and read its start line (a NoAwk where the host has none)."""
         self.started_at = time.monotonic()
-        proc = await self.conn.create_process(session_command(self.interval, self.args_wait_s),
-                                              stderr=asyncssh.DEVNULL, encoding=None)
-        self._proc = proc
+        self._opened = asyncio.get_running_loop().create_future()
+        chan, _ = await self.conn.create_session(
+            lambda: _Channel(self), session_command(self.interval, self.args_wait_s),
+            encoding=None)
+        self._chan = chan
         self.channels += 1
-        self._nonce = nonce = new_nonce()
-        proc.stdin.write(f"{nonce}\n".encode())
-        banner = LineReader(64 * 1024)  # a shell startup file's banner may come first
-        noawk = f"{MARK} {nonce} noawk"
+        self._nonce = new_nonce()
+        chan.write(f"{self._nonce}\n".encode())
         try:
-            while not self.pid:
-                data = await proc.stdout.read(65536)
-                if not data:
-                    raise ParseError("the remote shell did not run the gputop session")
-                lines = banner.feed(data)
-                for i, line in enumerate(lines):
-                    if line == noawk:
-                        raise NoAwk("no awk on the host")
-                    pid = start_pid(line, nonce)
-                    if pid is not None:
-                        self.pid = pid
-                        self._reader.feed(banner.rest())
-                        for after in lines[i + 1:]:
-                            self._line(after)
-                        break
+            await self._opened
         except BaseException:
-            proc.close()
+            chan.close()
             raise
-        self._task = asyncio.create_task(self._read(proc))
 
-    async def _read(self, proc: asyncssh.SSHClientProcess[bytes]) -> None:
+    # -- what the channel brings (called by asyncssh, in its packet handler) ----------------
+    #
+    # No task and no stream in between: a sample is parsed where its packet is read, which
+    # saves the client a future and two loop turns per host per refresh. Nothing may raise
+    # out of these (asyncssh would drop the whole connection): every failure is the
+    # session's own error.
+
+    def _data(self, data: bytes) -> None:
+        self.reads += 1
+        if self._opened is not None:
+            self._opening(data)
+            return
+        if self._dead:
+            return
         try:
-            while True:
-                data = await proc.stdout.read(65536)
-                if not data:
-                    break
-                self.reads += 1
-                for line in self._reader.feed(data):
-                    self._line(line)
+            for line in self._reader.feed(data):
+                self._line(line)
         except ParseError as exc:  # framing, or more output than a sample may have
             for loop in list(self._bad):  # a loop went astray first: that is the story
                 self._judge(loop, None)
             self._fail(HostError("parse", str(exc)))
+        except Exception as exc:  # a bug: this host's error, not the connection's end
+            self._fail(HostError("error", f"{type(exc).__name__}: {excerpt(str(exc))}"))
+
+    def _opening(self, data: bytes) -> None:
+        """Lines before the start line: a shell startup file's banner may come first."""
+        opened = self._opened
+        assert opened is not None
+        noawk = f"{MARK} {self._nonce} noawk"
+        try:
+            lines = self._banner.feed(data)
+            for i, line in enumerate(lines):
+                if line == noawk:
+                    raise NoAwk("no awk on the host")
+                pid = start_pid(line, self._nonce)
+                if pid is not None:
+                    self.pid = pid
+                    self._opened = None
+                    self._reader.feed(self._banner.rest())
+                    for after in lines[i + 1:]:
+                        if not self._dead:
+                            self._line(after)
+                    break
+        except Exception as exc:
+            self._opened = None
+            self._dead = True
+            if not opened.done():
+                opened.set_exception(exc)
             return
-        except (asyncssh.Error, OSError) as exc:
+        if self._opened is None and not opened.done():
+            opened.set_result(None)
+
+    def _eof(self) -> None:
+        # The channel's close (with the exit status) normally follows at once.
+        self._later(2.0, lambda: self._lost(None))
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self._opened is not None:
+            opened, self._opened = self._opened, None
+            if not opened.done():
+                opened.set_exception(ParseError(
+                    "the remote shell did not run the gputop session") if exc is None
+                    else exc)
+            return
+        if self._dead:
+            return
+        if exc is not None:
             self._fail(HostError("ssh", f"the nvidia-smi session broke: {excerpt(str(exc))}"))
             return
-        with contextlib.suppress(asyncio.TimeoutError, asyncssh.Error, OSError):
-            await asyncio.wait_for(proc.wait_closed(), 2.0)
-        self._end(-1 if proc.exit_status is None else proc.exit_status)
+        self._dead = True  # once: the EOF's fallback timer may come after the close
+        chan = self._chan
+        rc = chan.get_exit_status() if chan is not None else None
+        self._end(-1 if rc is None else rc)
 
     def _line(self, line: str) -> None:
         tag, x = line[:2], line[2:]
@@ -453,12 +527,12 @@ class HostSession:
     async def ask_ps(self, pids: list[int]) -> dict[str, Section]:
         """One ps request on the session (``NONCE PIDS`` in, owners and args out)."""
         async with self._ps_lock:
-            if self._proc is None or self.error is not None or self.ended is not None:
+            if self._chan is None or self.error is not None or self.ended is not None:
                 raise SessionClosed("the nvidia-smi session has ended")
             nonce = new_nonce()
             fut: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
             self._ps = (nonce, [], fut)
-            self._proc.stdin.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
+            self._chan.write(f"{nonce} {','.join(str(int(p)) for p in pids)}\n".encode())
             lines = await fut
         return split_frame(lines, nonce, OWNER_SECTIONS)
 
@@ -490,6 +564,9 @@ class HostSession:
     def _fail(self, err: HostError) -> None:
         if self.error is None and self.ended is None:
             self.error = err
+        self._dead = True
+        if self._chan is not None:  # stop reading: a flood then fills the window, not us
+            self._chan.pause_reading()
         self._stop_ps(f"{err.kind}: {err.message}")
         self._wake()
 
@@ -526,12 +603,11 @@ class HostSession:
         for t in self._timers:
             t.cancel()
         self._timers = []
-        if self._task is not None:
-            self._task.cancel()
+        self._dead = True
         self._stop_ps("the nvidia-smi session was closed")
-        if self._proc is not None:
-            self._proc.close()
-            self._proc = None
+        if self._chan is not None:
+            self._chan.close()
+            self._chan = None
 
     async def kill(self) -> None:
         """A stalled session: kill its process group on the host, then close."""

@@ -1,0 +1,97 @@
+"""An event loop that can be told to wake at most every so often.
+
+A fleet's hosts answer spread over the interval: 200 hosts at 2 s are 100 packets a
+second, and asyncio wakes for each one (an ``epoll_wait``, a loop turn, a task step).
+Headless ``--watch`` only needs each host's latest answer once per interval, so once it
+runs steadily the loop may sleep ``pace`` seconds between two polls: what arrived meanwhile
+waits in the kernel's socket buffers and is handled in one turn. That halves the client's
+CPU for the same packets (measured in ``bench/results/board-scale.md``), for at most
+``pace`` seconds more latency, which nothing headless notices at a 50 ms pace.
+
+Nothing is delayed while the loop has work ready (a zero timeout), and a loop whose pace is
+0 (the default) behaves exactly like asyncio's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import time
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class PacedSelector(selectors.DefaultSelector):
+    """The platform's default selector, sleeping before a poll that comes sooner than
+    ``pace`` seconds after the last one returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pace = 0.0
+        self._last = 0.0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self.pace > 0 and (timeout is None or timeout > 0):
+            wait = self._last + self.pace - time.monotonic()
+            if wait > 0:
+                if timeout is not None:
+                    wait = min(wait, timeout)
+                    timeout -= wait
+                time.sleep(wait)
+        ready: list[tuple[selectors.SelectorKey, int]] = super().select(timeout)
+        self._last = time.monotonic()
+        return ready
+
+
+_SELECTORS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PacedSelector] = (
+    weakref.WeakKeyDictionary())
+
+
+def new_paced_loop() -> asyncio.AbstractEventLoop:
+    selector = PacedSelector()
+    loop = asyncio.SelectorEventLoop(selector)
+    _SELECTORS[loop] = selector
+    return loop
+
+
+def set_pace(seconds: float) -> bool:
+    """Pace the running loop (False where it is not a paced loop: nothing changes)."""
+    selector = _SELECTORS.get(asyncio.get_running_loop())
+    if selector is None:
+        return False
+    selector.pace = max(0.0, seconds)
+    return True
+
+
+def run_paced(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on a loop that :func:`set_pace` can pace. (``asyncio.run``
+    takes no loop factory before Python 3.12.)"""
+    loop = new_paced_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            _cancel_all(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    """What ``asyncio.run`` does with tasks still pending when ``main`` returns."""
+    pending = asyncio.all_tasks(loop)
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    for task in pending:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler({"message": "unhandled exception during shutdown",
+                                         "exception": task.exception(), "task": task})
