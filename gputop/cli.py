@@ -28,8 +28,10 @@ EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
-#: ``--watch`` handles the hosts' answers in batches at most this far apart (gputop.pacing).
-WATCH_PACE_S = 0.05
+#: ``--watch`` handles the hosts' answers in batches at most this far apart (gputop.pacing),
+#: and at most an eighth of the interval: at 2 s, a sample is written at most 0.25 s later
+#: (a line every interval either way), for a third less CPU than at 50 ms (measured).
+WATCH_PACE_S = 0.25
 
 
 class UsageError(Exception):
@@ -301,7 +303,7 @@ async def watch_latest(poller: Any, interval: float, emit: Callable[[FleetSnapsh
         loop = asyncio.get_running_loop()
         # Every host answered once: from now on nothing here needs an answer the moment it
         # arrives, so the loop handles them in batches (a no-op on an unpaced loop).
-        set_pace(WATCH_PACE_S)
+        set_pace(min(WATCH_PACE_S, interval / 8))
         while True:
             started = loop.time()
             emit(FleetSnapshot(hosts=tuple(latest[n] for n in names)))

@@ -7,6 +7,7 @@ A value that a GPU or driver could not report is ``None`` (JSON ``null``), never
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -37,10 +38,22 @@ def utcnow() -> datetime:
 
 
 def iso(ts: datetime | None) -> str | None:
-    """UTC ISO-8601 with a ``Z``, second precision: stable and sortable in JSON."""
+    """UTC ISO-8601 with a ``Z``, second precision: stable and sortable in JSON. (Each
+    second's text is worked out once: a ``--watch`` line has two per host, mostly alike.)"""
     if ts is None:
         return None
-    return ts.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    second = int(ts.timestamp() // 1)
+    text = _ISO.get(second)
+    if text is None:
+        if len(_ISO) >= 256:
+            _ISO.clear()
+        text = _ISO[second] = (ts.astimezone(timezone.utc).replace(microsecond=0)
+                               .isoformat().replace("+00:00", "Z"))
+    return text
+
+
+#: ISO text by Unix second.
+_ISO: dict[int, str] = {}
 
 
 @dataclass(frozen=True)
@@ -136,16 +149,32 @@ class GpuInfo(_HoldsMemoryAndProcesses):
     instances: tuple[MigInstance, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in _GPU_SCALARS}
+        # Its fields are all it holds, in their order (frozen: nothing else is ever set), so
+        # a copy of them is the dict (``dataclasses.asdict`` deep-copies every value: too
+        # slow on every refresh of 200 hosts x 8 GPUs).
+        d = dict(self.__dict__)
         d["processes"] = [p.to_dict() for p in self.processes]
         d["instances"] = [i.to_dict() for i in self.instances]
         return d
 
+    @classmethod
+    def from_row(cls, values: Sequence[Any]) -> GpuInfo:
+        """A GPU from its first ``len(values)`` fields in order, the others' defaults.
 
-#: GpuInfo's scalar fields, in order. (``dataclasses.asdict`` deep-copies every value: too
-#: slow on every refresh of 200 hosts x 8 GPUs.)
-_GPU_SCALARS = tuple(f.name for f in dataclasses.fields(GpuInfo)
-                     if f.name not in ("processes", "instances"))
+        What ``GpuInfo(*values)`` builds, without the generated ``__init__``'s 20
+        ``object.__setattr__`` calls: the parser builds one per GPU per sample, and at
+        fleet scale those calls were most of what parsing cost."""
+        g = object.__new__(cls)
+        d = g.__dict__
+        d.update(zip(_GPU_FIELDS, values))
+        d.update(_GPU_DEFAULTS_FROM[min(len(values), len(_GPU_FIELDS))])
+        return g
+
+
+_GPU_FIELDS = tuple(f.name for f in dataclasses.fields(GpuInfo))
+#: The defaults of the fields from the k-th on (all of GpuInfo's fields have one).
+_GPU_DEFAULTS_FROM = [{f.name: f.default for f in dataclasses.fields(GpuInfo)[k:]}
+                      for k in range(len(_GPU_FIELDS) + 1)]
 
 
 @dataclass(frozen=True)

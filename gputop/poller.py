@@ -105,14 +105,18 @@ class Poller:
     async def _loop(self, source: Source, queue: asyncio.Queue[HostSnapshot]) -> None:
         name = source.name
         loop = asyncio.get_running_loop()
+        answered = -1e18
         while True:
             started = loop.time()
             self._woken.discard(name)
             queue.put_nowait(await self.poll_host(source))
-            spent = loop.time() - started
-            if spent >= self.config.interval / 2 and getattr(source, "paced", False):
-                continue  # a streamed sample it waited for: the next query waits again
-            left = self.config.interval - spent
+            now = loop.time()
+            # A new streamed sample: the next query waits for the next one, so no sleep
+            # (unless samples come more often than every half interval).
+            since, answered = now - answered, now
+            if since >= self.config.interval / 2 and getattr(source, "paced", False):
+                continue
+            left = self.config.interval - (now - started)
             if left > 0 and name not in self._woken:
                 await self._nap(name, left)
 

@@ -201,6 +201,7 @@ def parse_gpu_rows(
 #: GPU_FIELDS' kept cells are GpuInfo's first fields, in order: a row is built positionally.
 _ROW_START = 2
 _ROW_CONVERTERS = tuple(conv for _, attr, conv in GPU_FIELDS[_ROW_START:])
+_ROW_MEMOS = tuple(_memo(conv) for conv in _ROW_CONVERTERS)  # (emptied, never replaced)
 assert all(attr for _, attr, _ in GPU_FIELDS[_ROW_START:])
 assert [a for _, a, _ in GPU_FIELDS[_ROW_START:]] == [
     f.name for f in dataclasses.fields(GpuInfo)][:len(GPU_FIELDS) - _ROW_START]
@@ -210,10 +211,7 @@ def gpu_from_cells(cells: Sequence[str]) -> GpuInfo:
     """One GPU_FIELDS row, already split into its cells (the caller checked their count).
     (The hot path of every refresh: each cell's value is memoised by its text.)"""
     values: list[Any] = []
-    for conv, cell in zip(_ROW_CONVERTERS, cells[_ROW_START:]):
-        memo = _MEMOS.get(conv)
-        if memo is None:
-            memo = _MEMOS[conv] = {}
+    for conv, memo, cell in zip(_ROW_CONVERTERS, _ROW_MEMOS, cells[_ROW_START:]):
         v = memo.get(cell, _MISSING)
         if v is _MISSING:
             v = conv(cell)
@@ -221,7 +219,7 @@ def gpu_from_cells(cells: Sequence[str]) -> GpuInfo:
                 memo.clear()
             memo[cell] = v
         values.append(v)
-    return GpuInfo(*values)
+    return GpuInfo.from_row(values)
 
 
 @dataclass(frozen=True)

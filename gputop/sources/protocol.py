@@ -216,8 +216,10 @@ class LineReader:
         if b"\n" not in data:
             self._partial += data
             return []
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        return [ln.decode("utf-8", "replace") for ln in lines]
+        # Decoded at once: a line break is never part of a UTF-8 sequence, so this reads
+        # exactly as decoding each line would (replacing what is not UTF-8).
+        head, _, self._partial = (self._partial + data).rpartition(b"\n")
+        return head.decode("utf-8", "replace").split("\n")
 
     def restart(self) -> None:
         """Count from here on (a stream's limit is per sample): only the partial line left

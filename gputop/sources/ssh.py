@@ -419,9 +419,14 @@ class SshSource:
         tunnel: Any = ()
         if spec:
             tunnel = await self._jumps.get(spec)
+        # Keepalives only for the query per refresh: a stream's samples flow every interval
+        # and a silent one is a stall, killed and restarted at its limit. (asyncssh moves
+        # its keepalive timer on every packet received: a timer armed and cancelled per
+        # host per refresh, for nothing.)
+        keepalive = 0.0 if self.streaming else max(30.0, self.interval * 5)
         conn = await asyncssh.connect(
             opts.host, opts.port, options=opts, tunnel=tunnel, sock=sock,
-            keepalive_interval=max(30.0, self.interval * 5), known_hosts=known_hosts_for(opts),
+            keepalive_interval=keepalive, known_hosts=known_hosts_for(opts),
         )
         self.connects += 1
         return conn

@@ -165,17 +165,30 @@ _TIMESTAMP = re.compile(
 
 def parse_timestamp(value: str) -> float:
     """nvidia-smi's ``timestamp`` (``2026/07/14 08:12:53.500``) as seconds (host clock).
-    (Read by hand, not ``strptime``: one per sample and process row per host.)"""
+    (Read by hand, not ``strptime``, and each day's start worked out once: one per sample
+    and process row per host.)"""
     v = value.strip()
     m = _TIMESTAMP.fullmatch(v)
     if not m:
         raise ParseError(f"bad timestamp in the stream: {excerpt(v)}")
     y, mo, d, h, mi, sec, frac = m.groups()
-    try:
-        day = datetime(int(y), int(mo), int(d), int(h), int(mi), int(sec), tzinfo=timezone.utc)
-    except ValueError as exc:
-        raise ParseError(f"bad timestamp in the stream: {excerpt(v)}") from exc
-    return day.timestamp() + (int(frac) / 10 ** len(frac) if frac else 0.0)
+    day = _DAYS.get(v[:10])
+    if day is None:
+        try:
+            day = datetime(int(y), int(mo), int(d), tzinfo=timezone.utc).timestamp()
+        except ValueError as exc:
+            raise ParseError(f"bad timestamp in the stream: {excerpt(v)}") from exc
+        if len(_DAYS) >= 64:
+            _DAYS.clear()
+        _DAYS[v[:10]] = day
+    hours, mins, secs = int(h), int(mi), int(sec)
+    if hours > 23 or mins > 59 or secs > 59:
+        raise ParseError(f"bad timestamp in the stream: {excerpt(v)}")
+    return day + hours * 3600 + mins * 60 + secs + (int(frac) / 10 ** len(frac) if frac else 0.0)
+
+
+#: Start of a day (UTC seconds) by its ``YYYY/MM/DD`` text.
+_DAYS: dict[str, float] = {}
 
 
 @dataclass
@@ -298,7 +311,9 @@ class HostSession:
         #: A loop ended (its rc): a dead session is restarted, one that cannot stream
         #: (ended with a plain failure before any sample) makes the host fall back.
         self.ended: int | None = None
-        self._waiters: list[asyncio.Future[None]] = []
+        #: Who waits for a change, until when (loop time); the one alarm for them all.
+        self._waiters: list[tuple[asyncio.Future[None], float]] = []
+        self._alarm: asyncio.TimerHandle | None = None
         #: Channels opened (for tests and the benchmark): one per session.
         self.channels = 0
         #: Lines read (for tests) and reads that brought data (the client's wake-ups).
@@ -422,6 +437,8 @@ class HostSession:
             raise FramingError(f"untagged line in the nvidia-smi session: {excerpt(line)}")
 
     def _exit_rc(self, x: str) -> int | None:
+        if not x.startswith(MARK):  # (every row but a marker: no string built per line)
+            return None
         prefix = f"{MARK} {self._nonce} "
         m = _EXIT.fullmatch(x[len(prefix):]) if x.startswith(prefix) else None
         return int(m.group(1)) if m else None
@@ -538,24 +555,42 @@ class HostSession:
 
     def _wake(self) -> None:
         waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        for fut, _ in waiters:
+            _settle(fut)
 
     async def changed(self, timeout: float) -> None:
-        """Return at the next change, or after ``timeout`` seconds. (A bare future and a
-        timer: ``wait_for(event.wait())`` costs a task and two more loop turns per host
-        per refresh, and the client's CPU is mostly such turns.)"""
+        """Return at the next change, or after ``timeout`` seconds (or a little sooner).
+
+        A bare future, and one alarm per session that is moved only when it is due: a
+        waiter per refresh used to arm and cancel a timer of its own (a heap push and a
+        cancelled handle per host per refresh); now the alarm rings about once per stall
+        limit, finds the waiters' deadline moved on with the samples, and re-arms."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(fut)
-        timer = loop.call_later(max(0.0, timeout), _settle, fut)
+        deadline = loop.time() + max(0.0, timeout)
+        self._waiters.append((fut, deadline))
+        if self._alarm is None or self._alarm.when() > deadline:
+            self._arm(deadline)
         try:
             await fut
         finally:
-            timer.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            self._waiters = [w for w in self._waiters if w[0] is not fut]
+
+    def _arm(self, when: float) -> None:
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm = asyncio.get_running_loop().call_at(when, self._ring)
+
+    def _ring(self) -> None:
+        """The alarm: wake the waiters whose deadline passed, re-arm for the rest."""
+        self._alarm = None
+        now = asyncio.get_running_loop().time() + 0.001  # (the loop rings a hair early)
+        due = [f for f, d in self._waiters if d <= now]
+        self._waiters = [w for w in self._waiters if w[1] > now]
+        for f in due:
+            _settle(f)
+        if self._waiters:
+            self._arm(min(d for _, d in self._waiters))
 
     def _later(self, delay: float, what: object) -> None:
         assert callable(what)
@@ -603,6 +638,9 @@ class HostSession:
         for t in self._timers:
             t.cancel()
         self._timers = []
+        if self._alarm is not None:
+            self._alarm.cancel()
+            self._alarm = None
         self._dead = True
         self._stop_ps("the nvidia-smi session was closed")
         if self._chan is not None:
