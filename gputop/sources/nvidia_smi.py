@@ -209,16 +209,17 @@ assert [a for _, a, _ in GPU_FIELDS[_ROW_START:]] == [
 
 def gpu_from_cells(cells: Sequence[str]) -> GpuInfo:
     """One GPU_FIELDS row, already split into its cells (the caller checked their count).
-    (The hot path of every refresh: each cell's value is memoised by its text.)"""
-    values: list[Any] = []
-    for conv, memo, cell in zip(_ROW_CONVERTERS, _ROW_MEMOS, cells[_ROW_START:]):
-        v = memo.get(cell, _MISSING)
-        if v is _MISSING:
-            v = conv(cell)
-            if len(memo) >= _MEMO_SIZE:
-                memo.clear()
-            memo[cell] = v
-        values.append(v)
+    (The hot path of every refresh: each cell's value is memoised by its text, and only a
+    cell not seen before is converted.)"""
+    values = [memo.get(cell, _MISSING) for memo, cell in zip(_ROW_MEMOS, cells[_ROW_START:])]
+    if _MISSING in values:
+        for i, (conv, memo, cell) in enumerate(zip(_ROW_CONVERTERS, _ROW_MEMOS,
+                                                   cells[_ROW_START:])):
+            if values[i] is _MISSING:
+                v = values[i] = conv(cell)
+                if len(memo) >= _MEMO_SIZE:
+                    memo.clear()
+                memo[cell] = v
     return GpuInfo.from_row(values)
 
 

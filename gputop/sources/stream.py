@@ -96,6 +96,7 @@ class GpuSampler:
         #: count and each row's cells, so a row is split once and a sample is built from
         #: its cells instead of being joined and read again.
         self._count: str | None = None
+        self._rows = 0
         self._cells: list[list[str]] = []
         self._plain = True
 
@@ -112,11 +113,11 @@ class GpuSampler:
                 if self._count is None:
                     if not count.isdigit() or not 1 <= int(count) <= MAX_GPUS:
                         raise ParseError(f"bad GPU count in the stream: {excerpt(line)}")
-                    self._count = count
+                    self._count, self._rows = count, int(count)
                 elif count != self._count:
                     raise ParseError(f"GPU count changed within a sample: {excerpt(line)}")
                 self._cells.append(cells)
-                if len(self._cells) < int(self._count):
+                if len(self._cells) < self._rows:
                     return None
                 rows = self._cells
                 gpus = [gpu_from_cells(c) for c in rows]
