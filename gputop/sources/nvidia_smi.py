@@ -404,6 +404,10 @@ class RemoteResult:
 
 def index_warnings(gpus: Iterable[GpuInfo]) -> list[str]:
     """A GPU index listed twice (both GPUs are shown)."""
+    gpus = list(gpus)
+    indexes = [g.index for g in gpus if g.index is not None]
+    if len(set(indexes)) == len(indexes):  # (every sample of every host: the usual case)
+        return []
     seen: dict[int, int] = {}
     for g in gpus:
         if g.index is not None:

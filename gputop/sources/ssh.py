@@ -313,6 +313,13 @@ class JumpPool:
         self._conns.clear()
 
 
+@functools.lru_cache(maxsize=64)
+def _persistence_warning(off: tuple[int | None, ...]) -> str:
+    """(The same words every sample: worked out once per set of GPUs.)"""
+    return (f"persistence mode is off on GPU {', '.join(str(i) for i in off)}: every "
+            "nvidia-smi start initialises the GPU again; enable nvidia-persistenced")
+
+
 class SshSource:
     """One remote host: a persistent connection and channel, one refresh in flight at most."""
 
@@ -979,14 +986,14 @@ class SshSource:
         gpus = st.gpus
         now = time.monotonic()
         apps = st.apps.for_sample(st.stamp)
-        owners, args = await self._owners_of(st, apps, now)
+        if apps or self._owners:
+            owners, args = await self._owners_of(st, apps, now)
+            gpus = attach_processes(gpus, apps, owners, args)
         warnings = index_warnings(gpus)
-        off = [str(g.index) for g in gpus if g.persistence_mode == "Disabled"]
+        off = tuple(g.index for g in gpus if g.persistence_mode == "Disabled")
         if off:
-            warnings.append(f"persistence mode is off on GPU {', '.join(off)}: every "
-                            "nvidia-smi start initialises the GPU again; enable "
-                            "nvidia-persistenced")
-        return RemoteResult(attach_processes(gpus, apps, owners, args), None, tuple(warnings))
+            warnings.append(_persistence_warning(off))
+        return RemoteResult(gpus, None, tuple(warnings))
 
     @staticmethod
     async def _apps_seen(st: HostSession) -> None:
