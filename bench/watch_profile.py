@@ -2,7 +2,8 @@
 
 Brings up N real sshd hosts (``tests/fleet.py``, as ``bench/run.py`` does), runs
 ``python -m cProfile -m gputop --json --watch`` against them for ``--seconds`` from the
-first document in which every host answered (at most 10 lines in), stops it with SIGINT (the profile is written on exit), and groups
+first document in which every host answered (at most 10 lines in), stops it with SIGINT
+(the profile is written on exit), and groups
 the profile's own time by where the code lives: asyncssh (split into its packet path,
 cipher and channel code), asyncio, gputop's parse, the document (annotate, to_dict, JSON),
 and the rest. Each ``--variant`` is one run on the same fleet:
