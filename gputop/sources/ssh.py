@@ -954,6 +954,8 @@ class SshSource:
             if time.monotonic() < self._first_deadline:
                 return self._starting_result()
             self._cancel_opening()
+            if self._conn is not None:  # a channel open unanswered: the connection is dead
+                self._conn.abort()
             raise _PhaseTimeout(f"the nvidia-smi streams did not open in "
                                 f"{self.first_sample_timeout:g}s (first_sample_timeout)")
         self._opening = None

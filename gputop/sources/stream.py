@@ -21,7 +21,6 @@ host's clock, and the host's liveness is judged from the GPU loop only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -654,6 +653,12 @@ class HostSession:
         self.close()
         if pid <= 1:
             return
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(self.conn.run(f"kill -s KILL -- -{int(pid)}", check=False),
                                    timeout=1.5)
+        except asyncio.TimeoutError:
+            # No answer to a channel open either: the connection itself is dead (streams
+            # have no keepalive): drop it, so the next refresh connects afresh.
+            self.conn.abort()
+        except Exception:  # noqa: S110 - best effort; the connection may be gone too
+            pass
