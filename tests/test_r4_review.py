@@ -99,3 +99,123 @@ async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fl
     assert back_after is not None, (kinds[-8:], src.connects)
     assert back_after < 20, back_after
     assert src.connects == 2
+
+
+def _sessions(fleet: Fleet, h: Host) -> set[int]:
+    out: set[int] = set()
+    for ln in fleet.remote_processes(h):
+        sid = subprocess.run(["ps", "-o", "sid=", "-p", ln.split()[0]], capture_output=True,
+                             text=True).stdout.strip()
+        if sid:
+            out.add(int(sid))
+    return out
+
+
+def _session_pids(sid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return {int(p) for p, s in (ln.split() for ln in out.splitlines()) if int(s) == sid}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_paced_and_ps_hangs_leaves_nothing_on_the_host(
+    rfleet: Fleet, sig: int,
+) -> None:
+    """--json --watch paces its loop once every host answered (0.25 s at a 2 s interval):
+    a signal then, while a ps the session asked for hangs, must still end the process
+    cleanly and kill the session's process group on the host."""
+    import sys
+
+    from fleet import GpuProcess
+    alpha = rfleet.hosts["alpha"]
+    flag = rfleet.root / "alpha" / "ps-hangs"
+    ps = rfleet.root / "alpha" / "bin" / "ps"
+    ps.write_text(ps.read_text().replace(
+        "exec /bin/ps", f"[ -e {flag} ] && exec sleep 600\nexec /bin/ps"))
+    cfg = rfleet.write_config(["alpha"], timeout=20.0, interval=2.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "--json", "--watch", "--config", str(cfg)],
+        env=rfleet.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    sids: set[int] = set()
+    try:
+        for _ in range(2):  # paced from the first document on
+            assert proc.stdout.readline()
+        sids = _sessions(rfleet, alpha)
+        assert len(sids) == 1
+        flag.write_text("")
+        newcomer = GpuProcess("gtbob", "python eval.py", gpu=1)
+        rfleet.start_process(newcomer)
+        alpha.processes.append(newcomer)
+        rfleet.set_scenario(alpha, "ok")
+        deadline = time.monotonic() + 10
+        while not any(c.startswith("ps ") and str(newcomer.pid) in c
+                      for c in rfleet.calls(alpha)):
+            assert time.monotonic() < deadline, rfleet.calls(alpha)
+            time.sleep(0.05)
+        time.sleep(0.3)  # the ps is hanging on the host
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(20)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        flag.unlink(missing_ok=True)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr, stderr
+    assert took < 3.0, took
+    (sid,) = sids
+    deadline = time.monotonic() + 3
+    while _session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _session_pids(sid) == set(), subprocess.run(
+        ["ps", "-o", "pid,args", "-s", str(sid)], capture_output=True, text=True).stdout
+
+
+def _watch(fleet: Fleet, cfg: Path, pace: float | None) -> subprocess.Popen[str]:
+    """``gputop --json --watch``; ``pace``: override cli.WATCH_PACE_S (None: as shipped)."""
+    import sys
+    code = ("import sys, gputop.cli as c\n"
+            + (f"c.WATCH_PACE_S = {pace!r}\n" if pace is not None else "")
+            + "sys.exit(c.main(sys.argv[1:]))")
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "--json", "--watch", "--config", str(cfg)],
+        env=fleet.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("pace", [None, 0.0], ids=["paced", "unpaced"])
+def test_a_dropped_host_reconnects_within_its_timeout_while_paced(
+    rfleet: Fleet, pace: float | None,
+) -> None:
+    """Finding: once --json --watch paces its loop (min(0.25 s, interval/8)), every
+    dependent round trip waits for the next paced poll, so an SSH handshake (banner, kex,
+    newkeys, service, three auth steps, channel open, exec, start line: ~10 round trips)
+    takes ~2.5 s however close the host is. A host whose connection drops must connect
+    again within its `timeout`; at interval 2 s and timeout 2 s it never does while paced
+    (and at any interval, the pace eats timeout / pace round trips of the handshake)."""
+    import json
+    alpha = rfleet.hosts["alpha"]
+    cfg = rfleet.write_config(["alpha"], timeout=2.0, interval=2.0)
+    proc = _watch(rfleet, cfg, pace)
+    assert proc.stdout is not None
+    statuses: list[str] = []
+    try:
+        for _ in range(2):
+            doc = json.loads(proc.stdout.readline())
+            assert doc["hosts"][0]["status"] == "ok", doc
+        assert alpha.proc is not None
+        for p in _sshd_tree(alpha.proc.pid):  # the connection drops (its sshd is killed)
+            os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            h = json.loads(proc.stdout.readline())["hosts"][0]
+            statuses.append(h["status"] if h["status"] == "ok" else h["error"]["kind"]
+                            + ": " + h["error"]["message"][:60])
+            if len(statuses) > 1 and statuses[-1] == "ok":
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    assert statuses and statuses[-1] == "ok", statuses
