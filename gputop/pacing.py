@@ -15,10 +15,11 @@ Nothing is delayed while the loop has work ready (a zero timeout); a timer fires
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -31,10 +32,12 @@ class PacedSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.pace = 0.0
+        #: Exchanges under way whose every round trip counts (a handshake): no pace then.
+        self.holds = 0
         self._last = 0.0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if self.pace > 0 and (timeout is None or timeout > 0):
+        if self.pace > 0 and not self.holds and (timeout is None or timeout > 0):
             wait = self._last + self.pace - time.monotonic()
             if wait > 0:
                 # A timer due sooner waits too: 200 hosts' stall alarms and timeouts, each
@@ -66,6 +69,24 @@ def set_pace(seconds: float) -> bool:
         return False
     selector.pace = max(0.0, seconds)
     return True
+
+
+@contextlib.contextmanager
+def unpaced() -> Iterator[None]:
+    """No pace while this runs (nested and concurrent uses add up): for a handshake, whose
+    ten round trips would each wait for a paced poll, and which has a timeout to keep."""
+    try:
+        selector = _SELECTORS.get(asyncio.get_running_loop())
+    except RuntimeError:
+        selector = None
+    if selector is None:
+        yield
+        return
+    selector.holds += 1
+    try:
+        yield
+    finally:
+        selector.holds -= 1
 
 
 def run_paced(main: Coroutine[Any, Any, T]) -> T:

@@ -38,6 +38,7 @@ import asyncssh
 
 from gputop.config import HostConfig
 from gputop.model import GpuInfo, HostError
+from gputop.pacing import unpaced
 from gputop.sources import mig
 from gputop.sources.nvidia_smi import (
     REMOTE_SCRIPT,
@@ -527,9 +528,12 @@ class SshSource:
                 tcp.result().close()  # connected, but the handshake never took it
 
     async def _handshake(self, sock: socket.socket | None) -> None:
-        self._conn = await self._connect(sock)
-        if not self.streaming:  # streams are opened after the handshake (_stream_query)
-            await self._open_channel(self._conn)
+        # Unpaced: a handshake's ten round trips must not each wait for a paced poll (once
+        # the server has spoken: a silent host does not turn the pace off while it waits).
+        with unpaced():
+            self._conn = await self._connect(sock)
+            if not self.streaming:  # streams are opened after the handshake (_stream_query)
+                await self._open_channel(self._conn)
 
     def _connected(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
@@ -836,7 +840,8 @@ class SshSource:
         self._seen_seq = 0
         self.stream_starts += 1
         try:
-            await streams.start()
+            with unpaced():
+                await streams.start()
         except BaseException:
             streams.close()
             raise

@@ -29,6 +29,7 @@ from datetime import datetime, timezone
 import asyncssh
 
 from gputop.model import GpuInfo, HostError
+from gputop.pacing import unpaced
 from gputop.sources.nvidia_smi import (
     _LOST,
     APPS_FIELDS,
@@ -654,8 +655,9 @@ class HostSession:
         if pid <= 1:
             return
         try:
-            await asyncio.wait_for(self.conn.run(f"kill -s KILL -- -{int(pid)}", check=False),
-                                   timeout=1.5)
+            with unpaced():  # four round trips: not each after a paced poll
+                await asyncio.wait_for(
+                    self.conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5)
         except asyncio.TimeoutError:
             # No answer to a channel open either: the connection itself is dead (streams
             # have no keepalive): drop it, so the next refresh connects afresh.
