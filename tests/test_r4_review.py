@@ -219,3 +219,14 @@ def test_a_dropped_host_reconnects_within_its_timeout_while_paced(
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
     assert statuses and statuses[-1] == "ok", statuses
+
+
+async def test_changed_still_returns_after_its_timeout_when_the_session_is_closed() -> None:
+    """Finding: HostSession.changed's one alarm is cancelled by close() (and kill()), but
+    the waiters are neither woken nor re-armed: one waiting then never returns (before,
+    each waiter's own timer ended its wait at the timeout)."""
+    st = HostSession(None, 0.5, 1 << 20)  # type: ignore[arg-type]  # changed() needs no conn
+    waiting = asyncio.ensure_future(st.changed(0.2))
+    await asyncio.sleep(0.05)
+    st.close()
+    await asyncio.wait_for(waiting, 2.0)
