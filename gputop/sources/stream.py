@@ -644,6 +644,7 @@ class HostSession:
             self._alarm = None
         self._dead = True
         self._stop_ps("the nvidia-smi session was closed")
+        self._wake()  # their alarm is gone: whoever waits looks again (and re-arms it)
         if self._chan is not None:
             self._chan.close()
             self._chan = None
