@@ -230,3 +230,43 @@ async def test_changed_still_returns_after_its_timeout_when_the_session_is_close
     await asyncio.sleep(0.05)
     st.close()
     await asyncio.wait_for(waiting, 2.0)
+
+
+async def test_many_session_restarts_leave_no_channels_timers_tasks_or_processes(
+    rfleet: Fleet,
+) -> None:
+    """The GPU loop is killed on the host again and again: each time the session ends and
+    is restarted on the same connection. Nothing of the old sessions may pile up: asyncssh
+    channels, loop timers, tasks, sessions on the host."""
+    alpha = rfleet.hosts["alpha"]
+    cfg = rfleet.write_config(["alpha"], timeout=TIMEOUT, interval=INTERVAL)
+    poller = Poller(load_config(str(cfg)))
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    loop = asyncio.get_running_loop()
+    kinds: list[str] = []
+    marks: list[tuple[int, int, int, int]] = []
+    oks_since_kill = 0
+    try:
+        async for snap in poller.updates():
+            kinds.append(snap.error.kind if snap.error else "ok")
+            oks_since_kill = oks_since_kill + 1 if snap.error is None else 0
+            if oks_since_kill >= 3:
+                conn = src._conn
+                assert conn is not None
+                marks.append((len(conn._channels), len(loop._scheduled),  # type: ignore[attr-defined]
+                              len(asyncio.all_tasks()), len(_sessions(rfleet, alpha))))
+                if len(marks) == 10:
+                    break
+                gpu = [ln for ln in rfleet.remote_processes(alpha) if "--query-gpu" in ln]
+                assert len(gpu) == 1, gpu
+                os.kill(int(gpu[0].split()[0]), signal.SIGKILL)
+                oks_since_kill = 0
+            assert len(kinds) < 400, kinds[-10:]
+    finally:
+        await poller.aclose()
+    assert src.connects == 1 and src.stream_starts == 10, (src.connects, src.stream_starts)
+    chans, timers, tasks, sessions = zip(*marks)
+    assert max(chans) <= 2 and max(sessions) == 1, marks
+    assert max(timers) <= 6, marks  # a restart's own timers come and go; none pile up
+    assert max(tasks[3:]) <= max(tasks[:3]), marks
