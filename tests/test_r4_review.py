@@ -4,6 +4,7 @@ keepalive, paced --watch). Each test names the finding it reproduces."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -270,3 +271,147 @@ async def test_many_session_restarts_leave_no_channels_timers_tasks_or_processes
     assert max(chans) <= 2 and max(sessions) == 1, marks
     assert max(timers) <= 6, marks  # a restart's own timers come and go; none pile up
     assert max(tasks[3:]) <= max(tasks[:3]), marks
+
+
+class _Gated:
+    """A source whose query waits for the test; ``paced`` as a stream's would be."""
+
+    kind = "ssh"
+
+    def __init__(self, name: str, paced: bool) -> None:
+        self.name = name
+        self.paced_after = paced
+        self.paced = False
+        self.calls = 0
+        self.resets = 0
+        self.gate: asyncio.Future[None] | None = None
+
+    async def query(self) -> tuple[list[object], None]:
+        self.paced = False
+        self.calls += 1
+        self.gate = asyncio.get_running_loop().create_future()
+        await self.gate
+        self.paced = self.paced_after
+        return [], None
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("paced", [False, True])
+async def test_reconnect_during_a_query_or_a_nap_queries_again_at_once(paced: bool) -> None:
+    """reconnect() while a query is in flight: the next query follows it without the
+    interval's sleep; during the sleep: it ends the sleep. Each nap leaves no timer or
+    future behind."""
+    from gputop.config import Config, HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"),), interval=5.0, timeout=5.0,
+                 reservations_path=Path("/nonexistent/r.json"))
+    src = _Gated("h", paced)
+    poller = Poller(cfg, [src])  # type: ignore[list-item]
+    got: list[float] = []
+
+    async def consume() -> None:
+        async for _snap in poller.updates():
+            got.append(time.monotonic())
+
+    feed = asyncio.ensure_future(consume())
+    try:
+        for _ in range(50):
+            if src.gate is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert src.calls == 1 and src.gate is not None
+        assert poller.reconnect("h") and src.resets == 1  # during the query
+        src.gate.set_result(None)
+        for _ in range(50):
+            if src.calls == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert src.calls == 2  # at once, not after 5 s
+        assert src.gate is not None
+        src.gate.set_result(None)  # answered quickly: paced or not, the poller naps now
+        await asyncio.sleep(0.1)
+        assert src.calls == 2 and "h" in poller._naps
+        assert poller.reconnect("h")  # during the nap: it ends
+        for _ in range(50):
+            if src.calls == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert src.calls == 3 and "h" not in poller._naps
+    finally:
+        feed.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feed
+        await poller.aclose()
+    assert poller._naps == {} and poller._woken <= {"h"}
+
+
+def test_fast_paths_read_exactly_as_the_old_ones() -> None:
+    """GpuInfo.from_row, to_dict, LineReader's one decode, parse_timestamp's day memo,
+    iso's second memo and output.dumps' reused encoders, against what they replaced."""
+    import dataclasses
+    import json
+    import pickle
+    import random
+    from datetime import datetime, timedelta, timezone
+
+    from gputop import output
+    from gputop.model import GpuInfo, ProcessInfo, iso
+    from gputop.sources import stream
+    from gputop.sources.protocol import LineReader
+    from gputop.sources.stream import ParseError, parse_timestamp
+
+    rnd = random.Random(4)
+    names = [f.name for f in dataclasses.fields(GpuInfo)]
+    for k in range(len(names) + 1):
+        vals = [rnd.choice([(), (ProcessInfo(1),)]) if n in ("processes", "instances")
+                else rnd.choice([1, "x", None, 2.5]) for n in names[:k]]
+        a, b = GpuInfo.from_row(vals), GpuInfo(*vals)
+        assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+        assert list(a.to_dict().items()) == list(b.to_dict().items())
+        assert pickle.loads(pickle.dumps(a)) == b
+        assert dataclasses.replace(a, index=7) == dataclasses.replace(b, index=7)
+
+    def per_line(chunks: list[bytes]) -> list[str]:
+        part, out = b"", []
+        for d in chunks:
+            *lines, part = (part + d).split(b"\n")
+            out += [ln.decode("utf-8", "replace") for ln in lines]
+        return out
+
+    alphabet = [b"\n", b"a", b"\xe2", b"\x82", b"\xac", b"\xf0", b"\x9f", b"\xff", b"\r",
+                b"\xed\xa0\x80", b"\xc3"]
+    for _ in range(5000):
+        s = b"".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 16)))
+        cuts = sorted(rnd.sample(range(len(s) + 1), min(3, len(s) + 1)))
+        chunks = [s[i:j] for i, j in zip([0, *cuts], [*cuts, len(s)])]
+        reader = LineReader(1 << 20)
+        assert [ln for c in chunks for ln in reader.feed(c)] == per_line(chunks), chunks
+
+    t = datetime(2023, 12, 30, tzinfo=timezone.utc)  # a leap year, month and year ends
+    while t < datetime(2025, 3, 2, tzinfo=timezone.utc):
+        for extra in (0, 1, 43200.25, 86399.5):
+            u = t + timedelta(seconds=extra)
+            text = u.strftime("%Y/%m/%d %H:%M:%S") + (f".{u.microsecond // 1000:03d}"
+                                                      if u.microsecond else "")
+            assert parse_timestamp(text) == u.timestamp(), text
+        t += timedelta(days=1)
+    assert len(stream._DAYS) <= 64
+    for bad in ("2023/02/29 00:00:00", "2024/02/30 00:00:00", "2024/13/01 00:00:00",
+                "2024/01/01 24:00:00", "2024/01/01 23:60:00", "2024/01/01 23:00:60"):
+        with pytest.raises(ParseError):
+            parse_timestamp(bad)
+
+    for _ in range(3000):
+        x = rnd.uniform(-1e9, 4e9)
+        for tz in (timezone.utc, timezone(timedelta(hours=5, minutes=30)), None):
+            d = datetime.fromtimestamp(x, tz)
+            assert iso(d) == d.astimezone(timezone.utc).isoformat(
+                timespec="seconds").replace("+00:00", "Z")
+
+    doc = {"a": [1, 2.5, float("nan"), None, "\u00e9\u2028\ud800", {"x": (1, 2)}], "b": True}
+    assert output.dumps(doc) == json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
+    assert output.dumps(doc, pretty=True) == json.dumps(doc, ensure_ascii=True, indent=2)
