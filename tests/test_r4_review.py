@@ -415,3 +415,47 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
     doc = {"a": [1, 2.5, float("nan"), None, "\u00e9\u2028\ud800", {"x": (1, 2)}], "b": True}
     assert output.dumps(doc) == json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
     assert output.dumps(doc, pretty=True) == json.dumps(doc, ensure_ascii=True, indent=2)
+
+
+async def test_a_frozen_connection_of_a_host_that_fell_back_to_queries_is_dropped(
+    rfleet: Fleet,
+) -> None:
+    """Finding (same root as the frozen stream): a host that connected to stream and then
+    fell back to a query per refresh (here: no awk) keeps its connection without a
+    keepalive; a query that times out keeps the connection, so once its peer goes silent
+    the host stays a timeout for ever (before: the keepalive closed it)."""
+    alpha = rfleet.hosts["alpha"]
+    (rfleet.root / "alpha" / "bin" / "awk").write_text(
+        "#!/bin/sh\necho 'sh: 1: awk: not found' >&2\nexit 127\n")
+    (rfleet.root / "alpha" / "bin" / "awk").chmod(0o755)
+    cfg = rfleet.write_config(["alpha"], timeout=TIMEOUT, interval=INTERVAL,
+                              first_sample_timeout=3.0)
+    poller = Poller(load_config(str(cfg)))
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    frozen: list[int] = []
+    kinds: list[str] = []
+    back_after: float | None = None
+    frozen_at = 0.0
+    try:
+        started = time.monotonic()
+        async for snap in poller.updates():
+            kinds.append(snap.error.kind if snap.error else "ok")
+            if not frozen and kinds.count("ok") >= 2:
+                assert not src.streaming  # fell back
+                assert alpha.proc is not None
+                frozen = _sshd_tree(alpha.proc.pid)
+                for p in frozen:
+                    os.kill(p, signal.SIGSTOP)
+                frozen_at = time.monotonic()
+            elif frozen and "timeout" in kinds and kinds[-1] == "ok":
+                back_after = time.monotonic() - frozen_at
+                break
+            if time.monotonic() - started > 30:
+                break
+    finally:
+        await poller.aclose()
+        for p in frozen:
+            os.kill(p, signal.SIGCONT)
+    assert back_after is not None, (kinds[-8:], src.connects)
+    assert back_after < 20, back_after
