@@ -795,9 +795,12 @@ class SshSource:
         if not pid or pid <= 1:
             return
         try:
-            await asyncio.wait_for(
-                conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5
-            )
+            with unpaced():
+                await asyncio.wait_for(
+                    conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5
+                )
+        except asyncio.TimeoutError:
+            conn.abort()  # not even a channel open answered: the connection is dead
         except Exception:  # noqa: S110 - best effort; the connection may be gone too
             pass
 
@@ -866,6 +869,8 @@ class SshSource:
         """Collect with a query per refresh from now on (a host that cannot stream)."""
         self.streaming = False
         self._fallback_note = f"{why}: collecting with a query per refresh"
+        if self._conn is not None:  # connected to stream, without keepalive: as a query's
+            self._conn.set_keepalive(max(30.0, self.interval * 5))
         self._stop_streams()
         self._close_channel()
         self.warnings = ()
