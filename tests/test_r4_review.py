@@ -459,3 +459,37 @@ async def test_a_frozen_connection_of_a_host_that_fell_back_to_queries_is_droppe
             os.kill(p, signal.SIGCONT)
     assert back_after is not None, (kinds[-8:], src.connects)
     assert back_after < 20, back_after
+
+
+@pytest.mark.parametrize("pace", [None, 0.0], ids=["paced", "unpaced"])
+def test_a_signal_ends_watch_at_once_while_a_connection_is_frozen(
+    rfleet: Fleet, pace: float | None,
+) -> None:
+    """SIGTERM while a host's connection is frozen (its sshd silent): gputop still ends
+    within a few seconds, with 143 and no traceback."""
+    import json
+    alpha = rfleet.hosts["alpha"]
+    cfg = rfleet.write_config(["alpha"], timeout=3.0, interval=1.0)
+    proc = _watch(rfleet, cfg, pace)
+    assert proc.stdout is not None
+    frozen: list[int] = []
+    try:
+        for _ in range(2):
+            assert json.loads(proc.stdout.readline())["hosts"][0]["status"] == "ok"
+        assert alpha.proc is not None
+        frozen = _sshd_tree(alpha.proc.pid)
+        for p in frozen:
+            os.kill(p, signal.SIGSTOP)
+        time.sleep(1.5)  # a refresh is waiting on the frozen connection
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in frozen:
+            os.kill(p, signal.SIGCONT)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr
+    assert took < 5.0, took
