@@ -493,3 +493,99 @@ def test_a_signal_ends_watch_at_once_while_a_connection_is_frozen(
     stderr = proc.stderr.read() if proc.stderr else ""
     assert proc.returncode == 143 and "Traceback" not in stderr, stderr
     assert took < 5.0, took
+
+
+class _FakeChan:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = self.paused = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def get_exit_status(self) -> int | None:
+        return 7
+
+
+class _FakeConn:
+    async def create_session(self, factory: object, command: str,
+                             encoding: object = None) -> tuple[_FakeChan, object]:
+        self.sess = factory()  # type: ignore[operator]
+        self.chan = _FakeChan()
+        return self.chan, self.sess
+
+
+async def _opening(packets: object) -> tuple[HostSession, _FakeConn, asyncio.Future[None]]:
+    conn = _FakeConn()
+    st = HostSession(conn, 0.5, 1 << 20)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(st.start())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    nonce = conn.chan.written[0].decode().strip()
+    for p in packets(nonce):  # type: ignore[operator]
+        conn.sess.data_received(p, None)  # type: ignore[attr-defined]
+    await asyncio.sleep(0)
+    return st, conn, task
+
+
+async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_raising() -> None:
+    """asyncssh's callbacks (data, EOF, close) with a banner split over packets and not
+    UTF-8, a start line split in two with a sample behind it, a flood with no line end,
+    a close before the start line, data after close: every outcome is the session's own,
+    nothing raises out of a callback."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_stream_parse import row
+
+    from gputop.sources.protocol import MARK
+    from gputop.sources.stream import ParseError
+
+    def g(i: int) -> bytes:
+        return f"g {row(i, 2)}\n".encode()
+
+    def banner_then_start(n: str) -> list[bytes]:
+        start = f"{MARK} {n} start 4242\n".encode()
+        return [b"Welcome \xff\xfe", b"\xe2\x82 motd\nmore\n" + start[:7],
+                start[7:] + g(0) + g(1)]
+
+    st, conn, task = await _opening(banner_then_start)
+    await asyncio.wait_for(task, 1)
+    assert st.pid == 4242 and st.seq == 1 and st.error is None
+    for _ in range(20):  # a line that never ends: cut at the limit, reading paused
+        conn.sess.data_received(b"g " + b"x" * 65536, None)  # type: ignore[attr-defined]
+    assert st.error is not None and st.error.kind == "parse" and conn.chan.paused
+    conn.sess.eof_received()  # type: ignore[attr-defined]
+    conn.sess.connection_lost(None)  # type: ignore[attr-defined]
+    conn.sess.connection_lost(OSError("late"))  # type: ignore[attr-defined]
+    assert st.error.kind == "parse" and st.ended is None
+    st.close()
+
+    st, conn, task = await _opening(lambda n: [b"only a banner\n"])
+    conn.sess.eof_received()  # type: ignore[attr-defined]
+    conn.sess.connection_lost(None)  # type: ignore[attr-defined]
+    with pytest.raises(ParseError, match="did not run"):
+        await asyncio.wait_for(task, 1)
+    assert conn.chan.closed
+    st.close()
+
+    st, conn, task = await _opening(lambda n: [b"x" * 70000])  # a banner with no end
+    with pytest.raises(ParseError):
+        await asyncio.wait_for(task, 1)
+    st.close()
+
+    st, conn, task = await _opening(lambda n: [f"{MARK} {n} start 1\n".encode()])
+    await asyncio.wait_for(task, 1)
+    conn.sess.data_received(g(0) + g(1), None)  # type: ignore[attr-defined]
+    assert st.seq == 1
+    conn.sess.connection_lost(None)  # type: ignore[attr-defined]
+    assert st.ended == 7
+    st.close()
+    conn.sess.data_received(b"garbage\n", None)  # type: ignore[attr-defined]
+    conn.sess.eof_received()  # type: ignore[attr-defined]
+    assert st.error is None and st.ended == 7
