@@ -145,12 +145,16 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
     new_calls = sfleet.calls(alpha)[len(first_calls):]
     assert new_calls == [f"ps {PS_OWNERS.split(' ps ', 1)[1]} {newcomer.pid}",
                          f"ps {PS_ARGS.split(' ps ', 1)[1]} {newcomer.pid}"]
-    (p,) = seen[-1].gpus[1].processes
+    # The newest snapshot that shows it (on a loaded machine the stand-in's apps loop can
+    # run a sample late, and that sample then shows no processes: the host's clock decides).
+    last = next(s for s in reversed(seen) if s.gpus[1].processes)
+    assert seen.index(last) >= len(seen) - 3
+    (p,) = last.gpus[1].processes
     assert p.command == "python eval.py"
     if sfleet.users:
         assert p.user == "gtbob"
-        assert seen[-1].gpus[0].processes[0].user == "gtalice"
-    assert all(pr.elapsed_s is not None for g in seen[-1].gpus for pr in g.processes)
+        assert last.gpus[0].processes[0].user == "gtalice"
+    assert all(pr.elapsed_s is not None for g in last.gpus for pr in g.processes)
     # Fresh data every interval: refreshes follow the stream's samples.
     times = [s.time.timestamp() for s in seen[1:]]
     gaps = [b - a for a, b in itertools.pairwise(times)]
