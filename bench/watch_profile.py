@@ -119,6 +119,10 @@ def watch(fleet_env: dict[str, str], cfg: Path, seconds: float, profile: Path | 
             break
     cpu, wall = _cpu(proc.pid) - cpu0, time.monotonic() - t0
     proc.send_signal(signal.SIGINT)
+    # Read on until it exits: a 200-host line is bigger than a pipe holds, and a writer
+    # blocked on a full pipe never gets to its signal handler.
+    for _ in proc.stdout:
+        pass
     proc.wait(60)
     return {"refreshes": docs - 1, "cpu_percent_of_core": round(100 * cpu / wall, 2),
             "cpu_ms_per_refresh": round(1000 * cpu / max(1, docs - 1), 1),

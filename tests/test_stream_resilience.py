@@ -351,6 +351,51 @@ async def test_reconnect_during_a_query_or_a_nap_queries_again_at_once(paced: bo
     assert poller._naps == {} and poller._woken <= {"h"}
 
 
+class _Swallows:
+    """A query that drops its first cancel and answers, as ``wait_for`` does before Python
+    3.12 when the query it waits for finishes in the same loop turn as the cancel."""
+
+    kind = "ssh"
+    connects = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.swallowed = 0
+
+    async def query(self) -> tuple[list[object], None]:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if self.swallowed:
+                raise
+            self.swallowed += 1
+        return [], None
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_stopping_the_poller_outlasts_a_cancel_that_was_dropped() -> None:
+    """A host's loop that went on after its cancel (it napped, then would have polled on
+    for ever) still ends: SIGINT at 200 hosts in query mode hung the process on it."""
+    from gputop.config import Config, HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"), HostConfig("g")), interval=0.2,
+                 timeout=5.0, reservations_path=Path("/nonexistent/r.json"))
+    sources = [_Swallows("h"), _Swallows("g")]
+    poller = Poller(cfg, sources)  # type: ignore[list-item]
+
+    async def consume() -> None:
+        async for _snap in poller.updates():
+            pass
+
+    feed = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.1)  # both queries are waiting
+    feed.cancel()
+    await asyncio.wait({feed}, timeout=10)  # (not wait_for: it would wait on the hang)
+    assert feed.done() and [s.swallowed for s in sources] == [1, 1]
+    await asyncio.wait_for(poller.aclose(), 10)
+
+
 def test_fast_paths_read_exactly_as_the_old_ones() -> None:
     """GpuInfo.from_row, to_dict, LineReader's one decode, parse_timestamp's day memo,
     iso's second memo and output.dumps' reused encoders, against what they replaced."""
