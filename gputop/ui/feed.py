@@ -22,15 +22,11 @@ import time
 from collections.abc import Callable
 
 from gputop.model import HostSnapshot
-from gputop.pacing import new_paced_loop, set_pace
 from gputop.poller import Poller
 
 #: The longest the feed waits for the board in one go, and how long it then runs at least.
 MAX_HOLD_S = 0.25
 MIN_RUN_S = 0.1
-#: The feed's loop wakes at most this often once every host answered (and at most eight
-#: times an interval): what arrives meanwhile is handled in one go.
-PACE_S = 0.25
 
 
 class FeedThread:
@@ -44,7 +40,7 @@ class FeedThread:
         self.hold_until = 0.0
         self._run_until = 0.0
         self.held_s = 0.0  # time spent waiting for the board, for the benchmarks
-        self._loop = new_paced_loop()
+        self._loop = asyncio.new_event_loop()
         self._main: asyncio.Task[None] | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gputop-feed", daemon=True)
@@ -65,15 +61,7 @@ class FeedThread:
             await self.poller.aclose()
             return
         try:
-            waiting = {s.name for s in self.poller.sources}
             async for snap in self.poller.updates():
-                if waiting:
-                    waiting.discard(snap.name)
-                    if not waiting:
-                        # Every host answered once: from now on the feed handles answers in
-                        # batches (gputop.pacing), as ``--watch`` does; the board draws every
-                        # half second anyway.
-                        set_pace(min(PACE_S, self.poller.config.interval / 8))
                 self._wait_if_held()
                 self._deliver(snap)
         except asyncio.CancelledError:
