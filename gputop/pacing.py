@@ -4,9 +4,9 @@ A fleet's hosts answer spread over the interval: 200 hosts at 2 s are 100 packet
 second, and asyncio wakes for each one (an ``epoll_wait``, a loop turn, a task step).
 Headless ``--watch`` only needs each host's latest answer once per interval, so once it
 runs steadily the loop may sleep ``pace`` seconds between two polls: what arrived meanwhile
-waits in the kernel's socket buffers and is handled in one turn. That halves the client's
-CPU for the same packets (measured in ``bench/results/board-scale.md``), for at most
-``pace`` seconds more latency, which nothing headless notices at a 50 ms pace.
+waits in the kernel's socket buffers and is handled in one turn. At 200 hosts that is about
+a third of the client's CPU for the same packets (``bench/results/board-scale.md``), for at
+most ``pace`` seconds more latency (``--watch`` uses an eighth of its interval).
 
 Nothing is delayed while the loop has work ready (a zero timeout); a timer fires at most
 ``pace`` late; a loop whose pace is 0 (the default) behaves exactly like asyncio's own.

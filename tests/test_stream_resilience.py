@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +62,40 @@ def _sshd_tree(root: int) -> list[int]:
     return out
 
 
+async def _freeze_until_back(poller: Poller, host: Host, limit: float,
+                             before: Callable[[], bool] = lambda: True,
+                             ) -> tuple[list[str], float | None]:
+    """Poll; after two good answers SIGSTOP the host's sshd (its connection goes silent,
+    no FIN/RST); return the answers' kinds and how long until the host answered again
+    after a timeout (None: not within ``limit`` seconds)."""
+    frozen: list[int] = []
+    kinds: list[str] = []
+    frozen_at = 0.0
+    back_after: float | None = None
+    try:
+        started = time.monotonic()
+        async for snap in poller.updates():
+            kinds.append(snap.error.kind if snap.error else "ok")
+            if not frozen and kinds.count("ok") >= 2:
+                assert before()
+                assert host.proc is not None
+                frozen = _sshd_tree(host.proc.pid)  # this connection's sshd: silent
+                assert frozen
+                for p in frozen:
+                    os.kill(p, signal.SIGSTOP)
+                frozen_at = time.monotonic()
+            elif frozen and "timeout" in kinds and kinds[-1] == "ok":
+                back_after = time.monotonic() - frozen_at
+                break
+            if time.monotonic() - started > limit:
+                break
+    finally:
+        await poller.aclose()
+        for p in frozen:
+            os.kill(p, signal.SIGCONT)
+    return kinds, back_after
+
+
 async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fleet) -> None:
     """Finding: no keepalive on streaming connections (sources/ssh.py _connect) and a
     stream stall keeps the connection (kind "timeout" is not dropped), so a connection
@@ -75,30 +109,7 @@ async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fl
     poller = Poller(load_config(str(cfg)))
     src = poller.sources[0]
     assert isinstance(src, SshSource) and src.streaming
-    frozen: list[int] = []
-    kinds: list[str] = []
-    frozen_at = 0.0
-    back_after: float | None = None
-    try:
-        started = time.monotonic()
-        async for snap in poller.updates():
-            kinds.append(snap.error.kind if snap.error else "ok")
-            if not frozen and kinds.count("ok") >= 2:
-                assert alpha.proc is not None
-                frozen = _sshd_tree(alpha.proc.pid)  # this connection's sshd: silent
-                assert frozen
-                for p in frozen:
-                    os.kill(p, signal.SIGSTOP)
-                frozen_at = time.monotonic()
-            elif frozen and "timeout" in kinds and kinds[-1] == "ok":
-                back_after = time.monotonic() - frozen_at
-                break
-            if time.monotonic() - started > 40:
-                break
-    finally:
-        await poller.aclose()
-        for p in frozen:
-            os.kill(p, signal.SIGCONT)
+    kinds, back_after = await _freeze_until_back(poller, alpha, limit=40)
     assert back_after is not None, (kinds[-8:], src.connects)
     assert back_after < 20, back_after
     assert src.connects == 2
@@ -423,30 +434,8 @@ async def test_a_frozen_connection_of_a_host_that_fell_back_to_queries_is_droppe
     poller = Poller(load_config(str(cfg)))
     src = poller.sources[0]
     assert isinstance(src, SshSource)
-    frozen: list[int] = []
-    kinds: list[str] = []
-    back_after: float | None = None
-    frozen_at = 0.0
-    try:
-        started = time.monotonic()
-        async for snap in poller.updates():
-            kinds.append(snap.error.kind if snap.error else "ok")
-            if not frozen and kinds.count("ok") >= 2:
-                assert not src.streaming  # fell back
-                assert alpha.proc is not None
-                frozen = _sshd_tree(alpha.proc.pid)
-                for p in frozen:
-                    os.kill(p, signal.SIGSTOP)
-                frozen_at = time.monotonic()
-            elif frozen and "timeout" in kinds and kinds[-1] == "ok":
-                back_after = time.monotonic() - frozen_at
-                break
-            if time.monotonic() - started > 30:
-                break
-    finally:
-        await poller.aclose()
-        for p in frozen:
-            os.kill(p, signal.SIGCONT)
+    kinds, back_after = await _freeze_until_back(
+        poller, alpha, limit=30, before=lambda: not src.streaming)  # it fell back
     assert back_after is not None, (kinds[-8:], src.connects)
     assert back_after < 20, back_after
 

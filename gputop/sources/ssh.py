@@ -62,7 +62,7 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
-from gputop.sources.stream import HostSession, NoAwk, SessionClosed
+from gputop.sources.stream import HostSession, NoAwk, SessionClosed, kill_group
 from gputop.text import excerpt
 
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
@@ -772,7 +772,7 @@ class SshSource:
                     buf = []
         except BaseException:
             if pid and pid > 1:
-                await asyncio.shield(self._kill_pgroup(conn, pid))
+                await asyncio.shield(kill_group(conn, pid))
             raise
         finally:
             proc.close()
@@ -780,29 +780,11 @@ class SshSource:
         return mig.build_inventory(listed[0] if listed[1] == 0 else None,
                                    xml[0] if xml[1] == 0 else None)
 
-    @staticmethod
-    async def _kill_pgroup(conn: asyncssh.SSHClientConnection, pid: int) -> None:
-        try:
-            await asyncio.wait_for(
-                conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5)
-        except Exception:  # noqa: S110 - best effort; the connection may be gone too
-            pass
-
     async def _kill_remote(self, conn: asyncssh.SSHClientConnection) -> None:
-        """Kill the remote loop's whole process group (sshd made it a session leader)."""
+        """Kill the remote loop's whole process group and forget its channel."""
         pid = self._remote_pid
         self._close_channel()
-        if not pid or pid <= 1:
-            return
-        try:
-            with unpaced():
-                await asyncio.wait_for(
-                    conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5
-                )
-        except asyncio.TimeoutError:
-            conn.abort()  # not even a channel open answered: the connection is dead
-        except Exception:  # noqa: S110 - best effort; the connection may be gone too
-            pass
+        await kill_group(conn, pid)
 
     async def close(self) -> None:
         """End the remote loop and the connection. A refresh still in flight is killed on

@@ -653,15 +653,22 @@ class HostSession:
         """A stalled session: kill its process group on the host, then close."""
         pid = self.pid
         self.close()
-        if pid <= 1:
-            return
-        try:
-            with unpaced():  # four round trips: not each after a paced poll
-                await asyncio.wait_for(
-                    self.conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5)
-        except asyncio.TimeoutError:
-            # No answer to a channel open either: the connection itself is dead (streams
-            # have no keepalive): drop it, so the next refresh connects afresh.
-            self.conn.abort()
-        except Exception:  # noqa: S110 - best effort; the connection may be gone too
-            pass
+        await kill_group(self.conn, pid)
+
+
+async def kill_group(conn: asyncssh.SSHClientConnection, pid: int | None) -> None:
+    """Kill a remote script's whole process group (sshd made it a session leader), on a
+    channel of its own. Best effort, but a connection that does not even answer the
+    channel open in time is dead (streams have no keepalive): it is dropped, so the next
+    refresh connects afresh. Unpaced: its four round trips must not each wait for a paced
+    poll."""
+    if not pid or pid <= 1:
+        return
+    try:
+        with unpaced():
+            await asyncio.wait_for(
+                conn.run(f"kill -s KILL -- -{int(pid)}", check=False), timeout=1.5)
+    except asyncio.TimeoutError:
+        conn.abort()
+    except Exception:  # noqa: S110 - best effort; the connection may be gone too
+        pass
