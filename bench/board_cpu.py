@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +53,19 @@ def feed_only(cfg: Config, sources: list[DemoSource], args: argparse.Namespace
                 "cpu_s": round(cpu, 3), "cpu_percent_of_core": round(100 * cpu / wall, 1)}
 
     return asyncio.run(run())
+
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds of each of this process's threads (Linux), by native thread id."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return out
 
 
 def main() -> None:
@@ -91,6 +106,7 @@ def main() -> None:
     prof = cProfile.Profile(time.process_time)  # CPU time: other processes do not count
 
     def stop() -> None:
+        marks["threads1"] = thread_cpu()  # type: ignore[assignment]
         if args.profile:
             prof.disable()
             prof.dump_stats(args.profile)
@@ -99,6 +115,7 @@ def main() -> None:
     def start_clock() -> None:  # after startup, so import/mount cost is not counted
         marks["cpu0"], marks["wall0"] = time.process_time(), time.monotonic()
         marks["updates0"] = updates
+        marks["threads0"] = thread_cpu()  # type: ignore[assignment]
         if args.profile:
             prof.enable()
         app.set_timer(args.seconds, stop)
@@ -108,11 +125,20 @@ def main() -> None:
     cpu = time.process_time() - marks["cpu0"]
     wall = time.monotonic() - marks["wall0"]
     refreshes = (updates - marks["updates0"]) / args.hosts
+    # Where the CPU went: the UI's thread, the feed's (the poller and the simulated
+    # sources, see gputop.ui.feed) and Textual's others (input, output).
+    t0, t1 = marks["threads0"], marks["threads1"]
+    spent = {tid: t1[tid] - t0.get(tid, 0.0) for tid in t1}  # type: ignore[union-attr]
+    feed = app._feed_thread._thread.native_id if app._feed_thread else None
+    ui = threading.main_thread().native_id
+    by_thread = {"ui": spent.get(ui, 0.0), "feed": spent.get(feed, 0.0)}  # type: ignore[arg-type]
+    by_thread["other"] = sum(spent.values()) - by_thread["ui"] - by_thread["feed"]
     print(json.dumps({
         "hosts": args.hosts, "gpus": args.gpus, "seconds": round(wall, 1),
         "refreshes": round(refreshes, 1), "cpu_s": round(cpu, 3),
         "cpu_per_refresh_s": round(cpu / refreshes, 4) if refreshes else None,
         "cpu_percent_of_core": round(100 * cpu / wall, 1),
+        "cpu_percent_by_thread": {k: round(100 * v / wall, 1) for k, v in by_thread.items()},
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }))
 

@@ -42,6 +42,13 @@ def cell(table: BoardTable, key: str, col: str) -> str:
     return value.plain if isinstance(value, Text) else str(value)
 
 
+def on_screen(app: GputopApp, table: BoardTable, key: str) -> str:
+    """The row's line as the screen has it now (lines not marked for a redraw come from
+    Textual's caches: a change that was not redrawn is not there)."""
+    strips = app.screen._compositor.render_strips()
+    return strips[table.region.y + 1 + table.get_row_index(key) - int(table.scroll_y)].text
+
+
 def keys(table: BoardTable) -> list[str]:
     return table.row_keys
 
@@ -234,10 +241,16 @@ async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Pa
         assert table.cell_updates == before
         snap = fixed_snapshots()[0]
         g0 = replace(snap.gpus[0], utilization_percent=3)
+        changed = gk(snap.name, 0)
+        was = on_screen(app, table, changed)
+        assert cell(table, changed, "util") in was
         app.ingest(replace(snap, gpus=(g0, *snap.gpus[1:])))
         app.render_board()
         await pilot.pause()
         assert table.cell_updates == before + 1  # just the one utilisation cell
+        # ...and the screen shows it (only changed lines are redrawn: this one is)
+        now = on_screen(app, table, changed)
+        assert now != was and cell(table, changed, "util") in now
         assert table.selected_key() == gk("gpu-mixed", 1)
         await pilot.press("s")  # re-sorting keeps the selected GPU selected
         await pilot.pause()
@@ -720,6 +733,8 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
     from gputop.config import load_config
 
     monkeypatch.setenv("HOME", str(small_fleet.home))
+    # No jitter: the backoff after the n-th failure is exactly 1 s x 2^(n-1).
+    monkeypatch.setattr("gputop.sources.ssh.random.uniform", lambda _lo, hi: hi)
     config = load_config(str(small_fleet.write_config(timeout=3.0, interval=1.0)))
     app = GputopApp(config, user="ann")
     alpha = small_fleet.hosts["alpha"]
@@ -744,8 +759,8 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         small_fleet.stop_sshd(alpha)
         assert app.poller is not None
         (source,) = [s for s in app.poller.sources if s.name == "alpha"]
-        # Down, and retried until the backoff is long (1 s x 2^n): 8 s or more.
-        await until(pilot, lambda: source._retry_at - time.monotonic() > 7.0, 40)  # type: ignore[attr-defined]
+        # Down, and retried until the backoff is long: 4 s (the third failure) or more.
+        await until(pilot, lambda: source._retry_at - time.monotonic() > 3.5, 40)  # type: ignore[attr-defined]
         assert chosen(app) == ("alpha", None, None)
         assert keys(table).index("alpha") == 0  # kept its place, above beta
         small_fleet.restart_sshd(alpha)

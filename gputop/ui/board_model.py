@@ -286,20 +286,24 @@ class BoardModel:
         self._row_cache: dict[str, _HostRows] = {}
         self._phase: dict[str, float] = {}
         self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
+        self._uuid_keys: dict[str, tuple[list[str | None], list[str]]] = {}
 
     # -- input ---------------------------------------------------------------------------
 
     def ingest(self, snap: HostSnapshot) -> None:
-        if snap.name not in self.host_order:
-            self.host_order.append(snap.name)
-        self.snapshots[snap.name] = snap
-        self.host_version[snap.name] = self.host_version.get(snap.name, 0) + 1
+        name = snap.name
+        if name not in self.snapshots and name not in self.host_order:
+            self.host_order.append(name)
+        self.snapshots[name] = snap
+        self.host_version[name] = self.host_version.get(name, 0) + 1
         if snap.ok:
-            self.last_good[snap.name] = snap
+            self.last_good[name] = snap
             self.tracker.observe(snap)
-            keys = self._keys[snap.name] = (snap, gpu_keys(snap.name, snap.gpus))
+            keys = self._keys[name] = (snap, self._gpu_keys(name, snap.gpus))
+            history = self.history
             for g, key in zip(snap.gpus, keys[1]):
-                util, mem = self.history.setdefault(
+                had = history.get(key)  # (not setdefault: that built two deques each time)
+                util, mem = had if had is not None else history.setdefault(
                     key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
                 u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
                 util.append(None if u is None else float(u))
@@ -308,6 +312,17 @@ class BoardModel:
             for key in gpu_keys(snap.name, last.gpus):  # no answer: a gap in each history
                 for series in self.history.get(key, ()):
                     series.append(None)
+
+    def _gpu_keys(self, host: str, gpus: tuple[GpuInfo, ...]) -> list[str]:
+        """``gpu_keys``, reused while the host lists the same uuids (every answer but
+        the first, nearly always)."""
+        uuids = [g.uuid for g in gpus]
+        last = self._uuid_keys.get(host)
+        if last is not None and last[0] == uuids and all(uuids):
+            return last[1]
+        keys = gpu_keys(host, gpus)
+        self._uuid_keys[host] = (uuids, keys)
+        return keys
 
     def set_state(self, state: StoreState) -> None:
         self.state = state
@@ -368,12 +383,19 @@ class BoardModel:
         if keys is None or keys[0] is not snap:
             keys = self._keys[host] = (snap, gpu_keys(host, snap.gpus))
         rows = []
+        tracker = self.tracker
+        idle_since, idle_after = tracker.idle_since, tracker.after_s
         for g, gkey in zip(snap.gpus, keys[1]):
-            r = held.get((host, g.index)) if g.index is not None else None
-            idle = self.tracker.is_idle_holder(host, g.index, now)
-            unused = r is not None and self.tracker.reservation_idle(host, g, r, now)
-            free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
+            r = held.get((host, g.index)) if held and g.index is not None else None
+            since = idle_since.get((host, g.index))  # (IdleTracker.is_idle_holder, inline)
+            idle = since is not None and (now - since).total_seconds() >= idle_after
+            if r is None:  # (most GPUs, and the flags they can have: said without a call)
+                flags = gpu_flags(g, None, idle) if idle or g.lost else []
+                free = is_free(g)
+            else:
+                flags = gpu_flags(g, r, idle, tracker.reservation_idle(host, g, r, now))
+                free = is_free(g) and r.user == self.me
+            rows.append(GpuRow(host, gkey, g, r, flags, stale, free))
             for inst in g.instances:  # MIG: a row per instance, under its GPU
                 if inst.gpu_instance_id is None:
                     continue

@@ -214,9 +214,9 @@ class BoardTable(ScrollView, can_focus=True):
         return range(top, min(len(self._order), top + height))
 
     def _refresh_visible(self) -> None:
-        """Rebuild the cells of on-screen rows whose signature changed; redraw if any
-        cell's content did. Rows off screen are not looked at."""
-        changed = False
+        """Rebuild the cells of on-screen rows whose signature changed and redraw the
+        lines of those whose content did (only those: the compositor then renders a few
+        lines, not the table). Rows off screen are not looked at."""
         for i in self._visible():
             key = self._order[i]
             had = self._cells.get(key)
@@ -226,11 +226,9 @@ class BoardTable(ScrollView, can_focus=True):
                 if diff:
                     self.cell_updates += diff
                     self._strips.pop(key, None)
-                    changed = True
+                    self._refresh_row(i)
             elif had is None:
-                changed = True
-        if changed:
-            self.refresh()
+                self._refresh_row(i)
 
     def _cells_of(self, key: str) -> tuple[Text, ...]:
         row, now, signature, palette = self._rows[key], self._now, self._signature, self._palette
@@ -281,7 +279,7 @@ class BoardTable(ScrollView, can_focus=True):
     def _refresh_row(self, row: int) -> None:
         y = row + 1 - int(self.scroll_y)
         if 0 < y < self.size.height:
-            self.refresh(Region(0, y, self.size.width, 1))
+            self.refresh(Region(0, y, self.scrollable_content_region.width, 1))
 
     def _wake(self) -> None:
         """A key pressed while nothing was selected: select the row under the cursor."""
