@@ -229,6 +229,42 @@ async def test_collapse_a_host(tmp_path: Path) -> None:
         assert cell(table, "gpu-h100", "gpu").startswith("▸")
 
 
+async def test_a_row_redrawn_alone_after_an_animated_scroll_lines_up(tmp_path: Path) -> None:
+    """Review finding: the table mapped screen lines with int(scroll_y), Textual repaints
+    when round(scroll_y) changes. A click on the scrollbar's track scrolls with an
+    animation (... 12.99, 13.0): the screen stayed a row off, and once only changed lines
+    were redrawn, one update showed a GPU twice with two different loads."""
+    from gputop.model import GpuInfo
+    from gputop.ui.board_model import gpu_keys
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 16)) as pilot:
+        for snap in fixed_snapshots():
+            app.ingest(snap)
+        for h in range(6):
+            app.ingest(HostSnapshot(name=f"x{h}", time=NOW, gpus=tuple(
+                GpuInfo(index=i, uuid=f"U{h}-{i}", name="H100", utilization_percent=10 * i,
+                        memory_used_mib=1, memory_total_mib=80000) for i in range(4))))
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        await pilot.click(BoardTable, offset=(table.region.width - 1, table.region.height - 2))
+        await pilot.pause(0.5)  # the scroll's animation has ended
+        assert table.scroll_y > 0
+        key = table.row_keys[table.scroll_offset.y + 5]
+        host = key.split("\x00")[0]
+        snap = app.model.snapshots[host]
+        app.ingest(replace(snap, gpus=tuple(
+            replace(g, utilization_percent=99) if k == key else g
+            for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus), strict=True))))
+        app.render_board()
+        await pilot.pause()
+        shown = [s.text for s in app.screen._compositor.render_strips()]
+        table.refresh()  # what a full redraw shows
+        await pilot.pause()
+        assert shown == [s.text for s in app.screen._compositor.render_strips()]
+
+
 async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Path) -> None:
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -1036,3 +1072,24 @@ async def test_a_host_whose_nvidia_smi_is_starting_is_not_shown_down(tmp_path: P
         assert cell(table, "gpu-h100", "util") == "starting"
         assert cell(table, "gpu-h100", "flags") == "starting nvidia-smi: 6 s"
         assert "down" not in cell(table, "gpu-h100", "gpu")
+
+
+def test_row_keys_follow_the_index_when_a_uuid_is_listed_twice() -> None:
+    """Review finding: the board reuses a host's row keys while its uuids stay the same;
+    a uuid listed twice falls back to its index, so when that index changed the row kept
+    the old key (reserving it from the board said the GPU was gone)."""
+    from gputop.model import GpuInfo
+    from gputop.ui.board_model import BoardModel, gpu_keys
+
+    model = BoardModel(host_order=["h"], clock=lambda: NOW)
+
+    def snap(*indices: int, t: int = 0) -> HostSnapshot:
+        return HostSnapshot(name="h", time=NOW + timedelta(seconds=t), gpus=tuple(
+            GpuInfo(index=i, uuid="GPU-dup", memory_used_mib=1, memory_total_mib=10)
+            for i in indices))
+
+    model.ingest(snap(0, 1))
+    model.ingest(snap(0, 2, t=1))
+    rows = [r for r in model.rows() if isinstance(r, GpuRow)]
+    assert [r.key for r in rows] == gpu_keys("h", model.snapshots["h"].gpus)
+    assert [r.label for r in rows] == ["h:0", "h:2"]

@@ -315,10 +315,12 @@ class BoardModel:
 
     def _gpu_keys(self, host: str, gpus: tuple[GpuInfo, ...]) -> list[str]:
         """``gpu_keys``, reused while the host lists the same uuids (every answer but
-        the first, nearly always)."""
+        the first, nearly always): when they are all set and distinct, the keys depend on
+        them alone (a uuid listed twice falls back to its index, which may change)."""
         uuids = [g.uuid for g in gpus]
         last = self._uuid_keys.get(host)
-        if last is not None and last[0] == uuids and all(uuids):
+        if last is not None and last[0] == uuids and all(uuids) and len(set(uuids)) == len(
+                uuids):
             return last[1]
         keys = gpu_keys(host, gpus)
         self._uuid_keys[host] = (uuids, keys)

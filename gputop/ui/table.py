@@ -209,7 +209,7 @@ class BoardTable(ScrollView, can_focus=True):
         self.virtual_size = Size(self._table_width(), len(self._order) + 1)
 
     def _visible(self) -> range:
-        top = int(self.scroll_y)
+        top = self.scroll_offset.y
         height = max(0, self.scrollable_content_region.height - 1)  # less the header
         return range(top, min(len(self._order), top + height))
 
@@ -272,12 +272,12 @@ class BoardTable(ScrollView, can_focus=True):
     def _scroll_cursor_into_view(self, animate: bool = False) -> None:
         if not self._order:
             return
-        region = Region(int(self.scroll_x), self.cursor_row + 1, self.size.width, 1)
+        region = Region(self.scroll_offset.x, self.cursor_row + 1, self.size.width, 1)
         self.scroll_to_region(region, animate=animate, spacing=Spacing(1, 0, 0, 0),
                               force=True)
 
     def _refresh_row(self, row: int) -> None:
-        y = row + 1 - int(self.scroll_y)
+        y = row + 1 - self.scroll_offset.y
         if 0 < y < self.size.height:
             self.refresh(Region(0, y, self.scrollable_content_region.width, 1))
 
@@ -304,7 +304,7 @@ class BoardTable(ScrollView, can_focus=True):
 
     async def _on_click(self, event: events.Click) -> None:
         self._wake()
-        row = event.y - 1 + int(self.scroll_y)
+        row = event.y - 1 + self.scroll_offset.y
         if event.y < 1 or not 0 <= row < len(self._order):
             return
         again = row == self.cursor_row and self.show_cursor
@@ -371,7 +371,7 @@ class BoardTable(ScrollView, can_focus=True):
         base = self.rich_style
         if y == 0:
             return self._header_strip(base, width)
-        row = y - 1 + int(self.scroll_y)
+        row = y - 1 + self.scroll_offset.y
         if not 0 <= row < len(self._order):
             return Strip.blank(width, base)
         key = self._order[row]
