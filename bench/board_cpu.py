@@ -100,13 +100,14 @@ def main() -> None:
 
     app.ingest = counting  # type: ignore[method-assign]
     marks: dict[str, float] = {}
+    threads: dict[str, dict[int, float]] = {}
 
     import cProfile
 
     prof = cProfile.Profile(time.process_time)  # CPU time: other processes do not count
 
     def stop() -> None:
-        marks["threads1"] = thread_cpu()  # type: ignore[assignment]
+        threads["end"] = thread_cpu()
         if args.profile:
             prof.disable()
             prof.dump_stats(args.profile)
@@ -115,7 +116,7 @@ def main() -> None:
     def start_clock() -> None:  # after startup, so import/mount cost is not counted
         marks["cpu0"], marks["wall0"] = time.process_time(), time.monotonic()
         marks["updates0"] = updates
-        marks["threads0"] = thread_cpu()  # type: ignore[assignment]
+        threads["start"] = thread_cpu()
         if args.profile:
             prof.enable()
         app.set_timer(args.seconds, stop)
@@ -127,8 +128,8 @@ def main() -> None:
     refreshes = (updates - marks["updates0"]) / args.hosts
     # Where the CPU went: the UI's thread, the feed's (the poller and the simulated
     # sources, see gputop.ui.feed) and Textual's others (input, output).
-    t0, t1 = marks["threads0"], marks["threads1"]
-    spent = {tid: t1[tid] - t0.get(tid, 0.0) for tid in t1}  # type: ignore[union-attr]
+    t0, t1 = threads["start"], threads["end"]
+    spent = {tid: t1[tid] - t0.get(tid, 0.0) for tid in t1}
     feed = app._feed_thread._thread.native_id if app._feed_thread else None
     ui = threading.main_thread().native_id
     by_thread = {"ui": spent.get(ui, 0.0), "feed": spent.get(feed, 0.0)}  # type: ignore[arg-type]

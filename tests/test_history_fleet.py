@@ -23,7 +23,7 @@ from fleet import Fleet, GpuProcess, Host
 from gputop.reservations.store import Store, new_reservation
 
 INTERVAL = 0.5
-PHASE = 2.0
+PHASE = 1.5
 
 
 @pytest.fixture

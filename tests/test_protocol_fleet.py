@@ -217,7 +217,7 @@ def test_dropped_packets_hold_no_handshake_slot(
         Host("ok1", "127.0.5.4"),
         Host("ok2", "127.0.5.5"),
     ]).start()
-    timeout = 8.0
+    timeout = 6.0
     try:
         cfg = fleet.write_config(timeout=timeout, extra="max_connecting = 2")
         monkeypatch.setenv("HOME", str(fleet.home))

@@ -1,0 +1,70 @@
+"""What one host's answer costs the board's model, and what a frame's ``view()`` costs.
+
+The board's thread takes each answer (``BoardModel.ingest``) and works out that host's rows
+at once (``warmer``), a few hundred answers a second at 1,000 hosts; every frame then asks
+for the whole view. This times both on N simulated hosts x G GPUs (``DemoSource``), with
+no Textual and no feed thread: the model's own cost, the best of a few runs. Point
+``--src`` at another checkout to compare. Prints one JSON line.
+
+    python bench/board_ingest.py --hosts 1000 --gpus 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=1000)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--answers", type=int, default=6, help="answers per host, per run")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
+                    help="the checkout whose gputop to time")
+    args = ap.parse_args()
+    sys.path.insert(0, args.src)
+
+    from gputop.config import Config, HostConfig
+    from gputop.demo import DemoSource
+    from gputop.model import HostSnapshot
+    from gputop.poller import Poller
+    from gputop.ui.board_model import BoardModel
+
+    names = [f"node{i:04d}" for i in range(args.hosts)]
+    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
+                 timeout=5.0, reservations_path=Path("/nonexistent/reservations.json"))
+    poller = Poller(cfg, sources)
+
+    async def answers() -> list[HostSnapshot]:
+        return [await poller.poll_host(s) for _ in range(args.answers) for s in sources]
+
+    snaps = asyncio.run(answers())
+    ingest_s, view_s = [], []
+    gc.disable()
+    for _ in range(args.runs):
+        gc.collect()
+        model = BoardModel(list(names), interval=2.0)
+        start = time.perf_counter()
+        for snap in snaps:  # as GputopApp._drain does
+            model.ingest(snap)
+            model.warmer()((snap.name,))
+        ingest_s.append((time.perf_counter() - start) / len(snaps))
+        start = time.perf_counter()
+        for _ in range(10):
+            model.view()
+        view_s.append((time.perf_counter() - start) / 10)
+    print(json.dumps({"hosts": args.hosts, "gpus": args.gpus, "src": args.src,
+                      "us_per_answer": round(min(ingest_s) * 1e6, 1),
+                      "ms_per_view": round(min(view_s) * 1e3, 2)}))
+
+
+if __name__ == "__main__":
+    main()
