@@ -157,6 +157,15 @@ class GpuInfo(_HoldsMemoryAndProcesses):
         d["instances"] = [i.to_dict() for i in self.instances]
         return d
 
+    def with_processes(self, processes: tuple[ProcessInfo, ...]) -> GpuInfo:
+        """``replace(self, processes=processes)`` without the generated ``__init__`` (a
+        GPU with processes gets them this way on every sample: see ``from_row``)."""
+        g = object.__new__(type(self))
+        d = g.__dict__
+        d.update(self.__dict__)
+        d["processes"] = processes
+        return g
+
     @classmethod
     def from_row(cls, values: Sequence[Any]) -> GpuInfo:
         """A GPU from its first ``len(values)`` fields in order, the others' defaults.

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
@@ -346,7 +346,7 @@ def attach_processes(
     for g in gpus:
         if g.uuid in by_uuid and g.uuid not in claimed and not g.lost:
             claimed.add(g.uuid)
-            g = replace(g, processes=tuple(by_uuid[g.uuid]))
+            g = g.with_processes(tuple(by_uuid[g.uuid]))
         result.append(g)
     return result
 
