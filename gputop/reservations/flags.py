@@ -192,12 +192,17 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
     now = snapshot.time
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
-    doc = {"version": SCHEMA_VERSION, "time": iso(snapshot.time), "hosts": [
-        host.head_dict() | {"gpus": [
-            annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
-            for g in host.gpus]}
+    idle = tracker.idle_since if tracker is not None else {}
+
+    def gpu(host: str, g: GpuInfo) -> dict[str, Any]:
+        key = (host, g.index)
+        if g.instances or g.lost or key in held or key in idle:
+            return annotated_gpu(g, gpu_annotation(host, g, held, inst_held, tracker, now))
+        return annotated_gpu(g, (None, [], ()))  # nothing that could flag it (most GPUs)
+
+    return {"version": SCHEMA_VERSION, "time": iso(snapshot.time), "hosts": [
+        host.head_dict() | {"gpus": [gpu(host.name, g) for g in host.gpus]}
         for host in snapshot.hosts]}
-    return doc
 
 
 def is_free(g: GpuInfo) -> bool:
