@@ -175,15 +175,14 @@ class GpuInfo(_HoldsMemoryAndProcesses):
         fleet scale those calls were most of what parsing cost."""
         g = object.__new__(cls)
         d = g.__dict__
+        d.update(_GPU_DEFAULTS)  # (every field, in order; then the given ones over them)
         d.update(zip(_GPU_FIELDS, values))
-        d.update(_GPU_DEFAULTS_FROM[min(len(values), len(_GPU_FIELDS))])
         return g
 
 
 _GPU_FIELDS = tuple(f.name for f in dataclasses.fields(GpuInfo))
-#: The defaults of the fields from the k-th on (all of GpuInfo's fields have one).
-_GPU_DEFAULTS_FROM = [{f.name: f.default for f in dataclasses.fields(GpuInfo)[k:]}
-                      for k in range(len(_GPU_FIELDS) + 1)]
+#: Every field's default (all of GpuInfo's fields have one), in order.
+_GPU_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GpuInfo)}
 
 
 @dataclass(frozen=True)

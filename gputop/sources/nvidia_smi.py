@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import getitem
 from typing import Any
 
 from gputop.model import GpuInfo, HostError, ProcessInfo
@@ -211,15 +212,18 @@ def gpu_from_cells(cells: Sequence[str]) -> GpuInfo:
     """One GPU_FIELDS row, already split into its cells (the caller checked their count).
     (The hot path of every refresh: each cell's value is memoised by its text, and only a
     cell not seen before is converted.)"""
-    values = [memo.get(cell, _MISSING) for memo, cell in zip(_ROW_MEMOS, cells[_ROW_START:])]
-    if _MISSING in values:
-        for i, (conv, memo, cell) in enumerate(zip(_ROW_CONVERTERS, _ROW_MEMOS,
-                                                   cells[_ROW_START:])):
-            if values[i] is _MISSING:
-                v = values[i] = conv(cell)
-                if len(memo) >= _MEMO_SIZE:
-                    memo.clear()
-                memo[cell] = v
+    row = cells[_ROW_START:]
+    try:  # (every cell seen before: the lookups run in C)
+        return GpuInfo.from_row(list(map(getitem, _ROW_MEMOS, row)))
+    except KeyError:
+        pass
+    values = [memo.get(cell, _MISSING) for memo, cell in zip(_ROW_MEMOS, row)]
+    for i, (conv, memo, cell) in enumerate(zip(_ROW_CONVERTERS, _ROW_MEMOS, row)):
+        if values[i] is _MISSING:
+            v = values[i] = conv(cell)
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[cell] = v
     return GpuInfo.from_row(values)
 
 
