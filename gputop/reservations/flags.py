@@ -101,6 +101,8 @@ class IdleTracker:
 def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
               reservation_idle: bool = False) -> list[str]:
     """``reservation_idle`` comes from ``IdleTracker.reservation_idle`` (it needs history)."""
+    if r is None and not idle_holder and not g.lost:
+        return []  # (most GPUs, on every refresh of the board and of --watch)
     flags: list[str] = []
     if g.lost:
         flags.append("lost")
@@ -160,7 +162,7 @@ def gpu_annotation(host: str, g: GpuInfo, held: dict[tuple[str, int], Reservatio
                    inst_held: dict[tuple[str, int, int], Reservation],
                    tracker: IdleTracker | None, now: datetime) -> Annotation:
     """One GPU's reservation and flags (and its MIG instances'), as ``annotate`` adds them."""
-    r = held.get((host, g.index)) if g.index is not None else None
+    r = held.get((host, g.index)) if held and g.index is not None else None
     idle = tracker.is_idle_holder(host, g.index, now) if tracker else False
     unused = r is not None and tracker is not None and tracker.reservation_idle(host, g, r, now)
     insts = []
@@ -192,16 +194,10 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
     now = snapshot.time
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
-    idle = tracker.idle_since if tracker is not None else {}
-
-    def gpu(host: str, g: GpuInfo) -> dict[str, Any]:
-        key = (host, g.index)
-        if g.instances or g.lost or key in held or key in idle:
-            return annotated_gpu(g, gpu_annotation(host, g, held, inst_held, tracker, now))
-        return annotated_gpu(g, (None, [], ()))  # nothing that could flag it (most GPUs)
-
     return {"version": SCHEMA_VERSION, "time": iso(snapshot.time), "hosts": [
-        host.head_dict() | {"gpus": [gpu(host.name, g) for g in host.gpus]}
+        host.head_dict() | {"gpus": [
+            annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
+            for g in host.gpus]}
         for host in snapshot.hosts]}
 
 

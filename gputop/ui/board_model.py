@@ -383,21 +383,17 @@ class BoardModel:
             valid_until = min(valid_until, snap.time.timestamp() + self._stale_after())
         keys = self._keys.get(host)
         if keys is None or keys[0] is not snap:
-            keys = self._keys[host] = (snap, gpu_keys(host, snap.gpus))
+            keys = self._keys[host] = (snap, self._gpu_keys(host, snap.gpus))
         rows = []
         tracker = self.tracker
-        idle_since, idle_after = tracker.idle_since, tracker.after_s
+        idle_since = tracker.idle_since  # (most GPUs are not in it: no call for them)
         for g, gkey in zip(snap.gpus, keys[1]):
             r = held.get((host, g.index)) if held and g.index is not None else None
-            since = idle_since.get((host, g.index))  # (IdleTracker.is_idle_holder, inline)
-            idle = since is not None and (now - since).total_seconds() >= idle_after
-            if r is None:  # (most GPUs, and the flags they can have: said without a call)
-                flags = gpu_flags(g, None, idle) if idle or g.lost else []
-                free = is_free(g)
-            else:
-                flags = gpu_flags(g, r, idle, tracker.reservation_idle(host, g, r, now))
-                free = is_free(g) and r.user == self.me
-            rows.append(GpuRow(host, gkey, g, r, flags, stale, free))
+            idle = ((host, g.index) in idle_since
+                    and tracker.is_idle_holder(host, g.index, now))
+            unused = r is not None and tracker.reservation_idle(host, g, r, now)
+            free = is_free(g) and (r is None or r.user == self.me)
+            rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
             for inst in g.instances:  # MIG: a row per instance, under its GPU
                 if inst.gpu_instance_id is None:
                     continue
