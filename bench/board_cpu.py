@@ -1,6 +1,6 @@
 """CPU the board spends per refresh: the Textual app, headless, fed N hosts x G GPUs.
 
-The hosts are simulated sources (``gputop.demo.DemoSource``: load changes every refresh)
+The hosts are simulated sources (``gputop.sources.demo.DemoSource``: load changes every refresh)
 behind the real poller, so this measures the board's own work: ingesting snapshots, diffing
 rows and redrawing. Prints one JSON line.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gputop.config import Config, HostConfig
-from gputop.demo import DemoSource
+from gputop.sources.demo import DemoSource
 from gputop.ui.app import GputopApp
 
 

@@ -32,9 +32,9 @@ def main() -> None:
     sys.path.insert(0, args.src)
 
     from gputop.config import Config, HostConfig
-    from gputop.demo import DemoSource
     from gputop.model import HostSnapshot
     from gputop.poller import Poller
+    from gputop.sources.demo import DemoSource
     from gputop.ui.board_model import BoardModel
 
     names = [f"node{i:04d}" for i in range(args.hosts)]

@@ -1,7 +1,7 @@
 """The board at fleet scale: keypress-to-screen latency and time to first paint.
 
 ``keys``: the Textual app, headless under the pilot, fed N hosts x G GPUs by simulated
-sources (``gputop.demo.DemoSource``, new load every refresh) through the real poller while
+sources (``gputop.sources.demo.DemoSource``, new load every refresh) through the real poller while
 keys are pressed: cursor moves (j/k, page down/up) and filter keystrokes. Each sample is
 the time from the key event being sent through the headless driver (as ``pilot.press``
 sends it) to the first frame written that shows its effect (the cursor on the next row,
@@ -50,7 +50,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
     from textual import events
 
     from gputop.config import Config, HostConfig
-    from gputop.demo import DemoSource
+    from gputop.sources.demo import DemoSource
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import BoardTable
 

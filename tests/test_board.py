@@ -964,7 +964,7 @@ async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) 
     """1,000 configured hosts: the first frame shows every one of them waiting, and no
     host is queried before it (a thousand connections starting must not delay it)."""
     from gputop.config import HostConfig
-    from gputop.demo import DemoSource
+    from gputop.sources.demo import DemoSource
 
     names = [f"node{i:04d}" for i in range(1000)]
     cfg = replace(board_config(tmp_path), hosts=tuple(HostConfig(n) for n in names))

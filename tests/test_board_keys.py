@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from gputop.config import Config, HostConfig
-from gputop.demo import DemoSource
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.sources.demo import DemoSource
 from gputop.ui import app as app_module
 from gputop.ui import feed as feed_module
 from gputop.ui.app import GputopApp

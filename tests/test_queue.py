@@ -1013,7 +1013,7 @@ def test_a_gpu_whose_host_did_not_answer_is_claimed_by_its_waiters() -> None:
     mapped elsewhere in a private config): the queue cannot judge the GPU, so anyone waiting
     for GPUs on that host claims it. It was reserved "by index only", past the queue, with
     nothing recorded (found by the hostile review). --skip-queue still does it, recorded."""
-    from gputop.commands import _queue_claim
+    from gputop.cli.reserve import queue_claim as _queue_claim
     from gputop.config import Config, HostConfig
     from gputop.reservations.ops import Target
     from gputop.reservations.queue import Request
@@ -1079,7 +1079,7 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     import argparse
     from datetime import timedelta
 
-    from gputop.commands import cmd_reservations
+    from gputop.cli.reserve import cmd_reservations
     from gputop.config import Config
     from gputop.reservations.store import Waiter
 

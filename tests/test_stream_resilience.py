@@ -131,10 +131,10 @@ def _session_pids(sid: int) -> set[int]:
 
 
 def _watch(fleet: Fleet, cfg: Path, pace: float | None) -> subprocess.Popen[str]:
-    """``gputop --json --watch``; ``pace``: override cli.WATCH_PACE_S (None: as shipped)."""
+    """``gputop --json --watch``; ``pace``: override headless.WATCH_PACE_S (None: as shipped)."""
     import sys
-    code = ("import sys, gputop.cli as c\n"
-            + (f"c.WATCH_PACE_S = {pace!r}\n" if pace is not None else "")
+    code = ("import sys, gputop.cli as c, gputop.cli.headless as h\n"
+            + (f"h.WATCH_PACE_S = {pace!r}\n" if pace is not None else "")
             + "sys.exit(c.main(sys.argv[1:]))")
     return subprocess.Popen(
         [sys.executable, "-c", code, "--json", "--watch", "--config", str(cfg)],

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import pytest
 
+from gputop.cli.table import cell_width, render
 from gputop.model import FleetSnapshot, GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import StoreState, new_reservation
-from gputop.table import cell_width, render
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202eevil\x9b1m\r\nnext"

@@ -670,7 +670,7 @@ def tune_gc() -> None:
 def run_board(config: Config | None, *, demo: bool = False, theme: str | None = None,
               record: bool = False) -> int:
     if demo or config is None:
-        from gputop.demo import demo_session
+        from gputop.sources.demo import demo_session
 
         with demo_session() as (demo_cfg, sources):
             return _run(GputopApp(demo_cfg, sources=list(sources), theme=theme,

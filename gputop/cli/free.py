@@ -1,0 +1,91 @@
+"""``gputop free``: idle, unreserved GPUs, best first; ``--reserve`` and ``--wait``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.reserve import print_outcomes
+from gputop.cli.targets import poll_hosts, queue_request, reap_ended_jobs, reservation_seconds
+from gputop.cli.waiting import wait_in_queue
+from gputop.config import Config
+from gputop.model import iso
+from gputop.output import write_document
+from gputop.reservations import (
+    Store,
+    Target,
+)
+from gputop.reservations.flags import free_gpus
+from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
+from gputop.reservations.queue import (
+    could_use,
+    request_of,
+)
+
+
+def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    req = queue_request(config, args, one_host=False)
+    store = Store(config.reservations_path)
+    reap_ended_jobs(config, store)
+    if args.wait:  # --wait queues for a reservation: it implies --reserve
+        seconds = reservation_seconds(config, args.duration)
+        code, got = wait_in_queue(config, store, req, args, seconds=seconds)
+        if code != EXIT_OK:
+            if args.json:
+                write_document({"version": 1, "reserved": False, "free": []}, sys.stdout)
+            return code
+        print_outcomes([Outcome("reserved", r) for r in got], sys.stderr)
+        if args.json:
+            write_document({"version": 1, "reserved": True, "free": [
+                {"host": g.host, "gpu": g.gpu, "uuid": g.uuid, "expires": iso(g.expires)}
+                for g in got]}, sys.stdout)
+        else:
+            for g in got:
+                print(f"{g.host}:{g.gpu}")
+        return EXIT_OK
+    hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
+    me = whoami()[0]
+    state = store.read()
+    # The order rule: without --wait you come after every waiter, so you may take only
+    # GPUs that no waiter could use.
+    waiters = [request_of(w) for w in state.waiting()]
+    taken = could_use(waiters, hosts, [h.name for h in config.hosts])
+    found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
+             if req.fits(f) and not taken(f)
+             and not (args.whole and f.instance)][: args.count]
+    if len(found) < args.count:
+        print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
+              + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
+                 " (--wait to queue for them)"), file=sys.stderr)
+        if args.json:
+            write_document({"version": 1, "free": []}, sys.stdout)
+        return EXIT_REFUSED
+    expires: dict[str, str | None] = {}
+    if args.reserve:
+        seconds = reservation_seconds(config, args.duration)
+        made = reserve_outcomes(
+            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                           f.instance.gpu_instance_id if f.instance else None) for f in found],
+            seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+        print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
+        # An instance covered by your whole-GPU reservation: that one's expiry.
+        for f in found:
+            r = next((o.reservation for o in made if o.reservation.target == f.label), None) \
+                or next((o.reservation for o in made
+                         if o.reservation.target == f"{f.host}:{f.gpu.index}"), None)
+            expires[f.label] = iso(r.expires) if r else None
+    if args.json:
+        write_document({"version": 1, "reserved": bool(args.reserve), "free": [
+            {"host": f.host, "gpu": f.gpu.index, "uuid": f.gpu.uuid, "name": f.gpu.name,
+             "memory_free_mib": f.free_mib}
+            | ({"instance": f.instance.gpu_instance_id, "profile": f.instance.profile,
+                "mig_uuid": f.instance.uuid} if f.instance else {})
+            | ({"expires": expires.get(f.label)} if args.reserve else {})
+            for f in found]}, sys.stdout)
+    else:
+        for f in found:
+            print(f.label)
+    return EXIT_OK

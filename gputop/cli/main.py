@@ -1,0 +1,166 @@
+"""The ``gputop`` command: options, checks and dispatch. The board (Textual) is imported only
+when it is shown, so ``--json``, ``--once`` and the reservation commands never load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gputop import __version__
+from gputop.cli.headless import fleet, json_output, table_output
+from gputop.cli.lifecycle import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, UsageError, run_until_signal
+from gputop.cli.subcommands import add_subcommands
+from gputop.config import Config, ConfigError, default_config_path, load_config
+from gputop.history.db import HistoryError
+
+#: Subcommands that run before (and without) loading the hosts file.
+NO_CONFIG_COMMANDS = ("init-config", "completion")
+
+def _global_options(*, sub: bool) -> argparse.ArgumentParser:
+    """Options that work before or after the subcommand (``gputop reserve X --config F``).
+    In a subcommand they default to SUPPRESS, so they never undo what came before it."""
+    p = argparse.ArgumentParser(add_help=False)
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
+    p.add_argument("--config", metavar="FILE", **kw,
+                   help=f"hosts file (default: $GPUTOP_CONFIG, else {default_config_path()})")
+    p.add_argument("--interval", type=float, metavar="SECONDS", **kw,
+                   help="seconds between refreshes (overrides the config)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
+                   help="per-host timeout for connect + one query (overrides the config)")
+    p.add_argument("--theme", metavar="NAME", **kw,
+                   help="board theme: gputop-dark, gputop-light, gputop-contrast or your own")
+    return p
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gputop",
+        description="One live board of every GPU on your team's servers.",
+        epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
+        "2 usage, config or store error, 130 interrupted (143 SIGTERM, 129 SIGHUP).",
+        parents=[_global_options(sub=False)],
+    )
+    p.add_argument("--version", action="version", version=f"gputop {__version__}")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON snapshot of every host to stdout and exit")
+    p.add_argument("--watch", action="store_true",
+                   help="with --json: one document per interval (one per line), each host's "
+                   "latest state")
+    p.add_argument("--pretty", action="store_true", help="with --json: indent the document")
+    p.add_argument("--once", action="store_true",
+                   help="print one table, a line per GPU, and exit (what gputop prints "
+                   "when stdout is not a terminal)")
+    p.add_argument("--demo", action="store_true",
+                   help="a built-in simulated fleet (no SSH, no GPU needed): the board, "
+                   "--json or --once")
+    p.add_argument("--record", action="store_true",
+                   help="board or --json --watch: also record every refresh into the history "
+                   "database ([history] path), like `gputop record`")
+
+    common = _global_options(sub=True)
+    sub = add_subcommands(p, parents=[common])
+    c = sub.add_parser("init-config", parents=[common],
+                       help="write the documented example hosts file to the config path "
+                       "(never overwrites)")
+    c.add_argument("--stdout", action="store_true", help="print it instead of writing it")
+    c = sub.add_parser("completion", parents=[common],
+                       help="print a shell completion script: bash, zsh or fish")
+    c.add_argument("shell", nargs="?", choices=("bash", "zsh", "fish"))
+    c.add_argument("--candidates", choices=("hosts", "targets", "mine"),
+                   help=argparse.SUPPRESS)  # what the scripts call back for
+    return p
+
+def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
+    from dataclasses import replace
+
+    if args.interval is not None:
+        if args.interval < 0.1:
+            raise UsageError("--interval must be at least 0.1 seconds")
+        config = replace(config, interval=args.interval)
+    if args.timeout is not None:
+        if args.timeout < 0.5:
+            raise UsageError("--timeout must be at least 0.5 seconds")
+        config = replace(config, timeout=args.timeout)
+    return config
+
+def _run_board(config: Config | None, args: argparse.Namespace) -> int:
+    try:
+        from gputop.ui.app import run_board
+    except ImportError as exc:  # pragma: no cover - the board ships with gputop
+        print(f"gputop: the board is unavailable: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return run_board(config, demo=args.demo, theme=args.theme, record=args.record)
+
+def _on_terminal() -> bool:
+    """The full-screen board needs a terminal for keys and for the screen (Textual draws on
+    stderr); anything else gets the table."""
+    return sys.stdin.isatty() and sys.stdout.isatty() and sys.stderr.isatty()
+
+def _check_usage(args: argparse.Namespace) -> None:
+    if args.watch and not args.json:
+        raise UsageError("--watch needs --json")
+    if args.pretty and not args.json:
+        raise UsageError("--pretty needs --json")
+    if args.once and args.json:
+        raise UsageError("--once and --json are two different outputs: choose one")
+    if args.demo and args.command:
+        raise UsageError(f"--demo cannot be used with {args.command}")
+    if args.record and (args.demo or args.command or args.once
+                        or (args.json and not args.watch)):
+        raise UsageError("--record goes with the board or --json --watch (to record "
+                         "on its own: gputop record)")
+
+#: The board's own outputs: before a subcommand they would be silently ignored.
+_BOARD_OUTPUTS = ("--json", "--once", "--watch", "--pretty")
+
+def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    if not args.command or args.command not in argv:
+        return
+    before = argv[: argv.index(args.command)]
+    for flag in _BOARD_OUTPUTS:
+        if flag in before:
+            raise UsageError(f"{flag} before {args.command} does nothing: {args.command}'s "
+                             f"options go after it (see gputop {args.command} --help)")
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in NO_CONFIG_COMMANDS:
+        from gputop.cli import bootstrap
+
+        return bootstrap.run(args)
+    config = None if args.demo else _apply_overrides(load_config(args.config), args)
+    if args.command:
+        from gputop.cli.subcommands import run_command
+
+        assert config is not None
+        return run_command(config, args)
+    if args.json or args.once or not _on_terminal():
+        with fleet(config) as (cfg, sources):
+            if args.demo:
+                cfg = _apply_overrides(cfg, args)
+            if args.json:
+                return run_until_signal(
+                    lambda: json_output(cfg, sources, watch=args.watch, pretty=args.pretty,
+                                  record=args.record), paced=args.watch)
+            return run_until_signal(lambda: table_output(cfg, sources))
+    return _run_board(config, args)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    try:
+        _check_usage(args)
+        _check_output_flags(args, argv)
+        return _dispatch(args)
+    except (ConfigError, UsageError, HistoryError) as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (``gputop --json --watch | head -1``): not an error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK

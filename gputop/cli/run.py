@@ -1,0 +1,75 @@
+"""``gputop run``: reserve GPUs on one host, run a command there on them, release them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.targets import (
+    host_config,
+    poll_hosts,
+    queue_request,
+    reap_ended_jobs,
+    reservation_seconds,
+)
+from gputop.cli.waiting import wait_in_queue
+from gputop.config import Config
+from gputop.reservations import (
+    Invalid,
+    Reservation,
+    Store,
+)
+from gputop.reservations.queue import (
+    unsatisfiable,
+)
+from gputop.reservations.store import Job
+from gputop.text import clean
+
+
+def cmd_run(config: Config, args: argparse.Namespace) -> int:
+    argv = list(args.cmd)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
+    req = queue_request(config, args, one_host=True)
+    seconds = (reservation_seconds(config, args.duration) if args.duration
+               else config.reservation_max_s)
+    store = Store(config.reservations_path)
+    reap_ended_jobs(config, store)
+    pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
+    got: list[Reservation] = []
+    if args.wait:
+        code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=pending)
+        if code != EXIT_OK:
+            return code
+    else:
+        from gputop.reservations.queue import reserve_now
+
+        hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
+        fleet = [h.name for h in config.hosts]
+        why = unsatisfiable(req, hosts, fleet)
+        if why:
+            raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
+        made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
+                           job=lambda h: pending, fleet=fleet)
+        if made is None:
+            waiting = len(store.read().waiting())
+            print(f"gputop: not {req.count} free GPU(s) on one host"
+                  + (f" that none of the {waiting} waiting could use" if waiting else "")
+                  + "; --wait to queue for them", file=sys.stderr)
+            return EXIT_REFUSED
+        got = made
+    from gputop.jobs.run import run_on
+
+    host = host_config(config, got[0].host)
+    print(f"gputop: running on {', '.join(f'{clean(r.host)}:{r.gpu}' for r in got)}",
+          file=sys.stderr, flush=True)
+
+    def say(msg: str) -> None:
+        print(f"gputop: {msg}", file=sys.stderr, flush=True)
+
+    return asyncio.run(run_on(config, host, store, got, argv, say))

@@ -1,0 +1,221 @@
+"""What the subcommands share: ``HOST:GPU`` targets, sizes, durations, one look at
+the hosts, and the queue request their options make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+from gputop.config import Config, HostConfig, parse_duration
+from gputop.model import HostSnapshot
+from gputop.poller import Poller
+from gputop.reservations import (
+    Invalid,
+    Reservation,
+    Store,
+    StoreError,
+    Target,
+    flags,
+)
+from gputop.reservations.flags import other_users
+from gputop.reservations.ops import format_duration, whoami
+from gputop.reservations.queue import (
+    Request,
+)
+from gputop.text import clean
+
+_ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
+
+_SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
+
+#: A target given by MIG uuid, until ``resolve_mig`` finds its GPU and instance.
+_BY_UUID = -1
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+def parse_targets(specs: Sequence[str]) -> list[Target]:
+    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
+    may be a MIG instance: ``GPU/GI`` (GPU index, GPU instance id) or its ``MIG-...`` uuid
+    (resolved against the live host by ``resolve_mig``)."""
+    out: dict[tuple[str, int, int | None, str | None], Target] = {}
+    for spec in specs:
+        m = _SPEC.match(spec)
+        if not m:
+            hint = ("several hosts: one argument each, e.g. gpu-01:0 gpu-02:1"
+                    if spec.count(":") > 1 else
+                    "e.g. gpu-01:0,1; a MIG instance: gpu-01:0/3 or gpu-01:MIG-<uuid>")
+            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] ({hint})")
+        host = m.group("host")
+        for item in m.group("gpus").split(","):
+            if item.startswith("MIG-"):
+                t = Target(host, _BY_UUID, item)
+            else:
+                gpu, _, gi = item.partition("/")
+                t = Target(host, int(gpu), None, int(gi) if gi else None)
+            out.setdefault((t.host, t.gpu, t.instance, t.uuid), t)
+    return list(out.values())
+
+def resolve_mig(config: Config, targets: list[Target],
+                 snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
+    """Targets given by MIG uuid as ``HOST:GPU/GI``, from the live hosts."""
+    if not any(t.gpu == _BY_UUID for t in targets):
+        return targets
+    if snaps is None:
+        names = {t.host for t in targets if t.gpu == _BY_UUID}
+        snaps = {h.name: h for h in asyncio.run(poll_hosts(config, names))}
+    out = []
+    for t in targets:
+        if t.gpu != _BY_UUID:
+            out.append(t)
+            continue
+        h = snaps[t.host]
+        hit = next(((g, i) for g in h.gpus for i in g.instances
+                    if i.uuid == t.uuid and g.index is not None
+                    and i.gpu_instance_id is not None), None)
+        if hit is None:
+            why = (f"it did not answer ({h.error.kind})" if h.error else
+                   "it has no MIG instance with that uuid")
+            raise Invalid(f"cannot find {t.host}:{clean(t.uuid or '')}: {why}; "
+                          "give it as HOST:GPU/INSTANCE")
+        g, inst = hit
+        assert g.index is not None
+        out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
+    return out
+
+def parse_size_mib(text: str) -> int:
+    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
+    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
+        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
+                      f"{text.strip()}M")
+    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    return int(float(m.group(1)) * factor)
+
+def check_hosts(config: Config, targets: Sequence[Target]) -> None:
+    names = [h.name for h in config.hosts]
+    for t in targets:
+        if t.host not in names:
+            raise Invalid(f"unknown host {t.host!r}; hosts in {config.path or 'the config'}: "
+                          + ", ".join(names))
+
+async def poll_hosts(config: Config, names: set[str] | None = None) -> list[HostSnapshot]:
+
+    if names is not None:
+        config = replace(config, hosts=tuple(h for h in config.hosts if h.name in names))
+    # One look: one query per host, as `--json` does (starting streams and waiting for
+    # their first samples made `free` and `reserve` take seconds).
+    poller = Poller(replace(config, collection="query"))
+    try:
+        return list((await poller.snapshot()).hosts)
+    finally:
+        await poller.aclose()
+
+def reservation_seconds(config: Config, text: str | None) -> float:
+    """``--for``: a clear message for what cannot be a reservation's length."""
+    if text is None:
+        return config.reservation_default_s
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds <= config.reservation_max_s:
+        raise Invalid(f"--for {text}: say how long to reserve, more than zero and at most "
+                      f"{format_duration(config.reservation_max_s)}: type e.g. --for 30m, "
+                      "--for 2h or --for 1d (to give a GPU back: gputop release HOST:GPU)")
+    return seconds
+
+def validate_gpus(config: Config, targets: list[Target],
+                   snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
+    """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
+    A host that does not answer cannot be checked: say so and keep the index. A GPU that
+    someone else is using can be reserved, with a warning naming them. ``snaps`` receives
+    the hosts as polled."""
+    me = whoami()[0]
+    if snaps is None:
+        snaps = {}
+    snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
+    out = []
+    for t in resolve_mig(config, targets, snaps):
+        h = snaps[t.host]
+        if not h.ok:
+            assert h.error is not None
+            print(f"gputop: warning: could not check {t.label} ({h.error.kind}: "
+                  f"{clean(h.error.message)}); reserving by index only", file=sys.stderr)
+            out.append(t)
+            continue
+        by_index = {g.index: g for g in h.gpus if g.index is not None}
+        if t.gpu not in by_index:
+            raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
+                          + ", ".join(str(i) for i in sorted(by_index)))
+        g = by_index[t.gpu]
+        if t.instance is not None:
+            insts = {i.gpu_instance_id: i for i in g.instances
+                     if i.gpu_instance_id is not None}
+            if t.instance not in insts:
+                raise Invalid(f"{t.host}:{t.gpu} has no MIG instance {t.instance}; "
+                              + ("its instances: " + ", ".join(
+                                  f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
+                                  for i in sorted(insts)) if insts else "it is not split"))
+            g = flags.instance_view(g, insts[t.instance])
+        others = other_users(g, me)
+        if others:
+            print(f"gputop: warning: {t.label} is in use by "
+                  f"{', '.join(clean(u) for u in others)}; reserving it anyway",
+                  file=sys.stderr)
+        out.append(Target(t.host, t.gpu, g.uuid, t.instance))
+    return out
+
+def host_config(config: Config, name: str) -> HostConfig:
+    return next(h for h in config.hosts if h.name == name)
+
+def reap_ended_jobs(config: Config, store: Store) -> None:
+    """Release job-tied reservations whose job has ended (see gputop.jobs.reap)."""
+    if not any(r.job is not None for r in read_quietly(store)):
+        return
+    from gputop.jobs.reap import check_jobs
+
+    for r in asyncio.run(check_jobs(config, store)):
+        print(f"gputop: released {clean(r.host)}:{r.gpu} of {clean(r.user)}: its job has "
+              "ended", file=sys.stderr)
+
+def read_quietly(store: Store) -> tuple[Reservation, ...]:
+    try:
+        return store.read().reservations
+    except StoreError:
+        return ()
+
+def queue_request(config: Config, args: argparse.Namespace, *, one_host: bool) -> Request:
+    """``--count``, ``--min-free-memory``, ``--host`` / ``--tag`` as a queue request."""
+    if args.count < 1:
+        raise Invalid("--count must be at least 1")
+    min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
+    if args.host and args.tag:
+        raise Invalid("give --host or --tag, not both")
+    hosts: tuple[str, ...] = ()
+    want = ""
+    if args.host:
+        check_hosts(config, [Target(args.host, 0)])
+        hosts, want = (args.host,), f"--host {args.host}"
+    elif args.tag:
+        hosts = tuple(h.name for h in config.hosts if args.tag in h.tags)
+        if not hosts:
+            tags = sorted({t for h in config.hosts for t in h.tags})
+            raise Invalid(f"no host has the tag {args.tag!r}; tags in "
+                          f"{config.path or 'the config'}: {', '.join(tags) or 'none'}")
+        want = f"--tag {args.tag}"
+    return Request(args.count, min_mib, hosts, one_host, want)
+
+def max_wait_s(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise Invalid(f"--max-wait {text}: not a duration (use e.g. 30m, 2h)") from None
