@@ -13,20 +13,30 @@ import os
 import sys
 from pathlib import Path
 
+from gputop.cli.options import ALL as ALL_GLOBAL_OPTIONS
+from gputop.cli.options import for_command
 from gputop.config import ConfigError, data_path, default_config_path, find_config, load_config
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
-COMMANDS = ("reserve", "release", "reservations", "free", "init-config", "completion")
-GLOBAL_OPTIONS = ("--config", "--interval", "--timeout", "--theme")
-TOP_OPTIONS = ("--json", "--watch", "--pretty", "--once", "--demo", "--version", "--help")
-OPTIONS = {
-    "reserve": ("--for", "--note"),
-    "release": ("--mine", "--force"),
+COMMANDS = ("reserve", "release", "reservations", "free", "run", "record", "report",
+            "init-config", "completion")
+GLOBAL_OPTIONS = ALL_GLOBAL_OPTIONS
+TOP_OPTIONS = ("--json", "--watch", "--pretty", "--once", "--demo", "--record", "--version",
+               "--help")
+#: Each subcommand's own options, then the global ones it takes (never --theme).
+OPTIONS = {cmd: (*opts, *for_command(cmd)) for cmd, opts in {
+    "reserve": ("--for", "--note", "--until-exit", "--skip-queue"),
+    "release": ("--mine", "--force", "--waiter"),
     "reservations": ("--json",),
-    "free": ("--count", "--min-free-memory", "--reserve", "--for", "--note", "--json"),
+    "free": ("--count", "--min-free-memory", "--host", "--tag", "--whole", "--reserve",
+             "--wait", "--max-wait", "--notify", "--for", "--note", "--json"),
+    "run": ("--count", "--min-free-memory", "--host", "--tag", "--wait", "--max-wait",
+            "--notify", "--for", "--note"),
+    "record": ("--db", "--print-unit"),
+    "report": ("--db", "--since", "--from", "--to", "--by", "--json", "--csv", "--plot"),
     "init-config": ("--stdout",),
     "completion": (),
-}
+}.items()}
 THEMES = ("gputop-dark", "gputop-light", "gputop-contrast")
 
 
@@ -123,7 +133,7 @@ def script(shell: str) -> str:
 def _fish_options() -> str:
     lines = []
     for opt in (*GLOBAL_OPTIONS, *TOP_OPTIONS):
-        lines.append(f"complete -c gputop -l {opt[2:]}")
+        lines.append(f"complete -c gputop -n '__fish_use_subcommand' -l {opt[2:]}")
     for cmd, opts in OPTIONS.items():
         for opt in opts:
             lines.append(f"complete -c gputop -n '__fish_seen_subcommand_from {cmd}' "
@@ -160,8 +170,8 @@ _gputop() {
         case "$cmd" in
 @CASES@
         esac
-        [[ -z "$cmd" ]] && opts="@TOP@"
-        words="$opts @GLOBAL@"
+        [[ -z "$cmd" ]] && opts="@TOP@ @GLOBAL@"
+        words="$opts"
     elif [[ -z "$cmd" ]]; then
         words="@COMMANDS@"
     else
@@ -206,6 +216,6 @@ complete -c gputop -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish
 complete -c gputop -n '__fish_seen_subcommand_from reserve' -a '(__gputop_candidates targets)'
 complete -c gputop -n '__fish_seen_subcommand_from release' -a '(__gputop_candidates mine)'
 complete -c gputop -l config -r -F
-complete -c gputop -l theme -x -a '@THEMES@'
+complete -c gputop -n '__fish_use_subcommand' -l theme -x -a '@THEMES@'
 @FISH_OPTIONS@
 """
