@@ -105,9 +105,10 @@ def render(found: Sequence[FreeGpu], state: StoreState | None, now: datetime, *,
 
 
 def print_free(found: Sequence[FreeGpu], state: StoreState | None, now: datetime,
-               out: TextIO = sys.stdout) -> None:
+               out: TextIO | None = None) -> None:
     """The table on a terminal (narrowed to it; colour unless NO_COLOR or a dumb
-    terminal), else ``HOST:GPU`` lines."""
+    terminal), else ``HOST:GPU`` lines; ``out`` defaults to ``sys.stdout`` as it is now."""
+    out = out or sys.stdout
     if not is_terminal(out):
         for f in found:
             out.write(f"{f.label}\n")
