@@ -79,7 +79,10 @@ def test_global_options_still_work_after_a_subcommand(capsys: pytest.CaptureFixt
 
 
 def test_completion_offers_each_subcommands_own_options() -> None:
-    parsers = subparsers()
-    assert set(bootstrap.COMMANDS) == set(parsers)
+    parsers, offered = subparsers(), bootstrap.options()
+    assert set(offered) == set(parsers)
     for name, p in parsers.items():
-        assert set(bootstrap.OPTIONS[name]) == shown_options(p), name
+        assert set(offered[name]) == shown_options(p), name
+    script = bootstrap.script("bash")
+    assert "record) opts=\"--config --interval --timeout --db --print-unit\"" in script
+    assert "report) opts=\"--config --db --since" in script and "reserve|release|" in script
