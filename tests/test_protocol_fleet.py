@@ -25,7 +25,7 @@ from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host, gpu_uuid
 from gputop.config import load_config
 from gputop.model import SCHEMA_VERSION
 from gputop.poller import Poller
-from gputop.sources.ssh import MAX_OUTPUT
+from gputop.sources.protocol import MAX_OUTPUT
 
 TIMEOUT = 4.0
 CONTROL = [chr(c) for c in (*range(0x20), 0x7F, 0x9B)] + ["\u202e"]
@@ -253,7 +253,8 @@ async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:
 def test_retries_of_many_failing_hosts_are_spread_out() -> None:
     from gputop.config import HostConfig
     from gputop.model import HostError
-    from gputop.sources.ssh import JumpPool, SshSource
+    from gputop.sources.ssh import SshSource
+    from gputop.sources.transport import JumpPool
 
     async def retry_times() -> list[float]:
         sem, jumps = asyncio.Semaphore(1), JumpPool(None)
@@ -262,8 +263,8 @@ def test_retries_of_many_failing_hosts_are_spread_out() -> None:
         now = time.monotonic()
         for _ in range(3):  # the third failure in a row: 8 s nominal
             for s in srcs:
-                s._backoff(HostError("unreachable", "connection refused"))
-        return [s._retry_at - now for s in srcs]
+                s.link.backoff(HostError("unreachable", "connection refused"))
+        return [s.link.retry_at - now for s in srcs]
 
     waits = asyncio.run(retry_times())
     assert all(3.9 <= w <= 8.1 for w in waits), waits

@@ -110,7 +110,7 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
             seen.append(snap)
             if len(seen) == 1:
                 first_calls, channels = sfleet.calls(alpha), src.channels
-            st = src._streams
+            st = src.streams.session
             assert st is not None
             if len(seen) == 3:
                 # ONE exec channel carries both loops and ps: one SSH session on the host.
@@ -348,7 +348,7 @@ async def test_hung_ps_is_a_timeout_that_kills_the_session_on_the_host(sfleet: F
             kinds.append(snap.error.kind if snap.error else "ok")
             if len(kinds) == 2:
                 assert kinds == ["ok", "ok"]
-                st = src._streams
+                st = src.streams.session
                 assert st is not None
                 hung_sid = st.pid
                 flag.write_text("")
@@ -438,7 +438,7 @@ async def test_closing_while_ps_hangs_leaves_nothing_on_the_host(sfleet: Fleet) 
     try:
         first = await poller.snapshot()
         assert first.hosts[0].error is None, first.hosts[0].error
-        st = src._streams
+        st = src.streams.session
         assert st is not None
         sid = st.pid
         flag.write_text("")
