@@ -503,3 +503,44 @@ async def test_a_command_line_ps_cannot_read_costs_its_text_not_the_host(
     assert not shown.command, shown  # unknown, not someone else's or a stale one
     left = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+async def test_a_session_that_opened_between_refreshes_is_not_awaited_again(
+    sfleet: Fleet,
+) -> None:
+    """A refresh gives up on a session still opening (the host is ``starting``), and the
+    session opens before the next refresh. Once that session is gone (killed as stalled),
+    the next refresh opens a new one on the same connection: it used to await the old
+    opening again, find no session, and fail the host (``error: AssertionError``) with a
+    reconnect."""
+    poller = poller_for(sfleet, ["alpha"])
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    st = src.streams
+    kinds: list[str] = []
+
+    async def until_ok() -> None:
+        for _ in range(40):  # each waits at most an interval for the session's next sample
+            _gpus, err = await src.query()
+            kinds.append(err.kind if err else "ok")
+            if err is None:
+                return
+        raise AssertionError(kinds)
+
+    try:
+        await src.link.open()  # connected; no session yet
+        st.timeout = 0.0  # this refresh gives up on the opening at once
+        _gpus, err = await src.query()
+        assert err is not None and err.kind == "starting", err
+        opening = st._opening
+        assert opening is not None
+        await opening  # it opens between two refreshes
+        st.timeout = TIMEOUT
+        await until_ok()
+        assert st.session is not None
+        st._kill(st.session)  # as a session with no sample in time is
+        await until_ok()
+    finally:
+        await poller.aclose()
+    assert set(kinds) <= {"ok", "starting"}, kinds
+    assert (src.connects, src.stream_starts) == (1, 2)

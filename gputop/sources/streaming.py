@@ -105,6 +105,10 @@ class StreamCollector:
                 raise CannotStream("no awk on the host") from None
             if starting is not None:
                 return starting
+        elif self._opening is not None:
+            # It opened between two refreshes (the last one gave up on it: `starting`), and
+            # ended with that: the next session to open is a new one.
+            self._opening = None
         restarted = False
         while True:
             st, conn = self.session, self._link.conn
