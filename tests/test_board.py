@@ -770,7 +770,7 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
 
     monkeypatch.setenv("HOME", str(small_fleet.home))
     # No jitter: the backoff after the n-th failure is exactly 1 s x 2^(n-1).
-    monkeypatch.setattr("gputop.sources.ssh.random.uniform", lambda _lo, hi: hi)
+    monkeypatch.setattr("gputop.sources.transport.random.uniform", lambda _lo, hi: hi)
     config = load_config(str(small_fleet.write_config(timeout=3.0, interval=1.0)))
     app = GputopApp(config, user="ann")
     alpha = small_fleet.hosts["alpha"]
@@ -796,11 +796,11 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
         assert app.poller is not None
         (source,) = [s for s in app.poller.sources if s.name == "alpha"]
         # Down, and retried until the backoff is long: 4 s (the third failure) or more.
-        await until(pilot, lambda: source._retry_at - time.monotonic() > 3.5, 40)  # type: ignore[attr-defined]
+        await until(pilot, lambda: source.link.retry_at - time.monotonic() > 3.5, 40)  # type: ignore[attr-defined]
         assert chosen(app) == ("alpha", None, None)
         assert keys(table).index("alpha") == 0  # kept its place, above beta
         small_fleet.restart_sshd(alpha)
-        backoff_left = source._retry_at - time.monotonic()  # type: ignore[attr-defined]
+        backoff_left = source.link.retry_at - time.monotonic()  # type: ignore[attr-defined]
         await pilot.press("c")
         took = await until(pilot, alpha_ok, backoff_left - 1.0)  # well before the retry
         assert took < backoff_left - 1.0

@@ -9,6 +9,7 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
+    "gputop.sources.transport", "gputop.sources.query", "gputop.sources.streaming",
     "gputop.reservations", "gputop.cli", "gputop.cli.table", "gputop.cli.bootstrap",
     "gputop.sources.demo", "gputop.history", "gputop.history.db", "gputop.history.recorder",
     "gputop.history.report", "gputop.history.render", "gputop.history.live", "gputop.history.cli",

@@ -137,7 +137,9 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
 
     from gputop.config import HostConfig
     from gputop.sources.nvidia_smi import AppRow, Owner
-    from gputop.sources.ssh import OWNER_MEMORY, JumpPool, SshSource
+    from gputop.sources.ssh import SshSource
+    from gputop.sources.streaming import OWNER_MEMORY
+    from gputop.sources.transport import JumpPool
 
     async def scenario(steps: list[tuple[float, str | None]]) -> list[list[int]]:
         src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,
@@ -148,10 +150,10 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
             asked.append(pids)
             return {p: Owner(p, "gtalice", 5) for p in pids}, {p: "train.py" for p in pids}
 
-        src._ask_ps = ask_ps  # type: ignore[method-assign]
+        src.streams._ask_ps = ask_ps  # type: ignore[method-assign]
         for now, start in steps:
             apps = [] if start == "gone" else [AppRow("GPU-1", 42, 100, start)]
-            owners, _ = await src._owners_of(None, apps, now)  # type: ignore[arg-type]
+            owners, _ = await src.streams._owners_of(None, apps, now)  # type: ignore[arg-type]
             assert (42 in owners) == bool(apps)
         return asked
 
