@@ -126,6 +126,7 @@ class Config:
     )
     history_raw_keep_s: float = 2 * 86400.0
     history_minute_keep_s: float = 30 * 86400.0
+    history_hour_keep_s: float | None = None  # None: forever
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -337,6 +338,13 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     hpath = _data_path(hvalue, path, "history.sqlite3")
     raw_keep = hist.duration("keep_raw", 2 * 86400.0)
     minute_keep = hist.duration("keep_minutes", 30 * 86400.0)
+    hour_keep: float | None = None
+    if hist.get("keep_hours", (str, int, float)) != "forever":
+        hour_keep = hist.duration("keep_hours", 0.0) or None
+    if hour_keep is not None and hour_keep < max(minute_keep, 86400.0):
+        # The board's last day and a report's edges read hours wherever minutes are gone.
+        raise ConfigError(path, "history.keep_hours", "must be at least 1d and at least "
+                          "keep_minutes (or \"forever\", the default)")
     hist.done()
 
     raw_hosts = top.get("hosts", list, [])
@@ -376,4 +384,5 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         history_path=hpath,
         history_raw_keep_s=raw_keep,
         history_minute_keep_s=minute_keep,
+        history_hour_keep_s=hour_keep,
     )
