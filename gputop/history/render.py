@@ -158,7 +158,9 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
         xs = [(start + timedelta(seconds=step * i)).astimezone(timezone.utc)
               for i in range(len(values))]
         ys = [float("nan") if v is None else v for v in values]
-        ax1.plot(xs, ys, label=clean(name)[:30], linewidth=2.5 if name == "fleet" else 1)
+        # a marker too: a value between two gaps draws no line, and would not show
+        ax1.plot(xs, ys, label=clean(name)[:30], linewidth=2.5 if name == "fleet" else 1,
+                 marker="o", markersize=2)
     ax1.set_ylabel("utilisation %")
     ax1.set_ylim(0, 100)
     ax1.set_title("utilisation over time (gaps: no data)")
@@ -201,7 +203,8 @@ def fleet_text(hour: dict[str, Any], day: dict[str, Any], width: int = 24) -> st
         rows.append([clean(h["host"])[:24], _pct(hour_util.get(h["host"])),
                      _pct(h["mean_utilization"]), share(h["busy_hours"]),
                      share(h["idle_hours"]), share(h["held_idle_hours"]),
-                     f"{_num(h['no_data_hours'])} h", sparkline(chart)])
+                     f"{_num(h['no_data_hours'])} h" if h.get("gpus") is not None else
+                     f"{_num(h.get('unknown_gpus_hours', 0.0))} h, GPUs ?", sparkline(chart)])
     if len(rows) == 1:
         return "\n".join([*lines, "nothing recorded in the last 24 hours"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
