@@ -108,10 +108,27 @@ class NameGate:
     def user_ids(self, names: Iterable[str], t_ms: int) -> list[int]:
         """The ids of a GPU's users: each distinct name once, so that equal shares stay
         right (two names not kept are two shares of ``OTHER_NAMES``)."""
-        ids = {n: self.resolve(n, t_ms) for n in set(names)}
-        others = self.known.get(OTHER_NAMES)
-        kept = sorted(i for i in ids.values() if i != others)
-        return kept + [others] * (len(ids) - len(kept)) if others is not None else kept
+        ids: set[int] = set()
+        new: set[str] = set()
+        for n in names:
+            i = self.known.get(n)
+            if i is None:
+                new.add(n)
+            else:
+                ids.add(i)
+        if not new:  # the common case: every name known
+            return sorted(ids)
+        others, n_others = self.others(), 0
+        for n in new:
+            i = self.resolve(n, t_ms)
+            if i == others:
+                n_others += 1
+            else:
+                ids.add(i)
+        if others in ids:  # the name OTHER_NAMES itself (no host or file can send it)
+            ids.discard(others)
+            n_others += 1
+        return sorted(ids) + [others] * n_others
 
 
 def fold(users: dict[int, list[float]], others: int) -> dict[int, list[float]]:

@@ -163,8 +163,10 @@ class Recorder:
             return None
         return self.names.resolve(r.user, _ms(at))
 
-    def _user_ids(self, procs: tuple[ProcessInfo, ...], at: datetime) -> list[int]:
-        return self.names.user_ids((p.user or UNKNOWN_USER for p in procs), _ms(at))
+    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int) -> list[int]:
+        if not procs:
+            return []
+        return self.names.user_ids([p.user or UNKNOWN_USER for p in procs], t_ms)
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
@@ -179,7 +181,7 @@ class Recorder:
         total = sum(f for f in fracs if f is not None)
         scale = 1.0 if total <= 1.0 else 1.0 / total  # instances that claim more than all
         return [[i.gpu_instance_id, (f or 0.0) * scale, i.utilization_percent,
-                 self._user_ids(i.processes, at),
+                 self._user_ids(i.processes, _ms(at)),
                  self._holder(host, g.index, at, i.gpu_instance_id)]
                 for i, f in zip(g.instances, fracs)]
 
@@ -243,6 +245,7 @@ class Recorder:
                  ) -> list[list[object]]:
         """The sample's GPU entries; ``current``: replaying, the host's GPUs back then."""
         entries: list[list[object]] = []
+        t_ms = _ms(snap.time)
         if snap.ok:
             ids = []
             for g in snap.gpus:
@@ -253,7 +256,7 @@ class Recorder:
                 ids.append(gid)
                 util = None if g.lost else g.utilization_percent
                 entry: list[object] = [gid, util, g.memory_used_mib,
-                                       self._user_ids(g.processes, snap.time),
+                                       self._user_ids(g.processes, t_ms),
                                        self._holder(snap.name, g.index, snap.time),
                                        int(g.lost)]
                 parts = self._parts(snap.name, g, snap.time)
