@@ -236,3 +236,43 @@ def test_hourly_sums_are_dropped_after_keep_hours(tmp_path: Path) -> None:
     # rounded out to the two whole days the range touches (the first from 00:10 on)
     assert users_of(doc)["alice"]["used_hours"] == pytest.approx(48 - 1 / 6)
     assert doc["series"]["step_s"] == 86400
+
+
+def test_a_version_2_database_migrates_and_keeps_its_numbers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What gputop wrote before bounded history (version 2: no '(other names)', no
+    'hour_from') reads as it is, and the writer takes it to version 3 with the same
+    numbers; a gputop that reads up to version 2 refuses the file then (as 'newer')."""
+    from gputop.history.db import SCHEMA_VERSION
+
+    db = tmp_path / "h.sqlite3"
+    rec = open_recorder(db)
+    for i in range(6):
+        rec.record(snap("m", T0 + timedelta(seconds=10 * (i + 1)), gpu(0, 50, "alice")))
+    rec.flush()
+    rec.db.close()
+    c = sqlite3.connect(db)
+    c.execute("DELETE FROM meta WHERE key = 'hour_from'")
+    c.execute("DELETE FROM users WHERE name = ?", (OTHERS,))
+    c.execute("PRAGMA user_version = 2")
+    c.commit()
+    c.close()
+    before = report(db, T0, T0 + timedelta(seconds=65))
+    assert users_of(before)["alice"]["used_hours"] == pytest.approx(hours(60))
+    rec = open_recorder(db)
+    assert rec.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert rec.db.conn.execute("SELECT COUNT(*) FROM users WHERE name = ?",
+                               (OTHERS,)).fetchone()[0] == 1
+    assert rec.db.conn.execute("SELECT COUNT(*) FROM meta WHERE key = 'hour_from'"
+                               ).fetchone()[0] == 1
+    rec.record(snap("m", T0 + timedelta(seconds=70), gpu(0, 50, "alice", "bob")))
+    rec.flush()
+    rec.db.close()
+    users = users_of(report(db, T0, T0 + timedelta(seconds=75)))
+    assert users["alice"]["used_hours"] == pytest.approx(hours(65))
+    assert users[OTHERS]["used_hours"] == pytest.approx(hours(5))  # bob, seen once
+    import gputop.history.db as schema
+
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)  # what a version-2 gputop checks
+    with pytest.raises(schema.HistoryError, match="newer gputop"):
+        schema.check_file(db)

@@ -89,8 +89,6 @@ class Recorder:
             with db.transaction() as c:  # the report's chart is no finer than the samples
                 c.execute("INSERT OR REPLACE INTO meta VALUES ('interval_ms', ?)",
                           (int(interval * 1000),))
-                c.execute("INSERT OR IGNORE INTO users (name) VALUES (?)", (OTHER_NAMES,))
-                c.execute("INSERT OR IGNORE INTO meta VALUES ('hour_from', 0)")
             self._load()
             self._minute_done = db.meta("minute_done")
         except HistoryError:
