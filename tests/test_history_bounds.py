@@ -276,3 +276,20 @@ def test_a_version_2_database_migrates_and_keeps_its_numbers(
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)  # what a version-2 gputop checks
     with pytest.raises(schema.HistoryError, match="newer gputop"):
         schema.check_file(db)
+
+
+def test_the_names_waiting_for_a_second_refresh_are_bounded() -> None:
+    """A flood of new names in one refresh: at most PENDING_MAX wait in memory, the rest
+    count under (other names) at once; names not seen again are forgotten."""
+    from gputop.history.names import PENDING_MAX, NameGate
+
+    ids: dict[str, int] = {}
+    gate = NameGate(ids, lambda n: len(ids) + 1, interval_ms=2000, max_gap_ms=4000)
+    got = gate.user_ids([f"n{i}" for i in range(PENDING_MAX + 500)], 1000)
+    assert got == [ids[OTHERS]] * (PENDING_MAX + 500)
+    assert len(gate._pending) == PENDING_MAX and set(ids) == {OTHERS}
+    gate.purge(1000 + 4001)
+    assert not gate._pending
+    # a name seen at 1000 and again a refresh later is kept; the others are not
+    gate.user_ids(["bob"], 10_000)
+    assert gate.user_ids(["bob", "new"], 12_000) == [ids["bob"], ids[OTHERS]]

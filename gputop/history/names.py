@@ -47,6 +47,7 @@ class NameGate:
         self._pending: dict[str, tuple[int, int]] = {}  # name -> (first seen, last seen)
         self._tokens = float(NEW_NAMES_BURST)
         self._tokens_at: int | None = None
+        self._purged_at: int | None = None
         #: Names of the sample being built that count under OTHER_NAMES for now, and names
         #: just kept: the recorder writes those samples again (``Recorder._revisit``).
         self.waiting: set[str] = set()
@@ -96,8 +97,9 @@ class NameGate:
         return True
 
     def _room(self, t_ms: int) -> bool:
-        if len(self._pending) >= PENDING_MAX:
-            self.purge(t_ms)
+        if len(self._pending) >= PENDING_MAX and t_ms != self._purged_at:
+            self._purged_at = t_ms  # once per sample time: a flood costs one pass, not one
+            self.purge(t_ms)  # per name
         return len(self._pending) < PENDING_MAX
 
     def purge(self, t_ms: int) -> None:
