@@ -111,7 +111,7 @@ def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
         if which == "user" and any(r["user"] == OTHER_NAMES for r in rows):
             print(f"  {OTHER_NAMES}: names seen for a single refresh, names over the limit "
                   f"on new names, and names past the {MAX_NAMED} busiest of a GPU in a "
-                  "minute, hour or day (see the README)", file=out)
+                  "minute, hour or day (see docs/history.md)", file=out)
     print(f"\nchart: one column per {_step_words(doc['series']['step_s'])}, blank = no data",
           file=out)
 
