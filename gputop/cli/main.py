@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="gputop",
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
-        "2 usage, config or store error, 130 interrupted (143 SIGTERM, 129 SIGHUP).",
+        "2 usage, config or store error, 3 --json/--once: no host answered (the output "
+        "says why for each), 130 interrupted (143 SIGTERM, 129 SIGHUP).",
         parents=[global_options(sub=False)],
     )
     p.add_argument("--version", action="version", version=f"gputop {__version__}")
