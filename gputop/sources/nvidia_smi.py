@@ -359,11 +359,13 @@ def attach_processes(
     on its instance, where ``mig`` (the host's MIG inventory) knows that uuid."""
     args = args or {}
     mig = mig or {}
-    by_uuid: dict[str | None, list[ProcessInfo]] = {}
+    # A pid listed again on one GPU (nvidia-smi's loop printing two iterations as one
+    # batch) is the same process: its newer row replaces the older, never adds to it.
+    by_uuid: dict[str | None, dict[tuple[int, int | None, int | None], ProcessInfo]] = {}
     for a in apps:
         o = owners.get(a.pid)
         parent, gi, ci = mig.get(a.gpu_uuid or "", (a.gpu_uuid, None, None))
-        by_uuid.setdefault(parent, []).append(
+        by_uuid.setdefault(parent, {})[(a.pid, gi, ci)] = (
             ProcessInfo(
                 pid=a.pid,
                 user=o.user if o else None,
@@ -381,7 +383,7 @@ def attach_processes(
     for g in gpus:
         if g.uuid in by_uuid and g.uuid not in claimed and not g.lost:
             claimed.add(g.uuid)
-            g = g.with_processes(tuple(by_uuid[g.uuid]))
+            g = g.with_processes(tuple(by_uuid[g.uuid].values()))
         result.append(g)
     return result
 
