@@ -1,5 +1,9 @@
 """What the board shows, computed without Textual: rows, order, filter, summary, history.
 
+About 650 lines, over the ~600 rule: the row cache, the filter's memo and the summary's
+counts share one pass over the fleet per frame (bench/results/board-scale.md); split into
+modules they would be the same code with calls between them.
+
 The app feeds host snapshots and reservation state in, and asks for rows out. Keeping this
 free of widgets makes it cheap to test and lets the table update only the rows that changed.
 """
