@@ -290,3 +290,34 @@ def test_a_lost_gpus_row_names_its_bus_whole_at_80_columns() -> None:
     label = gpu_cells(GpuRow("h", "h\x00@x", g, None, ["lost"], False, False), NOW,
                       Palette(), narrow=True)[0].plain
     assert label.strip() == "? lost 07:00.0" and len(label) <= (NARROW[0][2] or 0)
+
+
+async def test_a_lost_gpus_details_say_what_the_driver_said(tmp_path: Path) -> None:
+    from gputop.model import GpuInfo
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = await load(app, pilot)
+        snap = fixed_snapshots()[0]
+        lost = GpuInfo(index=None, bus_id="00000000:07:00.0", lost=True,
+                       lost_reason="Unknown Error")
+        app.ingest(replace(snap, gpus=(*snap.gpus, lost)))
+        app.render_board()
+        await pilot.pause()
+        goto(app, table, "gpu-h100\x00@00000000:07:00.0")
+        await pilot.press("enter")
+        await pilot.pause()
+        head = static_text(app, "#detail-head")
+        assert head.startswith("gpu-h100:?  lost: Unknown Error"), head
+        assert "bus 00000000:07:00.0" in head and "temp ?" not in head
+
+
+async def test_a_long_holder_name_gives_way_to_the_time_left(tmp_path: Path) -> None:
+    store = Store(tmp_path / "reservations.json")
+    store.update(lambda state, _now: StoreState(reservations=(
+        new_reservation("gpu-h100", 2, "mgarcia-long", "ws", NOW, 3 * 3600, None, ""),)))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = await load(app, pilot)
+        assert cell(table, gk("gpu-h100", 2), "resv") == "mga… 3h00m"  # its 10 columns
+        assert_no_silent_cut(app, table)

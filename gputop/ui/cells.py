@@ -172,8 +172,9 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     users = ",".join(row.users) or "—"
     resv = Text("—", style=p.muted)
     if row.reservation is not None:
-        resv = Text(f"{clean(row.reservation.user)} {time_left(row.reservation.expires, now)}",
-                    style=p.reserved)
+        left = time_left(row.reservation.expires, now)  # the user gives way, not the time
+        room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
+        resv = Text(f"{fit(clean(row.reservation.user), room)} {left}", style=p.reserved)
     temp = Text("" if g.temperature_c is None or inst else f"{g.temperature_c}°")
     power = Text("" if inst else power_text(g))
     labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS

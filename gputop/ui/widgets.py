@@ -183,9 +183,12 @@ class DetailPane(Vertical):
         g = row.gpu
         t = Text()
         t.append(f"{row.label}  ", style="bold")
-        t.append(short_model(g.name))
-        if row.instance is None:  # (an instance has no temperature or power of its own)
-            t.append(f"  {gpu_vitals(g)}")
+        if g.lost:  # the driver has no handle for it: what it said, not a row of "?"
+            t.append(f"lost: {clean(g.lost_reason) or 'no reason given'}", style="bold")
+        else:
+            t.append(short_model(g.name))
+            if row.instance is None:  # (an instance has no temperature or power of its own)
+                t.append(f"  {gpu_vitals(g)}")
         t.append(f"\nuuid {clean(g.uuid) or '?'}  bus {clean(g.bus_id) or '?'}  driver "
                  f"{clean(g.driver_version) or '?'}")
         if g.mig_mode:
