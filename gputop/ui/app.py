@@ -172,7 +172,7 @@ class GputopApp(App[int]):
         yield BoardTable(id="board")
         yield DetailPane(id="detail")
         yield Input(placeholder="filter: host, model, user or tag (esc clears)", id="filter")
-        yield Footer()
+        yield Footer(compact=True)  # every shown key fits 80 columns, q Quit included
 
     def on_mount(self) -> None:
         loop = asyncio.get_running_loop()
