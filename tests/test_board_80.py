@@ -322,3 +322,14 @@ async def test_a_long_holder_name_gives_way_to_the_time_left(tmp_path: Path) -> 
         table = await load(app, pilot)
         assert cell(table, gk("gpu-h100", 2), "resv") == "mga… 3h00m"  # its 10 columns
         assert_no_silent_cut(app, table)
+
+
+async def test_the_summary_fits_again_when_the_terminal_narrows(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 24)) as pilot:
+        await load(app, pilot)
+        assert "0 reserved of 8 GPUs" in screen_lines(app)[0]
+        await pilot.resize_terminal(60, 24)
+        await pilot.pause()
+        line = screen_lines(app)[0].rstrip()
+        assert "resv of 8" in line and line.endswith("…"), line  # shorter words, then …
