@@ -59,9 +59,17 @@ def local_time(t: datetime) -> str:
 def describe(r: Reservation, now: datetime) -> str:
     left = max(0, int((r.expires - now).total_seconds()))
     note = f' ("{clean(r.note)}")' if r.note else ""
+    if r.share_mib is not None:
+        return (f"{clean(r.target)}: a {_size(r.share_mib)} share of it is held by "
+                f"{clean(r.user)} until {local_time(r.expires)} ({format_duration(left)} "
+                f"left){note}")
     what = "instance" if r.instance is not None else ""
     return (f"{clean(r.target)} {what + ' ' if what else ''}is reserved by {clean(r.user)} until "
             f"{local_time(r.expires)} ({format_duration(left)} left){note}")
+
+
+def _size(mib: int) -> str:
+    return f"{mib * 10 // 1024 / 10:g}G" if mib >= 1024 else f"{mib}M"
 
 
 def format_duration(seconds: float) -> str:
@@ -138,10 +146,12 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
         made.clear()
         if check is not None:
             check(state, now)
-        # A whole-GPU reservation covers its instances, and an instance's blocks its GPU.
+        # A whole-GPU reservation covers its instances, and an instance's blocks its GPU;
+        # any share (yours too: a share and a whole reservation exclude each other) blocks
+        # the whole GPU.
         conflicts = list({h.id: h for t in targets
                           for h in state.overlapping(t.host, t.gpu, t.instance, now)
-                          if h.user != user}.values())
+                          if h.user != user or h.share_mib is not None}.values())
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
         try:
@@ -207,6 +217,13 @@ def release(store: Store, targets: Sequence[Target] | None, *, force: bool = Fal
             others: list[Reservation] = []
             for t in targets:
                 r = state.holder(t.host, t.gpu, now, t.instance)
+                if r is None and t.instance is None:  # the GPU's shares, if it has any:
+                    # your own; with --force (none of yours) everyone's, each recorded
+                    shares = [s for s in state.active(now) if s.share_mib is not None
+                              and (s.host, s.gpu) == (t.host, t.gpu)]
+                    mine = [s for s in shares if s.user == user]
+                    (gone if mine or force else others).extend(mine or shares)
+                    continue
                 if r is None:
                     continue
                 (gone if r.user == user or force else others).append(r)

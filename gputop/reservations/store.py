@@ -29,12 +29,19 @@ from typing import Any
 from gputop.model import iso, utcnow
 from gputop.text import clean
 
-#: Version 2 adds the wait queue and job-tied reservations. Rule: gputop reads versions 1
-#: and 2; it writes version 1 whenever the file uses neither (so an older gputop on the
-#: team keeps working until someone queues or runs a job), version 2 otherwise (an older
-#: gputop then refuses the file with "upgrade gputop" and leaves it untouched).
-FILE_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: Version 2 adds the wait queue and job-tied reservations; version 3 memory shares of a
+#: GPU (``share_mib``: several reservations of one GPU). Rule: gputop reads versions 1-3
+#: and writes the lowest one that holds what the file uses: version 1 while it uses none
+#: of these (so an older gputop on the team keeps working until someone queues, runs a job
+#: or takes a share), else 2, else 3 (an older gputop then refuses the file with "upgrade
+#: gputop" and leaves it untouched: a gputop that knows nothing of shares would read two
+#: shares of one GPU as a broken file, or a share as a whole reservation).
+FILE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+#: The version a file with shares needs.
+SHARES_VERSION = 3
+#: The largest share (MiB): 1 PiB, far beyond any GPU; a bigger number is hostile.
+MAX_SHARE_MIB = 2**30
 MAX_WAITERS = 1_000
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
@@ -178,9 +185,16 @@ class Reservation:
     #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
     #: GPU, which covers all of its instances.
     instance: int | None = None
+    #: A memory share of the GPU (MiB): several people may hold shares of one GPU until
+    #: its memory is committed (``gputop.reservations.shares``). None: the whole GPU.
+    share_mib: int | None = None
 
     def active(self, now: datetime) -> bool:
         return self.expires > now
+
+    @property
+    def is_share(self) -> bool:
+        return self.share_mib is not None
 
     @property
     def target(self) -> str:
@@ -202,6 +216,8 @@ class Reservation:
             d["job"] = self.job.to_dict()
         if self.instance is None:  # files without instances stay readable by older gputops
             del d["instance"]
+        if self.share_mib is None:  # (the same for shares)
+            del d["share_mib"]
         return d
 
     @classmethod
@@ -209,7 +225,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note", "job", "instance"}
+                          "note", "job", "instance", "share_mib"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -222,8 +238,14 @@ class Reservation:
             raise ValueError(f"{where}.instance: expected an integer, not {_jtype(inst)}")
         if inst is not None and not 0 <= inst <= MAX_INSTANCE:
             raise ValueError(f"{where}.instance: out of range (0-{MAX_INSTANCE})")
+        if inst is not None and "share_mib" in d:
+            raise ValueError(f"{where}: a share of a MIG instance (MIG GPUs are shared by "
+                             "their instances)")
+        share = d.get("share_mib")
         uuid = d.get("uuid")
         return cls(instance=inst,
+                   share_mib=None if "share_mib" not in d else _int(
+                       share, f"{where}.share_mib", 1, MAX_SHARE_MIB),
                    id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
                    gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
                    machine=_text(d.get("machine"), f"{where}.machine", empty=True),
@@ -253,12 +275,17 @@ class Waiter:
     want: str = ""
     #: All GPUs on one host (``gputop run``: one job runs on one host).
     one_host: bool = False
+    #: Waits for a memory share of this size (version 3), not for whole GPUs.
+    share_mib: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
-                "created": iso(self.created), "lease": iso(self.lease),
-                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
-                "one_host": self.one_host}
+        d = {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
+             "created": iso(self.created), "lease": iso(self.lease),
+             "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
+             "one_host": self.one_host}
+        if self.share_mib:  # a file without share waiters stays readable by older gputops
+            d["share_mib"] = self.share_mib
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Waiter:
@@ -266,8 +293,9 @@ class Waiter:
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         keys = {"id", "user", "machine", "count", "created", "lease", "min_free_mib", "hosts",
                 "want", "one_host"}
-        if set(d) != keys:
-            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))}")
+        if set(d) - {"share_mib"} != keys:
+            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))} "
+                             "(and share_mib)")
         hosts = d["hosts"]
         if not isinstance(d["one_host"], bool):
             raise ValueError(f"{where}.one_host: expected a boolean")
@@ -282,7 +310,9 @@ class Waiter:
                    hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
                    want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True,
                               name=False),
-                   one_host=d["one_host"])
+                   one_host=d["one_host"],
+                   share_mib=_int(d["share_mib"], f"{where}.share_mib", 1, MAX_SHARE_MIB)
+                   if "share_mib" in d else 0)
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
@@ -323,9 +353,10 @@ class StoreState:
 
     def holder(self, host: str, gpu: int, now: datetime | None = None,
                instance: int | None = None) -> Reservation | None:
-        """The reservation of exactly this GPU (``instance`` None) or this instance."""
+        """The reservation of exactly this GPU (``instance`` None) or this instance; never
+        a share (a GPU may have several: ``shares.shares_of``)."""
         return next((r for r in self.active(now) if r.host == host and r.gpu == gpu
-                     and r.instance == instance), None)
+                     and r.instance == instance and r.share_mib is None), None)
 
     def overlapping(self, host: str, gpu: int, instance: int | None,
                     now: datetime | None = None) -> list[Reservation]:
@@ -341,9 +372,13 @@ class StoreState:
         return [w for w in self.queue if now < w.lease <= latest]
 
     def to_json(self) -> str:
-        new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
+        shares = (any(r.share_mib is not None for r in self.reservations)
+                  or any(w.share_mib for w in self.queue)
+                  or any("share_mib" in e.get("reservation", e.get("waiter", {}))
+                         for e in self.events))
+        new = (shares or bool(self.queue) or any(r.job is not None for r in self.reservations)
                or any("waiter" in e or "job" in e["reservation"] for e in self.events))
-        doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
+        doc: dict[str, Any] = {"version": SHARES_VERSION if shares else 2 if new else 1,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
         if new:
@@ -352,14 +387,22 @@ class StoreState:
 
 
 def check_consistent(rs: tuple[Reservation, ...]) -> None:
-    """One record per id and per GPU: otherwise "release by id" and "who holds it" are
-    ambiguous, and a release could take away someone else's reservation."""
+    """One record per id and per GPU (a share: per GPU and holder): otherwise "release by
+    id" and "who holds it" are ambiguous, and a release could take away someone else's
+    reservation."""
     ids: set[str] = set()
     gpus: dict[tuple[str, int, int | None], int] = {}
+    shares: dict[tuple[str, int, str], int] = {}
     for i, r in enumerate(rs):
         if r.id in ids:
             raise ValueError(f"reservations[{i}].id: duplicate id {r.id[:40]!r}")
         ids.add(r.id)
+        if r.share_mib is not None:
+            j = shares.setdefault((r.host, r.gpu, r.user), i)
+            if j != i:
+                raise ValueError(f"reservations[{i}]: a second share of {r.host[:40]!r}:"
+                                 f"{r.gpu} for {r.user[:40]!r} (reservations[{j}] holds it)")
+            continue
         j = gpus.setdefault((r.host, r.gpu, r.instance), i)
         if j != i:
             raise ValueError(f"reservations[{i}]: a second reservation of "
@@ -436,6 +479,11 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
         ws = tuple(Waiter.from_dict(w, f"queue[{i}]") for i, w in enumerate(queue))
+        if version < SHARES_VERSION and (
+                any(r.share_mib is not None for r in rs) or any(w.share_mib for w in ws)
+                or any("share_mib" in e.get("reservation", e.get("waiter", {}))
+                       for e in evs)):
+            raise ValueError(f"reservations: 'share_mib' needs version {SHARES_VERSION}")
         if len({w.id for w in ws}) != len(ws):
             raise ValueError("queue: duplicate waiter id")
     except ValueError as exc:
@@ -676,7 +724,7 @@ def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | Non
 
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
                     seconds: float, uuid: str | None, note: str,
-                    instance: int | None = None) -> Reservation:
+                    instance: int | None = None, share_mib: int | None = None) -> Reservation:
     return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
                        created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note, instance=instance)
+                       note=note, instance=instance, share_mib=share_mib)
