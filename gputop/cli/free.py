@@ -28,6 +28,10 @@ from gputop.reservations.queue import (
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import free_share_cmd
+
+        return free_share_cmd(config, args)
     req = queue_request(config, args, one_host=False)
     store = Store(config.reservations_path)
     reap_ended_jobs(config, store)

@@ -75,6 +75,10 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     check_hosts(config, targets)
     seconds = reservation_seconds(config, args.duration)
     job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import reserve_share_cmd
+
+        return reserve_share_cmd(config, args, job)
     store = Store(config.reservations_path)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
@@ -213,7 +217,8 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
-        (clean(r.target), clean(r.user), local_time(r.expires),
+        (clean(r.target) + ("" if r.share_mib is None else f" ({r.share_mib / 1024:.4g}G)"),
+         clean(r.user), local_time(r.expires),
          format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -35,6 +35,10 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import run_share
+
+        return run_share(config, args, argv)
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
                else config.reservation_max_s)

@@ -64,7 +64,8 @@ class Progress:
 
 
 def describe_request(req: Request) -> str:
-    what = f"{req.count} GPU{'s' if req.count != 1 else ''}"
+    what = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
+            f"{req.count} GPU{'s' if req.count != 1 else ''}")
     if req.min_free_mib:
         what += f" with {req.min_free_mib / 1024:g}G free"
     if req.want:
@@ -249,4 +250,6 @@ def _ahead(state: StoreState, q: Queue, now: object) -> str:
     if at == 0:
         return "you are next; waiting for enough GPUs to be free"
     head = queue[0]
-    return f"{at} ahead of you (first: {clean(head.user)}, {head.count} GPU(s))"
+    what = (f"a {head.share_mib / 1024:g}G share" if head.share_mib
+            else f"{head.count} GPU(s)")
+    return f"{at} ahead of you (first: {clean(head.user)}, {what})"

@@ -17,6 +17,13 @@ span hosts, its hosts together have that many, counting only hosts that answered
 that did not (or that this gputop does not poll) is no room, so a request nobody can see
 being met holds no GPU back (it still waits, patiently: see ``unsatisfiable``).
 
+**Shares.** A waiter may wait for a memory share of one GPU (``share_mib``) instead of
+whole GPUs, under the same rule. It could use a GPU that is untouched (free, held by
+nobody) with that much memory, or one already shared with that much left unshared; it is
+granted the best fit (``shares.best_fit``: an already shared GPU first). A whole-GPU
+waiter can never use a shared GPU; a share taken of a GPU spoils it for a waiter ahead
+only if that waiter could use it now and would no longer fit after it (``share_taken``).
+
 **Unsatisfiable requests.** A request that no host it accepts could ever meet (3 GPUs on one
 host when hosts have 2, more memory than any GPU has) is refused before it joins
 (``unsatisfiable``); a waiter whose request becomes unsatisfiable later (hosts changed)
@@ -31,8 +38,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
-from gputop.reservations.flags import FreeGpu, free_gpus
+from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
 from gputop.reservations.ops import Invalid, Refused, Target, whoami
+from gputop.reservations.shares import check_share, mig_mode, room_mib, shares_of
 from gputop.reservations.store import (
     LAPSED_KEEP_S,
     Job,
@@ -61,17 +69,25 @@ class Request:
     hosts: tuple[str, ...] = ()
     one_host: bool = False
     want: str = ""
+    #: A memory share of one GPU (MiB), not whole GPUs (0).
+    share_mib: int = 0
 
     def fits(self, f: FreeGpu) -> bool:
-        return self.accepts(f.host) and f.free_mib >= self.min_free_mib
+        if self.share_mib and (f.instance is not None or mig_mode(f.gpu)):
+            return False
+        return self.accepts(f.host) and f.free_mib >= max(self.min_free_mib, self.share_mib)
 
     def accepts(self, host: str) -> bool:
         return not self.hosts or host in self.hosts
 
     def sized(self, g: GpuInfo) -> bool:
-        """Whether this GPU, empty, would have the memory asked for (unknown total: yes)."""
+        """Whether this GPU, empty, would have the memory asked for (unknown total: yes;
+        a share: never a MIG GPU, and the total must be known)."""
+        if self.share_mib and (mig_mode(g) or g.memory_total_mib is None):
+            return False
+        need = max(self.min_free_mib, self.share_mib)
         return (g.index is not None and not g.lost
-                and (g.memory_total_mib is None or g.memory_total_mib >= self.min_free_mib))
+                and (g.memory_total_mib is None or g.memory_total_mib >= need))
 
 
 def capacity(req: Request, hosts: Iterable[HostSnapshot], fleet: Collection[str] | None,
@@ -105,8 +121,9 @@ def unsatisfiable(req: Request, hosts: Sequence[HostSnapshot],
     if not mine:
         return "no host to wait on"
     sizes = "; ".join(_size(h) for h in mine[:8]) + ("; ..." if len(mine) > 8 else "")
-    need = f"{req.count} GPU(s)" + (f" with {req.min_free_mib / 1024:g}G free"
-                                     if req.min_free_mib else "")
+    need = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
+            f"{req.count} GPU(s)") + (f" with {req.min_free_mib / 1024:g}G free"
+                                      if req.min_free_mib else "")
     where = "on one host" if req.one_host else "in all"
     return f"no host can ever give {need} {where} ({sizes})"
 
@@ -126,7 +143,37 @@ def could_use(reqs: Sequence[Request], hosts: Sequence[HostSnapshot],
 
 
 def request_of(w: Waiter) -> Request:
-    return Request(w.count, w.min_free_mib, w.hosts, w.one_host, w.want)
+    return Request(w.count, w.min_free_mib, w.hosts, w.one_host, w.want, w.share_mib)
+
+
+def share_taken(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostSnapshot],
+                fleet: Collection[str] | None, host: str, gpu: int, share_mib: int,
+                now: datetime) -> Waiter | None:
+    """The first of ``ahead`` whose claim a share of ``share_mib`` of ``host:gpu`` would
+    spoil (the order rule, for shares): a whole-GPU waiter who could use the GPU if it
+    stays untouched, or a share waiter who could use it now and would no longer fit
+    after it. None: the share keeps nobody ahead waiting longer."""
+    h = next((h for h in hosts if h.name == host and h.ok), None)
+    g = next((g for g in h.gpus if g.index == gpu), None) if h is not None else None
+    if g is None or g.memory_total_mib is None:
+        # Not seen: judged as the queue judges an unchecked GPU (anyone's who waits there)
+        return next((w for w in ahead if request_of(w).accepts(host)), None)
+    shares = shares_of(state, host, gpu, now)
+    room = room_mib(g.memory_total_mib, shares)
+    empty = FreeGpu(host, replace(g, memory_used_mib=0, processes=()))
+    for w in ahead:
+        req = request_of(w)
+        if not req.accepts(host):
+            continue
+        if not req.share_mib:
+            if not shares and could_use([req], hosts, fleet)(empty):
+                return w
+            continue
+        if any(r.user == w.user for r in shares):
+            continue  # they hold one already: resized by hand, not by the queue
+        if req.sized(g) and room >= req.share_mib > room - share_mib:
+            return w
+    return None
 
 
 def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
@@ -150,6 +197,7 @@ def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnap
     nobody's reservation is ever taken or extended. ``fleet``: every host name this gputop
     knows (a waiter that accepts any host is judged against all of them)."""
     queue = state.waiting(now)
+    user = None
     if waiter_id is None:
         assert req is not None
         at = len(queue)
@@ -157,8 +205,24 @@ def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnap
         found = next((i for i, w in enumerate(queue) if w.id == waiter_id), None)
         if found is None:
             return None
-        at, req = found, request_of(queue[found])
+        at, req, user = found, request_of(queue[found]), queue[found].user
+    if req.share_mib:
+        fits = share_candidates(state, hosts, now, queue[:at], req, fleet, user)
+        return fits[:1] or None
     return pick(req, usable_now(state, hosts, now, queue[:at], fleet))
+
+
+def share_candidates(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
+                     ahead: Sequence[Waiter], req: Request,
+                     fleet: Collection[str] | None = None, user: str | None = None
+                     ) -> list[FreeGpu]:
+    """Where a share ``req`` may go now, best fit first, spoiling nobody ahead."""
+    return [FreeGpu(f.host, f.gpu)
+            for f in share_fits(hosts, state, req.share_mib, now, user=user)
+            if req.accepts(f.host) and f.gpu.index is not None
+            and f.gpu.memory_free_mib >= req.min_free_mib
+            and share_taken(state, ahead, hosts, fleet, f.host, f.gpu.index, req.share_mib,
+                            now) is None]
 
 
 def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
@@ -247,7 +311,8 @@ class Queue:
             w = Waiter(id=wid, user=self.user, machine=self.machine, count=self.req.count,
                        created=now, lease=now + timedelta(seconds=self.lease_s),
                        min_free_mib=self.req.min_free_mib, hosts=self.req.hosts,
-                       want=self.req.want, one_host=self.req.one_host)
+                       want=self.req.want, one_host=self.req.one_host,
+                       share_mib=self.req.share_mib)
             self.lease_until = w.lease
             pos[0] = len(state.waiting(now)) + 1
             return replace(state, queue=(*state.queue, w))
@@ -333,6 +398,19 @@ def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[Ho
         if got is None:
             raise _NotYet
         ids = {r.id for r in state.reservations}
+        if req.share_mib:  # a share: one GPU, checked again under the lock
+            share = req.share_mib
+            f = got[0]
+            t = Target(f.host, f.gpu.index or 0, f.gpu.uuid)
+            check_share(state, t, share, f.gpu.memory_total_mib or 0, user, now)
+            r = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note,
+                                share_mib=share)
+            while r.id in ids:
+                r = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
+                                    note, share_mib=share)
+            made.append(replace(r, job=job(f.host) if job else None))
+            return replace(state, reservations=state.reservations + tuple(made),
+                           queue=tuple(w for w in state.queue if w.id != waiter_id))
         for f in got:
             if state.overlapping(f.host, f.gpu.index or 0, None, now):
                 raise Refused(f"{f.host}:{f.gpu.index} was reserved meanwhile")
