@@ -27,6 +27,7 @@ from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
+from gputop.reservations.shares import parse_size_mib
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
@@ -36,7 +37,6 @@ _SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
 #: A target given by MIG uuid, until ``resolve_mig`` finds its GPU and instance.
 _BY_UUID = -1
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
 def parse_targets(specs: Sequence[str]) -> list[Target]:
     """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
@@ -86,17 +86,6 @@ def resolve_mig(config: Config, targets: list[Target],
         assert g.index is not None
         out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
     return out
-
-def parse_size_mib(text: str) -> int:
-    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
-    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
-        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
-                      f"{text.strip()}M")
-    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
-    return int(float(m.group(1)) * factor)
 
 def check_hosts(config: Config, targets: Sequence[Target]) -> None:
     names = [h.name for h in config.hosts]

@@ -80,7 +80,8 @@ def share_env(rs: Sequence[Reservation], total_mib: int | None) -> dict[str, str
     """What a job on a memory share is told (``run --share``): ``GPUTOP_SHARE_MIB``, the
     share as a fraction of the GPU (``GPUTOP_SHARE_FRACTION``, e.g. for PyTorch's
     ``torch.cuda.set_per_process_memory_fraction``), JAX/XLA's own cap
-    (``XLA_PYTHON_CLIENT_MEM_FRACTION``: its memory pool, preallocated at that size) and
+    (``XLA_CLIENT_MEM_FRACTION`` and its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``:
+    the size of its memory pool) and
     TensorFlow's ``TF_FORCE_GPU_ALLOW_GROWTH`` (not a cap: TensorFlow then takes memory as
     it needs it instead of nearly all of the GPU at start). Empty for whole GPUs."""
     share = next((r.share_mib for r in rs if r.share_mib is not None), None)
@@ -88,8 +89,10 @@ def share_env(rs: Sequence[Reservation], total_mib: int | None) -> dict[str, str
         return {}
     env = {"GPUTOP_SHARE_MIB": str(share)}
     if total_mib:
-        frac = f"{min(1.0, share / total_mib):.3f}".rstrip("0").rstrip(".")
-        env |= {"GPUTOP_SHARE_FRACTION": frac, "XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
+        # Rounded down: a cap a little under the share, never over it.
+        frac = f"{max(1, min(1000, share * 1000 // total_mib)) / 1000:g}"
+        env |= {"GPUTOP_SHARE_FRACTION": frac, "XLA_CLIENT_MEM_FRACTION": frac,
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
     env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     return env
 

@@ -17,6 +17,7 @@ whose processes use more than their share is flagged ``over-share``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -41,6 +42,20 @@ from gputop.reservations.store import (
     new_reservation,
 )
 from gputop.text import clean
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size_mib(text: str) -> int:
+    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
+    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
+        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
+                      f"{text.strip()}M")
+    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
+    return int(float(m.group(1)) * factor)
 
 
 def size_text(mib: int) -> str:

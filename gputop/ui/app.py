@@ -35,6 +35,7 @@ from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
 from gputop.reservations.ops import whoami
+from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.text import clean, excerpt
@@ -46,6 +47,7 @@ from gputop.ui.board_model import (
     host_of,
     short_model,
     split_instance,
+    split_share,
 )
 from gputop.ui.cells import Palette, time_left
 from gputop.ui.feed import BoardSource, FeedThread
@@ -139,7 +141,8 @@ class GputopApp(App[int]):
         self.me = user or whoami()[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
-                                idle_grace_s=config.idle_grace_s, clock=clock, me=self.me)
+                                idle_grace_s=config.idle_grace_s,
+                                share_grace_s=config.share_grace_s, clock=clock, me=self.me)
         self.store = Store(config.reservations_path, warn=self._warn)
         self._store_sig: tuple[int, int, int] | None = None
         self._state: StoreState | None = None
@@ -585,6 +588,9 @@ class GputopApp(App[int]):
         if not isinstance(row, GpuRow) or row.gpu.index is None:
             self.notify("select a GPU row to reserve", severity="warning")
             return
+        if row.shares or row.share is not None:  # a shared GPU: `r` offers a share of it
+            self._ask_share(row)
+            return
         holder = row.reservation
         if holder is not None and holder.user != self.me:
             note = f" ({clean(holder.note)})" if holder.note else ""
@@ -599,9 +605,12 @@ class GputopApp(App[int]):
             if req is not None:
                 self._reserve_checked(key, label, req)
 
+        shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
+
         def ask() -> None:
             self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about), done)
+                                           self.config.reservation_max_s, about,
+                                           "optional" if shareable else None), done)
 
         others = [p for p in row.gpu.processes if clean(p.user) != self.me]
         if not others:
@@ -617,6 +626,25 @@ class GputopApp(App[int]):
         q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
         self.push_screen(ConfirmScreen(q, "Reserve anyway"),
                          lambda yes: ask() if yes else None)
+
+    def _ask_share(self, row: GpuRow) -> None:
+        """`r` on a shared GPU (or one of its shares): a share of it, or yours resized."""
+        g = row.gpu
+        shares = row.shares or next((r.shares for r in self.model.rows()
+                                     if isinstance(r, GpuRow)
+                                     and r.key == split_share(row.key)[0]), ())
+        rest = "?" if g.memory_total_mib is None else size_text(
+            room_mib(g.memory_total_mib, shares, but=self.me))
+        key, label = split_share(row.key)[0], f"{clean(row.host)}:{g.index}"
+        about = f"{short_model(g.name)}  {clean(g.uuid) or 'no uuid'}"
+
+        def done(req: ReserveRequest | None) -> None:
+            if req is not None:
+                self._reserve_checked(key, label, req)
+
+        self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
+                                       self.config.reservation_max_s, about, "required",
+                                       rest), done)
 
     def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
         """The dialog was open a while: reserve only if the latest data still shows the GPU
@@ -635,27 +663,46 @@ class GputopApp(App[int]):
             problem = f"{label} is gone from {clean(host)}"
         elif now_label != label:
             problem = f"{label} is now {now_label} (renumbered)"
+        elif req.share_mib is not None and gpu.memory_total_mib is None:
+            problem = f"{label} does not report its memory"
         else:
-            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req)
+            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req, gpu.memory_total_mib)
             return
         self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
     @work(group="store")
-    async def _reserve(self, target: Target, req: ReserveRequest) -> None:
+    async def _reserve(self, target: Target, req: ReserveRequest,
+                       total_mib: int | None = None) -> None:
         try:
-            await asyncio.to_thread(
-                reserve, self.store, [target], seconds=req.seconds,
-                max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
+            if req.share_mib is not None:
+                await asyncio.to_thread(
+                    reserve_share, self.store, target, req.share_mib, total_mib or 0,
+                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
+                    note=req.note, user=self.me)
+            else:
+                await asyncio.to_thread(
+                    reserve, self.store, [target], seconds=req.seconds,
+                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
         except Refused as exc:
             self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
         except (Invalid, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"reserved {clean(target.label)}")
+        self._store_changed(f"reserved {clean(target.label)}" + (
+            "" if req.share_mib is None else f" (a {size_text(req.share_mib)} share)"))
 
     def action_release(self) -> None:
         row = self._selected()
+        if isinstance(row, GpuRow) and row.gpu.index is not None and (
+                row.shares or row.share is not None):  # a shared GPU: your share of it
+            shares = row.shares or ((row.share,) if row.share else ())
+            if not any(r.user == self.me for r in shares) and (
+                    row.share is None or row.share.user != self.me):
+                self.notify("you hold no share of the selected GPU", severity="warning")
+                return
+            self._release(Target(row.host, row.gpu.index))
+            return
         if not isinstance(row, GpuRow) or row.reservation is None:
             self.notify("no reservation on the selected GPU", severity="warning")
             return

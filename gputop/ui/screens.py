@@ -15,6 +15,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.store import Waiter
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import UserLoad
@@ -44,16 +45,22 @@ class Dialog(ModalScreen[ResultT]):
 class ReserveRequest:
     seconds: float
     note: str
+    #: A memory share of the GPU (MiB); None: the whole GPU.
+    share_mib: int | None = None
 
 
 class ReserveScreen(Dialog[ReserveRequest | None]):
-    """Duration and note for a reservation of one GPU."""
+    """Duration and note for a reservation of one GPU, and (``share``) the size of a
+    memory share of it: ``"optional"`` (empty: the whole GPU), ``"required"`` (the GPU is
+    shared already; ``share_room`` says what is left), None (a MIG GPU or instance)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, target: str, default_s: float, max_s: float, about: str = "") -> None:
+    def __init__(self, target: str, default_s: float, max_s: float, about: str = "",
+                 share: str | None = None, share_room: str = "") -> None:
         super().__init__()
         self.target, self.default_s, self.max_s, self.about = target, default_s, max_s, about
+        self.share, self.share_room = share, share_room
 
     def compose(self) -> ComposeResult:
         with Vertical(id="reserve-dialog"):
@@ -64,6 +71,13 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
                              f"{format_duration(self.max_s)})"))
             yield Input(value=format_duration(self.default_s).replace("h00m", "h"),
                         id="reserve-duration")
+            if self.share is not None:
+                yield Label(Text(
+                    f"A share of its memory, e.g. 16G ({self.share_room} left unshared)"
+                    if self.share == "required" else
+                    "A share of its memory, e.g. 16G (empty: the whole GPU)"))
+                yield Input(placeholder="16G" if self.share == "required" else "whole GPU",
+                            id="reserve-share", max_length=20)
             yield Label("Note for your team (optional)")
             yield Input(placeholder="what it is for", id="reserve-note", max_length=500)
             yield Static("", id="reserve-error")
@@ -87,10 +101,15 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
             if seconds > self.max_s:
                 raise Invalid(f"at most {format_duration(self.max_s)}")
             note = check_note(self.query_one("#reserve-note", Input).value.strip())
+            share = None
+            if self.share is not None:
+                text = self.query_one("#reserve-share", Input).value.strip()
+                if text or self.share == "required":
+                    share = parse_size_mib(text or "?")
         except ValueError as exc:
             error.update(Text(str(exc)))
             return
-        self.dismiss(ReserveRequest(seconds, note))
+        self.dismiss(ReserveRequest(seconds, note, share))
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -99,7 +118,7 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
 KEYS = (  # (key, what): every binding of the board, two to a line in the help
     ("↑ ↓ j k", "move"), ("Home End", "first / last row"),
     ("PgUp PgDn", "page"), ("enter", "details / fold a host"),
-    ("r", "reserve the GPU"), ("u", "release my reservation"),
+    ("r", "reserve the GPU (or a share)"), ("u", "release my reservation"),
     ("c", "reconnect host now"), ("w", "who holds what"),
     ("/", "filter"), ("esc", "close details, filter"),
     ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
