@@ -14,7 +14,6 @@ from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
-    parse_size_mib,
     parse_targets,
     poll_hosts,
     reap_ended_jobs,
@@ -32,6 +31,7 @@ from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
     mig_mode,
+    parse_size_mib,
     reserve_share,
     room_mib,
     shares_of,
