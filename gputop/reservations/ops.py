@@ -60,7 +60,7 @@ def describe(r: Reservation, now: datetime) -> str:
     left = max(0, int((r.expires - now).total_seconds()))
     note = f' ("{clean(r.note)}")' if r.note else ""
     if r.share_mib is not None:
-        return (f"{clean(r.target)}: a {_size(r.share_mib)} share of it is held by "
+        return (f"{clean(r.target)}: a {size_text(r.share_mib)} share of it is held by "
                 f"{clean(r.user)} until {local_time(r.expires)} ({format_duration(left)} "
                 f"left){note}")
     what = "instance" if r.instance is not None else ""
@@ -68,8 +68,14 @@ def describe(r: Reservation, now: datetime) -> str:
             f"{local_time(r.expires)} ({format_duration(left)} left){note}")
 
 
-def _size(mib: int) -> str:
-    return f"{mib * 10 // 1024 / 10:g}G" if mib >= 1024 else f"{mib}M"
+def size_text(mib: int) -> str:
+    """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
+    down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100
+    holds 81559 MiB, 79.6G), never in e-notation."""
+    tenths = mib * 10 // 1024
+    if mib < 1024:
+        return f"{mib}M"
+    return f"{tenths // 10}G" if tenths % 10 == 0 else f"{tenths // 10}.{tenths % 10}G"
 
 
 def format_duration(seconds: float) -> str:

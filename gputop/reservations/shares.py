@@ -31,6 +31,7 @@ from gputop.reservations.ops import (
     check_note,
     describe,
     format_duration,
+    size_text,
     whoami,
 )
 from gputop.reservations.store import (
@@ -42,6 +43,10 @@ from gputop.reservations.store import (
     new_reservation,
 )
 from gputop.text import clean
+
+__all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",
+           "holder_use_mib", "mig_mode", "parse_size_mib", "reserve_share", "room_mib",
+           "share_dict", "share_index", "shares_of", "size_text"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
@@ -56,15 +61,6 @@ def parse_size_mib(text: str) -> int:
                       f"{text.strip()}M")
     factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
     return int(float(m.group(1)) * factor)
-
-
-def size_text(mib: int) -> str:
-    """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
-    down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100
-    holds 81559 MiB, 79.6G)."""
-    if mib >= 1024:
-        return f"{mib * 10 // 1024 / 10:g}G"
-    return f"{mib}M"
 
 
 def shares_of(state: StoreState | None, host: str, gpu: int, now: datetime
