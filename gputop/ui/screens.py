@@ -64,20 +64,28 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="reserve-dialog"):
-            yield Label(Text(f"Reserve {self.target}"), id="reserve-title")
+            title = (f"A share of {self.target} ({self.share_room} left unshared)"
+                     if self.share == "required" else f"Reserve {self.target}")
+            yield Label(Text(title), id="reserve-title")
             if self.about:  # which GPU exactly: model and uuid, as the board last saw it
                 yield Label(Text(self.about), id="reserve-about")
-            yield Label(Text(f"For how long? (e.g. 90m, 2h, 1d; at most "
-                             f"{format_duration(self.max_s)})"))
-            yield Input(value=format_duration(self.default_s).replace("h00m", "h"),
-                        id="reserve-duration")
-            if self.share is not None:
-                yield Label(Text(
-                    f"A share of its memory, e.g. 16G ({self.share_room} left unshared)"
-                    if self.share == "required" else
-                    "A share of its memory, e.g. 16G (empty: the whole GPU)"))
-                yield Input(placeholder="16G" if self.share == "required" else "whole GPU",
-                            id="reserve-share", max_length=20)
+            how_long = (f"For how long? (e.g. 90m, 2h, 1d; at most "
+                        f"{format_duration(self.max_s)})")
+            duration = Input(value=format_duration(self.default_s).replace("h00m", "h"),
+                             id="reserve-duration")
+            if self.share is None:
+                yield Label(Text(how_long))
+                yield duration
+            else:  # side by side: the dialog is no taller (it fits 80x24)
+                with Horizontal(id="reserve-row"):
+                    with Vertical():
+                        yield Label(Text(f"How long? (at most {format_duration(self.max_s)})"))
+                        yield duration
+                    with Vertical():
+                        yield Label(Text("Share of its memory"))
+                        yield Input(placeholder="e.g. 16G" if self.share == "required"
+                                    else "whole GPU; e.g. 16G", id="reserve-share",
+                                    max_length=20)
             yield Label("Note for your team (optional)")
             yield Input(placeholder="what it is for", id="reserve-note", max_length=500)
             yield Static("", id="reserve-error")
@@ -118,7 +126,7 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
 KEYS = (  # (key, what): every binding of the board, two to a line in the help
     ("↑ ↓ j k", "move"), ("Home End", "first / last row"),
     ("PgUp PgDn", "page"), ("enter", "details / fold a host"),
-    ("r", "reserve the GPU (or a share)"), ("u", "release my reservation"),
+    ("r", "reserve the GPU"), ("u", "release my reservation"),
     ("c", "reconnect host now"), ("w", "who holds what"),
     ("/", "filter"), ("esc", "close details, filter"),
     ("f", "free GPUs only"), ("s", "sort: host, util, memory"),
