@@ -36,7 +36,14 @@ from gputop.reservations import (
     release,
 )
 from gputop.reservations.flags import FreeGpu
-from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
+from gputop.reservations.ops import (
+    Outcome,
+    format_duration,
+    local_time,
+    reserve_outcomes,
+    size_text,
+    whoami,
+)
 from gputop.reservations.queue import (
     could_use,
     request_of,
@@ -217,7 +224,7 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
-        (clean(r.target) + ("" if r.share_mib is None else f" ({r.share_mib / 1024:.4g}G)"),
+        (clean(r.target) + ("" if r.share_mib is None else f" ({size_text(r.share_mib)})"),
          clean(r.user), local_time(r.expires),
          format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
         for r in active]
