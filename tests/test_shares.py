@@ -272,9 +272,9 @@ def test_the_order_rule_for_shares() -> None:
     assert not req.sized(replace(_gpu(0), memory_total_mib=None))
 
 
-def test_over_share_after_the_grace_and_unreserved_use() -> None:
-    t0 = datetime(2026, 11, 2, 8, 0, tzinfo=timezone.utc)
+def test_over_share_after_the_grace_unreserved_use_and_idle_shares() -> None:
     state = _state((0, "ann", 30), (0, "bob", 16))
+    t0 = max(r.created for r in state.reservations)
     tracker = IdleTracker(1800, 900, share_grace_s=60)
 
     def flags(at: float, *procs: tuple[str, int]) -> dict[str, Any]:
@@ -297,6 +297,10 @@ def test_over_share_after_the_grace_and_unreserved_use() -> None:
     g = flags(80, ("ann", 1000), ("eve", 5))
     assert g["flags"] == ["unreserved-use"]  # eve holds no share of it
     assert g["unshared_mib"] == TOTAL - 46 * G
+    # idle-reservation per share: bob's process was last seen at 73 s, idle_grace is 900 s
+    g = flags(973, ("ann", 1000))
+    assert [s["flags"] for s in g["shares"]] == [[], ["idle-reservation"]]
+    assert g["flags"] == ["idle-reservation"]
 
 
 def test_sizes() -> None:
