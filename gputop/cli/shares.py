@@ -8,7 +8,9 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import datetime
+from typing import TextIO
 
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
@@ -16,6 +18,7 @@ from gputop.cli.targets import (
     host_config,
     parse_targets,
     poll_hosts,
+    queue_request,
     reap_ended_jobs,
     reservation_seconds,
     validate_gpus,
@@ -53,7 +56,7 @@ def _left(r: Reservation) -> str:
     return f"until {local_time(r.expires)} ({left} left)"
 
 
-def print_share(o: ShareOutcome, total_mib: int, state: StoreState, out: object) -> None:
+def print_share(o: ShareOutcome, total_mib: int, state: StoreState, out: TextIO) -> None:
     """One line saying what happened, and what is left unshared of the GPU."""
     r = o.reservation
     gpu, size = clean(f"{r.host}:{r.gpu}"), size_text(r.share_mib or 0)
@@ -69,7 +72,7 @@ def print_share(o: ShareOutcome, total_mib: int, state: StoreState, out: object)
         line = f"extended your {size} share of {gpu} {_left(r)}"
     else:
         line = f"kept your {size} share of {gpu} {_left(r)}: it already lasts longer than asked"
-    print(line + tail, file=out)  # type: ignore[call-overload]
+    print(line + tail, file=out)
 
 
 def _gpu(h: HostSnapshot | None, t: Target) -> GpuInfo:
@@ -144,8 +147,6 @@ def _claim(config: Config, hosts: Sequence[HostSnapshot], share_mib: int, me: st
 def _fits_now(config: Config, store: Store, args: argparse.Namespace, share: int
               ) -> tuple[list[HostSnapshot], list[ShareFit]]:
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
-    from gputop.cli.targets import queue_request
-
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
     state = store.read()
@@ -179,7 +180,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         print_share(ShareOutcome("reserved", r), total, store.read(), sys.stderr)
         _print_found(args, [(r.host, r.gpu, r.uuid, r.share_mib, iso(r.expires))])
         return EXIT_OK
-    _hosts, fits = _fits_now(config, store, args, share)
+    hosts, fits = _fits_now(config, store, args, share)
     if not fits:
         waiting = len(store.read().waiting())
         print(f"gputop: no GPU with {size_text(share)} to share found"
@@ -198,7 +199,6 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         return EXIT_OK
     seconds = reservation_seconds(config, args.duration)
     me = whoami()[0]
-    hosts = _hosts
     for f in fits:  # best first; one taken meanwhile: the next
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
@@ -238,13 +238,9 @@ def wait_for_share(config: Config, store: Store, args: argparse.Namespace, share
                    job: Job | None) -> tuple[Reservation, int] | None:
     """Wait in the queue for a share (the order rule as for whole GPUs): the share and its
     GPU's total memory, or None (timed out or interrupted)."""
-    from gputop.cli.targets import queue_request
     from gputop.cli.waiting import wait_in_queue
 
-    req = queue_request(config, args, one_host=True)
-    from dataclasses import replace
-
-    req = replace(req, share_mib=share)
+    req = replace(queue_request(config, args, one_host=True), share_mib=share)
     seconds = reservation_seconds(config, args.duration) if args.duration else (
         config.reservation_max_s if job is not None else config.reservation_default_s)
     code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=job)
