@@ -149,7 +149,8 @@ gputop: every GPU on your team's servers, live.
 Colours: free · busy · reserved · error. Dim rows are stale: the
 host has not answered for a few refreshes. Flags: ⚠ unreserved use
 (someone else runs on a reserved GPU), ◌ idle reservation (reserved,
-nothing running), ◔ idle holder (memory held at ~0% load for long).
+nothing running), ◔ idle holder (memory held at ~0% load for long),
+▲ over its share (a holder of a memory share of it uses more).
 c reconnects the selected host at once, skipping its retry wait;
 w: per person, the GPUs they run on or reserved, and what runs.
 
