@@ -19,7 +19,7 @@ its own users, utilisation and holder (the instance's reservation, else the whol
 the slices no instance uses are one more part with nobody on it. The parts add up to the
 GPU: the GPU's time is counted once, and the fleet never counts a GPU and its instances.
 
-A GPU held in memory *shares* (``gputop reserve --share``, history schema 3) carries its
+A GPU held in memory *shares* (``gputop reserve --share``, history schema 4) carries its
 shares: each holder is *reserved* for the share's fraction of the GPU's memory (a 30G
 share of an 80 GB GPU: 0.37 of the time), and *reserved idle* for that fraction while no
 process of theirs runs on it; both are also counted apart as *shared* and *shared idle*,
@@ -37,7 +37,7 @@ from gputop.reservations.flags import IDLE_UTIL_PERCENT
 # Indices into the per-GPU and per-user sums (db.GPU_METRICS, db.USER_METRICS).
 DATA, NODATA, BUSY, IDLE, HELD_IDLE, UTIL_SUM, UTIL_SECS = range(7)
 USED, RESERVED, RESERVED_IDLE, UNRESERVED, U_HELD_IDLE, U_UTIL_SUM, U_UTIL_SECS = range(7)
-#: The part of RESERVED (RESERVED_IDLE) that came from memory shares (history schema 3).
+#: The part of RESERVED (RESERVED_IDLE) that came from memory shares (history schema 4).
 SHARED, SHARED_IDLE = 7, 8
 #: How many per-user sums there are (db.USER_METRICS).
 N_USER = 9
@@ -47,7 +47,7 @@ UNKNOWN_USER = "?"
 #: [gpu, util|None, mem|None, [user ids], holder|None, nodata 0/1, (parts)]; parts, on a
 #: MIG GPU with instances (history schema 2): [[GI id, fraction, util|None, [user ids],
 #: holder|None], ...], whose fractions add up to at most 1; shares (8th item, parts then
-#: null; history schema 3): [[holder user id, fraction of the GPU's memory], ...].
+#: null; history schema 4): [[holder user id, fraction of the GPU's memory], ...].
 Entry = list[object]
 
 #: A MIG profile: ``3g.40gb``, ``1g.10gb+me``, ``1g.20gb``, ``1c.3g.40gb`` (a compute

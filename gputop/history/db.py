@@ -33,7 +33,7 @@ USER_METRICS = ("used", "reserved", "reserved_idle", "unreserved", "held_idle", 
                 "util_secs", "shared", "shared_idle")
 
 
-#: The per-user sums before schema 3 (which added the memory shares' part).
+#: The per-user sums before schema 4 (which added the memory shares' part).
 USER_METRICS_V1 = USER_METRICS[:7]
 SHARE_METRICS = USER_METRICS[7:]
 
@@ -238,7 +238,7 @@ class HistoryDB:
             self.conn.execute("COMMIT")
 
     def user_columns(self) -> list[str]:
-        """The per-user sums as a SELECT list: a database from before schema 3 (read, not
+        """The per-user sums as a SELECT list: a database from before schema 4 (read, not
         migrated) has no shares' columns, which read as 0 then."""
         with self.errors():
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
