@@ -16,7 +16,6 @@ from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
-    parse_targets,
     poll_hosts,
     queue_request,
     reap_ended_jobs,
@@ -41,6 +40,7 @@ from gputop.reservations.shares import (
     size_text,
 )
 from gputop.reservations.store import Job, StoreState
+from gputop.reservations.targets import parse_targets
 from gputop.text import clean, excerpt
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -20,72 +19,25 @@ from gputop.reservations import (
     Store,
     StoreError,
     Target,
-    flags,
 )
-from gputop.reservations.flags import other_users
 from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
 from gputop.reservations.shares import parse_size_mib
+from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
 from gputop.text import clean
 
-_ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
-
-_SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
-
-#: A target given by MIG uuid, until ``resolve_mig`` finds its GPU and instance.
-_BY_UUID = -1
-
-
-def parse_targets(specs: Sequence[str]) -> list[Target]:
-    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
-    may be a MIG instance: ``GPU/GI`` (GPU index, GPU instance id) or its ``MIG-...`` uuid
-    (resolved against the live host by ``resolve_mig``)."""
-    out: dict[tuple[str, int, int | None, str | None], Target] = {}
-    for spec in specs:
-        m = _SPEC.match(spec)
-        if not m:
-            hint = ("several hosts: one argument each, e.g. gpu-01:0 gpu-02:1"
-                    if spec.count(":") > 1 else
-                    "e.g. gpu-01:0,1; a MIG instance: gpu-01:0/3 or gpu-01:MIG-<uuid>")
-            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] ({hint})")
-        host = m.group("host")
-        for item in m.group("gpus").split(","):
-            if item.startswith("MIG-"):
-                t = Target(host, _BY_UUID, item)
-            else:
-                gpu, _, gi = item.partition("/")
-                t = Target(host, int(gpu), None, int(gi) if gi else None)
-            out.setdefault((t.host, t.gpu, t.instance, t.uuid), t)
-    return list(out.values())
 
 def resolve_mig(config: Config, targets: list[Target],
                  snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
     """Targets given by MIG uuid as ``HOST:GPU/GI``, from the live hosts."""
-    if not any(t.gpu == _BY_UUID for t in targets):
+    if not any(t.gpu == BY_UUID for t in targets):
         return targets
     if snaps is None:
-        names = {t.host for t in targets if t.gpu == _BY_UUID}
+        names = {t.host for t in targets if t.gpu == BY_UUID}
         snaps = {h.name: h for h in asyncio.run(poll_hosts(config, names))}
-    out = []
-    for t in targets:
-        if t.gpu != _BY_UUID:
-            out.append(t)
-            continue
-        h = snaps[t.host]
-        hit = next(((g, i) for g in h.gpus for i in g.instances
-                    if i.uuid == t.uuid and g.index is not None
-                    and i.gpu_instance_id is not None), None)
-        if hit is None:
-            why = (f"it did not answer ({h.error.kind})" if h.error else
-                   "it has no MIG instance with that uuid")
-            raise Invalid(f"cannot find {t.host}:{clean(t.uuid or '')}: {why}; "
-                          "give it as HOST:GPU/INSTANCE")
-        g, inst = hit
-        assert g.index is not None
-        out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
-    return out
+    return resolve_uuids(targets, snaps)
 
 def check_hosts(config: Config, targets: Sequence[Target]) -> None:
     names = [h.name for h in config.hosts]
@@ -126,39 +78,12 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
-    me = whoami()[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
-    out = []
-    for t in resolve_mig(config, targets, snaps):
-        h = snaps[t.host]
-        if not h.ok:
-            assert h.error is not None
-            print(f"gputop: warning: could not check {t.label} ({h.error.kind}: "
-                  f"{clean(h.error.message)}); reserving by index only", file=sys.stderr)
-            out.append(t)
-            continue
-        by_index = {g.index: g for g in h.gpus if g.index is not None}
-        if t.gpu not in by_index:
-            raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
-                          + ", ".join(str(i) for i in sorted(by_index)))
-        g = by_index[t.gpu]
-        if t.instance is not None:
-            insts = {i.gpu_instance_id: i for i in g.instances
-                     if i.gpu_instance_id is not None}
-            if t.instance not in insts:
-                raise Invalid(f"{t.host}:{t.gpu} has no MIG instance {t.instance}; "
-                              + ("its instances: " + ", ".join(
-                                  f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
-                                  for i in sorted(insts)) if insts else "it is not split"))
-            g = flags.instance_view(g, insts[t.instance])
-        others = other_users(g, me)
-        if others:
-            print(f"gputop: warning: {t.label} is in use by "
-                  f"{', '.join(clean(u) for u in others)}; reserving it anyway",
-                  file=sys.stderr)
-        out.append(Target(t.host, t.gpu, g.uuid, t.instance))
+    out, warnings = check_targets(targets, snaps, whoami()[0])
+    for w in warnings:
+        print(f"gputop: warning: {w}", file=sys.stderr)
     return out
 
 def host_config(config: Config, name: str) -> HostConfig:

@@ -33,13 +33,13 @@ blocks nobody (no GPU is one it could use) and leaves the queue itself.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
-from gputop.reservations.ops import Invalid, Refused, Target, whoami
+from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
 from gputop.reservations.shares import check_share, mig_mode, room_mib, shares_of
 from gputop.reservations.store import (
     LAPSED_KEEP_S,
@@ -50,7 +50,7 @@ from gputop.reservations.store import (
     Waiter,
     new_reservation,
 )
-from gputop.text import clean
+from gputop.text import clean, excerpt
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
 DEFAULT_LEASE_S = 30.0
@@ -140,6 +140,59 @@ def could_use(reqs: Sequence[Request], hosts: Sequence[HostSnapshot],
     that answered (see :func:`capacity`'s ``known_only``)."""
     usable = [(r, capacity(r, hosts, fleet, known_only=True)[0]) for r in reqs]
     return lambda f: any(f.host in on and r.fits(f) for r, on in usable)
+
+
+def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
+                fleet: Collection[str] | None, me: str
+                ) -> Callable[[StoreState, datetime], None]:
+    """The queue's claim on a direct reservation, checked under the lock: a GPU that a
+    waiter (not ``me``) could use is theirs to wait for (the order rule: ``reserve`` comes
+    after every waiter). The GPU is judged as if empty: reserving a busy GPU would still
+    keep it from the waiter once it frees. A GPU you already hold is yours to extend.
+    ``snaps``: the hosts as looked at (by name); ``fleet``: every host name known."""
+    hosts = list(snaps.values())
+
+    def gpu_of(t: Target) -> FreeGpu | None:
+        h = snaps.get(t.host)
+        g = next((g for g in h.gpus if g.index == t.gpu), None) if h and h.ok else None
+        if g is None:  # not checked (the host did not answer): the queue cannot judge it
+            return None
+        empty = replace(g, memory_used_mib=0, processes=())
+        return FreeGpu(t.host, empty)
+
+    def check(state: StoreState, now: datetime) -> None:
+        queue = [w for w in state.waiting(now) if w.user != me]
+        if not queue:
+            return
+        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+        for t in targets:
+            if (t.host, t.gpu) in mine:
+                continue
+            f = gpu_of(t)
+            if f is None:  # not checked (its host did not answer): the queue cannot
+                # judge it, so it is anyone's who waits for GPUs on that host
+                claim = [w for w in queue if request_of(w).accepts(t.host)]
+                unjudged = True
+            else:
+                claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
+                unjudged = False
+            if claim:
+                w = claim[0]
+                how = ("the queue hands out whole GPUs: --skip-queue reserves the instance "
+                       "anyway" if t.instance is not None else
+                       f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
+                       "--skip-queue to reserve it anyway")
+                raise Refused(
+                    f"{clean(t.label)} is one the queue waits for"
+                    + (f" ({clean(t.host)} did not answer, so it cannot be checked)"
+                       if unjudged else "")
+                    + f": {len(queue)} waiting, first who could use it: {clean(w.user)} "
+                    f"(since {local_time(w.created)}, for {w.count} GPU(s)"
+                    + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
+                    "recorded in the file with your name" + (")" if t.instance is None
+                                                              else ""))
+
+    return check
 
 
 def request_of(w: Waiter) -> Request:

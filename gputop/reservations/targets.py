@@ -1,0 +1,106 @@
+"""``HOST:GPU`` targets: parsed from text and checked against the hosts as looked at.
+
+Pure logic, shared by the commands (``gputop reserve``, ``release``) and the agents'
+tools (``gputop mcp``): both accept and refuse the same targets with the same words.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from gputop.model import HostSnapshot
+from gputop.reservations.flags import instance_view, other_users
+from gputop.reservations.ops import Invalid, Target
+from gputop.text import clean
+
+_ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
+
+_SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
+
+#: A target given by MIG uuid, until ``resolve_uuids`` finds its GPU and instance.
+BY_UUID = -1
+
+
+def parse_targets(specs: Sequence[str]) -> list[Target]:
+    """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
+    may be a MIG instance: ``GPU/GI`` (GPU index, GPU instance id) or its ``MIG-...`` uuid
+    (resolved against the live host by ``resolve_uuids``)."""
+    out: dict[tuple[str, int, int | None, str | None], Target] = {}
+    for spec in specs:
+        m = _SPEC.match(spec)
+        if not m:
+            hint = ("several hosts: one argument each, e.g. gpu-01:0 gpu-02:1"
+                    if spec.count(":") > 1 else
+                    "e.g. gpu-01:0,1; a MIG instance: gpu-01:0/3 or gpu-01:MIG-<uuid>")
+            raise Invalid(f"{spec!r} is not HOST:GPU[,GPU...] ({hint})")
+        host = m.group("host")
+        for item in m.group("gpus").split(","):
+            if item.startswith("MIG-"):
+                t = Target(host, BY_UUID, item)
+            else:
+                gpu, _, gi = item.partition("/")
+                t = Target(host, int(gpu), None, int(gi) if gi else None)
+            out.setdefault((t.host, t.gpu, t.instance, t.uuid), t)
+    return list(out.values())
+
+
+def resolve_uuids(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot]
+                  ) -> list[Target]:
+    """Targets given by MIG uuid as ``HOST:GPU/GI``, from the hosts as looked at."""
+    out = []
+    for t in targets:
+        if t.gpu != BY_UUID:
+            out.append(t)
+            continue
+        h = snaps[t.host]
+        hit = next(((g, i) for g in h.gpus for i in g.instances
+                    if i.uuid == t.uuid and g.index is not None
+                    and i.gpu_instance_id is not None), None)
+        if hit is None:
+            why = (f"it did not answer ({h.error.kind})" if h.error else
+                   "it has no MIG instance with that uuid")
+            raise Invalid(f"cannot find {t.host}:{clean(t.uuid or '')}: {why}; "
+                          "give it as HOST:GPU/INSTANCE")
+        g, inst = hit
+        assert g.index is not None
+        out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
+    return out
+
+
+def check_targets(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot], me: str
+                  ) -> tuple[list[Target], list[str]]:
+    """Check GPU indices (and MIG instances) against the hosts as looked at and record
+    UUIDs (renumbering shows later): (the targets, warnings to show). A host that did not
+    answer cannot be checked: a warning, and the index is kept. A GPU someone else uses
+    may be reserved, with a warning naming them. Refuses (Invalid) a GPU or instance the
+    host does not have, naming the ones it has."""
+    out, warnings = [], []
+    for t in resolve_uuids(targets, snaps):
+        h = snaps[t.host]
+        if not h.ok:
+            assert h.error is not None
+            warnings.append(f"could not check {t.label} ({h.error.kind}: "
+                            f"{clean(h.error.message)}); reserving by index only")
+            out.append(t)
+            continue
+        by_index = {g.index: g for g in h.gpus if g.index is not None}
+        if t.gpu not in by_index:
+            raise Invalid(f"{t.host} has no GPU {t.gpu}; its GPUs: "
+                          + ", ".join(str(i) for i in sorted(by_index)))
+        g = by_index[t.gpu]
+        if t.instance is not None:
+            insts = {i.gpu_instance_id: i for i in g.instances
+                     if i.gpu_instance_id is not None}
+            if t.instance not in insts:
+                raise Invalid(f"{t.host}:{t.gpu} has no MIG instance {t.instance}; "
+                              + ("its instances: " + ", ".join(
+                                  f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
+                                  for i in sorted(insts)) if insts else "it is not split"))
+            g = instance_view(g, insts[t.instance])
+        others = other_users(g, me)
+        if others:
+            warnings.append(f"{t.label} is in use by {', '.join(clean(u) for u in others)}; "
+                            "reserving it anyway")
+        out.append(Target(t.host, t.gpu, g.uuid, t.instance))
+    return out, warnings
