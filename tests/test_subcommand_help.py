@@ -20,6 +20,7 @@ GLOBALS = {
     "run": {"--config", "--interval", "--timeout"},
     "record": {"--config", "--interval", "--timeout"},
     "report": {"--config"},
+    "mcp": {"--config", "--interval", "--timeout"},
     "init-config": {"--config"},
     "completion": {"--config"},
 }

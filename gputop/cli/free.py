@@ -19,12 +19,8 @@ from gputop.reservations import (
     Store,
     Target,
 )
-from gputop.reservations.flags import free_gpus
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
-from gputop.reservations.queue import (
-    could_use,
-    request_of,
-)
+from gputop.reservations.queue import offered
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
@@ -56,11 +52,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.
-    waiters = [request_of(w) for w in state.waiting()]
-    taken = could_use(waiters, hosts, [h.name for h in config.hosts])
-    found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
-             if req.fits(f) and not taken(f)
-             and not (args.whole and f.instance)][: args.count]
+    waiters = state.waiting()
+    found = offered(state, hosts, req, me, [h.name for h in config.hosts],
+                    whole=args.whole)[: args.count]
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
             print_free(found, state, utcnow())                   # test for all or nothing

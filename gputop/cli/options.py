@@ -27,6 +27,7 @@ BY_COMMAND: dict[str, tuple[str, ...]] = {
     "run": ("--config", "--interval", "--timeout"),
     "record": ("--config", "--interval", "--timeout"),
     "report": ("--config",),
+    "mcp": ("--config", "--interval", "--timeout"),
     "init-config": ("--config",),
     "completion": ("--config",),
 }

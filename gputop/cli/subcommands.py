@@ -59,13 +59,27 @@ def cmd_record(config: Config, args: argparse.Namespace) -> int:
         pass
     return EXIT_OK
 
+def cmd_mcp(config: Config, args: argparse.Namespace) -> int:
+    from gputop.cli.lifecycle import run_until_signal
+
+    try:
+        from gputop.agents.mcp import serve
+    except ImportError as exc:  # the SDK is a dependency: only a broken install lacks it
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if config.implicit:
+        print(f"gputop: no hosts file ({config.path}): the server has no hosts; run gputop "
+              "init-config, or give --config", file=sys.stderr)
+    return run_until_signal(lambda: serve(config))
+
 def cmd_report(config: Config, args: argparse.Namespace) -> int:
     from gputop.history.cli import report
 
     return report(config, args)
 
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
-            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report}
+            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report,
+            "mcp": cmd_mcp}
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -184,6 +198,11 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
                    "(needs matplotlib: pip install 'gputop[plot]')")
+    add("mcp", "serve coding agents over MCP (stdio): find, reserve and release GPUs",
+        "Serve the fleet to a coding agent as an MCP server on stdin/stdout: fleet_status, "
+        "find_gpus, reserve, release, my_reservations, queue_status, wait_for_gpus. The "
+        "agent acts as you (this process's login) under the team's rules. Register it "
+        "with your MCP client, e.g. claude mcp add gputop -- gputop mcp (docs/mcp.md).")
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:

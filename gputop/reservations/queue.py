@@ -288,6 +288,16 @@ def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
             if f.instance is None and not taken(f)]
 
 
+def offered(state: StoreState, hosts: Sequence[HostSnapshot], req: Request, me: str,
+            fleet: Collection[str] | None, *, whole: bool = False) -> list[FreeGpu]:
+    """What ``gputop free`` offers ``me`` now, best first (``free_gpus``' ranking): free
+    GPUs and MIG instances (``whole``: GPUs only) that fit ``req`` and that no waiter
+    could use (the order rule: without waiting you come after every waiter)."""
+    taken = could_use([request_of(w) for w in state.waiting()], hosts, fleet)
+    return [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
+            if req.fits(f) and not taken(f) and not (whole and f.instance)]
+
+
 #: The audit event of a waiter taken out of the queue by ``release --waiter``.
 REMOVED = "queue-remove"
 

@@ -1,0 +1,483 @@
+"""What ``gputop mcp``'s tools do, as plain data (the SDK wiring is :mod:`gputop.agents.mcp`).
+
+Each tool returns a JSON-ready dict whose first key, ``summary``, is one line an agent can
+quote, or raises :class:`ToolFailure` with a classified reason. The rules are the
+commands' own: free GPUs ranked and held back for the queue as ``gputop free`` does
+(:func:`~gputop.reservations.queue.offered`), all-or-nothing reservations with the
+queue's claim checked under the lock, releases of your own reservations only, the
+queue's wait (:func:`~gputop.jobs.wait.wait_for_gpus`), bounded in time.
+
+The agent is its user: identity is the process's real uid (``whoami``), never a tool
+argument. Everything that comes from elsewhere (process and user names, notes, GPU names,
+error texts) is data: control and escape characters dropped (:func:`gputop.text.clean`),
+cut to a bound, and never put into a summary line. Outputs are bounded: a long fleet is
+counted per host, processes per GPU and list lengths are capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime
+from typing import Any, TypeVar
+
+from gputop.config import Config, parse_duration
+from gputop.jobs.reap import check_jobs
+from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
+from gputop.model import GpuInfo, HostSnapshot, MigInstance, ProcessInfo, iso, utcnow
+from gputop.poller import Poller
+from gputop.reservations.flags import (
+    FreeGpu,
+    IdleTracker,
+    gpu_annotation,
+    instance_index,
+    reservation_index,
+)
+from gputop.reservations.flags import is_free as idle
+from gputop.reservations.ops import (
+    Invalid,
+    Refused,
+    Target,
+    format_duration,
+    release,
+    reserve_outcomes,
+    whoami,
+)
+from gputop.reservations.queue import DEFAULT_LEASE_S, Request, offered, queue_claim
+from gputop.reservations.store import Reservation, Store, StoreError, StoreState, Waiter
+from gputop.reservations.targets import check_targets, parse_targets
+from gputop.text import clean
+
+#: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them
+#: (name a host or a tag for the detail).
+MAX_DETAIL_GPUS = 64
+#: Processes listed per GPU (the rest are counted).
+MAX_PROCESSES = 8
+#: Characters kept of a process's command line, a note, an error message.
+MAX_COMMAND = 120
+MAX_TEXT = 200
+#: Entries listed of reservations, the queue, found GPUs.
+MAX_LIST = 100
+#: ``wait_for_gpus``: its default and longest wait (an agent's call must end).
+DEFAULT_WAIT_S = 60.0
+MAX_WAIT_S = 600.0
+#: Most GPUs one call may ask for.
+MAX_COUNT = 64
+
+_T = TypeVar("_T")
+
+
+class ToolFailure(Exception):
+    """A tool's error, with a classified reason: ``invalid`` (the request itself),
+    ``refused`` (someone else's reservation, or the queue's claim), ``store`` (the shared
+    file cannot be read or written)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+def data(text: str | None, limit: int = MAX_TEXT) -> str | None:
+    """Untrusted text as data: control and escape characters dropped, cut to ``limit``."""
+    if text is None:
+        return None
+    t = clean(text)
+    return t if len(t) <= limit else t[: limit - 1] + "…"
+
+
+def _left(until: datetime, now: datetime) -> str:
+    return format_duration(max(0.0, (until - now).total_seconds()))
+
+
+class FleetTools:
+    """The tools over one config: one poller (one kept SSH connection per host, one query
+    per look) and the shared reservations file, for the life of the server."""
+
+    def __init__(self, config: Config, poller: Poller | None = None) -> None:
+        self.config = config
+        self.store = Store(config.reservations_path)
+        self.me = whoami()[0]
+        self.fleet = [h.name for h in config.hosts]
+        self.poller = poller or Poller(replace(config, collection="query"))
+        self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        #: One query at a time per host (two tools asking at once share nothing else).
+        self._asking: dict[str, asyncio.Lock] = {}
+
+    async def aclose(self) -> None:
+        await self.poller.aclose()
+
+    # -- what every tool needs ------------------------------------------------------------
+
+    def _hosts_of(self, host: str | None = None, hosts: Sequence[str] | None = None,
+                  tag: str | None = None) -> tuple[str, ...]:
+        """The host names asked for (empty: every host), each one checked."""
+        names = [*(hosts or ()), *([host] if host else [])]
+        if tag and names:
+            raise ToolFailure("invalid", "give hosts or a tag, not both")
+        for n in names:
+            if n not in self.fleet:
+                raise ToolFailure("invalid", f"unknown host {data(n, 60)!r}; hosts: "
+                                  + ", ".join(self.fleet[:50]))
+        if tag:
+            names = [h.name for h in self.config.hosts if tag in h.tags]
+            if not names:
+                tags = sorted({t for h in self.config.hosts for t in h.tags})
+                raise ToolFailure("invalid", f"no host has the tag {data(tag, 60)!r}; tags: "
+                                  + (", ".join(tags[:50]) or "none"))
+        return tuple(dict.fromkeys(names))
+
+    async def look(self, names: Sequence[str] = ()) -> list[HostSnapshot]:
+        """One query per host asked for (all: ``names`` empty), concurrently, in config
+        order; each host fails alone with its classified reason."""
+        want = set(names) if names else None
+        sources = [s for s in self.poller.sources if want is None or s.name in want]
+
+        async def ask(source: Any) -> HostSnapshot:
+            lock = self._asking.setdefault(source.name, asyncio.Lock())
+            async with lock:
+                h: HostSnapshot = await self.poller.poll_host(source)
+            self.tracker.observe(h)
+            return h
+
+        return list(await asyncio.gather(*(ask(s) for s in sources)))
+
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """A store read or write (file locks) off the event loop, its errors classified."""
+        try:
+            return await asyncio.to_thread(fn)
+        except Refused as exc:
+            raise ToolFailure("refused", str(exc)) from None
+        except Invalid as exc:
+            raise ToolFailure("invalid", str(exc)) from None
+        except StoreError as exc:
+            raise ToolFailure("store", str(exc)) from None
+
+    async def _state(self) -> StoreState:
+        return await self._off_loop(self.store.read)
+
+    async def _reap(self) -> None:
+        """Job-tied reservations of yours whose job ended go first, as in the commands."""
+        try:
+            if any(r.job is not None and r.user == self.me
+                   for r in (await asyncio.to_thread(self.store.read)).reservations):
+                await check_jobs(self.config, self.store)
+        except StoreError:
+            pass  # reported by the read that follows
+
+    def _seconds(self, duration: str | None) -> float:
+        if duration is None:
+            return self.config.reservation_default_s
+        try:
+            seconds = parse_duration(duration)
+        except ValueError:
+            seconds = 0.0
+        if not 0 < seconds <= self.config.reservation_max_s:
+            raise ToolFailure("invalid", f"duration {data(duration, 40)!r}: more than zero and "
+                              f"at most {format_duration(self.config.reservation_max_s)}, "
+                              "e.g. '30m', '2h', '1d'")
+        return seconds
+
+    def _request(self, count: int, min_free_memory_gib: float, hosts: Sequence[str] | None,
+                 tag: str | None, *, one_host: bool = False) -> Request:
+        if not 1 <= count <= MAX_COUNT:
+            raise ToolFailure("invalid", f"count must be between 1 and {MAX_COUNT}")
+        if not 0 <= min_free_memory_gib <= 1 << 20:  # (NaN fails too)
+            raise ToolFailure("invalid", "min_free_memory_gib must be 0 or more")
+        names = self._hosts_of(hosts=hosts, tag=tag)
+        want = f"--tag {tag}" if tag else (f"--host {names[0]}" if len(names) == 1 else "")
+        return Request(count, int(min_free_memory_gib * 1024), names, one_host, want)
+
+    # -- how things are written out -------------------------------------------------------
+
+    def _reservation(self, r: Reservation, now: datetime) -> dict[str, Any]:
+        return {"gpu": r.target, "user": data(r.user, 64), "mine": r.user == self.me,
+                "until": iso(r.expires), "left": _left(r.expires, now),
+                "note": data(r.note), "job_pid": r.job.pid if r.job else None}
+
+    def _waiter(self, w: Waiter, position: int) -> dict[str, Any]:
+        return {"position": position, "id": w.id, "user": data(w.user, 64),
+                "mine": w.user == self.me, "count": w.count, "min_free_mib": w.min_free_mib,
+                "hosts": [data(h, 64) for h in w.hosts[:16]], "one_host": w.one_host,
+                "want": data(w.want, 80), "since": iso(w.created)}
+
+    @staticmethod
+    def _processes(ps: Sequence[ProcessInfo]) -> dict[str, Any]:
+        shown = [{"pid": p.pid, "user": data(p.user, 64),
+                  "command": data(p.command, MAX_COMMAND),
+                  "gpu_memory_mib": p.gpu_memory_mib} for p in ps[:MAX_PROCESSES]]
+        return {"processes": shown, "more_processes": max(0, len(ps) - MAX_PROCESSES)}
+
+    def _gpu(self, host: str, g: GpuInfo, ann: Any, is_free: bool, now: datetime
+             ) -> dict[str, Any]:
+        r, flags, insts = ann
+        state = ("lost" if g.lost else "mine" if r is not None and r.user == self.me
+                 else "reserved" if r is not None else "free" if is_free
+                 else "queued" if idle(g) else "busy")
+        doc: dict[str, Any] = {
+            "gpu": f"{host}:{g.index}", "index": g.index, "state": state,
+            "name": data(g.name, 80), "uuid": data(g.uuid, 80),
+            "load_percent": g.utilization_percent, "memory_used_mib": g.memory_used_mib,
+            "memory_total_mib": g.memory_total_mib, "memory_free_mib": g.memory_free_mib,
+            "temperature_c": g.temperature_c, "power_w": g.power_draw_w,
+            "reservation": self._reservation(r, now) if r else None, "flags": flags,
+        } | self._processes(g.processes)
+        if g.lost:
+            doc["lost_reason"] = data(g.lost_reason)
+        if g.instances:
+            doc["instances"] = [self._instance(host, g, i, ir, iflags, now)
+                                for i, (ir, iflags) in zip(g.instances, insts)]
+        return doc
+
+    def _instance(self, host: str, g: GpuInfo, i: MigInstance, r: Reservation | None,
+                  flags: list[str], now: datetime) -> dict[str, Any]:
+        return {"gpu": f"{host}:{g.index}/{i.gpu_instance_id}", "profile": data(i.profile, 40),
+                "uuid": data(i.uuid, 80), "memory_used_mib": i.memory_used_mib,
+                "memory_total_mib": i.memory_total_mib,
+                "reservation": self._reservation(r, now) if r else None,
+                "flags": flags} | self._processes(i.processes)
+
+    @staticmethod
+    def _host_error(h: HostSnapshot) -> dict[str, Any] | None:
+        if h.error is None:
+            return None
+        return {"kind": h.error.kind, "message": data(h.error.message)}
+
+    def _found(self, f: FreeGpu, state: StoreState | None, now: datetime) -> dict[str, Any]:
+        held = reservation_index(state, now).get((f.host, f.gpu.index or 0))
+        doc: dict[str, Any] = {
+            "gpu": f.label, "host": f.host, "index": f.gpu.index, "name": data(f.gpu.name, 80),
+            "uuid": data(f.gpu.uuid, 80), "memory_free_mib": f.free_mib,
+            "memory_total_mib": (f.instance or f.gpu).memory_total_mib,
+            "load_percent": f.gpu.utilization_percent,
+            "yours_until": iso(held.expires) if held and held.user == self.me else None}
+        if f.instance is not None:
+            doc |= {"instance": f.instance.gpu_instance_id,
+                    "profile": data(f.instance.profile, 40), "mig_uuid": data(f.instance.uuid, 80)}
+        return doc
+
+    # -- the tools ------------------------------------------------------------------------
+
+    async def fleet_status(self, host: str | None = None, tag: str | None = None
+                           ) -> dict[str, Any]:
+        names = self._hosts_of(host=host, tag=tag)
+        hosts = await self.look(names)
+        now = utcnow()
+        try:
+            state: StoreState | None = await asyncio.to_thread(self.store.read)
+            problem = None
+        except StoreError as exc:  # reported, and the fleet shown without reservations
+            state, problem = None, str(exc)
+        held, inst_held = reservation_index(state, now), instance_index(state, now)
+        free = {f.label for f in offered(state, hosts, Request(1), self.me, self.fleet,
+                                         whole=True)} if state else set()
+        ngpus = sum(len(h.gpus) for h in hosts)
+        detail = ngpus <= MAX_DETAIL_GPUS or bool(names)
+        counts = {"free": 0, "queued": 0, "busy": 0, "reserved": 0, "mine": 0, "lost": 0}
+        out = []
+        for h in hosts:
+            gpus = [self._gpu(h.name, g, gpu_annotation(h.name, g, held, inst_held,
+                                                        self.tracker, now),
+                              f"{h.name}:{g.index}" in free, now) for g in h.gpus]
+            here = {k: sum(1 for g in gpus if g["state"] == k) for k in counts}
+            for k, n in here.items():
+                counts[k] += n
+            doc: dict[str, Any] = {"host": h.name, "status": "ok" if h.ok else "error",
+                                   "error": self._host_error(h), "last_ok": iso(h.last_ok),
+                                   "tags": list(h.tags)}
+            if detail:
+                doc["gpus"] = gpus
+            else:
+                doc["gpu_counts"] = here | {"total": len(gpus)}
+            out.append(doc)
+        down = [h.name for h in hosts if not h.ok]
+        queue = state.waiting(now) if state else []
+        summary = (f"{len(hosts)} host(s), {len(hosts) - len(down)} up"
+                   + (f", {len(down)} down ({', '.join(down[:5])}"
+                      + (", ...)" if len(down) > 5 else ")") if down else "")
+                   + f"; {ngpus} GPU(s): {counts['free']} free, "
+                   + (f"{counts['queued']} idle but kept for the queue, " if counts["queued"]
+                      else "")
+                   + f"{counts['busy']} busy, "
+                   f"{counts['reserved']} reserved by others, {counts['mine']} yours"
+                   + (f", {counts['lost']} lost" if counts["lost"] else "")
+                   + f"; {len(queue)} waiting in the queue"
+                   + ("" if detail else "; counts only: name a host or tag for each GPU")
+                   + ("; the reservations file could not be read" if problem else ""))
+        doc = {"summary": summary, "time": iso(now), "you": data(self.me, 64), "hosts": out,
+               "queue_waiting": len(queue)}
+        if problem:
+            doc["reservations_error"] = data(problem, 400)
+        return doc
+
+    async def find_gpus(self, count: int = 1, min_free_memory_gib: float = 0,
+                        hosts: Sequence[str] | None = None, tag: str | None = None,
+                        whole_only: bool = False) -> dict[str, Any]:
+        req = self._request(count, min_free_memory_gib, hosts, tag)
+        await self._reap()
+        looked = await self.look(req.hosts)
+        state = await self._state()
+        now = utcnow()
+        found = offered(state, looked, req, self.me, self.fleet, whole=whole_only)
+        waiting = len(state.waiting(now))
+        picked = found[:count]
+        enough = len(picked) >= count
+        down = [{"host": h.name} | (self._host_error(h) or {}) for h in looked if not h.ok]
+        summary = (f"{len(picked)} free, {count} wanted: "
+                   + (", ".join(f.label for f in picked[:10]) if picked else "none")
+                   + ("" if enough else
+                      (f"; {waiting} waiting in the queue, wait_for_gpus joins it" if waiting
+                       else "; wait_for_gpus waits for them"))
+                   + (f"; {len(down)} host(s) did not answer" if down else ""))
+        return {"summary": summary, "enough": enough, "wanted": count,
+                "found": [self._found(f, state, now) for f in picked],
+                "more_free": max(0, len(found) - len(picked)), "queue_waiting": waiting,
+                "hosts_not_answering": down[:MAX_LIST]}
+
+    async def reserve(self, gpus: Sequence[str] | None = None, count: int | None = None,
+                      duration: str | None = None, note: str = "",
+                      min_free_memory_gib: float = 0, hosts: Sequence[str] | None = None,
+                      tag: str | None = None) -> dict[str, Any]:
+        if bool(gpus) == (count is not None):
+            raise ToolFailure("invalid", "give either gpus (e.g. ['gpu-01:0']) or a count")
+        seconds = self._seconds(duration)
+        if len(note) > MAX_TEXT or clean(note) != note:
+            raise ToolFailure("invalid", f"a note is at most {MAX_TEXT} printable characters")
+        await self._reap()
+        warnings: list[str] = []
+        if gpus:
+            if hosts or tag or min_free_memory_gib:
+                raise ToolFailure("invalid", "hosts, tag and min_free_memory_gib go with a "
+                                  "count, not with gpus")
+            if len(gpus) > MAX_COUNT:
+                raise ToolFailure("invalid", f"at most {MAX_COUNT} GPUs at once")
+            try:
+                targets = parse_targets([str(g) for g in gpus])
+            except Invalid as exc:
+                raise ToolFailure("invalid", str(exc)) from None
+            self._hosts_of(hosts=[t.host for t in targets])
+            looked = await self.look([t.host for t in targets])
+            snaps = {h.name: h for h in looked}
+            try:
+                targets, warnings = check_targets(targets, snaps, self.me)
+            except Invalid as exc:
+                raise ToolFailure("invalid", str(exc)) from None
+        else:
+            assert count is not None
+            req = self._request(count, min_free_memory_gib, hosts, tag)
+            looked = await self.look(req.hosts)
+            snaps = {h.name: h for h in looked}
+            found = offered(await self._state(), looked, req, self.me, self.fleet)[:count]
+            if len(found) < count:
+                raise ToolFailure("refused", f"{len(found)} free, {count} wanted (nothing "
+                                  "reserved); wait_for_gpus waits your turn in the queue")
+            targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                              f.instance.gpu_instance_id if f.instance else None)
+                       for f in found]
+        # The queue's claim, checked again under the lock: a waiter who could use one of
+        # these GPUs is served first (the agent comes after every waiter).
+        check = queue_claim(targets, snaps, self.fleet, self.me)
+        made = await self._off_loop(lambda: reserve_outcomes(
+            self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
+            note=note, check=check))
+        now = utcnow()
+        done = [self._reservation(o.reservation, now) | {"action": o.action} for o in made]
+        until = max(o.reservation.expires for o in made)
+        return {"summary": f"reserved {', '.join(d['gpu'] for d in done[:10])} for you "
+                           f"({data(self.me, 64)}) until {iso(until)} ({_left(until, now)} left)"
+                           "; release them when done",
+                "reserved": done, "warnings": [data(w, 400) for w in warnings]}
+
+    async def release(self, gpus: Sequence[str] | None = None, all_mine: bool = False
+                      ) -> dict[str, Any]:
+        if bool(gpus) == all_mine:
+            raise ToolFailure("invalid", "give either gpus (e.g. ['gpu-01:0']) or all_mine")
+        targets: list[Target] | None = None
+        if gpus:
+            try:
+                targets = parse_targets([str(g) for g in gpus][:MAX_COUNT])
+            except Invalid as exc:
+                raise ToolFailure("invalid", str(exc)) from None
+            if any(t.uuid for t in targets):
+                raise ToolFailure("invalid", "give a MIG instance as HOST:GPU/INSTANCE")
+            self._hosts_of(hosts=[t.host for t in targets])
+        # Never force: an agent releases only its user's own reservations.
+        gone = await self._off_loop(lambda: release(self.store, targets))
+        names = [r.target for r in gone]
+        return {"summary": ("released " + ", ".join(names[:10]) + (", ..." if len(names) > 10
+                                                                  else "")
+                            if names else "nothing to release: none of these is yours now"),
+                "released": names[:MAX_LIST]}
+
+    async def my_reservations(self) -> dict[str, Any]:
+        await self._reap()
+        state = await self._state()
+        now = utcnow()
+        mine = sorted((r for r in state.active(now) if r.user == self.me),
+                      key=lambda r: (r.host, r.gpu, r.instance or -1))
+        places = [(i + 1, w) for i, w in enumerate(state.waiting(now)) if w.user == self.me]
+        summary = (f"you ({data(self.me, 64)}) hold {len(mine)} reservation(s)"
+                   + (": " + ", ".join(f"{r.target} ({_left(r.expires, now)} left)"
+                                       for r in mine[:10]) if mine else "")
+                   + ("; waiting in the queue at position(s) "
+                      + ", ".join(str(p) for p, _ in places) if places else ""))
+        return {"summary": summary, "you": data(self.me, 64),
+                "reservations": [self._reservation(r, now) for r in mine[:MAX_LIST]],
+                "waiting": [self._waiter(w, p) for p, w in places]}
+
+    async def queue_status(self) -> dict[str, Any]:
+        state = await self._state()
+        now = utcnow()
+        queue = state.waiting(now)
+        active = state.active(now)
+        mine = [i + 1 for i, w in enumerate(queue) if w.user == self.me]
+        summary = (f"{len(queue)} waiting"
+                   + (f" (the first for {queue[0].count} GPU(s))" if queue else "")
+                   + (f"; you at position(s) {', '.join(map(str, mine))}" if mine else "")
+                   + f"; {len(active)} reservation(s) held")
+        return {"summary": summary,
+                "queue": [self._waiter(w, i + 1) for i, w in enumerate(queue[:MAX_LIST])],
+                "more_waiting": max(0, len(queue) - MAX_LIST),
+                "reservations": [self._reservation(r, now) for r in sorted(
+                    active, key=lambda r: (r.host, r.gpu, r.instance or -1))[:MAX_LIST]]}
+
+    async def wait_for_gpus(self, count: int = 1, min_free_memory_gib: float = 0,
+                            hosts: Sequence[str] | None = None, tag: str | None = None,
+                            duration: str | None = None, note: str = "",
+                            max_wait_s: float = DEFAULT_WAIT_S,
+                            one_host: bool = False) -> dict[str, Any]:
+        if not 1 <= max_wait_s <= MAX_WAIT_S:  # (NaN fails too)
+            raise ToolFailure("invalid", f"max_wait_s must be between 1 and {MAX_WAIT_S:g}")
+        req = self._request(count, min_free_memory_gib, hosts, tag, one_host=one_host)
+        seconds = self._seconds(duration)
+        if len(note) > MAX_TEXT or clean(note) != note:
+            raise ToolFailure("invalid", f"a note is at most {MAX_TEXT} printable characters")
+        said: list[str] = []
+
+        def say(msg: str) -> None:
+            said.append(data(msg) or "")
+            del said[:-5]  # the last few: where it stood
+
+        await self._reap()
+        try:
+            got = await wait_for_gpus(self.config, self.store, req, seconds=seconds,
+                                      note=note, lease_s=DEFAULT_LEASE_S,
+                                      max_wait=max_wait_s, say=say)
+        except WaitedTooLong:
+            status = await self.queue_status()
+            return {"summary": f"not granted within {max_wait_s:g}s, left the queue (nothing "
+                               f"reserved): {status['summary']}; call again to wait longer",
+                    "granted": False, "messages": said, "queue": status["queue"]}
+        except Refused as exc:
+            raise ToolFailure("refused", str(exc)) from None
+        except Invalid as exc:
+            raise ToolFailure("invalid", str(exc)) from None
+        except StoreError as exc:
+            raise ToolFailure("store", str(exc)) from None
+        now = utcnow()
+        done = [self._reservation(r, now) for r in got]
+        return {"summary": f"granted {describe_request(req)}: reserved "
+                           f"{', '.join(d['gpu'] for d in done[:10])} for you until "
+                           f"{done[0]['until'] if done else '?'}; release them when done",
+                "granted": True, "reserved": done, "messages": said}

@@ -1,0 +1,197 @@
+"""``gputop mcp`` driven by the MCP SDK's own stdio client, against real sshd hosts.
+
+The server is the real command (``python -m gputop mcp``) in its own process, reading a
+hosts file of the real-sshd test fleet; the client is ``mcp.client.stdio`` with a
+``ClientSession``, as an agent's MCP client runs it. Identity is the server process's real
+uid: the environment's USER/LOGNAME say someone else, and the shared file must not care.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import HOSTILE, _need_sshd, _world_readable
+from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+
+pytest.importorskip("mcp")
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+from gputop.reservations import Store, Target, reserve
+from gputop.text import clean
+
+ME = pwd.getpwuid(os.getuid()).pw_name
+TOOLS = {"fleet_status", "find_gpus", "reserve", "release", "my_reservations",
+         "queue_status", "wait_for_gpus"}
+
+
+@pytest.fixture(scope="module")
+def mcp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two free GPUs on one host; on the other, a teammate's process with a hostile name, a
+    GPU whose name is an escape sequence and a lost GPU whose error has one."""
+    _need_sshd()
+    f = Fleet(_world_readable(tmp_path_factory.mktemp("mcpfleet")), [
+        Host("mcp-free", "127.0.25.2", gpus=("rtx2080", "rtx2080")),
+        Host("mcp-busy", "127.0.25.3", gpus=("rtx2080",), scenario="hostile-names", processes=[
+            GpuProcess("gtbob", HOSTILE, gpu=0, mem_mib=77)]),
+    ]).start()
+    yield f
+    f.stop()
+
+
+def config_for(fleet: Fleet, tmp_path: Path) -> tuple[Path, Path]:
+    """A hosts file of the fleet with this test's own reservations file."""
+    res = tmp_path / "reservations.json"
+    text = fleet.write_config(timeout=20.0, interval=0.5).read_text()
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(text.replace(str(fleet.root / "reservations.json"), str(res)))
+    return cfg, res
+
+
+@asynccontextmanager
+async def session(fleet: Fleet, cfg: Path) -> AsyncIterator[ClientSession]:
+    env = fleet.env() | {"USER": "mallory", "LOGNAME": "mallory"}
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "gputop", "mcp", "--config", str(cfg)], env=env)
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
+        await s.initialize()
+        yield s
+
+
+async def call(s: ClientSession, name: str, **args: Any) -> dict[str, Any]:
+    """A tool's result: its text (compact JSON) parsed, checked against its structured
+    content. A tool error raises, with its text."""
+    r = await s.call_tool(name, args)
+    text = r.content[0].text  # type: ignore[union-attr]
+    if r.is_error:  # type: ignore[union-attr]
+        raise ToolErr(text)
+    assert "\n" not in text and text.isascii() and "\x1b" not in text
+    doc = json.loads(text)
+    assert doc == r.structured_content  # type: ignore[union-attr]
+    assert next(iter(doc)) == "summary" and "\n" not in doc["summary"]
+    return doc
+
+
+class ToolErr(Exception):
+    pass
+
+
+def strings(doc: Any) -> Iterator[str]:
+    if isinstance(doc, str):
+        yield doc
+    elif isinstance(doc, dict):
+        for k, v in doc.items():
+            yield k
+            yield from strings(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from strings(v)
+
+
+def holders(res: Path) -> list[tuple[str, int, str]]:
+    return sorted((r["host"], r["gpu"], r["user"])
+                  for r in json.loads(res.read_text())["reservations"])
+
+
+async def test_an_agent_finds_reserves_sees_and_releases_two_gpus(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    async with session(mcp_fleet, cfg) as s:
+        init = s.initialize_result
+        assert init is not None and init.instructions
+        assert f"as your user, {ME}" in init.instructions
+        assert "never stop, kill" in init.instructions and "Reserve before" in init.instructions
+        tools = {t.name: t for t in (await s.list_tools()).tools}
+        assert set(tools) == TOOLS
+        for name in ("fleet_status", "find_gpus", "my_reservations", "queue_status"):
+            assert tools[name].annotations.read_only_hint is True, name  # type: ignore[union-attr]
+        assert tools["release"].annotations.destructive_hint is True  # type: ignore[union-attr]
+        assert tools["reserve"].annotations.read_only_hint is False  # type: ignore[union-attr]
+        for t in tools.values():  # identity is never a tool argument
+            assert not {"user", "login", "as_user"} & set(t.input_schema["properties"]), t.name
+
+        found = await call(s, "find_gpus", count=2)
+        assert found["enough"] and found["summary"].startswith("2 free, 2 wanted")
+        labels = [g["gpu"] for g in found["found"]]
+        assert sorted(labels) == ["mcp-free:0", "mcp-free:1"]
+
+        made = await call(s, "reserve", gpus=labels, duration="1h", note="sweep 7")
+        assert {d["gpu"] for d in made["reserved"]} == set(labels)
+        assert made["summary"].startswith("reserved mcp-free:")
+        # The shared file names the server process's user, not $USER.
+        assert holders(res) == [("mcp-free", 0, ME), ("mcp-free", 1, ME)]
+        assert ME != "mallory"
+
+        mine = await call(s, "my_reservations")
+        assert [(r["gpu"], r["mine"], r["note"]) for r in mine["reservations"]] == [
+            ("mcp-free:0", True, "sweep 7"), ("mcp-free:1", True, "sweep 7")]
+        assert "hold 2 reservation(s)" in mine["summary"]
+
+        status = await call(s, "fleet_status", host="mcp-free")
+        assert [g["state"] for g in status["hosts"][0]["gpus"]] == ["mine", "mine"]
+        again = await call(s, "find_gpus", count=1)  # yours count as free to you
+        assert again["found"][0]["yours_until"] is not None
+
+        gone = await call(s, "release", gpus=labels)
+        assert sorted(gone["released"]) == labels
+        assert holders(res) == []
+        assert (await call(s, "my_reservations"))["reservations"] == []
+
+
+async def test_remote_text_is_data_and_errors_are_classified(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    async with session(mcp_fleet, cfg) as s:
+        status = await call(s, "fleet_status")
+        busy = next(h for h in status["hosts"] if h["host"] == "mcp-busy")
+        g, lost = busy["gpus"]
+        (p,) = g["processes"]
+        # Hostile text comes back as strings: markup as plain text, escape sequences,
+        # control and bidi characters dropped; nothing of it in the summary.
+        assert p["user"] == "gtbob" and p["command"].startswith("[bold red]x[/] ")
+        assert g["name"] == clean(HOSTILE_GPU_NAME) and "H100" in g["name"]
+        assert lost["state"] == "lost" and "Unknown Error" in lost["lost_reason"]
+        assert not [t for t in strings(status) if clean(t) != t]
+        assert g["state"] == "busy"
+        assert "bold" not in status["summary"] and "H100" not in status["summary"]
+        assert status["summary"].startswith("2 host(s), 2 up; 4 GPU(s): 2 free, 1 busy"), \
+            status["summary"]
+
+        # Someone else's reservation refuses the whole request, naming them.
+        reserve(Store(res), [Target("mcp-free", 1)], seconds=3600, max_seconds=7 * 86400,
+                user="gtbob")
+        with pytest.raises(ToolErr, match=r"^refused: mcp-free:1 is reserved by gtbob"):
+            await call(s, "reserve", gpus=["mcp-free:0", "mcp-free:1"])
+        assert holders(res) == [("mcp-free", 1, "gtbob")]  # all or nothing
+        with pytest.raises(ToolErr, match=r"^refused: .*reserved by gtbob"):
+            await call(s, "release", gpus=["mcp-free:1"])  # an agent never forces
+        with pytest.raises(ToolErr, match=r"^invalid: unknown host 'nope'; hosts: mcp-free"):
+            await call(s, "find_gpus", hosts=["nope"])
+        with pytest.raises(ToolErr, match=r"^invalid: mcp-free has no GPU 7; its GPUs: 0, 1"):
+            await call(s, "reserve", gpus=["mcp-free:7"])
+        with pytest.raises(ToolErr, match=r"^invalid: give either gpus"):
+            await call(s, "reserve")
+
+        # By count: the one GPU left free; then nothing left, and the bounded wait gives
+        # up with the queue's state, leaving the queue.
+        got = await call(s, "reserve", count=1, duration="30m")
+        assert [d["gpu"] for d in got["reserved"]] == ["mcp-free:0"]
+        waited = await call(s, "wait_for_gpus", count=1, max_wait_s=1, hosts=["mcp-free"])
+        assert waited["granted"] is False and "not granted within 1s" in waited["summary"]
+        assert json.loads(res.read_text()).get("queue", []) == []
+
+        # A broken shared file: a classified error, and the file left as it was.
+        res.write_text("{not json")
+        with pytest.raises(ToolErr, match=r"^store: "):
+            await call(s, "my_reservations")
+        assert res.read_text() == "{not json"
+        status = await call(s, "fleet_status")
+        assert "reservations_error" in status and "could not be read" in status["summary"]
