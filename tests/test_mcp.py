@@ -8,6 +8,7 @@ uid: the environment's USER/LOGNAME say someone else, and the shared file must n
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
@@ -25,7 +26,8 @@ pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations import Store, Target, release, reserve
+from gputop.reservations.queue import Queue, Request
 from gputop.text import clean
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -94,6 +96,17 @@ def strings(doc: Any) -> Iterator[str]:
     elif isinstance(doc, list):
         for v in doc:
             yield from strings(v)
+
+
+async def until_waiting(res: Path, task: asyncio.Task[Any] | None, present: bool) -> None:
+    """Until the agent's place in the queue is in the file (or gone), as it happens."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while bool([w for w in json.loads(res.read_text()).get("queue", [])
+                if w["user"] == ME]) != present:
+        assert task is None or not task.done(), task.result()
+        assert loop.time() < deadline, f"the agent's waiter never {'came' if present else 'left'}"
+        await asyncio.sleep(0.05)
 
 
 def holders(res: Path) -> list[tuple[str, int, str]]:
@@ -195,3 +208,45 @@ async def test_remote_text_is_data_and_errors_are_classified(
         assert res.read_text() == "{not json"
         status = await call(s, "fleet_status")
         assert "reservations_error" in status and "could not be read" in status["summary"]
+
+
+async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    """A teammate waits for a GPU on the host: the agent is offered none there and may not
+    reserve the idle one by name (the order rule, as for `gputop free` and `reserve`).
+    Then the agent waits its turn and is granted both GPUs once the teammate's goes."""
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    store = Store(res)
+    reserve(store, [Target("mcp-free", 1)], seconds=3600, max_seconds=7 * 86400, user="gtbob")
+    bob = Queue(store, Request(1, 0, ("mcp-free",)), lease_s=300, user="gtbob")
+    bob.join()
+    async with session(mcp_fleet, cfg) as s:
+        found = await call(s, "find_gpus", count=1, hosts=["mcp-free"])
+        assert not found["enough"] and found["found"] == []
+        assert "1 waiting in the queue" in found["summary"]
+        status = await call(s, "fleet_status", host="mcp-free")
+        assert [g["state"] for g in status["hosts"][0]["gpus"]] == ["queued", "reserved"]
+        with pytest.raises(ToolErr, match=r"^refused: mcp-free:0 is one the queue waits for"):
+            await call(s, "reserve", gpus=["mcp-free:0"])
+        q = await call(s, "queue_status")
+        assert [(w["user"], w["mine"], w["count"]) for w in q["queue"]] == [("gtbob", False, 1)]
+        assert [r["gpu"] for r in q["reservations"]] == ["mcp-free:1"]
+        bob.leave()
+
+        # A wait the agent's client abandons leaves the queue at once (not after its lease).
+        wait = asyncio.create_task(call(s, "wait_for_gpus", count=2, hosts=["mcp-free"],
+                                        max_wait_s=120))
+        await until_waiting(res, wait, True)
+        wait.cancel()
+        await until_waiting(res, None, False)
+
+        wait = asyncio.create_task(call(s, "wait_for_gpus", count=2, hosts=["mcp-free"],
+                                        duration="20m", max_wait_s=120))
+        await until_waiting(res, wait, True)
+        assert holders(res) == [("mcp-free", 1, "gtbob")]
+        await asyncio.to_thread(release, store, None, user="gtbob")
+        got = await asyncio.wait_for(wait, 60)
+        assert got["granted"] is True and got["summary"].startswith("granted 2 GPUs")
+        assert sorted(d["gpu"] for d in got["reserved"]) == ["mcp-free:0", "mcp-free:1"]
+        assert holders(res) == [("mcp-free", 0, ME), ("mcp-free", 1, ME)]
+        assert json.loads(res.read_text()).get("queue", []) == []
