@@ -250,3 +250,34 @@ async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
         assert sorted(d["gpu"] for d in got["reserved"]) == ["mcp-free:0", "mcp-free:1"]
         assert holders(res) == [("mcp-free", 0, ME), ("mcp-free", 1, ME)]
         assert json.loads(res.read_text()).get("queue", []) == []
+
+
+async def test_long_fleets_are_counted_and_remote_text_is_bounded() -> None:
+    """In-process, on the demo's simulated hosts (a real source; no SSH): above the detail
+    bound each host's GPUs are counted, a host or tag gives them one by one; remote text
+    is cleaned and cut whatever the source let through."""
+    from gputop.agents.tools import MAX_COMMAND, FleetTools, data
+    from gputop.poller import Poller
+    from gputop.sources.demo import demo_session
+
+    with demo_session() as (config, sources):
+        tools = FleetTools(config, Poller(config, sources))
+        try:
+            tools.max_detail = 8
+            doc = await tools.fleet_status()
+            assert "counts only" in doc["summary"]
+            assert all("gpus" not in h for h in doc["hosts"])
+            up = [h for h in doc["hosts"] if h["status"] == "ok"]
+            assert sum(h["gpu_counts"]["total"] for h in up) == 22
+            down = [h for h in doc["hosts"] if h["status"] == "error"]
+            assert [h["error"]["kind"] for h in down] == ["unreachable"]
+            narrow = await tools.fleet_status(tag="h100")
+            assert [len(h["gpus"]) for h in narrow["hosts"]] == [8, 0]
+            assert all(len(p["command"]) <= MAX_COMMAND for h in narrow["hosts"]
+                       for g in h["gpus"] for p in g["processes"])
+        finally:
+            await tools.aclose()
+    hostile = "\x1b]0;pwned\x07[b]x[/b]\u202e\x9b31m" * 40
+    cut = data(hostile, 50)
+    assert cut is not None and len(cut) == 50 and cut == clean(cut) and "\x1b" not in cut
+    assert cut.startswith("[b]x[/b]") and cut.endswith("…")

@@ -102,6 +102,8 @@ class FleetTools:
         self.fleet = [h.name for h in config.hosts]
         self.poller = poller or Poller(replace(config, collection="query"))
         self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        #: Above this many GPUs, ``fleet_status`` counts them per host.
+        self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
         self._asking: dict[str, asyncio.Lock] = {}
 
@@ -273,7 +275,7 @@ class FleetTools:
         free = {f.label for f in offered(state, hosts, Request(1), self.me, self.fleet,
                                          whole=True)} if state else set()
         ngpus = sum(len(h.gpus) for h in hosts)
-        detail = ngpus <= MAX_DETAIL_GPUS or bool(names)
+        detail = ngpus <= self.max_detail or bool(names)
         counts = {"free": 0, "queued": 0, "busy": 0, "reserved": 0, "mine": 0, "lost": 0}
         out = []
         for h in hosts:
