@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import pwd
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -184,8 +185,10 @@ async def test_remote_text_is_data_and_errors_are_classified(
         with pytest.raises(ToolErr, match=r"^refused: mcp-free:1 is reserved by gtbob"):
             await call(s, "reserve", gpus=["mcp-free:0", "mcp-free:1"])
         assert holders(res) == [("mcp-free", 1, "gtbob")]  # all or nothing
-        with pytest.raises(ToolErr, match=r"^refused: .*reserved by gtbob"):
+        with pytest.raises(ToolErr, match=r"^refused: .*reserved by gtbob.*; only its holder"):
             await call(s, "release", gpus=["mcp-free:1"])  # an agent never forces
+        with pytest.raises(ToolErr, match=r"^invalid: count must be between 1 and 64"):
+            await call(s, "find_gpus", count=0)
         with pytest.raises(ToolErr, match=r"^invalid: unknown host 'nope'; hosts: mcp-free"):
             await call(s, "find_gpus", hosts=["nope"])
         with pytest.raises(ToolErr, match=r"^invalid: mcp-free has no GPU 7; its GPUs: 0, 1"):
@@ -250,6 +253,21 @@ async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
         assert sorted(d["gpu"] for d in got["reserved"]) == ["mcp-free:0", "mcp-free:1"]
         assert holders(res) == [("mcp-free", 0, ME), ("mcp-free", 1, ME)]
         assert json.loads(res.read_text()).get("queue", []) == []
+
+
+def test_the_server_never_loads_textual_and_the_commands_never_load_mcp() -> None:
+    def loaded(module: str, prefix: str) -> bool:
+        code = (f"import sys, {module}\n"
+                f"print(any(m == {prefix!r} or m.startswith({prefix!r} + '.') "
+                "for m in sys.modules))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip() == "True"
+
+    assert loaded("gputop.agents.mcp", "mcp")  # (the check can fail)
+    assert not loaded("gputop.agents.mcp", "textual")
+    assert not loaded("gputop.cli.main, gputop.cli.subcommands, gputop.cli.headless", "mcp")
 
 
 async def test_long_fleets_are_counted_and_remote_text_is_bounded() -> None:

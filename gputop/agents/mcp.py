@@ -86,14 +86,19 @@ _WAIT = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent
 Hosts = Annotated[list[str] | None, Field(
     description="only these hosts (names from the config); default: all")]
 Tag = Annotated[str | None, Field(description="only hosts with this tag (not with hosts)")]
-Count = Annotated[int, Field(ge=1, le=64, description="how many GPUs")]
-MinFree = Annotated[float, Field(ge=0, description="least free memory per GPU, in GiB")]
+Count = Annotated[int, Field(description="how many GPUs (1 to 64)")]
+MinFree = Annotated[float, Field(description="least free memory per GPU, in GiB (0: any)")]
 Gpus = Annotated[list[str] | None, Field(
     description="GPUs as HOST:GPU (e.g. 'gpu-01:0'), a MIG instance as HOST:GPU/INSTANCE, "
     "as find_gpus and fleet_status name them")]
 Duration = Annotated[str | None, Field(
     description="how long, e.g. '30m', '2h', '1d' (default: the team's default_duration)")]
-Note = Annotated[str, Field(max_length=200, description="what it is for, shown to the team")]
+Note = Annotated[str, Field(description="what it is for, shown to the team (at most 200 "
+                            "printable characters)")]
+
+
+# (Bounds are checked by the tools, not the schema: a value out of range is then an
+# ``invalid:`` error like every other, not the SDK's validation text.)
 
 
 def build_server(tools: FleetTools) -> MCPServer[Any]:
@@ -127,7 +132,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
     @server.tool(annotations=_WRITE)
     async def reserve(gpus: Gpus = None,
                       count: Annotated[int | None, Field(
-                          ge=1, le=64, description="or: this many free GPUs, best first")]
+                          description="or: this many free GPUs, best first (1 to 64)")]
                       = None,
                       duration: Duration = None, note: Note = "",
                       min_free_memory_gib: MinFree = 0, hosts: Hosts = None,
@@ -165,8 +170,8 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
                             hosts: Hosts = None, tag: Tag = None,
                             duration: Duration = None, note: Note = "",
                             max_wait_s: Annotated[float, Field(
-                                ge=1, le=MAX_WAIT_S,
-                                description="give up after this many seconds")]
+                                description="give up after this many seconds (1 to "
+                                f"{MAX_WAIT_S:g})")]
                             = DEFAULT_WAIT_S,
                             one_host: Annotated[bool, Field(
                                 description="all GPUs on one host (one job)")] = False

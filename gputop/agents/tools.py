@@ -405,7 +405,12 @@ class FleetTools:
                 raise ToolFailure("invalid", "give a MIG instance as HOST:GPU/INSTANCE")
             self._hosts_of(hosts=[t.host for t in targets])
         # Never force: an agent releases only its user's own reservations.
-        gone = await self._off_loop(lambda: release(self.store, targets))
+        try:
+            gone = await self._off_loop(lambda: release(self.store, targets))
+        except ToolFailure as exc:
+            raise ToolFailure(exc.kind, exc.message.replace(
+                " (use --force to release someone else's)", "; only its holder releases it")
+                              ) from None
         names = [r.target for r in gone]
         return {"summary": ("released " + ", ".join(names[:10]) + (", ..." if len(names) > 10
                                                                   else "")
