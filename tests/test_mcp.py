@@ -247,6 +247,10 @@ async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
                                         duration="20m", max_wait_s=120))
         await until_waiting(res, wait, True)
         assert holders(res) == [("mcp-free", 1, "gtbob")]
+        # Other calls are answered while the wait goes on.
+        q = await call(s, "queue_status")
+        assert [(w["user"], w["mine"], w["count"]) for w in q["queue"]] == [(ME, True, 2)]
+        assert "you at position(s) 1" in q["summary"]
         await asyncio.to_thread(release, store, None, user="gtbob")
         got = await asyncio.wait_for(wait, 60)
         assert got["granted"] is True and got["summary"].startswith("granted 2 GPUs")
