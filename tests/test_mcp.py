@@ -229,7 +229,8 @@ async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
         assert "1 waiting in the queue" in found["summary"]
         status = await call(s, "fleet_status", host="mcp-free")
         assert [g["state"] for g in status["hosts"][0]["gpus"]] == ["queued", "reserved"]
-        with pytest.raises(ToolErr, match=r"^refused: mcp-free:0 is one the queue waits for"):
+        with pytest.raises(ToolErr, match=r"^refused: mcp-free:0 is one the queue waits for"
+                           r".*gtbob.*For you \(an agent\): wait_for_gpus joins the queue"):
             await call(s, "reserve", gpus=["mcp-free:0"])
         q = await call(s, "queue_status")
         assert [(w["user"], w["mine"], w["count"]) for w in q["queue"]] == [("gtbob", False, 1)]

@@ -380,9 +380,15 @@ class FleetTools:
         # The queue's claim, checked again under the lock: a waiter who could use one of
         # these GPUs is served first (the agent comes after every waiter).
         check = queue_claim(targets, snaps, self.fleet, self.me)
-        made = await self._off_loop(lambda: reserve_outcomes(
-            self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
-            note=note, check=check))
+        try:
+            made = await self._off_loop(lambda: reserve_outcomes(
+                self.store, targets, seconds=seconds,
+                max_seconds=self.config.reservation_max_s, note=note, check=check))
+        except ToolFailure as exc:
+            if "the queue waits for" not in exc.message:
+                raise
+            raise ToolFailure(exc.kind, exc.message + " For you (an agent): wait_for_gpus "
+                              "joins the queue; the tools never skip it.") from None
         now = utcnow()
         done = [self._reservation(o.reservation, now) | {"action": o.action} for o in made]
         until = max(o.reservation.expires for o in made)
