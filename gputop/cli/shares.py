@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import TextIO
 
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
@@ -26,9 +25,8 @@ from gputop.config import Config
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import Invalid, Refused, Reservation, Store, Target
-from gputop.reservations.flags import share_fits
 from gputop.reservations.ops import format_duration, local_time, whoami
-from gputop.reservations.queue import share_taken
+from gputop.reservations.queue import share_claim, share_offered
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -41,7 +39,7 @@ from gputop.reservations.shares import (
 )
 from gputop.reservations.store import Job, StoreState
 from gputop.reservations.targets import parse_targets
-from gputop.text import clean, excerpt
+from gputop.text import clean
 
 
 def share_size(text: str) -> int:
@@ -109,7 +107,8 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     g = _gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
     me = whoami()[0]
-    check = None if args.skip_queue else _claim(config, list(snaps.values()), share, me, t)
+    check = None if args.skip_queue else share_claim(
+        t, share, list(snaps.values()), [h.name for h in config.hosts], me)
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
                       max_seconds=config.reservation_max_s, note=args.note or "", job=job,
                       check=check)
@@ -122,42 +121,13 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     return EXIT_OK
 
 
-def _claim(config: Config, hosts: Sequence[HostSnapshot], share_mib: int, me: str,
-           t: Target) -> Callable[[StoreState, datetime], None]:
-    fleet = [h.name for h in config.hosts]
-
-    def check(state: StoreState, now: datetime) -> None:
-        queue = [w for w in state.waiting(now) if w.user != me]
-        if not queue:
-            return
-        w = share_taken(state, queue, hosts, fleet, t.host, t.gpu, share_mib, now)
-        if w is None:
-            return
-        raise Refused(
-            f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, first who "
-            f"could use it: {clean(w.user)} (since {local_time(w.created)}, for "
-            + (f"a {size_text(w.share_mib)} share" if w.share_mib else f"{w.count} GPU(s)")
-            + (f", {excerpt(w.want, 60)}" if w.want else "") + "). Join the queue: gputop "
-            f"free --share {size_text(share_mib)} --wait (or --skip-queue to take it anyway;"
-            " that is recorded in the file with your name)")
-
-    return check
-
-
 def _fits_now(config: Config, store: Store, args: argparse.Namespace, share: int
               ) -> tuple[list[HostSnapshot], list[ShareFit]]:
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    state = store.read()
-    now = utcnow()
-    me = whoami()[0]
     fleet = [h.name for h in config.hosts]
-    queue = [w for w in state.waiting(now) if w.user != me]
-    fits = [f for f in share_fits(hosts, state, share, now, user=me)
-            if req.accepts(f.host) and f.gpu.index is not None and (
-                not queue or share_taken(state, queue, hosts, fleet, f.host, f.gpu.index,
-                                         share, now) is None)]
+    fits = share_offered(store.read(), hosts, req, share, whoami()[0], fleet, utcnow())
     return hosts, fits
 
 
@@ -198,14 +168,14 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
                 print(f.label)
         return EXIT_OK
     seconds = reservation_seconds(config, args.duration)
-    me = whoami()[0]
+    me, fleet = whoami()[0], [h.name for h in config.hosts]
     for f in fits:  # best first; one taken meanwhile: the next
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
         try:
             o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                               max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=_claim(config, hosts, share, me, t))
+                              check=share_claim(t, share, hosts, fleet, me))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -273,7 +243,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
         r, total = got
     else:
         hosts, fits = _fits_now(config, store, args, share)
-        me = whoami()[0]
+        me, fleet = whoami()[0], [h.name for h in config.hosts]
         for f in fits:
             assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
             t = Target(f.host, f.gpu.index, f.gpu.uuid)
@@ -281,7 +251,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
                 o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                                   max_seconds=config.reservation_max_s,
                                   note=args.note or "", job=pending,
-                                  check=_claim(config, hosts, share, me, t))
+                                  check=share_claim(t, share, hosts, fleet, me))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib

@@ -39,8 +39,14 @@ from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
-from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
-from gputop.reservations.shares import check_share, mig_mode, room_mib, shares_of
+from gputop.reservations.ops import Invalid, Refused, Target, local_time, size_text, whoami
+from gputop.reservations.shares import (
+    ShareFit,
+    check_share,
+    mig_mode,
+    room_mib,
+    shares_of,
+)
 from gputop.reservations.store import (
     LAPSED_KEEP_S,
     Job,
@@ -227,6 +233,43 @@ def share_taken(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[Host
         if req.sized(g) and room >= req.share_mib > room - share_mib:
             return w
     return None
+
+
+def share_claim(t: Target, share_mib: int, hosts: Sequence[HostSnapshot],
+                fleet: Collection[str] | None, me: str
+                ) -> Callable[[StoreState, datetime], None]:
+    """The queue's claim on a share taken by hand (``reserve --share``, ``free --share
+    --reserve``, ``gputop mcp``), checked under the lock: a share that would keep a waiter
+    (not ``me``) waiting longer (``share_taken``) is refused, naming the waiter."""
+
+    def check(state: StoreState, now: datetime) -> None:
+        queue = [w for w in state.waiting(now) if w.user != me]
+        if not queue:
+            return
+        w = share_taken(state, queue, hosts, fleet, t.host, t.gpu, share_mib, now)
+        if w is None:
+            return
+        raise Refused(
+            f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, first who "
+            f"could use it: {clean(w.user)} (since {local_time(w.created)}, for "
+            + (f"a {size_text(w.share_mib)} share" if w.share_mib else f"{w.count} GPU(s)")
+            + (f", {excerpt(w.want, 60)}" if w.want else "") + "). Join the queue: gputop "
+            f"free --share {size_text(share_mib)} --wait (or --skip-queue to take it anyway;"
+            " that is recorded in the file with your name)")
+
+    return check
+
+
+def share_offered(state: StoreState, hosts: Sequence[HostSnapshot], req: Request,
+                  share_mib: int, me: str, fleet: Collection[str] | None, now: datetime
+                  ) -> list[ShareFit]:
+    """The GPUs a share of ``share_mib`` fits on now for ``me``, best fit first, on hosts
+    ``req`` accepts, that no waiter could use (what ``free --share`` offers)."""
+    queue = [w for w in state.waiting(now) if w.user != me]
+    return [f for f in share_fits(hosts, state, share_mib, now, user=me)
+            if req.accepts(f.host) and f.gpu.index is not None and (
+                not queue or share_taken(state, queue, hosts, fleet, f.host, f.gpu.index,
+                                         share_mib, now) is None)]
 
 
 def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
