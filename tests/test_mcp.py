@@ -159,6 +159,20 @@ async def test_an_agent_finds_reserves_sees_and_releases_two_gpus(
         assert holders(res) == []
         assert (await call(s, "my_reservations"))["reservations"] == []
 
+        # A memory share of one GPU: found, taken under the same identity, shown, released.
+        fit = await call(s, "find_gpus", share_gib=2)
+        assert fit["enough"] and fit["found"][0]["share_mib"] == 2048
+        share = await call(s, "reserve", gpus=[fit["found"][0]["gpu"]], share_gib=2)
+        assert share["summary"].startswith("reserved a 2G share of mcp-free:")
+        (rec,) = json.loads(res.read_text())["reservations"]
+        assert (rec["user"], rec["share_mib"]) == (ME, 2048)
+        status = await call(s, "fleet_status", host="mcp-free")
+        shared = [g for g in status["hosts"][0]["gpus"] if g["state"] == "shared"]
+        assert [sh["share_mib"] for g in shared for sh in g["shares"]] == [2048]
+        assert (await call(s, "release", all_mine=True))["released"] == [rec["host"] + ":"
+                                                                      + str(rec["gpu"])]
+        assert holders(res) == []
+
 
 async def test_remote_text_is_data_and_errors_are_classified(
         mcp_fleet: Fleet, tmp_path: Path) -> None:
@@ -279,7 +293,8 @@ async def test_long_fleets_are_counted_and_remote_text_is_bounded() -> None:
     """In-process, on the demo's simulated hosts (a real source; no SSH): above the detail
     bound each host's GPUs are counted, a host or tag gives them one by one; remote text
     is cleaned and cut whatever the source let through."""
-    from gputop.agents.tools import MAX_COMMAND, FleetTools, data
+    from gputop.agents.tools import FleetTools
+    from gputop.agents.views import MAX_COMMAND, data
     from gputop.poller import Poller
     from gputop.sources.demo import demo_session
 

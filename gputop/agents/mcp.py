@@ -93,6 +93,9 @@ Gpus = Annotated[list[str] | None, Field(
     "as find_gpus and fleet_status name them")]
 Duration = Annotated[str | None, Field(
     description="how long, e.g. '30m', '2h', '1d' (default: the team's default_duration)")]
+Share = Annotated[float | None, Field(
+    description="a memory share of one GPU, in GiB (count 1), instead of a whole GPU: "
+    "for a job that needs only part of a GPU's memory")]
 Note = Annotated[str, Field(description="what it is for, shown to the team (at most 200 "
                             "printable characters)")]
 
@@ -121,13 +124,14 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
     async def find_gpus(count: Count = 1, min_free_memory_gib: MinFree = 0,
                         hosts: Hosts = None, tag: Tag = None,
                         whole_only: Annotated[bool, Field(
-                            description="whole GPUs only, no MIG instances")] = False
-                        ) -> CallToolResult:
+                            description="whole GPUs only, no MIG instances")] = False,
+                        share_gib: Share = None) -> CallToolResult:
         """Free GPUs you may take now, best first (most free memory, then least load), as
         `gputop free` ranks them: idle, reserved by nobody else, and not kept for someone
-        waiting in the queue. Reserves nothing: call reserve with the GPUs found."""
+        waiting in the queue. With share_gib: the GPU a share of that size fits best (one
+        already shared first). Reserves nothing: call reserve with the GPUs found."""
         return await _call(lambda: tools.find_gpus(count, min_free_memory_gib, hosts, tag,
-                                                   whole_only))
+                                                   whole_only, share_gib))
 
     @server.tool(annotations=_WRITE)
     async def reserve(gpus: Gpus = None,
@@ -136,13 +140,14 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
                       = None,
                       duration: Duration = None, note: Note = "",
                       min_free_memory_gib: MinFree = 0, hosts: Hosts = None,
-                      tag: Tag = None) -> CallToolResult:
+                      tag: Tag = None, share_gib: Share = None) -> CallToolResult:
         """Reserve GPUs for your user, all or nothing: the given gpus, or count free ones
         (with min_free_memory_gib, hosts, tag). Your own reservation is extended. Refused
         (nothing reserved) when someone else holds one, or a waiter in the queue could use
-        it: then wait_for_gpus."""
+        it: then wait_for_gpus. With share_gib: a memory share of one GPU (the given one,
+        or the best fit); use no more memory than that."""
         return await _call(lambda: tools.reserve(gpus, count, duration, note,
-                                                 min_free_memory_gib, hosts, tag))
+                                                 min_free_memory_gib, hosts, tag, share_gib))
 
     @server.tool(annotations=_RELEASE)
     async def release(gpus: Gpus = None,
@@ -174,14 +179,14 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
                                 f"{MAX_WAIT_S:g})")]
                             = DEFAULT_WAIT_S,
                             one_host: Annotated[bool, Field(
-                                description="all GPUs on one host (one job)")] = False
-                            ) -> CallToolResult:
+                                description="all GPUs on one host (one job)")] = False,
+                            share_gib: Share = None) -> CallToolResult:
         """Wait your turn in the team's queue for count GPUs, then reserve them for you (in
         one write: all of them or none). Gives up after max_wait_s, leaving the queue,
         with where it stood (granted false); call again to keep waiting."""
         return await _call(lambda: tools.wait_for_gpus(count, min_free_memory_gib, hosts,
                                                        tag, duration, note, max_wait_s,
-                                                       one_host))
+                                                       one_host, share_gib))
 
     return server
 

@@ -20,21 +20,32 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import datetime
+from functools import partial
 from typing import Any, TypeVar
 
+from gputop.agents.views import (
+    MAX_TEXT,
+    data,
+    fit_doc,
+    found_doc,
+    gpu_doc,
+    host_error,
+    left,
+    reservation_doc,
+    waiter_doc,
+)
 from gputop.config import Config, parse_duration
 from gputop.jobs.reap import check_jobs
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
-from gputop.model import GpuInfo, HostSnapshot, MigInstance, ProcessInfo, iso, utcnow
+from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller
 from gputop.reservations.flags import (
-    FreeGpu,
     IdleTracker,
     gpu_annotation,
     instance_index,
     reservation_index,
+    share_flags,
 )
-from gputop.reservations.flags import is_free as idle
 from gputop.reservations.ops import (
     Invalid,
     Refused,
@@ -42,21 +53,25 @@ from gputop.reservations.ops import (
     format_duration,
     release,
     reserve_outcomes,
+    size_text,
     whoami,
 )
-from gputop.reservations.queue import DEFAULT_LEASE_S, Request, offered, queue_claim
-from gputop.reservations.store import Reservation, Store, StoreError, StoreState, Waiter
+from gputop.reservations.queue import (
+    DEFAULT_LEASE_S,
+    Request,
+    offered,
+    queue_claim,
+    share_claim,
+    share_offered,
+)
+from gputop.reservations.shares import reserve_share, share_gpu, share_index
+from gputop.reservations.store import Store, StoreError, StoreState
 from gputop.reservations.targets import check_targets, parse_targets
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them
 #: (name a host or a tag for the detail).
 MAX_DETAIL_GPUS = 64
-#: Processes listed per GPU (the rest are counted).
-MAX_PROCESSES = 8
-#: Characters kept of a process's command line, a note, an error message.
-MAX_COMMAND = 120
-MAX_TEXT = 200
 #: Entries listed of reservations, the queue, found GPUs.
 MAX_LIST = 100
 #: ``wait_for_gpus``: its default and longest wait (an agent's call must end).
@@ -77,18 +92,6 @@ class ToolFailure(Exception):
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
-
-
-def data(text: str | None, limit: int = MAX_TEXT) -> str | None:
-    """Untrusted text as data: control and escape characters dropped, cut to ``limit``."""
-    if text is None:
-        return None
-    t = clean(text)
-    return t if len(t) <= limit else t[: limit - 1] + "…"
-
-
-def _left(until: datetime, now: datetime) -> str:
-    return format_duration(max(0.0, (until - now).total_seconds()))
 
 
 class FleetTools:
@@ -191,73 +194,15 @@ class FleetTools:
         want = f"--tag {tag}" if tag else (f"--host {names[0]}" if len(names) == 1 else "")
         return Request(count, int(min_free_memory_gib * 1024), names, one_host, want)
 
-    # -- how things are written out -------------------------------------------------------
-
-    def _reservation(self, r: Reservation, now: datetime) -> dict[str, Any]:
-        return {"gpu": r.target, "user": data(r.user, 64), "mine": r.user == self.me,
-                "until": iso(r.expires), "left": _left(r.expires, now),
-                "note": data(r.note), "job_pid": r.job.pid if r.job else None}
-
-    def _waiter(self, w: Waiter, position: int) -> dict[str, Any]:
-        return {"position": position, "id": w.id, "user": data(w.user, 64),
-                "mine": w.user == self.me, "count": w.count, "min_free_mib": w.min_free_mib,
-                "hosts": [data(h, 64) for h in w.hosts[:16]], "one_host": w.one_host,
-                "want": data(w.want, 80), "since": iso(w.created)}
-
-    @staticmethod
-    def _processes(ps: Sequence[ProcessInfo]) -> dict[str, Any]:
-        shown = [{"pid": p.pid, "user": data(p.user, 64),
-                  "command": data(p.command, MAX_COMMAND),
-                  "gpu_memory_mib": p.gpu_memory_mib} for p in ps[:MAX_PROCESSES]]
-        return {"processes": shown, "more_processes": max(0, len(ps) - MAX_PROCESSES)}
-
-    def _gpu(self, host: str, g: GpuInfo, ann: Any, is_free: bool, now: datetime
-             ) -> dict[str, Any]:
-        r, flags, insts = ann
-        state = ("lost" if g.lost else "mine" if r is not None and r.user == self.me
-                 else "reserved" if r is not None else "free" if is_free
-                 else "queued" if idle(g) else "busy")
-        doc: dict[str, Any] = {
-            "gpu": f"{host}:{g.index}", "index": g.index, "state": state,
-            "name": data(g.name, 80), "uuid": data(g.uuid, 80),
-            "load_percent": g.utilization_percent, "memory_used_mib": g.memory_used_mib,
-            "memory_total_mib": g.memory_total_mib, "memory_free_mib": g.memory_free_mib,
-            "temperature_c": g.temperature_c, "power_w": g.power_draw_w,
-            "reservation": self._reservation(r, now) if r else None, "flags": flags,
-        } | self._processes(g.processes)
-        if g.lost:
-            doc["lost_reason"] = data(g.lost_reason)
-        if g.instances:
-            doc["instances"] = [self._instance(host, g, i, ir, iflags, now)
-                                for i, (ir, iflags) in zip(g.instances, insts)]
-        return doc
-
-    def _instance(self, host: str, g: GpuInfo, i: MigInstance, r: Reservation | None,
-                  flags: list[str], now: datetime) -> dict[str, Any]:
-        return {"gpu": f"{host}:{g.index}/{i.gpu_instance_id}", "profile": data(i.profile, 40),
-                "uuid": data(i.uuid, 80), "memory_used_mib": i.memory_used_mib,
-                "memory_total_mib": i.memory_total_mib,
-                "reservation": self._reservation(r, now) if r else None,
-                "flags": flags} | self._processes(i.processes)
-
-    @staticmethod
-    def _host_error(h: HostSnapshot) -> dict[str, Any] | None:
-        if h.error is None:
-            return None
-        return {"kind": h.error.kind, "message": data(h.error.message)}
-
-    def _found(self, f: FreeGpu, state: StoreState | None, now: datetime) -> dict[str, Any]:
-        held = reservation_index(state, now).get((f.host, f.gpu.index or 0))
-        doc: dict[str, Any] = {
-            "gpu": f.label, "host": f.host, "index": f.gpu.index, "name": data(f.gpu.name, 80),
-            "uuid": data(f.gpu.uuid, 80), "memory_free_mib": f.free_mib,
-            "memory_total_mib": (f.instance or f.gpu).memory_total_mib,
-            "load_percent": f.gpu.utilization_percent,
-            "yours_until": iso(held.expires) if held and held.user == self.me else None}
-        if f.instance is not None:
-            doc |= {"instance": f.instance.gpu_instance_id,
-                    "profile": data(f.instance.profile, 40), "mig_uuid": data(f.instance.uuid, 80)}
-        return doc
+    def _gpu(self, h: HostSnapshot, g: Any, held: Any, inst_held: Any, shared: Any,
+             free: set[str], now: datetime) -> dict[str, Any]:
+        shares = shared.get((h.name, g.index), ()) if g.index is not None else ()
+        if shares:
+            flags, _per = share_flags(h.name, g, shares, self.tracker, now)
+            ann: Any = (None, flags, ())
+        else:
+            ann = gpu_annotation(h.name, g, held, inst_held, self.tracker, now)
+        return gpu_doc(h.name, g, ann, f"{h.name}:{g.index}" in free, now, self.me, shares)
 
     # -- the tools ------------------------------------------------------------------------
 
@@ -272,21 +217,21 @@ class FleetTools:
         except StoreError as exc:  # reported, and the fleet shown without reservations
             state, problem = None, str(exc)
         held, inst_held = reservation_index(state, now), instance_index(state, now)
+        shared = share_index(state, now)
         free = {f.label for f in offered(state, hosts, Request(1), self.me, self.fleet,
                                          whole=True)} if state else set()
         ngpus = sum(len(h.gpus) for h in hosts)
         detail = ngpus <= self.max_detail or bool(names)
-        counts = {"free": 0, "queued": 0, "busy": 0, "reserved": 0, "mine": 0, "lost": 0}
+        counts = {"free": 0, "queued": 0, "busy": 0, "reserved": 0, "mine": 0, "shared": 0,
+                  "lost": 0}
         out = []
         for h in hosts:
-            gpus = [self._gpu(h.name, g, gpu_annotation(h.name, g, held, inst_held,
-                                                        self.tracker, now),
-                              f"{h.name}:{g.index}" in free, now) for g in h.gpus]
+            gpus = [self._gpu(h, g, held, inst_held, shared, free, now) for g in h.gpus]
             here = {k: sum(1 for g in gpus if g["state"] == k) for k in counts}
             for k, n in here.items():
                 counts[k] += n
             doc: dict[str, Any] = {"host": h.name, "status": "ok" if h.ok else "error",
-                                   "error": self._host_error(h), "last_ok": iso(h.last_ok),
+                                   "error": host_error(h), "last_ok": iso(h.last_ok),
                                    "tags": list(h.tags)}
             if detail:
                 doc["gpus"] = gpus
@@ -303,6 +248,7 @@ class FleetTools:
                       else "")
                    + f"{counts['busy']} busy, "
                    f"{counts['reserved']} reserved by others, {counts['mine']} yours"
+                   + (f", {counts['shared']} shared" if counts["shared"] else "")
                    + (f", {counts['lost']} lost" if counts["lost"] else "")
                    + f"; {len(queue)} waiting in the queue"
                    + ("" if detail else "; counts only: name a host or tag for each GPU")
@@ -315,35 +261,59 @@ class FleetTools:
 
     async def find_gpus(self, count: int = 1, min_free_memory_gib: float = 0,
                         hosts: Sequence[str] | None = None, tag: str | None = None,
-                        whole_only: bool = False) -> dict[str, Any]:
+                        whole_only: bool = False, share_gib: float | None = None
+                        ) -> dict[str, Any]:
         req = self._request(count, min_free_memory_gib, hosts, tag)
+        share = self._share(share_gib, count, whole_only)
         await self._reap()
         looked = await self.look(req.hosts)
         state = await self._state()
         now = utcnow()
-        found = offered(state, looked, req, self.me, self.fleet, whole=whole_only)
         waiting = len(state.waiting(now))
-        picked = found[:count]
+        down = [{"host": h.name} | (host_error(h) or {}) for h in looked if not h.ok]
+        if share:
+            fits = share_offered(state, looked, req, share, self.me, self.fleet, now)
+            found: list[Any] = fits
+            docs = [fit_doc(f, share) for f in fits[:1]]
+            what = f"a {size_text(share)} share"
+        else:
+            found = offered(state, looked, req, self.me, self.fleet, whole=whole_only)
+            held = reservation_index(state, now)
+            docs = [found_doc(f, r if (r := held.get((f.host, f.gpu.index or 0))) and
+                              r.user == self.me else None) for f in found[:count]]
+            what = f"{count} wanted"
+        picked = [d["gpu"] for d in docs]
         enough = len(picked) >= count
-        down = [{"host": h.name} | (self._host_error(h) or {}) for h in looked if not h.ok]
-        summary = (f"{len(picked)} free, {count} wanted: "
-                   + (", ".join(f.label for f in picked[:10]) if picked else "none")
+        summary = (f"{len(picked)} free, {what}: "
+                   + (", ".join(picked[:10]) if picked else "none")
                    + ("" if enough else
                       (f"; {waiting} waiting in the queue, wait_for_gpus joins it" if waiting
                        else "; wait_for_gpus waits for them"))
                    + (f"; {len(down)} host(s) did not answer" if down else ""))
-        return {"summary": summary, "enough": enough, "wanted": count,
-                "found": [self._found(f, state, now) for f in picked],
-                "more_free": max(0, len(found) - len(picked)), "queue_waiting": waiting,
+        return {"summary": summary, "enough": enough, "wanted": count, "found": docs,
+                "more_free": max(0, len(found) - len(docs)), "queue_waiting": waiting,
                 "hosts_not_answering": down[:MAX_LIST]}
+
+    def _share(self, share_gib: float | None, count: int | None, whole_only: bool = False
+               ) -> int:
+        """A share's size in MiB (0: whole GPUs)."""
+        if share_gib is None:
+            return 0
+        if not 0 < share_gib <= 1 << 20:  # (NaN fails too)
+            raise ToolFailure("invalid", "share_gib must be more than 0")
+        if count not in (None, 1) or whole_only:
+            raise ToolFailure("invalid", "a share is of one GPU: count 1, not whole_only")
+        return max(1, int(share_gib * 1024))
 
     async def reserve(self, gpus: Sequence[str] | None = None, count: int | None = None,
                       duration: str | None = None, note: str = "",
                       min_free_memory_gib: float = 0, hosts: Sequence[str] | None = None,
-                      tag: str | None = None) -> dict[str, Any]:
+                      tag: str | None = None, share_gib: float | None = None
+                      ) -> dict[str, Any]:
         if bool(gpus) == (count is not None):
             raise ToolFailure("invalid", "give either gpus (e.g. ['gpu-01:0']) or a count")
         seconds = self._seconds(duration)
+        share = self._share(share_gib, count if count is not None else len(gpus or ()))
         if len(note) > MAX_TEXT or clean(note) != note:
             raise ToolFailure("invalid", f"a note is at most {MAX_TEXT} printable characters")
         await self._reap()
@@ -370,32 +340,79 @@ class FleetTools:
             req = self._request(count, min_free_memory_gib, hosts, tag)
             looked = await self.look(req.hosts)
             snaps = {h.name: h for h in looked}
-            found = offered(await self._state(), looked, req, self.me, self.fleet)[:count]
-            if len(found) < count:
-                raise ToolFailure("refused", f"{len(found)} free, {count} wanted (nothing "
+            state = await self._state()
+            if share:
+                targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in
+                           share_offered(state, looked, req, share, self.me, self.fleet,
+                                         utcnow())]
+            else:
+                targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                                  f.instance.gpu_instance_id if f.instance else None)
+                           for f in offered(state, looked, req, self.me, self.fleet)][:count]
+            if len(targets) < count:
+                raise ToolFailure("refused", f"{len(targets)} free, {count} wanted (nothing "
                                   "reserved); wait_for_gpus waits your turn in the queue")
-            targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
-                              f.instance.gpu_instance_id if f.instance else None)
-                       for f in found]
+        if share:
+            return await self._reserve_share(targets, share, seconds, note, snaps, warnings)
         # The queue's claim, checked again under the lock: a waiter who could use one of
         # these GPUs is served first (the agent comes after every waiter).
         check = queue_claim(targets, snaps, self.fleet, self.me)
+        made = await self._queued(lambda: reserve_outcomes(
+            self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
+            note=note, check=check))
+        now = utcnow()
+        done = [reservation_doc(o.reservation, now, self.me) | {"action": o.action}
+                for o in made]
+        until = max(o.reservation.expires for o in made)
+        return {"summary": f"reserved {', '.join(d['gpu'] for d in done[:10])} for you "
+                           f"({data(self.me, 64)}) until {iso(until)} ({left(until, now)} left)"
+                           "; release them when done",
+                "reserved": done, "warnings": [data(w, 400) for w in warnings]}
+
+    async def _queued(self, fn: Callable[[], _T]) -> _T:
+        """A reservation under the queue's claim: a refusal says what an agent does."""
         try:
-            made = await self._off_loop(lambda: reserve_outcomes(
-                self.store, targets, seconds=seconds,
-                max_seconds=self.config.reservation_max_s, note=note, check=check))
+            return await self._off_loop(fn)
         except ToolFailure as exc:
             if "the queue waits for" not in exc.message:
                 raise
             raise ToolFailure(exc.kind, exc.message + " For you (an agent): wait_for_gpus "
                               "joins the queue; the tools never skip it.") from None
-        now = utcnow()
-        done = [self._reservation(o.reservation, now) | {"action": o.action} for o in made]
-        until = max(o.reservation.expires for o in made)
-        return {"summary": f"reserved {', '.join(d['gpu'] for d in done[:10])} for you "
-                           f"({data(self.me, 64)}) until {iso(until)} ({_left(until, now)} left)"
-                           "; release them when done",
-                "reserved": done, "warnings": [data(w, 400) for w in warnings]}
+
+    async def _reserve_share(self, targets: Sequence[Target], share: int, seconds: float,
+                             note: str, snaps: dict[str, HostSnapshot], warnings: list[str]
+                             ) -> dict[str, Any]:
+        """A memory share of one GPU: the given one, else the best fit first (one taken
+        meanwhile: the next), with the queue's claim on shares under the lock."""
+        failure: ToolFailure | None = None
+        for t in targets:
+            try:
+                g = share_gpu(snaps.get(t.host), t)
+            except (Invalid, Refused) as exc:
+                raise ToolFailure("invalid" if isinstance(exc, Invalid) else "refused",
+                                  str(exc)) from None
+            total = g.memory_total_mib
+            assert total is not None
+            check = share_claim(t, share, list(snaps.values()), self.fleet, self.me)
+            try:
+                o = await self._queued(partial(
+                    reserve_share, self.store, t, share, total, seconds=seconds,
+                    max_seconds=self.config.reservation_max_s, note=note, check=check))
+            except ToolFailure as exc:
+                failure = exc
+                if len(targets) == 1 or exc.kind != "refused":
+                    raise
+                continue
+            now = utcnow()
+            r = o.reservation
+            return {"summary": f"{o.action} a {size_text(share)} share of {r.target} for you "
+                               f"({data(self.me, 64)}) until {iso(r.expires)} "
+                               f"({left(r.expires, now)} left); use at most that much "
+                               "memory, release it when done",
+                    "reserved": [reservation_doc(r, now, self.me) | {"action": o.action}],
+                    "warnings": [data(w, 400) for w in warnings]}
+        assert failure is not None
+        raise failure
 
     async def release(self, gpus: Sequence[str] | None = None, all_mine: bool = False
                       ) -> dict[str, Any]:
@@ -431,13 +448,13 @@ class FleetTools:
                       key=lambda r: (r.host, r.gpu, r.instance or -1))
         places = [(i + 1, w) for i, w in enumerate(state.waiting(now)) if w.user == self.me]
         summary = (f"you ({data(self.me, 64)}) hold {len(mine)} reservation(s)"
-                   + (": " + ", ".join(f"{r.target} ({_left(r.expires, now)} left)"
+                   + (": " + ", ".join(f"{r.target} ({left(r.expires, now)} left)"
                                        for r in mine[:10]) if mine else "")
                    + ("; waiting in the queue at position(s) "
                       + ", ".join(str(p) for p, _ in places) if places else ""))
         return {"summary": summary, "you": data(self.me, 64),
-                "reservations": [self._reservation(r, now) for r in mine[:MAX_LIST]],
-                "waiting": [self._waiter(w, p) for p, w in places]}
+                "reservations": [reservation_doc(r, now, self.me) for r in mine[:MAX_LIST]],
+                "waiting": [waiter_doc(w, p, self.me) for p, w in places]}
 
     async def queue_status(self) -> dict[str, Any]:
         state = await self._state()
@@ -450,19 +467,22 @@ class FleetTools:
                    + (f"; you at position(s) {', '.join(map(str, mine))}" if mine else "")
                    + f"; {len(active)} reservation(s) held")
         return {"summary": summary,
-                "queue": [self._waiter(w, i + 1) for i, w in enumerate(queue[:MAX_LIST])],
+                "queue": [waiter_doc(w, i + 1, self.me) for i, w in enumerate(queue[:MAX_LIST])],
                 "more_waiting": max(0, len(queue) - MAX_LIST),
-                "reservations": [self._reservation(r, now) for r in sorted(
+                "reservations": [reservation_doc(r, now, self.me) for r in sorted(
                     active, key=lambda r: (r.host, r.gpu, r.instance or -1))[:MAX_LIST]]}
 
     async def wait_for_gpus(self, count: int = 1, min_free_memory_gib: float = 0,
                             hosts: Sequence[str] | None = None, tag: str | None = None,
                             duration: str | None = None, note: str = "",
                             max_wait_s: float = DEFAULT_WAIT_S,
-                            one_host: bool = False) -> dict[str, Any]:
+                            one_host: bool = False, share_gib: float | None = None
+                            ) -> dict[str, Any]:
         if not 1 <= max_wait_s <= MAX_WAIT_S:  # (NaN fails too)
             raise ToolFailure("invalid", f"max_wait_s must be between 1 and {MAX_WAIT_S:g}")
-        req = self._request(count, min_free_memory_gib, hosts, tag, one_host=one_host)
+        share = self._share(share_gib, count)
+        req = replace(self._request(count, min_free_memory_gib, hosts, tag,
+                                    one_host=one_host or bool(share)), share_mib=share)
         seconds = self._seconds(duration)
         if len(note) > MAX_TEXT or clean(note) != note:
             raise ToolFailure("invalid", f"a note is at most {MAX_TEXT} printable characters")
@@ -489,7 +509,7 @@ class FleetTools:
         except StoreError as exc:
             raise ToolFailure("store", str(exc)) from None
         now = utcnow()
-        done = [self._reservation(r, now) for r in got]
+        done = [reservation_doc(r, now, self.me) for r in got]
         return {"summary": f"granted {describe_request(req)}: reserved "
                            f"{', '.join(d['gpu'] for d in done[:10])} for you until "
                            f"{done[0]['until'] if done else '?'}; release them when done",

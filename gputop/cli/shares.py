@@ -22,7 +22,7 @@ from gputop.cli.targets import (
     validate_gpus,
 )
 from gputop.config import Config
-from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
+from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import Invalid, Refused, Reservation, Store, Target
 from gputop.reservations.ops import format_duration, local_time, whoami
@@ -30,10 +30,10 @@ from gputop.reservations.queue import share_claim, share_offered
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
-    mig_mode,
     parse_size_mib,
     reserve_share,
     room_mib,
+    share_gpu,
     shares_of,
     size_text,
 )
@@ -73,24 +73,6 @@ def print_share(o: ShareOutcome, total_mib: int, state: StoreState, out: TextIO)
     print(line + tail, file=out)
 
 
-def _gpu(h: HostSnapshot | None, t: Target) -> GpuInfo:
-    """The live GPU a share is taken of: it must have answered, with its memory, whole."""
-    if h is None or not h.ok:
-        why = f"it did not answer ({h.error.kind})" if h is not None and h.error else \
-            "it did not answer"
-        raise Refused(f"cannot take a share of {clean(t.label)}: {why}, so its memory "
-                      "cannot be checked; try again when it answers")
-    g = next(g for g in h.gpus if g.index == t.gpu)
-    if mig_mode(g):
-        raise Invalid(f"{clean(t.label)} is in MIG mode: its instances are its shares; "
-                      f"reserve one (gputop reserve {clean(t.label)}/INSTANCE; gputop free "
-                      "lists the free ones)")
-    if g.memory_total_mib is None:
-        raise Refused(f"cannot take a share of {clean(t.label)}: it does not report its "
-                      "memory")
-    return g
-
-
 def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None) -> int:
     """``gputop reserve HOST:GPU --share SIZE``."""
     share = share_size(args.share)
@@ -104,7 +86,7 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     t = validate_gpus(config, targets, snaps)[0]
-    g = _gpu(snaps.get(t.host), t)
+    g = share_gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
     me = whoami()[0]
     check = None if args.skip_queue else share_claim(

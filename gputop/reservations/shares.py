@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
-from gputop.model import GpuInfo, iso
+from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.ops import (
     Invalid,
     Refused,
@@ -197,6 +197,24 @@ def reserve_share(store: Store, t: Target, share_mib: int, total_mib: int, *,
 
     store.update(change)
     return made[0]
+
+
+def share_gpu(h: HostSnapshot | None, t: Target) -> GpuInfo:
+    """The live GPU a share is taken of: it must have answered, with its memory, whole."""
+    if h is None or not h.ok:
+        why = f"it did not answer ({h.error.kind})" if h is not None and h.error else \
+            "it did not answer"
+        raise Refused(f"cannot take a share of {clean(t.label)}: {why}, so its memory "
+                      "cannot be checked; try again when it answers")
+    g = next(g for g in h.gpus if g.index == t.gpu)
+    if mig_mode(g):
+        raise Invalid(f"{clean(t.label)} is in MIG mode: its instances are its shares; "
+                      f"reserve one (gputop reserve {clean(t.label)}/INSTANCE; gputop free "
+                      "lists the free ones)")
+    if g.memory_total_mib is None:
+        raise Refused(f"cannot take a share of {clean(t.label)}: it does not report its "
+                      "memory")
+    return g
 
 
 @dataclass(frozen=True)
