@@ -10,13 +10,18 @@ import sys
 from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
-from gputop.cli.targets import poll_hosts, queue_request, reap_ended_jobs, reservation_seconds
+from gputop.cli.targets import (
+    open_store,
+    poll_hosts,
+    queue_request,
+    reap_ended_jobs,
+    reservation_seconds,
+)
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
 from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (
-    Store,
     Target,
 )
 from gputop.reservations.flags import free_gpus
@@ -29,7 +34,7 @@ from gputop.reservations.queue import (
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
     req = queue_request(config, args, one_host=False)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:  # --wait queues for a reservation: it implies --reserve
         seconds = reservation_seconds(config, args.duration)

@@ -10,6 +10,7 @@ import sys
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     host_config,
+    open_store,
     poll_hosts,
     queue_request,
     reap_ended_jobs,
@@ -20,7 +21,6 @@ from gputop.config import Config
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
 )
 from gputop.reservations.queue import (
     unsatisfiable,
@@ -38,7 +38,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
                else config.reservation_max_s)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
     got: list[Reservation] = []

@@ -172,6 +172,11 @@ def validate_gpus(config: Config, targets: list[Target],
         out.append(Target(t.host, t.gpu, g.uuid, t.instance))
     return out
 
+def open_store(config: Config) -> Store:
+    """The config's reservations file, read with its ``max_duration`` (an expiry further
+    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
+    return Store(config.reservations_path, max_s=config.reservation_max_s)
+
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
 

@@ -51,7 +51,7 @@ def uses_gpu(r: Reservation, host: HostSnapshot | None) -> bool:
         if g.index == r.gpu and (r.uuid is None or g.uuid is None or g.uuid == r.uuid):
             procs = g.processes if r.instance is None else tuple(
                 p for p in g.processes if p.gpu_instance_id in (None, r.instance))
-            return any(p.user in (r.user, None) for p in procs)
+            return any(p.user is None or r.is_holder(p.user) for p in procs)
     return False
 
 

@@ -150,14 +150,16 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
             raise Invalid(f"duration too long: {seconds:g} seconds") from None
         keep = list(state.reservations)
         ids = {r.id for r in keep}
+        said: set[str] = set()
         for t in targets:
             own = state.holder(t.host, t.gpu, now, t.instance)
             if own is None and t.instance is not None:  # your whole GPU covers it
                 own = state.holder(t.host, t.gpu, now)
             if own is not None:
                 at = next(i for i, r in enumerate(keep) if r.id == own.id)
-                if keep[at] is not own:  # two targets on one reservation: said once
+                if own.id in said:  # two targets on one reservation: said once
                     continue
+                said.add(own.id)
                 if job is None and own.job is not None:
                     # Asked for by hand: it is now yours for the time asked, no longer
                     # released when the job (a `run`, an --until-exit pid) ends.

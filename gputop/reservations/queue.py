@@ -40,6 +40,7 @@ from gputop.reservations.store import (
     Store,
     StoreState,
     Waiter,
+    kept,
     new_reservation,
 )
 from gputop.text import clean
@@ -238,8 +239,9 @@ class Queue:
                           " (name fewer with --host or a narrower --tag)")
 
         def change(state: StoreState, now: datetime) -> StoreState:
-            # Lapsed places still in the file count too: one person cannot fill the file.
-            mine = sum(1 for w in state.queue if w.user == self.user)
+            # Lapsed places still in the file count too (one person cannot fill the file),
+            # but not a lease further ahead than any live waiter writes: the write drops it.
+            mine = sum(1 for w in state.queue if w.user == self.user and kept(w, now))
             if mine >= MAX_PLACES_PER_USER:
                 raise Refused(f"you already wait in {mine} places in the queue (a place "
                               f"lapsed less than {LAPSED_KEEP_S:.0f}s ago counts); at most "

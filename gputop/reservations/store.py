@@ -39,7 +39,11 @@ MAX_WAITERS = 1_000
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
+#: The audit trail's bound, per kind: force-releases, skip-queues and queue removals each
+#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``), so that cheap
+#: actions repeated in a loop can never push out the record of a forced one.
 MAX_EVENTS = 200
+KEPT_APART = ("force-release", "skip-queue", "queue-remove")
 MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
 #: The longest lease a queue waiter may hold (it renews every half lease).
@@ -178,6 +182,18 @@ class Reservation:
     #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
     #: GPU, which covers all of its instances.
     instance: int | None = None
+    #: The account the holder's gputop logs in as on ``host`` (its SSH user; the local user
+    #: for a ``local`` host), where it is not ``user``: a process of either is the holder's.
+    #: Written only when it differs, so files without it stay readable by older gputops.
+    login: str | None = None
+    #: Not in the file: its expiry was further ahead than ``max_duration`` when read, so
+    #: ``expires`` here is created + max_duration (see ``StoreState.active``).
+    beyond_max: bool = field(default=False, compare=False)
+
+    def is_holder(self, user: str | None) -> bool:
+        """Whether ``user`` (a process owner on the host, or a local user) is the holder:
+        the name the reservation was made under or the account it logs in as there."""
+        return user is not None and (user == self.user or user == self.login)
 
     def active(self, now: datetime) -> bool:
         return self.expires > now
@@ -202,6 +218,9 @@ class Reservation:
             d["job"] = self.job.to_dict()
         if self.instance is None:  # files without instances stay readable by older gputops
             del d["instance"]
+        if self.login is None or self.login == self.user:
+            del d["login"]
+        del d["beyond_max"]
         return d
 
     @classmethod
@@ -209,7 +228,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note", "job", "instance"}
+                          "note", "job", "instance", "login"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -223,7 +242,9 @@ class Reservation:
         if inst is not None and not 0 <= inst <= MAX_INSTANCE:
             raise ValueError(f"{where}.instance: out of range (0-{MAX_INSTANCE})")
         uuid = d.get("uuid")
+        login = d.get("login")
         return cls(instance=inst,
+                   login=None if login is None else _text(login, f"{where}.login"),
                    id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
                    gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
                    machine=_text(d.get("machine"), f"{where}.machine", empty=True),
@@ -316,10 +337,33 @@ class StoreState:
     events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     #: The wait queue, first come first served (version 2).
     queue: tuple[Waiter, ...] = ()
+    #: The reader's ``max_duration``: an expiry further ahead than that is bounded when
+    #: read (None: as written). Not in the file.
+    max_s: float | None = field(default=None, compare=False)
+
+    def ends(self, r: Reservation, now: datetime | None = None) -> datetime:
+        """When ``r`` ends for this reader: its expiry, or, when that is further ahead
+        than ``max_duration`` from now, its creation (at the latest now) + max_duration."""
+        if self.max_s is None:
+            return r.expires
+        now = now or utcnow()
+        limit = timedelta(seconds=self.max_s)
+        if r.expires <= now + limit:
+            return r.expires
+        return min(r.expires, min(r.created, now) + limit)
 
     def active(self, now: datetime | None = None) -> list[Reservation]:
+        """Unexpired reservations; one whose expiry was beyond ``max_duration`` comes with
+        ``expires`` bounded and ``beyond_max`` set (what every reader then goes by)."""
         now = now or utcnow()
-        return [r for r in self.reservations if r.active(now)]
+        if self.max_s is None:
+            return [r for r in self.reservations if r.active(now)]
+        out = []
+        for r in self.reservations:
+            end = self.ends(r, now)
+            if end > now:
+                out.append(r if end == r.expires else replace(r, expires=end, beyond_max=True))
+        return out
 
     def holder(self, host: str, gpu: int, now: datetime | None = None,
                instance: int | None = None) -> Reservation | None:
@@ -331,6 +375,13 @@ class StoreState:
                     now: datetime | None = None) -> list[Reservation]:
         """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
         return [r for r in self.active(now) if r.covers(host, gpu, instance)]
+
+    def lapsed(self, now: datetime | None = None) -> list[Waiter]:
+        """Places still in the file that count for nobody (their lease ended, or lies
+        further ahead than any live waiter writes): listed so that they can be removed."""
+        now = now or utcnow()
+        live = {w.id for w in self.waiting(now)}
+        return [w for w in self.queue if w.id not in live]
 
     def waiting(self, now: datetime | None = None) -> list[Waiter]:
         """Waiters whose lease runs. A lease further ahead than MAX_LEASE_S was never
@@ -472,13 +523,37 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
+def bounded_events(events: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+    """The last MAX_EVENTS of each kind in KEPT_APART and of the rest, in file order."""
+    counts: dict[str, int] = {}
+    keep: list[dict[str, Any]] = []
+    for e in reversed(events):
+        kind = e.get("action") if e.get("action") in KEPT_APART else ""
+        n = counts.get(str(kind), 0)
+        if n < MAX_EVENTS:
+            counts[str(kind)] = n + 1
+            keep.append(e)
+    return tuple(reversed(keep)) if len(keep) != len(events) else events
+
+
+def kept(w: Waiter, now: datetime) -> bool:
+    """Whether a write keeps this waiter: a lapsed one for LAPSED_KEEP_S (its renewal may
+    take it back), a lease further ahead than MAX_LEASE_S (never written by a live waiter)
+    not at all."""
+    return now - timedelta(seconds=LAPSED_KEEP_S) < w.lease <= now + timedelta(
+        seconds=MAX_LEASE_S)
+
+
 _THREAD_LOCKS: dict[str, threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
 
 
 class Store:
-    def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None,
+                 max_s: float | None = None) -> None:
         self.path = Path(path)
+        #: The reader's max_duration: expiries further ahead are bounded when read.
+        self.max_s = max_s
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
@@ -490,7 +565,7 @@ class Store:
             # O_NONBLOCK: a FIFO planted at the path must not hang every reader.
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            return StoreState()
+            return StoreState(max_s=self.max_s)
         except OSError as exc:
             raise StoreError(self._os_message(exc, self.path, "read it")) from None
         try:
@@ -504,7 +579,8 @@ class Store:
             raise StoreError(self._os_message(exc, self.path, "read it")) from None
         finally:
             os.close(fd)
-        return decode(raw, self.path, st.st_size)
+        state = decode(raw, self.path, st.st_size)
+        return state if self.max_s is None else replace(state, max_s=self.max_s)
 
     # -- writing (under the lock) ----------------------------------------------------------
 
@@ -516,20 +592,34 @@ class Store:
         pruned on every write. ``timeout``: how long to wait for another writer's lock
         (default LOCK_TIMEOUT; a waiter renewing its lease waits up to the lease's end).
         """
-        with self._locked(LOCK_TIMEOUT if timeout is None else timeout):
-            state = self.read()
-            now = utcnow()
-            new = change(state, now)
-            new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
-                          events=new.events[-MAX_EVENTS:],
-                          queue=tuple(w for w in new.queue
-                                      if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
-            if new != state:
-                self._write(encode(new, self.path))
-            return new
+        wait = LOCK_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            with self._locked(max(deadline - time.monotonic(), 0.0)) as held:
+                state = self.read()
+                now = utcnow()
+                new = change(state, now)
+                new = replace(new, reservations=tuple(r for r in new.reservations
+                                                      if new.ends(r, now) > now),
+                              events=bounded_events(new.events),
+                              queue=tuple(w for w in new.queue if kept(w, now)))
+                if new == state:
+                    return new
+                data = encode(new, self.path)
+                # Stalled inside the change (^Z, an NFS stall) while someone removed or
+                # replaced the lock file: another writer may have locked the new file and
+                # written meanwhile. Start again from the file as it is now.
+                if held():
+                    self._write(data)
+                    return new
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{wait:.3g}s; nothing was changed")
 
     @contextlib.contextmanager
-    def _locked(self, timeout: float) -> Iterator[None]:
+    def _locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        """Hold the writers' lock; yields a check that it is still the lock (the locked
+        file is still the one at the lock path)."""
         d = self.path.parent
         try:
             d.mkdir(parents=True, exist_ok=True)
@@ -545,24 +635,47 @@ class Store:
             raise StoreError(f"{self.lock_path}: still locked by another writer "
                              f"after {timeout:.3g}s")
         try:
-            with self._file_locked(timeout):
-                yield
+            with self._file_locked(timeout) as held:
+                yield held
         finally:
             tlock.release()
 
     @contextlib.contextmanager
-    def _file_locked(self, timeout: float) -> Iterator[None]:
+    def _file_locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._lock_fd(deadline, timeout)
+            if self._same_file(fd):
+                break
+            # The file we locked was removed (or replaced) meanwhile: a writer that opens
+            # the path now locks another file, so this lock excludes nobody. Again.
+            os.close(fd)
+        try:
+            self._remove_stale_temps()
+            yield lambda: self._same_file(fd)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            path = os.stat(self.lock_path, follow_symlinks=False)
+        except OSError:
+            return False
+        st = os.fstat(fd)
+        return (path.st_dev, path.st_ino) == (st.st_dev, st.st_ino)
+
+    def _lock_fd(self, deadline: float, timeout: float) -> int:
+        """The lock file, open and locked (waiting until ``deadline``)."""
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
             raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
         try:
             self._make_group_writable(fd)
-            deadline = time.monotonic() + timeout
             while True:
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
+                    return fd
                 except OSError as exc:
                     if exc.errno == errno.ENOLCK:
                         raise StoreError(
@@ -575,10 +688,9 @@ class Store:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
                                          f"after {timeout:.3g}s") from None
                     time.sleep(0.005)
-            self._remove_stale_temps()
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent

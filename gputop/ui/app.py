@@ -140,7 +140,8 @@ class GputopApp(App[int]):
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
                                 idle_grace_s=config.idle_grace_s, clock=clock, me=self.me)
-        self.store = Store(config.reservations_path, warn=self._warn)
+        self.store = Store(config.reservations_path, warn=self._warn,
+                           max_s=config.reservation_max_s)
         self._store_sig: tuple[int, int, int] | None = None
         self._state: StoreState | None = None
         self._waiting: Worker[None] | None = None

@@ -1,0 +1,179 @@
+"""Fair under a careless or hostile teammate, in the shared file itself (issue 19): the lock
+survives its file being removed, the audit trail keeps forced actions, leases and expiries
+are bounded when read. No hosts needed: these are rules of the file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from gputop.model import iso, utcnow
+from gputop.reservations import Store, Target, release, reserve_outcomes
+from gputop.reservations.store import MAX_EVENTS, StoreState, Waiter, new_reservation
+
+H = 3600.0
+
+
+_SECOND_WRITER = """
+import sys
+from dataclasses import replace
+from pathlib import Path
+from gputop.reservations.store import Store, new_reservation
+store = Store(Path(sys.argv[1]))
+store.update(lambda s, now: replace(s, reservations=s.reservations + (
+    new_reservation("h", 1, "bob", "m", now, 3600, None, "bob's"),)), timeout=10)
+"""
+
+
+def test_a_writer_stalled_while_the_lock_file_is_removed_loses_nobodys_update(
+        tmp_path: Path) -> None:
+    """Finding 7: writer A stalls inside its update (^Z, an NFS stall); meanwhile someone
+    removes the lock file and writer B (another process) takes a new lock and reserves h:1.
+    When A goes on, its write must not drop B's reservation: A sees that the file it
+    locked is no longer the lock, and applies its change again to the file as it is."""
+    path = tmp_path / "r.json"
+    store = Store(path)
+    store.update(lambda s, now: s)  # the lock file exists
+    inside, go = threading.Event(), threading.Event()
+    calls = []
+
+    def change(state: StoreState, now: object) -> StoreState:
+        calls.append(len(state.reservations))
+        if len(calls) == 1:
+            inside.set()
+            assert go.wait(30)
+        return replace(state, reservations=(
+            *state.reservations, new_reservation("h", 0, "ann", "m", utcnow(), H, None, "")))
+
+    a = threading.Thread(target=store.update, args=(change,))
+    a.start()
+    assert inside.wait(30)
+    store.lock_path.unlink()  # a careless `rm`, or a cleanup script
+    b = subprocess.run([sys.executable, "-c", _SECOND_WRITER, str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert b.returncode == 0, b.stderr  # B was not blocked: A's lock is on a removed file
+    go.set()
+    a.join(30)
+    held = {(r.host, r.gpu): r.user for r in store.read().reservations}
+    assert held == {("h", 0): "ann", ("h", 1): "bob"}, held
+    assert calls == [0, 1]  # A's change ran again, on the file with B's reservation
+
+
+def test_a_replaced_lock_file_is_not_a_lock(tmp_path: Path) -> None:
+    """A lock taken on a file that is then replaced at the path excludes nobody: the
+    check after locking sees another inode and locks again."""
+    store = Store(tmp_path / "r.json")
+    store.update(lambda s, now: s)
+    with store._locked(1.0) as held:
+        assert held()
+        store.lock_path.unlink()
+        store.lock_path.touch()
+        assert not held()
+    with store._locked(1.0) as held:
+        assert held()
+
+
+def _round(store: Store, user: str) -> None:
+    reserve_outcomes(store, [Target("h", i) for i in range(40)], seconds=H,
+                     max_seconds=7 * 86400, user=user, event="skip-queue")
+    release(store, None, user=user)
+
+
+def test_cheap_rounds_cannot_push_a_force_release_out_of_the_trail(tmp_path: Path) -> None:
+    """Finding 6: bob's forced release of ann's GPU is recorded; then mallory repeats a
+    cheap round (reserve 40 GPUs recorded as skip-queue, release them) until more than
+    MAX_EVENTS events followed. The force-release stays: forced actions keep their own
+    bound, apart from other kinds."""
+    store = Store(tmp_path / "r.json")
+    reserve_outcomes(store, [Target("g", 0)], seconds=H, max_seconds=7 * 86400, user="ann")
+    release(store, [Target("g", 0)], force=True, user="bob")
+    for _ in range(6):
+        _round(store, "mallory")
+    events = store.read().events
+    forced = [e for e in events if e["action"] == "force-release"]
+    assert len(forced) == 1 and forced[0]["by"] == "bob"
+    skips = [e for e in events if e["action"] == "skip-queue"]
+    assert len(skips) == MAX_EVENTS  # each kind bounded: the file cannot grow for ever
+    assert skips[-1] == events[-1]
+
+
+def _waiter(i: int, user: str, lease_s: float) -> Waiter:
+    now = utcnow()
+    return Waiter(id=f"w{i}", user=user, machine="m", count=1, created=now,
+                  lease=now + timedelta(seconds=lease_s))
+
+
+def test_far_future_leases_are_lapsed_pruned_and_not_counted(tmp_path: Path) -> None:
+    """Finding 3: waiter entries with a lease of years (written into the file by hand)
+    were hidden from every listing but counted: four locked a person out of the queue,
+    a thousand the whole team ("refusing to write 1001 waiters"). Such a lease is treated
+    as lapsed: not counted and dropped by the next write."""
+    from gputop.reservations.queue import Queue, Request
+
+    path = tmp_path / "r.json"
+    store = Store(path)
+    forged = tuple(_waiter(i, "ann" if i < 4 else "mallory", 86400 * 365 * 10)
+                   for i in range(1000))
+    store.update(lambda s, now: s)
+    # Written by hand (a store write would already drop them).
+    path.write_text(StoreState(queue=forged).to_json())
+    assert store.read().waiting() == []
+    assert Queue(store, Request(1), user="ann", machine="m").join() == 1
+    assert Queue(store, Request(1), user="bob", machine="m").join() == 2
+    assert [w.user for w in store.read().queue] == ["ann", "bob"]
+
+
+def test_the_listing_shows_far_future_waiters_as_lapsed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A place nobody can see cannot be removed: `reservations` lists a lapsed place (a
+    far-future lease included) with its id, so `release --waiter ID` can take it out."""
+    import argparse
+
+    from gputop.cli.reserve import cmd_reservations
+    from gputop.config import Config
+
+    path = tmp_path / "r.json"
+    path.write_text(StoreState(queue=(_waiter(1, "mallory", 86400 * 365),)).to_json())
+    config = Config(path=None, hosts=(), reservations_path=path)
+    assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
+    out = capsys.readouterr().out
+    assert "lapsed" in out and "mallory" in out and "[id w1]" in out, out
+
+
+def test_a_reservation_beyond_max_duration_counts_until_created_plus_max(
+        tmp_path: Path) -> None:
+    """Finding 3: a reservation whose expiry is further ahead than `max_duration` (written
+    by hand, or by a teammate whose config allows more) is honoured only until created +
+    max_duration, and flagged `beyond-max` (JSON and board)."""
+    from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot
+    from gputop.reservations.flags import annotate, free_gpus
+
+    now = utcnow()
+    path = tmp_path / "r.json"
+    old = new_reservation("h", 0, "ann", "m", now - timedelta(days=8), 86400 * 365, None, "")
+    fresh = new_reservation("h", 1, "ann", "m", now, 86400 * 365, None, "")
+    path.write_text(StoreState(reservations=(old, fresh)).to_json())
+    store = Store(path, max_s=7 * 86400.0)
+    state = store.read()
+    assert [r.gpu for r in state.active(now)] == [1]  # h:0 ended a day ago
+    assert state.ends(fresh) == fresh.created + timedelta(days=7)
+    host = HostSnapshot(name="h", gpus=tuple(
+        GpuInfo(index=i, uuid=f"GPU-{i}", memory_used_mib=0, memory_total_mib=1024,
+                utilization_percent=0) for i in range(2)))
+    assert [f.gpu.index for f in free_gpus([host], state, now=now, user="bob")] == [0]
+    doc = annotate(FleetSnapshot(time=now, hosts=(host,)), state)
+    g0, g1 = doc["hosts"][0]["gpus"]
+    assert g0["reservation"] is None and g0["flags"] == []
+    assert g1["flags"] == ["beyond-max"]
+    assert g1["reservation"]["expires"] == iso(fresh.created + timedelta(days=7))
+    # A write prunes what ended and keeps what the file says of the rest.
+    store.update(lambda s, n: s)
+    assert [r.gpu for r in Store(path).read().reservations] == [1]
+    assert os.path.getsize(path) > 0
