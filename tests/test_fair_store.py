@@ -81,8 +81,10 @@ def test_a_replaced_lock_file_is_not_a_lock(tmp_path: Path) -> None:
 
 
 def _round(store: Store, user: str) -> None:
-    reserve_outcomes(store, [Target("h", i) for i in range(40)], seconds=H,
-                     max_seconds=7 * 86400, user=user, event="skip-queue")
+    targets = [Target("h", i) for i in range(40)]
+    # Each new reservation recorded as a skip-queue (as if a waiter claimed every GPU).
+    reserve_outcomes(store, targets, seconds=H, max_seconds=7 * 86400, user=user,
+                     event="skip-queue", check=lambda s, n: [t.label for t in targets])
     release(store, None, user=user)
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from datetime import datetime
+from collections.abc import Sequence
 from typing import TextIO
 
 from gputop.cli.lifecycle import EXIT_OK
@@ -35,13 +33,9 @@ from gputop.reservations import (
     Target,
     release,
 )
-from gputop.reservations.flags import FreeGpu
 from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
-from gputop.reservations.queue import (
-    could_use,
-    request_of,
-)
-from gputop.reservations.store import Job, StoreState
+from gputop.reservations.queue import queue_claim
+from gputop.reservations.store import Job
 from gputop.text import clean, excerpt
 
 
@@ -79,68 +73,18 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     targets = validate_gpus(config, targets, snaps)
-    check = None if args.skip_queue else queue_claim(config, targets, snaps)
+    from gputop.jobs.remote import logins
+
+    check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami()[0],
+                        skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check,
-                            event="skip-queue" if args.skip_queue else None)
+                            job=job, check=check, event="skip-queue", login=logins(config))
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
               file=sys.stdout)
     return EXIT_OK
-
-def queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, HostSnapshot]
-                 ) -> Callable[[StoreState, datetime], None]:
-    """The queue's claim on a direct reservation, checked under the lock: a GPU that a
-    waiter (not you) could use is theirs to wait for (the order rule: ``reserve`` comes
-    after every waiter). The GPU is judged as if empty: reserving a busy GPU would still
-    keep it from the waiter once it frees. A GPU you already hold is yours to extend."""
-    hosts = list(snaps.values())
-    fleet = [h.name for h in config.hosts]
-    me = whoami()[0]
-
-    def gpu_of(t: Target) -> FreeGpu | None:
-        h = snaps.get(t.host)
-        g = next((g for g in h.gpus if g.index == t.gpu), None) if h and h.ok else None
-        if g is None:  # not checked (the host did not answer): the queue cannot judge it
-            return None
-        empty = replace(g, memory_used_mib=0, processes=())
-        return FreeGpu(t.host, empty)
-
-    def check(state: StoreState, now: datetime) -> None:
-        queue = [w for w in state.waiting(now) if w.user != me]
-        if not queue:
-            return
-        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
-        for t in targets:
-            if (t.host, t.gpu) in mine:
-                continue
-            f = gpu_of(t)
-            if f is None:  # not checked (its host did not answer): the queue cannot
-                # judge it, so it is anyone's who waits for GPUs on that host
-                claim = [w for w in queue if request_of(w).accepts(t.host)]
-                unjudged = True
-            else:
-                claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
-                unjudged = False
-            if claim:
-                w = claim[0]
-                how = ("the queue hands out whole GPUs: --skip-queue reserves the instance "
-                       "anyway" if t.instance is not None else
-                       f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
-                       "--skip-queue to reserve it anyway")
-                raise Refused(
-                    f"{clean(t.label)} is one the queue waits for"
-                    + (f" ({clean(t.host)} did not answer, so it cannot be checked)"
-                       if unjudged else "")
-                    + f": {len(queue)} waiting, first who could use it: {clean(w.user)} "
-                    f"(since {local_time(w.created)}, for {w.count} GPU(s)"
-                    + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
-                    "recorded in the file with your name" + (")" if t.instance is None
-                                                              else ""))
-
-    return check
 
 def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
     """``--until-exit PID``: the process must exist now, on the one host reserved on."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
@@ -40,7 +41,11 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
                else config.reservation_max_s)
     store = open_store(config)
     reap_ended_jobs(config, store)
-    pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
+    from gputop.jobs.remote import local_start
+
+    # Tied to the job from the start, and to this process until the job's pid is recorded
+    # (a run killed before that is released after the grace: see jobs.reap).
+    pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     got: list[Reservation] = []
     if args.wait:
         code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=pending)
@@ -54,8 +59,10 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         why = unsatisfiable(req, hosts, fleet)
         if why:
             raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
+        from gputop.jobs.remote import logins
+
         made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending, fleet=fleet)
+                           job=lambda h: pending, fleet=fleet, login=logins(config))
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"

@@ -141,29 +141,43 @@ class Job:
     session: bool = False
     gone_since: datetime | None = None
     start: datetime | None = None
+    #: While ``pid`` is None: the ``gputop run`` process starting the job, on the
+    #: reservation's ``machine`` (its pid and start time). Once it is gone and the pid was
+    #: never recorded, the job is released after the grace (see ``gputop.jobs.reap``).
+    runner: int | None = None
+    runner_start: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"pid": self.pid, "session": self.session,
-             "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        d: dict[str, Any] = {
+            "pid": self.pid, "session": self.session,
+            "gone_since": None if self.gone_since is None else iso(self.gone_since)}
         if self.start is not None:
             d["start"] = iso(self.start)
+        if self.runner is not None:
+            d["runner"] = self.runner
+            if self.runner_start is not None:
+                d["runner_start"] = iso(self.runner_start)
         return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Job:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
-        if set(d) - {"start"} != {"pid", "session", "gone_since"}:
+        if set(d) - {"start", "runner", "runner_start"} != {"pid", "session", "gone_since"}:
             raise ValueError(f"{where}: expected the fields gone_since, pid, session "
-                             "(and start)")
+                             "(and start, runner, runner_start)")
         pid = None if d["pid"] is None else _int(d["pid"], f"{where}.pid", 1, MAX_PID)
         if not isinstance(d["session"], bool):
             raise ValueError(f"{where}.session: expected a boolean, not {_jtype(d['session'])}")
         gone = d["gone_since"]
         start = d.get("start")
+        runner = d.get("runner")
+        rstart = d.get("runner_start")
         return cls(pid, d["session"],
                    None if gone is None else parse_time(gone, f"{where}.gone_since"),
-                   None if start is None else parse_time(start, f"{where}.start"))
+                   None if start is None else parse_time(start, f"{where}.start"),
+                   None if runner is None else _int(runner, f"{where}.runner", 1, MAX_PID),
+                   None if rstart is None else parse_time(rstart, f"{where}.runner_start"))
 
 
 @dataclass(frozen=True)
@@ -274,12 +288,19 @@ class Waiter:
     want: str = ""
     #: All GPUs on one host (``gputop run``: one job runs on one host).
     one_host: bool = False
+    #: The hosts it can be granted on as its own gputop sees them now (they answer it and
+    #: could meet the request), renewed with the lease; others give way only for GPUs on
+    #: these. None: not recorded (an older gputop's waiter; judged by the reader's hosts).
+    sees: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
-                "created": iso(self.created), "lease": iso(self.lease),
-                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
-                "one_host": self.one_host}
+        d = {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
+             "created": iso(self.created), "lease": iso(self.lease),
+             "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
+             "one_host": self.one_host}
+        if self.sees is not None:
+            d["sees"] = list(self.sees)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Waiter:
@@ -287,8 +308,12 @@ class Waiter:
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         keys = {"id", "user", "machine", "count", "created", "lease", "min_free_mib", "hosts",
                 "want", "one_host"}
-        if set(d) != keys:
-            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))}")
+        if set(d) - {"sees"} != keys:
+            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))} "
+                             "(and sees)")
+        sees = d.get("sees")
+        if sees is not None and (not isinstance(sees, list) or len(sees) > 1000):
+            raise ValueError(f"{where}.sees: expected an array of at most 1000 host names")
         hosts = d["hosts"]
         if not isinstance(d["one_host"], bool):
             raise ValueError(f"{where}.one_host: expected a boolean")
@@ -303,7 +328,9 @@ class Waiter:
                    hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
                    want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True,
                               name=False),
-                   one_host=d["one_host"])
+                   one_host=d["one_host"],
+                   sees=None if sees is None else tuple(
+                       _text(h, f"{where}.sees[{i}]") for i, h in enumerate(sees)))
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}

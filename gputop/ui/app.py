@@ -33,7 +33,7 @@ from textual.worker import Worker
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release
 from gputop.reservations.ops import whoami
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
@@ -643,10 +643,19 @@ class GputopApp(App[int]):
 
     @work(group="store")
     async def _reserve(self, target: Target, req: ReserveRequest) -> None:
+        from gputop.jobs.remote import logins
+        from gputop.reservations.ops import reserve_outcomes
+        from gputop.reservations.queue import queue_claim
+
+        # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use is
+        # theirs to wait for (refused, naming them).
+        check = queue_claim([target], dict(self.model.snapshots),
+                            [h.name for h in self.config.hosts], self.me)
         try:
             await asyncio.to_thread(
-                reserve, self.store, [target], seconds=req.seconds,
-                max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
+                reserve_outcomes, self.store, [target], seconds=req.seconds,
+                max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
+                check=check, login=logins(self.config))
         except Refused as exc:
             self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
