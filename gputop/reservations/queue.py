@@ -15,7 +15,12 @@ could ever meet the whole request: for a one-host request (``gputop run``) the h
 least the request's count of GPUs whose total memory meets the need; for a request that may
 span hosts, its hosts together have that many, counting only hosts that answered: a host
 that did not (or that this gputop does not poll) is no room, so a request nobody can see
-being met holds no GPU back (it still waits, patiently: see ``unsatisfiable``).
+being met holds no GPU back (it still waits, patiently: see ``unsatisfiable``). Each waiter
+records where it can be granted as its own gputop sees it (``Waiter.sees``), and every
+reader judges it by that (``grantable_on``): configs and reach differ between teammates,
+and a waiter that cannot reach a host must not block GPUs there. **One rule for every
+path** that takes a GPU by hand (``claimant``, ``queue_claim``): ``reserve HOST:GPU``,
+``free --reserve``, ``run`` and the board's ``r``.
 
 **Unsatisfiable requests.** A request that no host it accepts could ever meet (3 GPUs on one
 host when hosts have 2, more memory than any GPU has) is refused before it joins
