@@ -137,7 +137,9 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
-    me = whoami()[0]
+    from gputop.jobs.remote import logins
+
+    me, login = whoami()[0], logins(config)
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
@@ -164,7 +166,7 @@ def validate_gpus(config: Config, targets: list[Target],
                                   f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
                                   for i in sorted(insts)) if insts else "it is not split"))
             g = flags.instance_view(g, insts[t.instance])
-        others = other_users(g, me)
+        others = other_users(g, me, login(t.host))
         if others:
             print(f"gputop: warning: {t.label} is in use by "
                   f"{', '.join(clean(u) for u in others)}; reserving it anyway",

@@ -34,10 +34,11 @@ def holds_memory_idle(g: GpuInfo) -> bool:
             and g.utilization_percent <= IDLE_UTIL_PERCENT)
 
 
-def other_users(g: GpuInfo, me: str) -> list[str]:
+def other_users(g: GpuInfo, me: str, login: str | None = None) -> list[str]:
     """Who else runs processes on this GPU (sorted; ``"?"`` for an owner nobody could tell):
-    reserving it is allowed but deserves a warning, in the CLI and on the board alike."""
-    return sorted({p.user or "?" for p in g.processes if p.user != me})
+    reserving it is allowed but deserves a warning, in the CLI and on the board alike.
+    ``login``: the account you log in as on its host (your processes there are its)."""
+    return sorted({p.user or "?" for p in g.processes if p.user not in (me, login)})
 
 
 def _holder_present(g: GpuInfo, r: Reservation) -> bool:

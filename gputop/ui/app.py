@@ -604,7 +604,11 @@ class GputopApp(App[int]):
             self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
                                            self.config.reservation_max_s, about), done)
 
-        others = [p for p in row.gpu.processes if clean(p.user) != self.me]
+        from gputop.jobs.remote import login_on
+
+        host = next((h for h in self.config.hosts if h.name == row.host), None)
+        mine = {self.me} | ({login_on(self.config, host)} if host is not None else set())
+        others = [p for p in row.gpu.processes if clean(p.user) not in mine]
         if not others:
             ask()
             return
