@@ -1,6 +1,7 @@
 """The shared reservations file: never lost, never corrupt, always current.
 
-Writers take an exclusive POSIX lock on a separate, permanent lock file, re-read the file
+Writers take an exclusive POSIX lock on a separate, permanent lock file (``filelock``: it
+stays a lock when that file is removed or replaced), re-read the file
 under the lock, write a temp file in the same directory, fsync it, ``os.replace`` it over the
 old one and fsync the directory. Readers need no lock: they see the old file or the new one,
 whole. A ``kill -9`` at any instant leaves one of the two. A file that does not validate is
@@ -10,15 +11,12 @@ reported and left byte-for-byte untouched; nothing here ever "repairs" it.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
 import secrets
 import stat
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import iso, utcnow
+from gputop.reservations.filelock import (
+    FILE_MODE,
+    WriterLock,
+    make_group_writable,
+    os_message,
+)
+from gputop.reservations.filelock import StoreError as StoreError  # (re-exported)
+from gputop.reservations.filelock import nfs_lock_problem as nfs_lock_problem
 from gputop.text import clean
 
 #: Version 2 adds the wait queue and job-tied reservations. Rule: gputop reads versions 1
@@ -52,11 +58,6 @@ MAX_LEASE_S = 300.0
 #: it, so that one whose renewal waited out another writer's lock can still take its place
 #: back (see ``Queue.renew``).
 LAPSED_KEEP_S = 60.0
-FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
-
-
-class StoreError(Exception):
-    """The store cannot be used as it is: bad file, permissions, lock. Exit code 2."""
 
 
 #: Limits on every string in the file: long enough for any real name, short enough that a
@@ -571,10 +572,6 @@ def kept(w: Waiter, now: datetime) -> bool:
         seconds=MAX_LEASE_S)
 
 
-_THREAD_LOCKS: dict[str, threading.Lock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
-
-
 class Store:
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None,
                  max_s: float | None = None) -> None:
@@ -582,6 +579,7 @@ class Store:
         #: The reader's max_duration: expiries further ahead are bounded when read.
         self.max_s = max_s
         self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock = WriterLock(self.lock_path)
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
 
@@ -594,7 +592,7 @@ class Store:
         except FileNotFoundError:
             return StoreState(max_s=self.max_s)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read it")) from None
+            raise StoreError(os_message(exc, self.path, "read it")) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -603,7 +601,7 @@ class Store:
             with os.fdopen(fd, "rb", closefd=False) as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read it")) from None
+            raise StoreError(os_message(exc, self.path, "read it")) from None
         finally:
             os.close(fd)
         state = decode(raw, self.path, st.st_size)
@@ -645,79 +643,17 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
-        """Hold the writers' lock; yields a check that it is still the lock (the locked
-        file is still the one at the lock path)."""
+        """Hold the writers' lock (see ``filelock.WriterLock``); yields whether it is still
+        the lock."""
         d = self.path.parent
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "create it")) from None
+            raise StoreError(os_message(exc, d, "create it")) from None
         self._check_nfs_once()
-        # POSIX record locks belong to the process, not the thread: two threads of one
-        # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
-        # One thread lock per lock file serialises them first.
-        with _THREAD_LOCKS_GUARD:
-            tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
-        if not tlock.acquire(timeout=max(timeout, 0.001)):
-            raise StoreError(f"{self.lock_path}: still locked by another writer "
-                             f"after {timeout:.3g}s")
-        try:
-            with self._file_locked(timeout) as held:
-                yield held
-        finally:
-            tlock.release()
-
-    @contextlib.contextmanager
-    def _file_locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
-        deadline = time.monotonic() + timeout
-        while True:
-            fd = self._lock_fd(deadline, timeout)
-            if self._same_file(fd):
-                break
-            # The file we locked was removed (or replaced) meanwhile: a writer that opens
-            # the path now locks another file, so this lock excludes nobody. Again.
-            os.close(fd)
-        try:
+        with self._lock.held(timeout) as held:
             self._remove_stale_temps()
-            yield lambda: self._same_file(fd)
-        finally:
-            os.close(fd)  # releases the lock
-
-    def _same_file(self, fd: int) -> bool:
-        try:
-            path = os.stat(self.lock_path, follow_symlinks=False)
-        except OSError:
-            return False
-        st = os.fstat(fd)
-        return (path.st_dev, path.st_ino) == (st.st_dev, st.st_ino)
-
-    def _lock_fd(self, deadline: float, timeout: float) -> int:
-        """The lock file, open and locked (waiting until ``deadline``)."""
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
-        try:
-            self._make_group_writable(fd)
-            while True:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return fd
-                except OSError as exc:
-                    if exc.errno == errno.ENOLCK:
-                        raise StoreError(
-                            f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
-                            "concurrent writers could lose updates. Mount with locking "
-                            "enabled (no 'nolock') or use another path.") from None
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {timeout:.3g}s") from None
-                    time.sleep(0.005)
-        except BaseException:
-            os.close(fd)
-            raise
+            yield held
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent
@@ -725,10 +661,10 @@ class Store:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "write a file in it")) from None
+            raise StoreError(os_message(exc, d, "write a file in it")) from None
         try:
             try:
-                self._make_group_writable(fd)
+                make_group_writable(fd)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -739,7 +675,7 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(self._os_message(exc, self.path, "write it")) from None
+            raise StoreError(os_message(exc, self.path, "write it")) from None
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -756,16 +692,6 @@ class Store:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
-    @staticmethod
-    def _make_group_writable(fd: int) -> None:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            # A hard link planted at our path would make us chmod someone's own file.
-            return
-        if st.st_uid == os.geteuid() and (st.st_mode & 0o060) != 0o060:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o060)
-
     def _check_nfs_once(self) -> None:
         if self._nfs_checked:
             return
@@ -773,45 +699,6 @@ class Store:
         problem = nfs_lock_problem(self.path.parent)
         if problem:
             self._warn(problem)
-
-    @staticmethod
-    def _os_message(exc: OSError, path: Path, what: str) -> str:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            return (f"{path}: permission denied trying to {what}. Ask the owner to make it "
-                    "group-writable (chmod g+w) for your team's group, or set "
-                    "[reservations] path to a place you can write.")
-        if exc.errno == errno.ELOOP:
-            return f"{path}: is a symbolic link; gputop does not follow links for its files"
-        if exc.errno == errno.EROFS:
-            return f"{path}: read-only filesystem; set [reservations] path elsewhere"
-        return f"{path}: cannot {what}: {exc.strerror}"
-
-
-def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | None:
-    """A loud warning if ``directory`` is on an NFS mount whose locks are local-only."""
-    try:
-        lines = Path(mounts).read_text().splitlines()
-    except OSError:
-        return None
-    target = str(directory.resolve())
-    best: tuple[int, str, str] | None = None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and (
-                best is None or len(mnt) > best[0]):
-            best = (len(mnt), parts[2], parts[3])
-    if best is None or not best[1].startswith("nfs"):
-        return None
-    opts = best[2].split(",")
-    if "nolock" in opts or "local_lock=all" in opts or "local_lock=posix" in opts:
-        return (f"{directory} is on an NFS mount with local-only locking ({best[2]}): "
-                "writers on different machines can overwrite each other's reservations. "
-                "Remount without 'nolock'/'local_lock', or keep the file elsewhere.")
-    return None
-
 
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
                     seconds: float, uuid: str | None, note: str,
