@@ -179,3 +179,41 @@ def test_a_reservation_beyond_max_duration_counts_until_created_plus_max(
     store.update(lambda s, n: s)
     assert [r.gpu for r in Store(path).read().reservations] == [1]
     assert os.path.getsize(path) > 0
+
+
+def test_the_waste_report_credits_the_holders_login_to_the_holder(tmp_path: Path) -> None:
+    """Finding 5 in history: maria's reservation records that she is mgarcia on host a;
+    mgarcia's process on her GPU is her use of her own reservation (it was mgarcia's
+    "unreserved" use and her reservation "idle"). A reservation beyond max_duration counts
+    only until created + max_duration (a day here)."""
+    from gputop.history.db import HistoryDB
+    from gputop.history.recorder import Recorder
+    from gputop.history.report import collect, summarise
+    from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
+
+    t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
+    held = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, ""),
+                   login="mgarcia")
+    far = new_reservation("a", 1, "ann", "m", t0 - timedelta(days=1, minutes=5),
+                          86400 * 365, None, "")
+    db = tmp_path / "h.sqlite3"
+    rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
+                   clock=lambda: 0.0)
+    rec.set_reservations(StoreState(reservations=(held, far), max_s=86400.0))
+    for i in range(60):
+        t = t0 + timedelta(seconds=10 * (i + 1))
+        rec.record(HostSnapshot(name="a", time=t, gpus=(
+            GpuInfo(index=0, uuid="GPU-0", utilization_percent=90, memory_used_mib=1000,
+                    memory_total_mib=81559,
+                    processes=(ProcessInfo(pid=100, user="mgarcia"),)),
+            GpuInfo(index=1, uuid="GPU-1", utilization_percent=0, memory_used_mib=0,
+                    memory_total_mib=81559))))
+    rec.flush()
+    rec.db.close()
+    with HistoryDB(db) as h:
+        doc = summarise(collect(h, t0.timestamp(), (t0 + timedelta(seconds=605)).timestamp()))
+    users = {u["user"]: u for u in doc["users"]}
+    assert users["maria"]["used_hours"] == pytest.approx(600 / 3600)
+    assert users["maria"]["reserved_idle_hours"] == 0
+    assert "mgarcia" not in users or users["mgarcia"]["unreserved_hours"] == 0
+    assert "ann" not in users or users["ann"]["reserved_hours"] == 0  # ended a day on
