@@ -38,7 +38,8 @@ def other_users(g: GpuInfo, me: str, login: str | None = None) -> list[str]:
     """Who else runs processes on this GPU (sorted; ``"?"`` for an owner nobody could tell):
     reserving it is allowed but deserves a warning, in the CLI and on the board alike.
     ``login``: the account you log in as on its host (your processes there are its)."""
-    return sorted({p.user or "?" for p in g.processes if p.user not in (me, login)})
+    mine = {me} if login is None else {me, login}
+    return sorted({p.user or "?" for p in g.processes if p.user is None or p.user not in mine})
 
 
 def _holder_present(g: GpuInfo, r: Reservation) -> bool:
