@@ -217,3 +217,30 @@ def test_the_waste_report_credits_the_holders_login_to_the_holder(tmp_path: Path
     assert users["maria"]["reserved_idle_hours"] == 0
     assert "mgarcia" not in users or users["mgarcia"]["unreserved_hours"] == 0
     assert "ann" not in users or users["ann"]["reserved_hours"] == 0  # ended a day on
+
+
+def test_a_forged_place_cannot_claim_gpus_the_reader_knows_it_cannot_use() -> None:
+    """A waiter's `sees` is what its own gputop says; a hand-written place that claims
+    hosts for a request they could never meet (50 GPUs across two 2-GPU hosts, 3 on one
+    2-GPU host) holds back nothing the reader can see, while an honest one does. A host
+    the reader did not look at is given the benefit of the doubt (finding 4: `reserve
+    HOST:GPU` looks at the named host only)."""
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.reservations.flags import FreeGpu
+    from gputop.reservations.queue import could_use
+
+    now = utcnow()
+    hosts = [HostSnapshot(name=h, gpus=tuple(
+        GpuInfo(index=i, uuid=f"GPU-{h}-{i}", memory_used_mib=0, memory_total_mib=1024,
+                utilization_percent=0) for i in range(2))) for h in ("a", "b")]
+
+    def w(count: int, one_host: bool = False) -> Waiter:
+        return Waiter(id="w", user="x", machine="m", count=count, created=now,
+                      lease=now + timedelta(seconds=60), one_host=one_host, sees=("a", "b"))
+
+    a0 = FreeGpu("a", hosts[0].gpus[0])
+    assert could_use([w(4)], hosts, None)(a0)
+    assert could_use([w(2, True)], hosts, None)(a0)
+    assert not could_use([w(50)], hosts, None)(a0)
+    assert not could_use([w(3, True)], hosts, None)(a0)
+    assert could_use([w(50)], hosts[:1], None)(a0)  # b not seen: it may be big

@@ -130,9 +130,19 @@ def grantable_on(w: Waiter, hosts: Sequence[HostSnapshot],
     reach a host, or does not know it, blocks nothing there), else, for an older gputop's
     waiter, judged on the reader's hosts that answered (see :func:`capacity`)."""
     req = request_of(w)
-    if w.sees is not None:
-        return {h for h in w.sees if req.accepts(h)}
-    return capacity(req, hosts, fleet, known_only=True)[0]
+    if w.sees is None:
+        return capacity(req, hosts, fleet, known_only=True)[0]
+    on = {h for h in w.sees if req.accepts(h)}
+    # What the reader knows for sure still counts: a host it saw answer with too few GPUs
+    # for a one-host request, or all of them together too few, is not where that request
+    # can be met, whatever a (forged) place says.
+    seen = {h.name: sum(1 for g in h.gpus if req.sized(g))
+            for h in hosts if h.ok and h.name in on}
+    if req.one_host:
+        return {h for h in on if seen.get(h, req.count) >= req.count}
+    if set(seen) == on and sum(seen.values()) < req.count:
+        return set()
+    return {h for h in on if seen.get(h, 1) > 0}
 
 
 def could_use(waiters: Sequence[Waiter], hosts: Sequence[HostSnapshot],
