@@ -86,17 +86,13 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
     assert wait_as(a[0], 30) == 0, text(a[2])
 
 
-def test_a_waiter_who_reaches_no_host_blocks_nobody_and_leaves(
-        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiter_who_reaches_no_host_blocks_nobody(team: Team) -> None:
     """Finding 1: gtalice's set-up reaches no host (no host key known). Her waiter says so
-    at once, naming each host and its error, blocks nobody meanwhile (gtbob's `free
-    --reserve`, `reserve HOST:GPU` and `free --wait` are served while she waits), and leaves
-    the queue after a bounded time with exit 1 and that reason (shortened to 20 s here)."""
+    at once, naming each host and its error, and blocks nobody meanwhile: gtbob's `free
+    --reserve`, `reserve HOST:GPU` and `free --wait` are served while she waits (they were
+    refused, or never served, for as long as she waited)."""
     from as_user import wait_as
 
-    from gputop.jobs import wait as wait_mod
-
-    monkeypatch.setattr(wait_mod, "BLIND_GIVE_UP_S", 20.0, raising=False)
     _known_only(team, "gtalice")
     a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
     until(lambda: team.queue_users() == ["gtalice"], what="A queued")
@@ -113,8 +109,24 @@ def test_a_waiter_who_reaches_no_host_blocks_nobody_and_leaves(
     err = text(a[2])
     assert "cannot reach any host you wait on" in err, err
     assert "q1: host-key" in err and "q2: host-key" in err, err
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
+
+
+def test_a_waiter_who_reaches_no_host_leaves_after_a_bounded_time(
+        team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 1: ... and leaves the queue with exit 1 and the reason (after 2 minutes;
+    shortened to 2 s here)."""
+    from as_user import wait_as
+
+    from gputop.jobs import wait as wait_mod
+
+    monkeypatch.setattr(wait_mod, "BLIND_GIVE_UP_S", 2.0)
+    _known_only(team, "gtalice")
+    a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
     assert wait_as(a[0], 40) == 1, text(a[2])
-    assert "left the queue: no host you wait on answered for 20s" in text(a[2])
+    assert "left the queue: no host you wait on answered for 2s" in text(a[2]), text(a[2])
+    assert "q1: host-key" in text(a[2])
     assert team.state().queue == ()
 
 
