@@ -244,3 +244,21 @@ def test_a_forged_place_cannot_claim_gpus_the_reader_knows_it_cannot_use() -> No
     assert not could_use([w(50)], hosts, None)(a0)
     assert not could_use([w(3, True)], hosts, None)(a0)
     assert could_use([w(50)], hosts[:1], None)(a0)  # b not seen: it may be big
+
+
+def test_a_smaller_max_duration_of_ones_own_cuts_nobody_elses_reservation(
+        tmp_path: Path) -> None:
+    """Fair under a careless teammate: bob's config says max_duration = 1d; ann reserved
+    for 3 days under the team's 7d two days ago. Bob's gputop neither counts it as ended
+    nor drops it when it writes: bounds below the default 7 days apply to one's own
+    requests only."""
+    now = utcnow()
+    path = tmp_path / "r.json"
+    ann = new_reservation("h", 0, "ann", "m", now - timedelta(days=2), 3 * 86400, None, "")
+    path.write_text(StoreState(reservations=(ann,)).to_json())
+    bob = Store(path, max_s=86400.0)
+    assert [r.id for r in bob.read().active(now)] == [ann.id]
+    bob.update(lambda s, n: replace(s, reservations=(
+        *s.reservations, new_reservation("h", 1, "bob", "m", n, 3600, None, ""))))
+    assert {r.user for r in Store(path).read().active()} == {"ann", "bob"}
+    assert not bob.read().active(now)[0].beyond_max

@@ -52,6 +52,10 @@ MAX_EVENTS = 200
 KEPT_APART = ("force-release", "skip-queue", "queue-remove")
 MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
+#: Reservations are bounded when read by the reader's max_duration, but never by less than
+#: this (the default max_duration): a teammate whose config allows less must not cut short,
+#: or prune on a write, what the team's rule allowed someone else.
+MIN_BOUND_S = 7 * 86400.0
 #: The longest lease a queue waiter may hold (it renews every half lease).
 MAX_LEASE_S = 300.0
 #: A lapsed waiter stays in the file (counting for nobody) this long before a write drops
@@ -576,8 +580,9 @@ class Store:
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None,
                  max_s: float | None = None) -> None:
         self.path = Path(path)
-        #: The reader's max_duration: expiries further ahead are bounded when read.
-        self.max_s = max_s
+        #: The reader's max_duration (at least MIN_BOUND_S): expiries further ahead are
+        #: bounded when read.
+        self.max_s = None if max_s is None else max(max_s, MIN_BOUND_S)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock = WriterLock(self.lock_path)
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
