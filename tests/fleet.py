@@ -143,7 +143,7 @@ def ensure_test_users() -> list[str]:
                                capture_output=True)
             # 9: another test process (a parallel worker) made it first
             if r.returncode not in (0, 9):
-                raise RuntimeError(f"useradd {u}: {r.stderr.decode(errors='replace')}")
+                raise RuntimeError(f"useradd {u}: {r.stderr.decode(errors='replace')}") from None
         users.append(u)
     return users
 

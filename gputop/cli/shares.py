@@ -7,15 +7,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import TextIO
 
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
+    open_store,
     parse_targets,
     poll_hosts,
     queue_request,
@@ -29,7 +29,7 @@ from gputop.output import write_document
 from gputop.reservations import Invalid, Refused, Reservation, Store, Target
 from gputop.reservations.flags import share_fits
 from gputop.reservations.ops import format_duration, local_time, whoami
-from gputop.reservations.queue import share_taken
+from gputop.reservations.queue import share_claim, share_taken
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -41,7 +41,7 @@ from gputop.reservations.shares import (
     size_text,
 )
 from gputop.reservations.store import Job, StoreState
-from gputop.text import clean, excerpt
+from gputop.text import clean
 
 
 def share_size(text: str) -> int:
@@ -102,14 +102,15 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
                       "(a MIG instance is reserved whole: its instances are the shares)")
     check_hosts(config, targets)
     seconds = reservation_seconds(config, args.duration)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     t = validate_gpus(config, targets, snaps)[0]
     g = _gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
     me = whoami()[0]
-    check = None if args.skip_queue else _claim(config, list(snaps.values()), share, me, t)
+    check = (None if args.skip_queue else
+             share_claim(_fleet(config), list(snaps.values()), share, me, t))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
                       max_seconds=config.reservation_max_s, note=args.note or "", job=job,
                       check=check)
@@ -120,28 +121,6 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     if job is not None:
         print(f"tied to process {job.pid} on {t.host}: released once it has ended")
     return EXIT_OK
-
-
-def _claim(config: Config, hosts: Sequence[HostSnapshot], share_mib: int, me: str,
-           t: Target) -> Callable[[StoreState, datetime], None]:
-    fleet = [h.name for h in config.hosts]
-
-    def check(state: StoreState, now: datetime) -> None:
-        queue = [w for w in state.waiting(now) if w.user != me]
-        if not queue:
-            return
-        w = share_taken(state, queue, hosts, fleet, t.host, t.gpu, share_mib, now)
-        if w is None:
-            return
-        raise Refused(
-            f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, first who "
-            f"could use it: {clean(w.user)} (since {local_time(w.created)}, for "
-            + (f"a {size_text(w.share_mib)} share" if w.share_mib else f"{w.count} GPU(s)")
-            + (f", {excerpt(w.want, 60)}" if w.want else "") + "). Join the queue: gputop "
-            f"free --share {size_text(share_mib)} --wait (or --skip-queue to take it anyway;"
-            " that is recorded in the file with your name)")
-
-    return check
 
 
 def _fits_now(config: Config, store: Store, args: argparse.Namespace, share: int
@@ -168,7 +147,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("--share finds one GPU to share (--count 1); for more, ask again")
     if args.whole:
         raise Invalid("give --share or --whole, not both")
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:
         got = wait_for_share(config, store, args, share, job=None)
@@ -205,7 +184,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         try:
             o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                               max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=_claim(config, hosts, share, me, t))
+                              check=share_claim(_fleet(config), hosts, share, me, t))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -259,7 +238,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
     share = share_size(args.share)
     if args.count != 1:
         raise Invalid("--share runs on one share of one GPU (--count 1)")
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
     seconds = (reservation_seconds(config, args.duration) if args.duration
@@ -281,7 +260,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
                 o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                                   max_seconds=config.reservation_max_s,
                                   note=args.note or "", job=pending,
-                                  check=_claim(config, hosts, share, me, t))
+                                  check=share_claim(_fleet(config), hosts, share, me, t))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
@@ -301,3 +280,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
 
     return asyncio.run(run_on(config, host_config(config, r.host), store, [r], argv, say,
                               env))
+
+
+def _fleet(config: Config) -> list[str]:
+    return [h.name for h in config.hosts]

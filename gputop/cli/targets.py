@@ -126,7 +126,9 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
-    me = whoami()[0]
+    from gputop.jobs.remote import logins
+
+    me, login = whoami()[0], logins(config)
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
@@ -153,13 +155,18 @@ def validate_gpus(config: Config, targets: list[Target],
                                   f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
                                   for i in sorted(insts)) if insts else "it is not split"))
             g = flags.instance_view(g, insts[t.instance])
-        others = other_users(g, me)
+        others = other_users(g, me, login(t.host))
         if others:
             print(f"gputop: warning: {t.label} is in use by "
                   f"{', '.join(clean(u) for u in others)}; reserving it anyway",
                   file=sys.stderr)
         out.append(Target(t.host, t.gpu, g.uuid, t.instance))
     return out
+
+def open_store(config: Config) -> Store:
+    """The config's reservations file, read with its ``max_duration`` (an expiry further
+    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
+    return Store(config.reservations_path, max_s=config.reservation_max_s)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
