@@ -36,6 +36,7 @@ from gputop.agents.views import (
 )
 from gputop.config import Config, parse_duration
 from gputop.jobs.reap import check_jobs
+from gputop.jobs.remote import logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller
@@ -100,8 +101,12 @@ class FleetTools:
 
     def __init__(self, config: Config, poller: Poller | None = None) -> None:
         self.config = config
-        self.store = Store(config.reservations_path)
+        # (as cli/targets.py open_store: read with max_duration, so a far expiry counts as
+        # created + max_duration)
+        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
         self.me = whoami()[0]
+        #: The account this gputop logs in as on each host: your processes there are yours.
+        self.login = logins(config)
         self.fleet = [h.name for h in config.hosts]
         self.poller = poller or Poller(replace(config, collection="query"))
         self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
@@ -332,7 +337,7 @@ class FleetTools:
             looked = await self.look([t.host for t in targets])
             snaps = {h.name: h for h in looked}
             try:
-                targets, warnings = check_targets(targets, snaps, self.me)
+                targets, warnings = check_targets(targets, snaps, self.me, self.login)
             except Invalid as exc:
                 raise ToolFailure("invalid", str(exc)) from None
         else:
@@ -359,7 +364,7 @@ class FleetTools:
         check = queue_claim(targets, snaps, self.fleet, self.me)
         made = await self._queued(lambda: reserve_outcomes(
             self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
-            note=note, check=check))
+            note=note, check=check, login=self.login))
         now = utcnow()
         done = [reservation_doc(o.reservation, now, self.me) | {"action": o.action}
                 for o in made]
@@ -393,7 +398,7 @@ class FleetTools:
                                   str(exc)) from None
             total = g.memory_total_mib
             assert total is not None
-            check = share_claim(t, share, list(snaps.values()), self.fleet, self.me)
+            check = share_claim(self.fleet, list(snaps.values()), share, self.me, t)
             try:
                 o = await self._queued(partial(
                     reserve_share, self.store, t, share, total, seconds=seconds,

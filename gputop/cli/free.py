@@ -10,17 +10,22 @@ import sys
 from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
-from gputop.cli.targets import poll_hosts, queue_request, reap_ended_jobs, reservation_seconds
+from gputop.cli.targets import (
+    open_store,
+    poll_hosts,
+    queue_request,
+    reap_ended_jobs,
+    reservation_seconds,
+)
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
 from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (
-    Store,
     Target,
 )
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
-from gputop.reservations.queue import offered
+from gputop.reservations.queue import offered, queue_claim
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
@@ -29,7 +34,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
 
         return free_share_cmd(config, args)
     req = queue_request(config, args, one_host=False)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:  # --wait queues for a reservation: it implies --reserve
         seconds = reservation_seconds(config, args.duration)
@@ -52,9 +57,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.
-    waiters = state.waiting()
-    found = offered(state, hosts, req, me, [h.name for h in config.hosts],
-                    whole=args.whole)[: args.count]
+    waiters = [w for w in state.waiting() if w.user != me]
+    fleet = [h.name for h in config.hosts]
+    found = offered(state, hosts, req, me, fleet, whole=args.whole)[: args.count]
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
             print_free(found, state, utcnow())                   # test for all or nothing
@@ -66,11 +71,16 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     expires: dict[str, str | None] = {}
     if args.reserve:
+        from gputop.jobs.remote import logins
+
         seconds = reservation_seconds(config, args.duration)
+        targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                          f.instance.gpu_instance_id if f.instance else None) for f in found]
+        # Checked again under the lock: a waiter who joined meanwhile is served first.
         made = reserve_outcomes(
-            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
-                           f.instance.gpu_instance_id if f.instance else None) for f in found],
-            seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+            store, targets, seconds=seconds, max_seconds=config.reservation_max_s,
+            note=args.note or "", login=logins(config),
+            check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me))
         print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
         # An instance covered by your whole-GPU reservation: that one's expiry.
         for f in found:

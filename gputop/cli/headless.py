@@ -43,7 +43,7 @@ class ReservationsReader:
     def __init__(self, config: Config) -> None:
         from gputop.reservations import Store
 
-        self.store = Store(config.reservations_path)
+        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:

@@ -16,6 +16,7 @@ from gputop.cli.lifecycle import EXIT_OK
 from gputop.cli.targets import (
     check_hosts,
     host_config,
+    open_store,
     reap_ended_jobs,
     reservation_seconds,
     resolve_mig,
@@ -28,7 +29,6 @@ from gputop.reservations import (
     Invalid,
     Refused,
     Reservation,
-    Store,
     Target,
     release,
 )
@@ -80,16 +80,17 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
         from gputop.cli.shares import reserve_share_cmd
 
         return reserve_share_cmd(config, args, job)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     targets = validate_gpus(config, targets, snaps)
-    check = None if args.skip_queue else queue_claim(
-        targets, snaps, [h.name for h in config.hosts], whoami()[0])
+    from gputop.jobs.remote import logins
+
+    check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami()[0],
+                        skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check,
-                            event="skip-queue" if args.skip_queue else None)
+                            job=job, check=check, event="skip-queue", login=logins(config))
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
@@ -121,7 +122,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
             raise Invalid("give --waiter ID alone (not with HOST:GPU or --mine)")
         from gputop.reservations.queue import remove_waiter
 
-        w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
+        w = remove_waiter(open_store(config), args.waiter, force=args.force)
         print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
               + (f", {excerpt(w.want, 60)}" if w.want else "") + ") from the queue")
         return EXIT_OK
@@ -129,7 +130,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
         now = utcnow()
-        mine = sorted((r for r in Store(config.reservations_path).read().active(now)
+        mine = sorted((r for r in open_store(config).read().active(now)
                        if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu, r.instance or -1))
         held = ("; yours now: " + ", ".join(clean(r.target) for r in mine)
                 if mine else "; you hold no reservations now")
@@ -140,7 +141,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     if targets:
         check_hosts(config, targets)
         targets = resolve_mig(config, targets)
-    gone = release(Store(config.reservations_path), targets, force=args.force)
+    gone = release(open_store(config), targets, force=args.force)
     for r in gone:
         print(f"released {clean(r.target)}" + (f" (held by {clean(r.user)})"
                                                      if r.user != whoami()[0] else ""))
@@ -149,27 +150,36 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
-    reap_ended_jobs(config, Store(config.reservations_path))
-    state = Store(config.reservations_path).read()
+    reap_ended_jobs(config, open_store(config))
+    state = open_store(config).read()
     now = utcnow()
     active = sorted(state.active(now), key=lambda r: (r.host, r.gpu, r.instance or -1))
     queue = state.waiting(now)
+    lapsed = state.lapsed(now)
     if args.json:
         write_document({"version": 1, "time": iso(now),
-                        "reservations": [r.to_dict() for r in active],
-                        "queue": [w.to_dict() for w in queue]}, sys.stdout)
+                        "reservations": [r.to_dict() | ({"beyond_max": True}
+                                                        if r.beyond_max else {})
+                                         for r in active],
+                        "queue": [w.to_dict() for w in queue],
+                        "lapsed": [w.to_dict() for w in lapsed]}, sys.stdout)
         return EXIT_OK
     for i, w in enumerate(queue):
         print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
               + (f" ({excerpt(w.want, 60)})" if w.want else "")
               + f" since {local_time(w.created)} [id {w.id}]")
+    for w in lapsed:  # counts for nobody; the next write drops it
+        print(f"lapsed: {clean(w.user)} for {w.count} GPU(s)"
+              + (f" ({excerpt(w.want, 60)})" if w.want else "")
+              + f", lease {'ended' if w.lease <= now else 'too far ahead'} [id {w.id}]")
     if not active:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
         (clean(r.target) + ("" if r.share_mib is None else f" ({size_text(r.share_mib)})"),
          clean(r.user), local_time(r.expires),
-         format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
+         format_duration((r.expires - now).total_seconds())
+         + (" (beyond-max)" if r.beyond_max else ""), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:

@@ -15,6 +15,7 @@ from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
+    open_store,
     poll_hosts,
     queue_request,
     reap_ended_jobs,
@@ -82,15 +83,15 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
                       "(a MIG instance is reserved whole: its instances are the shares)")
     check_hosts(config, targets)
     seconds = reservation_seconds(config, args.duration)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     t = validate_gpus(config, targets, snaps)[0]
     g = share_gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
     me = whoami()[0]
-    check = None if args.skip_queue else share_claim(
-        t, share, list(snaps.values()), [h.name for h in config.hosts], me)
+    check = (None if args.skip_queue else
+             share_claim(_fleet(config), list(snaps.values()), share, me, t))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
                       max_seconds=config.reservation_max_s, note=args.note or "", job=job,
                       check=check)
@@ -108,8 +109,8 @@ def _fits_now(config: Config, store: Store, args: argparse.Namespace, share: int
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    fleet = [h.name for h in config.hosts]
-    fits = share_offered(store.read(), hosts, req, share, whoami()[0], fleet, utcnow())
+    fits = share_offered(store.read(), hosts, req, share, whoami()[0], _fleet(config),
+                         utcnow())
     return hosts, fits
 
 
@@ -120,7 +121,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("--share finds one GPU to share (--count 1); for more, ask again")
     if args.whole:
         raise Invalid("give --share or --whole, not both")
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:
         got = wait_for_share(config, store, args, share, job=None)
@@ -150,14 +151,14 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
                 print(f.label)
         return EXIT_OK
     seconds = reservation_seconds(config, args.duration)
-    me, fleet = whoami()[0], [h.name for h in config.hosts]
+    me = whoami()[0]
     for f in fits:  # best first; one taken meanwhile: the next
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
         try:
             o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                               max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=share_claim(t, share, hosts, fleet, me))
+                              check=share_claim(_fleet(config), hosts, share, me, t))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -211,7 +212,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
     share = share_size(args.share)
     if args.count != 1:
         raise Invalid("--share runs on one share of one GPU (--count 1)")
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
     seconds = (reservation_seconds(config, args.duration) if args.duration
@@ -225,7 +226,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
         r, total = got
     else:
         hosts, fits = _fits_now(config, store, args, share)
-        me, fleet = whoami()[0], [h.name for h in config.hosts]
+        me = whoami()[0]
         for f in fits:
             assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
             t = Target(f.host, f.gpu.index, f.gpu.uuid)
@@ -233,7 +234,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
                 o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                                   max_seconds=config.reservation_max_s,
                                   note=args.note or "", job=pending,
-                                  check=share_claim(t, share, hosts, fleet, me))
+                                  check=share_claim(_fleet(config), hosts, share, me, t))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
@@ -253,3 +254,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
 
     return asyncio.run(run_on(config, host_config(config, r.host), store, [r], argv, say,
                               env))
+
+
+def _fleet(config: Config) -> list[str]:
+    return [h.name for h in config.hosts]

@@ -78,13 +78,20 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
+    from gputop.jobs.remote import logins
+
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
-    out, warnings = check_targets(targets, snaps, whoami()[0])
+    out, warnings = check_targets(targets, snaps, whoami()[0], logins(config))
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
+
+def open_store(config: Config) -> Store:
+    """The config's reservations file, read with its ``max_duration`` (an expiry further
+    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
+    return Store(config.reservations_path, max_s=config.reservation_max_s)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)

@@ -89,6 +89,7 @@ class Recorder:
         self._shares: dict[tuple[str, int], list[Reservation]] = {}
         self._revisits: list[_Revisit] = []
         self._minute_done = 0
+        self._state: StoreState | None = None
         self._last_commit = clock()
         try:
             with db.transaction() as c:  # the report's chart is no finer than the samples
@@ -149,6 +150,7 @@ class Recorder:
 
     def set_reservations(self, state: StoreState | None) -> None:
         """The reservations file as last read (None: unreadable, so nobody holds anything)."""
+        self._state = state
         rs = () if state is None else state.reservations
         self._held = {(r.host, r.gpu): r for r in rs
                       if r.instance is None and r.share_mib is None}
@@ -158,18 +160,18 @@ class Recorder:
             if r.share_mib is not None:
                 self._shares.setdefault((r.host, r.gpu), []).append(r)
 
-    def _holder(self, host: str, idx: int | None, at: datetime,
-                instance: int | None = None) -> int | None:
-        """Who holds the GPU (or, with ``instance``, that MIG GPU instance: its own
-        reservation, else the whole GPU's)."""
+    def _reservation(self, host: str, idx: int | None, at: datetime,
+                     instance: int | None = None) -> Reservation | None:
+        """The GPU's reservation (or, with ``instance``, that MIG GPU instance's: its own,
+        else the whole GPU's)."""
         if idx is None:
             return None
         r = None if instance is None else self._inst_held.get((host, idx, instance))
-        if r is None or not r.active(at):
+        if r is None or not self._active(r, at):
             r = self._held.get((host, idx))
-        if r is None or not r.active(at):
+        if r is None or not self._active(r, at):
             return None
-        return self.names.resolve(r.user, _ms(at))
+        return r
 
     def _share_parts(self, host: str, idx: int | None, at: datetime, mem: int | None
                      ) -> list[list[object]] | None:
@@ -178,7 +180,7 @@ class Recorder:
         the GPU has no active share, or its total is unknown (then nobody holds it)."""
         if idx is None or not self._shares:
             return None
-        rs = [r for r in self._shares.get((host, idx), ()) if r.active(at)]
+        rs = [r for r in self._shares.get((host, idx), ()) if self._active(r, at)]
         if not rs or not mem:
             return None
         total = sum(r.share_mib or 0 for r in rs)
@@ -186,10 +188,24 @@ class Recorder:
         return [[self.names.resolve(r.user, _ms(at)), (r.share_mib or 0) / mem * scale]
                 for r in rs]
 
-    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int) -> list[int]:
+    def _active(self, r: Reservation, at: datetime) -> bool:
+        # An expiry beyond max_duration counts until created + max_duration.
+        return (r.active(at) if self._state is None else self._state.ends(r, at) > at)
+
+    def _holder(self, host: str, idx: int | None, at: datetime,
+                instance: int | None = None) -> int | None:
+        """Who holds the GPU (see ``_reservation``)."""
+        r = self._reservation(host, idx, at, instance)
+        return None if r is None else self.names.resolve(r.user, _ms(at))
+
+    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int,
+                  r: Reservation | None = None) -> list[int]:
+        """Process owners; the holder's login on the host (``Reservation.login``) counts
+        as the holder, so the holder's own job is credited to the holder."""
         if not procs:
             return []
-        return self.names.user_ids([p.user or UNKNOWN_USER for p in procs], t_ms)
+        return self.names.user_ids([r.user if r is not None and p.user and r.is_holder(p.user)
+                                    else p.user or UNKNOWN_USER for p in procs], t_ms)
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
@@ -204,7 +220,8 @@ class Recorder:
         total = sum(f for f in fracs if f is not None)
         scale = 1.0 if total <= 1.0 else 1.0 / total  # instances that claim more than all
         return [[i.gpu_instance_id, (f or 0.0) * scale, i.utilization_percent,
-                 self._user_ids(i.processes, _ms(at)),
+                 self._user_ids(i.processes, _ms(at),
+                                self._reservation(host, g.index, at, i.gpu_instance_id)),
                  self._holder(host, g.index, at, i.gpu_instance_id)]
                 for i, f in zip(g.instances, fracs)]
 
@@ -280,7 +297,8 @@ class Recorder:
                 ids.append(gid)
                 util = None if g.lost else g.utilization_percent
                 entry: list[object] = [gid, util, g.memory_used_mib,
-                                       self._user_ids(g.processes, t_ms),
+                                       self._user_ids(g.processes, t_ms, self._reservation(
+                                           snap.name, g.index, snap.time)),
                                        self._holder(snap.name, g.index, snap.time),
                                        int(g.lost)]
                 parts = self._parts(snap.name, g, snap.time)

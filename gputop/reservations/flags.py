@@ -45,15 +45,17 @@ def holds_memory_idle(g: GpuInfo) -> bool:
             and g.utilization_percent <= IDLE_UTIL_PERCENT)
 
 
-def other_users(g: GpuInfo, me: str) -> list[str]:
+def other_users(g: GpuInfo, me: str, login: str | None = None) -> list[str]:
     """Who else runs processes on this GPU (sorted; ``"?"`` for an owner nobody could tell):
-    reserving it is allowed but deserves a warning, in the CLI and on the board alike."""
-    return sorted({p.user or "?" for p in g.processes if p.user != me})
+    reserving it is allowed but deserves a warning, in the CLI and on the board alike.
+    ``login``: the account you log in as on its host (your processes there are its)."""
+    mine = {me} if login is None else {me, login}
+    return sorted({p.user or "?" for p in g.processes if p.user is None or p.user not in mine})
 
 
-def _holder_present(g: GpuInfo, user: str) -> bool:
+def _holder_present(g: GpuInfo, r: Reservation) -> bool:
     # A process whose owner is unknown may be the holder's: never call that idle.
-    return any(p.user == user or p.user is None for p in g.processes)
+    return any(p.user is None or r.is_holder(p.user) for p in g.processes)
 
 
 class IdleTracker:
@@ -93,10 +95,10 @@ class IdleTracker:
     def reservation_idle(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
         """True once no process of the holder was seen on the GPU for ``grace_s``: since the
         reservation was made, or since one was last seen, whichever is later."""
-        if g.lost or _holder_present(g, r.user):
+        if g.lost or _holder_present(g, r):
             return False
         seen = self._seen.get((host, g.index), {})
-        last = max([r.created, *(t for u, t in seen.items() if u == r.user or u is None)])
+        last = max([r.created, *(t for u, t in seen.items() if u is None or r.is_holder(u))])
         return (now - last).total_seconds() >= self.grace_s
 
     def over_share(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
@@ -132,12 +134,14 @@ def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
     if g.lost:
         flags.append("lost")
     if r is not None:
-        if any(p.user and p.user != r.user for p in g.processes):
+        if any(p.user and not r.is_holder(p.user) for p in g.processes):
             flags.append("unreserved-use")
         if reservation_idle:
             flags.append("idle-reservation")
         if r.uuid and g.uuid and r.uuid != g.uuid:
             flags.append("renumbered")
+        if r.beyond_max:
+            flags.append("beyond-max")
     if idle_holder:
         flags.append("idle-holder")
     return flags

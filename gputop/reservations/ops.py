@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import pwd
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
@@ -132,13 +132,17 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
 def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                      max_seconds: float, note: str = "", user: str | None = None,
                      machine: str | None = None, job: Job | None = None,
-                     check: Callable[[StoreState, datetime], None] | None = None,
-                     event: str | None = None) -> list[Outcome]:
+                     check: Callable[[StoreState, datetime], Collection[str] | None]
+                     | None = None,
+                     event: str | None = None,
+                     login: Callable[[str], str | None] | None = None) -> list[Outcome]:
     """Reserve every target or none. Your own reservations are extended (note replaced if
     given) or kept when they already last longer; anyone else's unexpired one refuses the
     whole request. ``job`` ties every one of them to that job (``--until-exit``).
-    ``check`` may refuse under the lock (the queue's claim); ``event`` records each new
-    reservation in the file's audit trail under that action."""
+    ``check`` may refuse under the lock (the queue's claim); the targets (labels) it
+    returns are recorded in the file's audit trail under ``event`` when newly reserved
+    (``--skip-queue``: only a GPU that actually skipped someone). ``login(host)``: the
+    account this gputop logs in as there, recorded with each new reservation."""
     if seconds <= 0 or seconds > max_seconds:
         raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
     check_note(note)
@@ -150,8 +154,7 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
-        if check is not None:
-            check(state, now)
+        record = set((check(state, now) or ()) if check is not None else ())
         # A whole-GPU reservation covers its instances, and an instance's blocks its GPU;
         # any share (yours too: a share and a whole reservation exclude each other) blocks
         # the whole GPU.
@@ -166,14 +169,16 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
             raise Invalid(f"duration too long: {seconds:g} seconds") from None
         keep = list(state.reservations)
         ids = {r.id for r in keep}
+        said: set[str] = set()
         for t in targets:
             own = state.holder(t.host, t.gpu, now, t.instance)
             if own is None and t.instance is not None:  # your whole GPU covers it
                 own = state.holder(t.host, t.gpu, now)
             if own is not None:
                 at = next(i for i, r in enumerate(keep) if r.id == own.id)
-                if keep[at] is not own:  # two targets on one reservation: said once
+                if own.id in said:  # two targets on one reservation: said once
                     continue
+                said.add(own.id)
                 if job is None and own.job is not None:
                     # Asked for by hand: it is now yours for the time asked, no longer
                     # released when the job (a `run`, an --until-exit pid) ends.
@@ -193,13 +198,14 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                     new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
                                           note, t.instance)
                 ids.add(new.id)
-                new = replace(new, job=job)
+                new = replace(new, job=job, login=login(t.host) if login else None)
                 keep.append(new)
                 made.append(Outcome("reserved", new))
         events = state.events + tuple(
             {"time": iso(now), "action": event, "by": user, "machine": machine,
              "reservation": o.reservation.to_dict()}
-            for o in made if event and o.action == "reserved")
+            for o in made if event and o.action == "reserved"
+            and o.reservation.target in record)
         return replace(state, reservations=tuple(keep), events=events)
 
     store.update(change)

@@ -7,7 +7,7 @@ tools (``gputop mcp``): both accept and refuse the same targets with the same wo
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gputop.model import HostSnapshot
 from gputop.reservations.flags import instance_view, other_users
@@ -68,12 +68,14 @@ def resolve_uuids(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot]
     return out
 
 
-def check_targets(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot], me: str
+def check_targets(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot], me: str,
+                  login: Callable[[str], str | None] | None = None
                   ) -> tuple[list[Target], list[str]]:
     """Check GPU indices (and MIG instances) against the hosts as looked at and record
     UUIDs (renumbering shows later): (the targets, warnings to show). A host that did not
     answer cannot be checked: a warning, and the index is kept. A GPU someone else uses
-    may be reserved, with a warning naming them. Refuses (Invalid) a GPU or instance the
+    may be reserved, with a warning naming them (not your own login on that host,
+    ``login(host)``). Refuses (Invalid) a GPU or instance the
     host does not have, naming the ones it has."""
     out, warnings = [], []
     for t in resolve_uuids(targets, snaps):
@@ -98,7 +100,7 @@ def check_targets(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot], 
                                   f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
                                   for i in sorted(insts)) if insts else "it is not split"))
             g = instance_view(g, insts[t.instance])
-        others = other_users(g, me)
+        others = other_users(g, me, login(t.host) if login else None)
         if others:
             warnings.append(f"{t.label} is in use by {', '.join(clean(u) for u in others)}; "
                             "reserving it anyway")

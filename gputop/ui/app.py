@@ -33,7 +33,7 @@ from textual.worker import Worker
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release
 from gputop.reservations.ops import whoami
 from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import StoreState
@@ -143,7 +143,8 @@ class GputopApp(App[int]):
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
                                 idle_grace_s=config.idle_grace_s,
                                 share_grace_s=config.share_grace_s, clock=clock, me=self.me)
-        self.store = Store(config.reservations_path, warn=self._warn)
+        self.store = Store(config.reservations_path, warn=self._warn,
+                           max_s=config.reservation_max_s)
         self._store_sig: tuple[int, int, int] | None = None
         self._state: StoreState | None = None
         self._waiting: Worker[None] | None = None
@@ -612,7 +613,11 @@ class GputopApp(App[int]):
                                            self.config.reservation_max_s, about,
                                            "optional" if shareable else None), done)
 
-        others = [p for p in row.gpu.processes if clean(p.user) != self.me]
+        from gputop.jobs.remote import login_on
+
+        host = next((h for h in self.config.hosts if h.name == row.host), None)
+        mine = {self.me} | ({login_on(self.config, host)} if host is not None else set())
+        others = [p for p in row.gpu.processes if clean(p.user) not in mine]
         if not others:
             ask()
             return
@@ -673,16 +678,31 @@ class GputopApp(App[int]):
     @work(group="store")
     async def _reserve(self, target: Target, req: ReserveRequest,
                        total_mib: int | None = None) -> None:
+        from gputop.jobs.remote import logins
+        from gputop.reservations.ops import reserve_outcomes
+        from gputop.reservations.queue import queue_claim
+
         try:
             if req.share_mib is not None:
+                # The queue's order rule for shares, as for `gputop reserve --share`.
+                from gputop.reservations.queue import share_claim
+
+                claim = share_claim([h.name for h in self.config.hosts],
+                                    [h for _, h in self.model.snapshots.items()],
+                                    req.share_mib, self.me, target)
                 await asyncio.to_thread(
                     reserve_share, self.store, target, req.share_mib, total_mib or 0,
                     seconds=req.seconds, max_seconds=self.config.reservation_max_s,
-                    note=req.note, user=self.me)
+                    note=req.note, user=self.me, check=claim)
             else:
+                # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use
+                # is theirs to wait for (refused, naming them).
+                check = queue_claim([target], dict(self.model.snapshots),
+                                    [h.name for h in self.config.hosts], self.me)
                 await asyncio.to_thread(
-                    reserve, self.store, [target], seconds=req.seconds,
-                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
+                    reserve_outcomes, self.store, [target], seconds=req.seconds,
+                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
+                    check=check, login=logins(self.config))
         except Refused as exc:
             self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
