@@ -183,7 +183,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     fmt.add_argument("--json", action="store_true", help="print everything as JSON")
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
-                   "(needs matplotlib: pip install 'gputop[plot]')")
+                   "(needs matplotlib: pip install '.[plot]' in the checkout, or "
+                   "pipx inject gputop matplotlib)")
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:
