@@ -91,7 +91,8 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
         return names
     out = [f"{n}:" for n in names]
     if kind == "mine":  # release: your reservations, whole
-        out += _reserved(config.reservations_path, set(names), mine=True)
+        if config.reservations_host is None:  # over SSH: not a connection per Tab
+            out += _reserved(config.reservations_path, set(names), mine=True)
     return out
 
 

@@ -16,7 +16,6 @@ from gputop.config import Config
 from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (
-    Store,
     Target,
 )
 from gputop.reservations.flags import free_gpus
@@ -25,11 +24,12 @@ from gputop.reservations.queue import (
     could_use,
     request_of,
 )
+from gputop.sources.shared_file import open_store
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
     req = queue_request(config, args, one_host=False)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:  # --wait queues for a reservation: it implies --reserve
         seconds = reservation_seconds(config, args.duration)
@@ -48,7 +48,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                 print(f"{g.host}:{g.gpu}")
         return EXIT_OK
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.

@@ -31,7 +31,6 @@ from gputop.reservations import (
     Invalid,
     Refused,
     Reservation,
-    Store,
     Target,
     release,
 )
@@ -42,6 +41,7 @@ from gputop.reservations.queue import (
     request_of,
 )
 from gputop.reservations.store import Job, StoreState
+from gputop.sources.shared_file import open_store
 from gputop.text import clean, excerpt
 
 
@@ -75,7 +75,7 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     check_hosts(config, targets)
     seconds = reservation_seconds(config, args.duration)
     job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     targets = validate_gpus(config, targets, snaps)
@@ -98,7 +98,7 @@ def queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, Host
     keep it from the waiter once it frees. A GPU you already hold is yours to extend."""
     hosts = list(snaps.values())
     fleet = [h.name for h in config.hosts]
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
 
     def gpu_of(t: Target) -> FreeGpu | None:
         h = snaps.get(t.host)
@@ -167,7 +167,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
             raise Invalid("give --waiter ID alone (not with HOST:GPU or --mine)")
         from gputop.reservations.queue import remove_waiter
 
-        w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
+        w = remove_waiter(open_store(config), args.waiter, force=args.force)
         print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
               + (f", {excerpt(w.want, 60)}" if w.want else "") + ") from the queue")
         return EXIT_OK
@@ -175,8 +175,10 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
         now = utcnow()
-        mine = sorted((r for r in Store(config.reservations_path).read().active(now)
-                       if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu, r.instance or -1))
+        store = open_store(config)
+        me = whoami(store)[0]
+        mine = sorted((r for r in store.read().active(now) if r.user == me),
+                      key=lambda r: (r.host, r.gpu, r.instance or -1))
         held = ("; yours now: " + ", ".join(clean(r.target) for r in mine)
                 if mine else "; you hold no reservations now")
         raise Invalid("say what to release: gputop release HOST:GPU[,GPU...] (e.g. "
@@ -186,17 +188,19 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     if targets:
         check_hosts(config, targets)
         targets = resolve_mig(config, targets)
-    gone = release(Store(config.reservations_path), targets, force=args.force)
+    store = open_store(config)
+    gone = release(store, targets, force=args.force)
+    me = whoami(store)[0]
     for r in gone:
         print(f"released {clean(r.target)}" + (f" (held by {clean(r.user)})"
-                                                     if r.user != whoami()[0] else ""))
+                                                     if r.user != me else ""))
     if not gone:
         print("nothing to release", file=sys.stderr)
     return EXIT_OK
 
 def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
-    reap_ended_jobs(config, Store(config.reservations_path))
-    state = Store(config.reservations_path).read()
+    reap_ended_jobs(config, open_store(config))
+    state = open_store(config).read()
     now = utcnow()
     active = sorted(state.active(now), key=lambda r: (r.host, r.gpu, r.instance or -1))
     queue = state.waiting(now)

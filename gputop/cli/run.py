@@ -20,12 +20,12 @@ from gputop.config import Config
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
 )
 from gputop.reservations.queue import (
     unsatisfiable,
 )
 from gputop.reservations.store import Job
+from gputop.sources.shared_file import open_store
 from gputop.text import clean
 
 
@@ -38,7 +38,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
                else config.reservation_max_s)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
     got: list[Reservation] = []

@@ -17,7 +17,7 @@ from gputop.poller import Poller
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
+    ReservationStore,
     StoreError,
     Target,
     flags,
@@ -27,6 +27,7 @@ from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
+from gputop.sources.shared_file import open_store
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
@@ -137,7 +138,7 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
@@ -175,7 +176,7 @@ def validate_gpus(config: Config, targets: list[Target],
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
 
-def reap_ended_jobs(config: Config, store: Store) -> None:
+def reap_ended_jobs(config: Config, store: ReservationStore) -> None:
     """Release job-tied reservations whose job has ended (see gputop.jobs.reap)."""
     if not any(r.job is not None for r in read_quietly(store)):
         return
@@ -185,7 +186,7 @@ def reap_ended_jobs(config: Config, store: Store) -> None:
         print(f"gputop: released {clean(r.host)}:{r.gpu} of {clean(r.user)}: its job has "
               "ended", file=sys.stderr)
 
-def read_quietly(store: Store) -> tuple[Reservation, ...]:
+def read_quietly(store: ReservationStore) -> tuple[Reservation, ...]:
     try:
         return store.read().reservations
     except StoreError:

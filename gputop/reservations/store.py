@@ -1,8 +1,10 @@
 """The shared reservations file: never lost, never corrupt, always current.
 
-Writers take an exclusive POSIX lock on a separate, permanent lock file, re-read the file
-under the lock, write a temp file in the same directory, fsync it, ``os.replace`` it over the
-old one and fsync the directory. Readers need no lock: they see the old file or the new one,
+Writers take an exclusive POSIX lock on a separate, permanent lock file (and a ``flock``
+on a second one, ``NAME.flock``: the lock a writer over SSH takes with flock(1) on the
+file's host, see :mod:`gputop.reservations.remote`), re-read the file under the lock,
+write a temp file in the same directory, fsync it, ``os.replace`` it over the old one
+and fsync the directory. Readers need no lock: they see the old file or the new one,
 whole. A ``kill -9`` at any instant leaves one of the two. A file that does not validate is
 reported and left byte-for-byte untouched; nothing here ever "repairs" it.
 """
@@ -14,8 +16,10 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import re
 import secrets
+import socket
 import stat
 import sys
 import threading
@@ -24,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gputop.model import iso, utcnow
 from gputop.text import clean
@@ -472,16 +476,85 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
+class ReservationStore(Protocol):
+    """What every user of the shared file needs, wherever the file is: :class:`Store` (a
+    path here) and :class:`gputop.reservations.remote.RemoteStore` (``HOST:/path``)."""
+
+    remote: bool
+
+    @property
+    def label(self) -> str: ...
+
+    def read(self) -> StoreState: ...
+
+    def update(self, change: Callable[[StoreState, datetime], StoreState], *,
+               timeout: float | None = None) -> StoreState: ...
+
+    def whoami(self) -> tuple[str, str]: ...
+
+    def signature(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def settle(new: StoreState, now: datetime) -> StoreState:
+    """What every write prunes: expired reservations, old events, long-lapsed waiters."""
+    return replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
+                   events=new.events[-MAX_EVENTS:],
+                   queue=tuple(w for w in new.queue
+                               if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
+
+
 _THREAD_LOCKS: dict[str, threading.Lock] = {}
 _THREAD_LOCKS_GUARD = threading.Lock()
 
 
+def local_identity() -> tuple[str, str]:
+    """(user, machine) of this process: the user from the real uid, never ``$USER``."""
+    uid = os.getuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid without a passwd entry (containers): still a stable identity
+        user = f"uid{uid}"
+    return user, socket.gethostname()
+
+
 class Store:
+    """The file on a path of this machine (a local disk or an NFS mount)."""
+
+    #: Whether a read costs a round trip to another host (see RemoteStore).
+    remote = False
+
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
+        #: flock(2)'d as well: what a remote writer's flock(1) on this host excludes (POSIX
+        #: record locks and flocks do not see each other on a local filesystem). A second
+        #: file: on NFS a flock is a record lock, and one process's flock and lockf on the
+        #: same file would refuse each other.
+        self.flock_path = self.path.with_name(self.path.name + ".flock")
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
+
+    @property
+    def label(self) -> str:
+        """The file as people name it in messages."""
+        return str(self.path)
+
+    def whoami(self) -> tuple[str, str]:
+        """Who "me" is for this store: the account running gputop here."""
+        return local_identity()
+
+    def signature(self) -> tuple[int, int, int] | None:
+        """Changes whenever the file is replaced (no read, no lock): inode, mtime, size."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def close(self) -> None:
+        """Nothing held between calls (a RemoteStore's connection is)."""
 
     # -- reading (no lock) -----------------------------------------------------------------
 
@@ -519,11 +592,7 @@ class Store:
         with self._locked(LOCK_TIMEOUT if timeout is None else timeout):
             state = self.read()
             now = utcnow()
-            new = change(state, now)
-            new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
-                          events=new.events[-MAX_EVENTS:],
-                          queue=tuple(w for w in new.queue
-                                      if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
+            new = settle(change(state, now), now)
             if new != state:
                 self._write(encode(new, self.path))
             return new
@@ -575,10 +644,36 @@ class Store:
                         raise StoreError(f"{self.lock_path}: still locked by another writer "
                                          f"after {timeout:.3g}s") from None
                     time.sleep(0.005)
-            self._remove_stale_temps()
-            yield
+            with self._flocked(deadline):
+                self._remove_stale_temps()
+                yield
         finally:
             os.close(fd)  # releases the lock
+
+    @contextlib.contextmanager
+    def _flocked(self, deadline: float) -> Iterator[None]:
+        """The flock(2) that writers over SSH take with flock(1) on this file's host."""
+        try:
+            fd = os.open(self.flock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise StoreError(self._os_message(exc, self.flock_path, "open it")) from None
+        try:
+            self._make_group_writable(fd)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise StoreError(self._os_message(exc, self.flock_path,
+                                                          "lock it")) from None
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.flock_path}: still locked by another "
+                                         "writer (over SSH?)") from None
+                    time.sleep(0.005)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent
