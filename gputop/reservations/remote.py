@@ -91,12 +91,12 @@ READER_SCRIPT = (
     'if [ ! -f "$p" ]; then printf "%s %s err notfile\\n" "$M" "$n"; continue; fi; '
     'if [ ! -r "$p" ]; then printf "%s %s err denied\\n" "$M" "$n"; continue; fi; '
     's=$(cksum < "$p") || { printf "%s %s err denied\\n" "$M" "$n"; continue; }; '
-    "set -- $q $s; "
-    'if [ "$2" = sum ]; then printf "%s %s sum %s %s\\n" "$M" "$n" "$5" "$6"; continue; fi; '
-    'if [ "$3 $4" = "$5 $6" ]; then printf "%s %s same\\n" "$M" "$n"; continue; fi; '
-    f'if [ "$6" -gt {MAX_FILE_BYTES} ]; then printf "%s %s big %s\\n" "$M" "$n" "$6"; '
+    'set -- $s; c=$1; z=$2; set -- $q; '
+    'if [ "$2" = sum ]; then printf "%s %s sum %s %s\\n" "$M" "$n" "$c" "$z"; continue; fi; '
+    'if [ "$3 $4" = "$c $z" ]; then printf "%s %s same\\n" "$M" "$n"; continue; fi; '
+    f'if [ "$z" -gt {MAX_FILE_BYTES} ]; then printf "%s %s big %s\\n" "$M" "$n" "$z"; '
     "continue; fi; "
-    'printf "%s %s data %s %s\\n" "$M" "$n" "$5" "$6"; cat "$p"; '
+    'printf "%s %s data %s %s\\n" "$M" "$n" "$c" "$z"; cat "$p"; '
     'printf "\\n%s %s end\\n" "$M" "$n"; '
     "done"
 )
@@ -109,7 +109,9 @@ WRITER_SCRIPT = (
     "case $p in /*) ;; *) exit 0 ;; esac; "
     "IFS= read -r w || exit 0; case $w in *[!0-9]*|'') exit 0 ;; esac; "
     "IFS= read -r h || exit 0; case $h in *[!0-9]*|'') exit 0 ;; esac; "
-    f"exec 2>/dev/null; set -f; M={MARK}; "
+    # SIGPIPE ignored: a client gone after its commit must not kill the script between
+    # its last words and ending the watchdog.
+    f"exec 2>/dev/null; set -f; trap '' PIPE; M={MARK}; "
     'say() { printf "%s %s %s\\n" "$M" "$n" "$*"; }; '
     "command -v flock >/dev/null || { say err noflock; exit 0; }; "
     'd=${p%/*}; b=${p##*/}; [ -n "$d" ] || d=/; umask 002; '
@@ -117,7 +119,8 @@ WRITER_SCRIPT = (
     'k="$p.flock"; i=0; '
     "while :; do "
     '[ -L "$k" ] && { say err locklink; exit 0; }; '
-    'exec 9>>"$k" || { say err lockdenied; exit 0; }; '
+    # (A failed redirection on `exec` would end the shell: `true` tries it first.)
+    'true >>"$k" || { say err lockdenied; exit 0; }; exec 9>>"$k"; '
     'flock -x -w "$w" 9 || { say err busy; exit 0; }; '
     # The lock file could have been removed and made again while we waited: the lock
     # counts only on the file that is at the lock path now.
