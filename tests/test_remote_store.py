@@ -274,6 +274,8 @@ from gputop.sources.shared_file import open_store
 
 st = open_store(load_config(sys.argv[1]))
 point = sys.argv[2]
+if len(sys.argv) > 3:
+    st.hold_s = int(sys.argv[3])
 ch, nonce, state = st._call(st._begin(10), 30)
 r = new_reservation("gpu", 7, "gtdave", "x", utcnow(), 600, None, "")
 data = encode(replace(state, reservations=state.reservations + (r,)), st._named)
@@ -347,6 +349,28 @@ def test_kill9_of_a_writer_leaves_no_broken_file_and_no_lock(clean: World,
     assert _script_pids("gtdave") == []  # nothing left running on the host
 
 
+def test_a_writer_frozen_with_the_lock_loses_it_to_the_watchdog(clean: World) -> None:
+    """A laptop lid shut mid-write: the connection stays open (nobody closes it) and the
+    client says nothing; the script's watchdog ends the session after its hold."""
+    reserve(Store(clean.path), [Target("gpu", 1)], seconds=600, max_seconds=3600)
+    before = clean.path.read_bytes()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(clean.config("gtdave")),
+                              "partial", "2"], stdout=subprocess.PIPE, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        child.send_signal(signal.SIGSTOP)
+        with pytest.raises(StoreError, match="still locked"):
+            Store(clean.path).update(lambda s, now: s, timeout=0.5)  # it holds the lock
+        started = time.monotonic()
+        Store(clean.path).update(lambda s, now: s, timeout=15)
+        assert time.monotonic() - started < 10
+        assert clean.path.read_bytes() == before
+    finally:
+        child.kill()
+        child.wait(10)
+
+
 # --- failures: one clear error naming host and path ------------------------------------------
 
 
@@ -381,8 +405,16 @@ def test_store_host_down_is_one_error_and_json_still_shows_gpus(clean: World) ->
     finally:
         clean.fleet.restart_sshd(h)
     assert clean.path.read_bytes() == before
-    time.sleep(3.1)  # RETRY_S: a host that was down is not asked at every read
-    assert len(st.read().reservations) == 1  # reconnected on its own
+    # Reconnected on its own (after RETRY_S: a host that was down is not asked at every
+    # read).
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            assert len(st.read().reservations) == 1
+            break
+        except StoreError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
 
 
 def test_unwritable_path_names_host_and_path(clean: World) -> None:
@@ -428,6 +460,58 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
     r = run_as("gtalice", ["--config", str(cfg), "release", "gpu:0"], env, home)
     assert r.returncode == 0 and "released gpu:0" in r.stdout, r.stderr
     assert Store(clean.path).read().reservations == ()
+
+
+async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
+        clean: World) -> None:
+    from board_data import NOW, board_config, fixed_snapshots, seed
+
+    from gputop.ui.app import GputopApp
+    from gputop.ui.widgets import BoardTable
+
+    seed(Store(clean.path))
+    cfg = replace(board_config(clean.root), interval=0.5, reservations_path=clean.path,
+                  reservations_host="store-as-gtcarol")
+    app = GputopApp(cfg, feed=False, clock=lambda: NOW)
+    assert app.store.remote
+    async with app.run_test(size=(120, 40)) as pilot:
+        for snap in fixed_snapshots():
+            app.ingest(snap)
+        app.render_board()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.me == "gtcarol"  # the store host's login, not this process's root
+        assert {r.user for r in app.model.state.reservations} == {"bob", "erin"}
+        table = app.query_one(BoardTable)
+        table.move_cursor(row=table.get_row_index(f"gpu-h100\x00GPU-{2:08d}-test"))
+        await pilot.press("r")
+        await pilot.pause()
+        await pilot.click("#reserve-ok")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        mine = [r for r in Store(clean.path).read().reservations if r.user == "gtcarol"]
+        assert [(r.host, r.gpu) for r in mine] == [("gpu-h100", 2)]
+        rows = table.row_count
+        h = clean.fleet.hosts["store"]
+        clean.fleet.stop_sshd(h)
+        for pid in _user_pids("gtcarol"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            for _ in range(100):
+                await pilot.pause(0.1)
+                if app._store_problem:
+                    break
+            assert app._store_problem and "reservations are unknown" in app._store_problem
+            assert "store-as-gtcarol" in app._store_problem
+            assert table.row_count == rows and app.is_running  # the GPUs are still shown
+        finally:
+            clean.fleet.restart_sshd(h)
+        for _ in range(100):  # back on its own once the host answers again
+            await pilot.pause(0.1)
+            if not app._store_problem:
+                break
+        assert app._store_problem is None
 
 
 def _noop(state: StoreState, now: datetime) -> StoreState:

@@ -300,6 +300,9 @@ class RemoteStore:
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         #: Messages name the file as the config does: ``HOST:/path``.
         self._named = Path(self.label)
+        #: The writer script's watchdog: how long the lock may be held without a word from
+        #: gputop (a client frozen or gone silent without closing its connection).
+        self.hold_s = max(MIN_HOLD_S, math.ceil(timeout * 3))
         self._runner: _Loop | None = None
         self._pid = -1
         self._conn: asyncssh.SSHClientConnection | None = None
@@ -523,7 +526,7 @@ class RemoteStore:
         """Open a writer channel; return it with the file's state read under the lock."""
         ch = await self._open(WRITER_SCRIPT)
         nonce = secrets.token_hex(16)
-        hold = max(MIN_HOLD_S, math.ceil(self.timeout * 3))
+        hold = max(1, math.ceil(self.hold_s))
         try:
             try:
                 ch.write(f"{nonce}\n{self.path}\n{math.ceil(wait)}\n{hold}\n".encode())
