@@ -372,9 +372,11 @@ class RemoteStore:
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         if self._runner is None or self._pid != os.getpid():
-            # First use, or a forked child: a loop and connection of its own.
+            # First use, or a forked child: a loop and connection of its own (the parent's
+            # are left alone: closing them here would end the parent's session).
             self._runner, self._pid = _Loop(), os.getpid()
             self._conn = self._reader = self._reader_lock = None
+            self._cache = self._down = None
         try:
             return self._runner.call(coro, timeout)
         except concurrent.futures.TimeoutError:

@@ -2,13 +2,15 @@
 
 Every user of the shared file (the CLI, the queue, ``run``, the board, history's recorder)
 gets it from :func:`open_store`, so where the file lives is decided in one place. A remote
-store connects with the poller's transport: ``~/.ssh/config`` resolution, known_hosts
-always enforced, ProxyJump through a shared jump connection.
+store connects with the poller's transport (:mod:`gputop.sources.transport`):
+``~/.ssh/config`` resolution, known_hosts always enforced, ProxyJump through a jump
+connection, classified errors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 from pathlib import PurePosixPath
@@ -16,14 +18,14 @@ from typing import Any
 
 import asyncssh
 
-from gputop.config import Config
+from gputop.config import Config, HostConfig
 from gputop.reservations.remote import ConnectFailed, RemoteStore
 from gputop.reservations.store import ReservationStore, Store
-from gputop.sources.ssh import JumpPool, classify_exception, known_hosts_for, resolve_options
+from gputop.sources.transport import HostLink, JumpPool
 
 #: One RemoteStore (one kept connection) per file per process: commands that open the
 #: store several times share it.
-_REMOTES: dict[tuple[str, str, int, str | None, int | None, str | None], RemoteStore] = {}
+_REMOTES: dict[tuple[object, ...], RemoteStore] = {}
 _GUARD = threading.Lock()
 
 
@@ -33,45 +35,46 @@ def open_store(config: Config, *, warn: Callable[[str], None] | None = None
     if config.reservations_host is None:
         return Store(config.reservations_path, warn=warn)
     name = config.reservations_host
-    host = config.host(name)
-    address = (host.address or host.name) if host is not None and not host.local else name
-    port = host.port if host is not None else None
-    user = host.user if host is not None else None
-    key = (address, str(config.reservations_path), id(config.ssh_config), user, port,
-           str(config.ssh_config))
+    # A configured host's address, port and user apply; otherwise an SSH destination.
+    known = config.host(name)
+    host = known if known is not None and not known.local else HostConfig(name=name)
+    key = (os.getpid(), name, str(config.reservations_path), host.address, host.port, host.user,
+           str(config.ssh_config), config.timeout)
     with _GUARD:
         store = _REMOTES.get(key)
         if store is None:
             store = RemoteStore(name, PurePosixPath(str(config.reservations_path)),
-                                _connector(config, address, port, user),
-                                timeout=config.timeout, warn=warn)
+                                _connector(config, host), timeout=config.timeout,
+                                warn=warn)
             _REMOTES[key] = store
         return store
 
 
-def _connector(config: Config, address: str, port: int | None,
-               user: str | None) -> Callable[[], Any]:
-    jumps: list[JumpPool] = []
+def _connector(config: Config, host: HostConfig) -> Callable[[], Any]:
+    """The store host's kept connection, opened as the poller opens a host's
+    (:class:`~gputop.sources.transport.HostLink`: TCP first, a handshake slot, ProxyJump
+    through a shared jump connection), with keepalives: the connection idles between
+    reads, and a dead one must be noticed (the script's watchdog covers the writes)."""
+    def new_link() -> HostLink:
+        return HostLink(host, timeout=config.timeout, interval=config.interval,
+                        ssh_config=config.ssh_config, handshakes=asyncio.Semaphore(1),
+                        jumps=JumpPool(config.ssh_config), keepalive_s=15.0)
+
+    links: dict[int, HostLink] = {}
 
     async def connect() -> asyncssh.SSHClientConnection:
-        opts: asyncssh.SSHClientConnectionOptions | None = None
+        # Per process: a forked child must never touch (or close) its parent's connection.
+        link = links.get(os.getpid())
+        if link is None:
+            links.clear()
+            link = links[os.getpid()] = new_link()
         try:
-            opts = resolve_options(address, ssh_config=config.ssh_config, port=port, user=user)
-            spec = opts.tunnel
-            tunnel: Any = ()
-            if isinstance(spec, str) and spec.lower() != "none":
-                if not jumps:
-                    jumps.append(JumpPool(config.ssh_config))
-                tunnel = await jumps[0].get(spec)
-            return await asyncio.wait_for(asyncssh.connect(
-                opts.host, opts.port, options=opts, tunnel=tunnel,
-                known_hosts=known_hosts_for(opts), keepalive_interval=15,
-                keepalive_count_max=3), config.timeout)
+            await link.open()
         except Exception as exc:  # every failure: one classified reason
-            err = classify_exception(exc)
-            if opts is not None and isinstance(exc, asyncssh.PermissionDenied):
-                raise ConnectFailed(f"auth: authentication refused for user "
-                                    f"{opts.username!r}") from None
+            link.drop()
+            err = link.classify(exc)
             raise ConnectFailed(f"{err.kind}: {err.message}") from None
+        assert link.conn is not None
+        return link.conn
 
     return connect
