@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from as_user import need_test_users, run_as, user_home
@@ -37,6 +39,7 @@ from gputop.sources.shared_file import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_IP = "127.0.22.2"
+SILENT_IP = "127.0.22.9"
 
 
 class World:
@@ -47,17 +50,17 @@ class World:
         self.path = self.team / "reservations.json"
 
     def config(self, user: str, path: Path | None = None, *, host: str | None = None,
-               name: str = "hosts") -> Path:
+               name: str = "hosts", timeout: float = 5) -> Path:
         """A hosts.toml whose reservations file is ``store-as-USER:PATH``."""
         cfg = self.root / f"{name}-{user}.toml"
         where = f"{host or 'store-as-' + user}:{path or self.path}"
-        cfg.write_text(f'[defaults]\ntimeout = 5\ninterval = 1\n'
+        cfg.write_text(f'[defaults]\ntimeout = {timeout}\ninterval = 1\n'
                        f'[reservations]\npath = "{where}"\n'
                        '[[hosts]]\nname = "store"\n[[hosts]]\nname = "gpu"\n')
         cfg.chmod(0o644)
         return cfg
 
-    def store(self, user: str, path: Path | None = None, **kw: str) -> RemoteStore:
+    def store(self, user: str, path: Path | None = None, **kw: Any) -> RemoteStore:
         st = open_store(load_config(str(self.config(user, path, **kw))))
         assert isinstance(st, RemoteStore)
         return st
@@ -106,6 +109,12 @@ def world(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[World]:
             for u in (*users, "root"):
                 f.write("\n" + _alias(fleet, f"store-as-{u}", "store", u))
             f.write("\n" + _alias(fleet, "noflock-as-gtcarol", "noflock", "gtcarol"))
+            # A host whose TCP port accepts and never speaks (a hung sshd).
+            f.write("\n" + _alias(fleet, "silent", "store", "gtcarol")
+                    .replace(STORE_IP, SILENT_IP))
+        silent = socket.socket()
+        silent.bind((SILENT_IP, fleet.port))
+        silent.listen(16)
         _hide_flock(fleet, "noflock")
         w = World(fleet, root)
         w.team.mkdir()
@@ -117,6 +126,8 @@ def world(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[World]:
         yield w
     finally:
         fleet.stop()
+        with contextlib.suppress(NameError):
+            silent.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -415,6 +426,26 @@ def test_store_host_down_is_one_error_and_json_still_shows_gpus(clean: World) ->
         except StoreError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_a_hung_store_host_costs_one_timeout_then_answers_at_once(
+        clean: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the host has failed, reads say so at once and a retry runs in the background:
+    a board or --watch reading every interval never waits out a connect timeout again."""
+    import gputop.reservations.remote as remote
+
+    monkeypatch.setattr(remote, "RETRY_S", 0.2)
+    st = clean.store("gtcarol", host="silent", timeout=1)
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=r"cannot reach silent .*no answer"):
+        st.read()
+    assert time.monotonic() - started >= 0.9
+    for _ in range(3):
+        time.sleep(0.3)  # past RETRY_S: a retry is due (and runs without the caller)
+        started = time.monotonic()
+        with pytest.raises(StoreError, match="cannot reach silent"):
+            st.read()
+        assert time.monotonic() - started < 0.5
 
 
 def test_unwritable_path_names_host_and_path(clean: World) -> None:

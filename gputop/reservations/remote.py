@@ -312,7 +312,9 @@ class RemoteStore:
         #: The last answer: the file's (crc, size) and what it held (a broken file's error
         #: too: an unchanged broken file is not fetched again).
         self._cache: tuple[tuple[str, str] | None, StoreState | StoreError] | None = None
+        #: Since the host failed: when to try again, and why it failed.
         self._down: tuple[float, str] | None = None
+        self._retry: asyncio.Task[None] | None = None
         #: Requests answered, and file bodies fetched, for tests and the benchmark.
         self.requests = 0
         self.fetches = 0
@@ -376,7 +378,7 @@ class RemoteStore:
             # are left alone: closing them here would end the parent's session).
             self._runner, self._pid = _Loop(), os.getpid()
             self._conn = self._reader = self._reader_lock = None
-            self._cache = self._down = None
+            self._cache = self._down = self._retry = None
         try:
             return self._runner.call(coro, timeout)
         except concurrent.futures.TimeoutError:
@@ -399,25 +401,39 @@ class RemoteStore:
                                                            wait=f"{wait:.3g}s"))
 
     async def _connection(self) -> asyncssh.SSHClientConnection:
+        """The kept connection. The first try is waited for; once the host has failed,
+        callers get that error at once while a retry runs in the background (at most every
+        RETRY_S): a board or ``--watch`` reading every interval never waits out a connect
+        timeout for a host that is down."""
         if self._conn is not None and not self._conn.is_closed():
             return self._conn
-        loop = asyncio.get_running_loop()
-        if self._down is not None and loop.time() < self._down[0]:
-            raise self._unreachable(self._down[1])
         self._reader = None
+        if self._down is None:
+            await self._try_connect()
+        else:
+            loop = asyncio.get_running_loop()
+            if loop.time() >= self._down[0] and (self._retry is None or self._retry.done()):
+                self._retry = loop.create_task(self._try_connect())
+            raise self._unreachable(self._down[1])
+        if self._conn is None:
+            assert self._down is not None
+            raise self._unreachable(self._down[1])
+        return self._conn
+
+    async def _try_connect(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
             self._conn = await asyncio.wait_for(self._connect(), self.timeout)
         except ConnectFailed as exc:
             self._down = (loop.time() + RETRY_S, str(exc))
-            raise self._unreachable(str(exc)) from None
+            return
         except (OSError, asyncssh.Error, asyncio.TimeoutError) as exc:
             why = str(exc) or type(exc).__name__
             if isinstance(exc, asyncio.TimeoutError):
                 why = f"no answer in {self.timeout:g}s"
             self._down = (loop.time() + RETRY_S, why)
-            raise self._unreachable(why) from None
+            return
         self._down = None
-        return self._conn
 
     async def _open(self, script: str) -> _Channel:
         conn = await self._connection()
