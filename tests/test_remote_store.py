@@ -13,6 +13,7 @@ import grp
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
@@ -102,7 +103,7 @@ def world(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[World]:
         pytest.skip("needs the SSH login users")
     root = Path(tempfile.mkdtemp(prefix="gputop-remote-store-", dir="/tmp"))
     root.chmod(0o755)
-    fleet = Fleet(root, [Host("store", STORE_IP), Host("gpu", "127.0.22.3"),
+    fleet = Fleet(root, [Host("store", STORE_IP), Host("gpu", "127.0.22.3", gpus=("rtx2080",)),
                          Host("noflock", "127.0.22.4")]).start()
     try:
         with (fleet.ssh / "config").open("a") as f:
@@ -543,6 +544,34 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
             if not app._store_problem:
                 break
         assert app._store_problem is None
+
+
+def test_run_and_free_over_ssh_hold_and_release_as_the_store_login(clean: World) -> None:
+    """``gputop run`` and ``free --reserve`` with the file over SSH: the job's reservation is
+    the store login's while it runs, and released when it ends."""
+    from fleet import gpu_uuid
+
+    cfg = str(clean.config("gtcarol"))
+    env = clean.fleet.env()
+    probe = ("import json,sys; from gputop.reservations.store import Store; "
+             f"print(json.dumps([(r.user, r.host, r.gpu) for r in Store({str(clean.path)!r})"
+             ".read().reservations]))")
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", cfg, "run", "--host", "gpu",
+                        "--", "sh", "-c", f'echo "CVD=$CUDA_VISIBLE_DEVICES"; {sys.executable} '
+                        f"-c {shlex.quote(probe)}"],
+                       capture_output=True, text=True, env=dict(env, PYTHONPATH=str(ROOT)),
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"CVD={gpu_uuid('gpu', 0)}"
+    assert json.loads(lines[1]) == [["gtcarol", "gpu", 0]]  # held while the job ran
+    assert "released gpu:0" in r.stderr
+    assert Store(clean.path).read().reservations == ()
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", cfg, "free", "--reserve"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [(x.user, x.host) for x in Store(clean.path).read().reservations] == [
+        ("gtcarol", r.stdout.split(":")[0].strip())]
 
 
 def _noop(state: StoreState, now: datetime) -> StoreState:
