@@ -210,8 +210,9 @@ def main() -> int:
             p.kill()
             p.wait(10)
             broken = None
+            held = False
             try:
-                Store(path).read()
+                held = bool(Store(path).read().reservations)
             except StoreError as exc:
                 broken = str(exc)
             t0 = time.perf_counter()
@@ -224,11 +225,12 @@ def main() -> int:
             while writer_scripts(users[1]) and time.monotonic() < deadline:
                 time.sleep(0.05)
             temps = [x.name for x in team.iterdir() if ".tmp." in x.name]
-            kills.append({"broken": broken, "lock_free_after_s": lock_s,
+            kills.append({"broken": broken, "held": held, "lock_free_after_s": lock_s,
                           "scripts_left": len(writer_scripts(users[1])), "temps_left": temps})
         results["kills"] = {
             "n": len(kills),
             "broken_files": sum(k["broken"] is not None for k in kills),
+            "killed_while_reserved": sum(k["held"] for k in kills),
             "lock_not_free_in_10s": sum(k["lock_free_after_s"] is None for k in kills),
             "lock_wait_max_s": max((k["lock_free_after_s"] or 0) for k in kills),
             "scripts_left": sum(k["scripts_left"] for k in kills),
@@ -286,6 +288,9 @@ def write_md(r: dict[str, Any]) -> None:
         "committed):",
         "",
         f"- broken files: **{k['broken_files']}**",
+        f"- where the kill landed: {k['killed_while_reserved']} between its reserve and its "
+        f"release (the file holds the reservation), {k['n'] - k['killed_while_reserved']} "
+        "elsewhere (the kill-at-each-step cases are in tests/test_remote_store.py)",
         f"- lock still held 10 s later: **{k['lock_not_free_in_10s']}** (longest wait for "
         f"it: {k['lock_wait_max_s']:.2f} s; the script's watchdog would take 30 s)",
         f"- writer scripts left running on the host: {k['scripts_left']}",

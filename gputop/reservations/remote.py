@@ -134,7 +134,7 @@ WRITER_SCRIPT = (
     'end() { kill "$g"; exit 0; }; '
     # Every live writer holds this lock while its temp file exists: any left belong to a
     # killed one.
-    'rm -f -- "$d/.$b.tmp."*; '
+    'set +f; rm -f -- "$d/.$b.tmp."*; set -f; '
     'if [ -L "$p" ]; then say err link; end; fi; '
     'if [ -e "$p" ]; then '
     '[ -f "$p" ] || { say err notfile; end; }; [ -r "$p" ] || { say err denied; end; }; '
@@ -304,6 +304,8 @@ class RemoteStore:
         #: gputop (a client frozen or gone silent without closing its connection).
         self.hold_s = max(MIN_HOLD_S, math.ceil(timeout * 3))
         self._runner: _Loop | None = None
+        self._runner_guard = threading.Lock()
+        self._conn_lock: asyncio.Lock | None = None
         self._pid = -1
         self._conn: asyncssh.SSHClientConnection | None = None
         self._reader: _Channel | None = None
@@ -373,14 +375,16 @@ class RemoteStore:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        if self._runner is None or self._pid != os.getpid():
-            # First use, or a forked child: a loop and connection of its own (the parent's
-            # are left alone: closing them here would end the parent's session).
-            self._runner, self._pid = _Loop(), os.getpid()
-            self._conn = self._reader = self._reader_lock = None
-            self._cache = self._down = self._retry = None
+        with self._runner_guard:
+            if self._runner is None or self._pid != os.getpid():
+                # First use, or a forked child: a loop and connection of its own (the
+                # parent's are left alone: closing them here would end its session).
+                self._runner, self._pid = _Loop(), os.getpid()
+                self._conn = self._reader = self._reader_lock = self._conn_lock = None
+                self._cache = self._down = self._retry = None
+            runner = self._runner
         try:
-            return self._runner.call(coro, timeout)
+            return runner.call(coro, timeout)
         except concurrent.futures.TimeoutError:
             raise StoreError(f"{self.label}: no answer from {self.host} in {timeout:.3g}s; "
                              "nothing was written") from None
@@ -405,6 +409,14 @@ class RemoteStore:
         callers get that error at once while a retry runs in the background (at most every
         RETRY_S): a board or ``--watch`` reading every interval never waits out a connect
         timeout for a host that is down."""
+        if self._conn is not None and not self._conn.is_closed():
+            return self._conn
+        if self._conn_lock is None:
+            self._conn_lock = asyncio.Lock()
+        async with self._conn_lock:  # a reader and a writer at once: one connection
+            return await self._connection_locked()
+
+    async def _connection_locked(self) -> asyncssh.SSHClientConnection:
         if self._conn is not None and not self._conn.is_closed():
             return self._conn
         self._reader = None
