@@ -169,6 +169,10 @@ NO_CONFIG_HINT = (
 def load_config(cli_path: str | None = None) -> Config:
     path = find_config(cli_path)
     if path is None:
+        remote = split_remote(os.environ.get(ENV_RESERVATIONS) or "")
+        problem = remote_problem(*remote) if remote else None
+        if problem:
+            raise ConfigError(f"${ENV_RESERVATIONS}", None, problem)
         return Config(
             path=None,
             hosts=(HostConfig(name="localhost", local=True),),

@@ -166,6 +166,19 @@ def test_a_bad_remote_path_names_file_and_key(tmp_path: Path, value: str,
     assert str(cfg) in str(e.value)
 
 
+def test_a_bad_remote_path_in_the_environment_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUTOP_RESERVATIONS", "-oProxyCommand=sh:/r.json")
+    monkeypatch.delenv("GPUTOP_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"\$GPUTOP_RESERVATIONS: .*not a host name"):
+        load_config(None)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text('[[hosts]]\nname = "a"\n')
+    with pytest.raises(ConfigError, match=r"GPUTOP_RESERVATIONS: .*not a host name"):
+        load_config(str(cfg))
+
+
 def test_scp_style_path_is_remote_and_a_slash_path_is_not(tmp_path: Path) -> None:
     cfg = tmp_path / "hosts.toml"
     cfg.write_text('[reservations]\npath = "login-1:/shared/r.json"\n[[hosts]]\nname = "a"\n')
