@@ -262,6 +262,54 @@ def test_local_and_remote_writers_exclude_each_other(clean: World) -> None:
     assert remote.update(lambda s, now: s, timeout=5) == StoreState()
 
 
+@pytest.mark.parametrize("waiter", ["local", "remote"])
+def test_a_writer_that_locked_a_removed_lock_file_takes_the_new_one(clean: World,
+                                                                    waiter: str) -> None:
+    """A writer waits on PATH.flock; meanwhile the file is removed and another writer
+    locks the new one at that path. When the old lock is released the waiter gets it, but
+    the path is no longer that file: it must lock the new one (and wait) instead of
+    writing beside the other writer."""
+    import fcntl
+
+    lock = clean.team / "reservations.json.flock"
+    Store(clean.path).update(lambda s, now: s)  # the lock files exist
+    old = os.open(lock, os.O_RDWR)
+    fcntl.flock(old, fcntl.LOCK_EX)
+    done = threading.Event()
+    errors: list[BaseException] = []
+    store = clean.store("gtdave") if waiter == "remote" else Store(clean.path)
+
+    def write() -> None:
+        try:
+            store.update(lambda s, now: s, timeout=20)
+            done.set()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=write)
+    new = -1
+    try:
+        t.start()
+        assert not done.wait(0.5)  # waiting on the old file
+        lock.rename(clean.team / "gone.flock")
+        new = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        os.fchmod(new, 0o664)  # the team's group may use it
+        fcntl.flock(new, fcntl.LOCK_EX)  # another writer holds the lock at the path now
+        os.close(old)
+        old = -1
+        assert not done.wait(1.0), "wrote while another writer held the lock at the path"
+        os.close(new)
+        new = -1
+        t.join(20)
+        assert done.is_set() and not errors, errors
+    finally:
+        for fd in (old, new):
+            if fd >= 0:
+                os.close(fd)
+        t.join(20)
+        (clean.team / "gone.flock").unlink(missing_ok=True)
+
+
 def test_concurrent_local_and_remote_writers_lose_nothing(clean: World) -> None:
     n = 12
     writers = {"gtcarol": clean.store("gtcarol"), "gtdave": clean.store("gtdave"),

@@ -652,28 +652,42 @@ class Store:
 
     @contextlib.contextmanager
     def _flocked(self, deadline: float) -> Iterator[None]:
-        """The flock(2) that writers over SSH take with flock(1) on this file's host."""
-        try:
-            fd = os.open(self.flock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise StoreError(self._os_message(exc, self.flock_path, "open it")) from None
-        try:
-            self._make_group_writable(fd)
-            while True:
+        """The flock(2) that writers over SSH take with flock(1) on this file's host. It
+        counts only on the file still at the lock path once locked (one removed and made
+        again meanwhile would let two writers each "hold" a lock): else it is taken again."""
+        while True:
+            try:
+                fd = os.open(self.flock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                             FILE_MODE)
+            except OSError as exc:
+                raise StoreError(self._os_message(exc, self.flock_path, "open it")) from None
+            try:
+                self._make_group_writable(fd)
+                self._flock(fd, deadline)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        raise StoreError(self._os_message(exc, self.flock_path,
-                                                          "lock it")) from None
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"{self.flock_path}: still locked by another "
-                                         "writer (over SSH?)") from None
-                    time.sleep(0.005)
-            yield
-        finally:
-            os.close(fd)  # releases the flock
+                    same = os.stat(self.flock_path, follow_symlinks=False).st_ino == \
+                        os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    yield
+                    return
+            finally:
+                os.close(fd)  # releases the flock
+
+    def _flock(self, fd: int, deadline: float) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise StoreError(self._os_message(exc, self.flock_path,
+                                                      "lock it")) from None
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{self.flock_path}: still locked by another "
+                                     "writer (over SSH?)") from None
+                time.sleep(0.005)
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent
