@@ -69,7 +69,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
     poller = Poller(config if watch else dataclasses.replace(config, collection="query"),
                     sources)
     reservations = ReservationsReader(config)
-    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
     reaping = _JobReaper(config, reservations.store) if sources is None else None
     observe = tracker.observe
     live = None

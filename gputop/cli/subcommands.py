@@ -101,6 +101,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("--until-exit", type=int, metavar="PID",
                    help="release it once process PID (on that host) has ended")
+    p.add_argument("--share", metavar="SIZE",
+                   help="a share of one GPU's memory, e.g. 16G (several people share a GPU "
+                   "until its memory is committed)")
     p.add_argument("--skip-queue", action="store_true",
                    help="reserve even a GPU that people in the queue wait for (recorded in "
                    "the file with your name)")
@@ -129,6 +132,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "--wait waits your turn in the team's queue, then reserves.")
     _queue_options(p)
     p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
+    p.add_argument("--share", metavar="SIZE",
+                   help="a GPU with SIZE to share (best fit: one already shared first)")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
     p.add_argument("--wait", action="store_true",
                    help="not enough free: wait your turn in the team's queue, then reserve "
@@ -143,6 +148,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "job's status (255: the SSH connection failed).")
     _queue_options(p)
     p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
+    p.add_argument("--share", metavar="SIZE",
+                   help="run on a share of one GPU's memory, e.g. 16G (exported to the job "
+                   "as GPUTOP_SHARE_MIB and the frameworks' own memory caps)")
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="longest the reservation lasts (default: max_duration); it is "
                    "released when the job ends")

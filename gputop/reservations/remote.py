@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
@@ -54,6 +55,7 @@ from gputop.reservations.remote_scripts import ERRORS, MARK, READER_SCRIPT, WRIT
 from gputop.reservations.store import (
     LOCK_TIMEOUT,
     MAX_FILE_BYTES,
+    MIN_BOUND_S,
     StoreError,
     StoreState,
     decode,
@@ -183,9 +185,12 @@ class RemoteStore:
 
     def __init__(self, host: str, path: PurePosixPath | str,
                  connect: Callable[[], Awaitable[asyncssh.SSHClientConnection]], *,
-                 timeout: float = 10.0, warn: Callable[[str], None] | None = None) -> None:
+                 timeout: float = 10.0, warn: Callable[[str], None] | None = None,
+                 max_s: float | None = None) -> None:
         self.host = host
         self.path = PurePosixPath(path)
+        #: The reader's max_duration (see Store): expiries further ahead are bounded.
+        self.max_s = None if max_s is None else max(max_s, MIN_BOUND_S)
         self._connect = connect
         self.timeout = timeout
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
@@ -422,7 +427,7 @@ class RemoteStore:
             if words[0] == "same" and self._cache is not None:
                 return self._cache[1]
             if words[0] == "none":
-                self._cache = (None, StoreState())
+                self._cache = (None, StoreState(max_s=self.max_s))
                 return self._cache[1]
             if words[0] == "big":
                 return self._error(["err", "big", *words[1:]])
@@ -435,13 +440,17 @@ class RemoteStore:
                 return StoreError(f"{self.label}: reading it on {self.host} failed ({exc})")
             self.fetches += 1
         try:
-            result: StoreState | StoreError = decode(raw, self._named)
+            result: StoreState | StoreError = self._decode(raw)
         except StoreError as exc:
             result = exc
         # Replaced between cksum and cat: keep no checksum, so the next read fetches again.
         sig = (words[1], words[2]) if words[2] == str(len(raw)) else None
         self._cache = (sig, result)
         return result
+
+    def _decode(self, raw: bytes) -> StoreState:
+        state = decode(raw, self._named)
+        return state if self.max_s is None else replace(state, max_s=self.max_s)
 
     async def _begin(self, wait: float) -> tuple[_Channel, str, StoreState]:
         """Open a writer channel; return it with the file's state read under the lock."""
@@ -456,7 +465,7 @@ class RemoteStore:
                 if words[0] == "err":
                     raise self._error(words, wait)
                 if words[0] == "none":
-                    return ch, nonce, StoreState()
+                    return ch, nonce, StoreState(max_s=self.max_s)
                 if words[0] != "data" or len(words) != 2:
                     raise StoreError(f"{self.label}: unexpected answer from {self.host}")
                 raw = await asyncio.wait_for(ch.block(nonce, MAX_FILE_BYTES), self.timeout)
@@ -465,7 +474,7 @@ class RemoteStore:
                                  "nothing was written") from None
             except (_Closed, _Framing, OSError, asyncssh.Error) as exc:
                 raise self._unreachable(f"the write's channel failed: {exc}") from None
-            return ch, nonce, decode(raw, self._named)
+            return ch, nonce, self._decode(raw)
         except BaseException:
             ch.close()  # EOF on the script's stdin: it exits, and its lock goes with it
             raise

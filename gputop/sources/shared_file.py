@@ -31,21 +31,22 @@ _GUARD = threading.Lock()
 
 def open_store(config: Config, *, warn: Callable[[str], None] | None = None
                ) -> ReservationStore:
-    """The config's reservations store: :class:`Store` or :class:`RemoteStore`."""
+    """The config's reservations store: :class:`Store` or :class:`RemoteStore`, read with
+    its ``max_duration`` (an expiry further ahead counts as created + max_duration)."""
     if config.reservations_host is None:
-        return Store(config.reservations_path, warn=warn)
+        return Store(config.reservations_path, warn=warn, max_s=config.reservation_max_s)
     name = config.reservations_host
     # A configured host's address, port and user apply; otherwise an SSH destination.
     known = config.host(name)
     host = known if known is not None and not known.local else HostConfig(name=name)
     key = (os.getpid(), name, str(config.reservations_path), host.address, host.port, host.user,
-           str(config.ssh_config), config.timeout)
+           str(config.ssh_config), config.timeout, config.reservation_max_s)
     with _GUARD:
         store = _REMOTES.get(key)
         if store is None:
             store = RemoteStore(name, PurePosixPath(str(config.reservations_path)),
                                 _connector(config, host), timeout=config.timeout,
-                                warn=warn)
+                                warn=warn, max_s=config.reservation_max_s)
             _REMOTES[key] = store
         return store
 
