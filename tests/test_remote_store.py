@@ -35,7 +35,7 @@ from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_ava
 from gputop.config import ConfigError, load_config
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.store import Store, StoreError, StoreState
+from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
 from gputop.sources.shared_file import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -308,6 +308,48 @@ def test_a_writer_that_locked_a_removed_lock_file_takes_the_new_one(clean: World
                 os.close(fd)
         t.join(20)
         (clean.team / "gone.flock").unlink(missing_ok=True)
+
+
+def test_a_remote_writer_whose_lock_file_is_removed_loses_nobodys_update(
+        clean: World) -> None:
+    """As for a local writer (test_fair_store): a remote writer stalls inside its update,
+    someone removes the lock files, a local writer locks new ones and reserves gpu:1. The
+    remote writer must not write over that: its script sees the lock file is no longer the
+    one it locked, writes nothing, and gputop applies the change again."""
+    remote = clean.store("gtdave")
+    Store(clean.path).update(lambda s, now: s)
+    inside, go = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def change(state: StoreState, now: datetime) -> StoreState:
+        calls.append(len(state.reservations))
+        if len(calls) == 1:
+            inside.set()
+            assert go.wait(30)
+        return replace(state, reservations=(*state.reservations, new_reservation(
+            "gpu", 0, "gtdave", "m", now, 600, None, "")))
+
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            remote.update(change, timeout=20)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        assert inside.wait(30)
+        for name in ("reservations.json.lock", "reservations.json.flock"):
+            (clean.team / name).unlink()
+        reserve(Store(clean.path), [Target("gpu", 1)], seconds=600, max_seconds=3600)
+    finally:
+        go.set()
+        t.join(30)
+    assert not errors, errors
+    assert _ids(Store(clean.path).read()) == {("gpu", 0, "gtdave"), ("gpu", 1, "root")}
+    assert calls == [0, 1]  # applied again, to the file with the local writer's
 
 
 def test_concurrent_local_and_remote_writers_lose_nothing(clean: World) -> None:

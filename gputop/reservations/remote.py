@@ -42,6 +42,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
 from datetime import datetime
@@ -245,19 +246,23 @@ class RemoteStore:
                timeout: float | None = None) -> StoreState:
         """Apply ``change`` under the host's lock and replace the file there (see Store)."""
         wait = LOCK_TIMEOUT if timeout is None else timeout
-        tx = self._call(self._begin(wait), wait + self.timeout * 2 + 1)
-        ch, nonce, state = tx
-        try:
-            now = utcnow()
-            new = settle(change(state, now), now)
-            if new == state:
-                self._call(self._finish(ch, nonce, None), self.timeout + 1)
-            else:
-                self._call(self._finish(ch, nonce, encode(new, self._named)),
-                           self.timeout + 1)
-        finally:
-            self._call(self._close(ch), self.timeout)
-        return new
+        deadline = time.monotonic() + wait
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            ch, nonce, state = self._call(self._begin(left), left + self.timeout * 2 + 1)
+            try:
+                now = utcnow()
+                new = settle(change(state, now), now)
+                data = None if new == state else encode(new, self._named)
+                if self._call(self._finish(ch, nonce, data), self.timeout + 1):
+                    return new
+            finally:
+                self._call(self._close(ch), self.timeout)
+            # The lock file was removed while we held it, and someone may have written
+            # under a new one: apply the change again to the file as it is now.
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.label}: the lock file kept being replaced for "
+                                 f"{wait:.3g}s; nothing was changed")
 
     def close(self) -> None:
         """End the reader channel and the connection (the host's script exits on EOF)."""
@@ -479,8 +484,9 @@ class RemoteStore:
             ch.close()  # EOF on the script's stdin: it exits, and its lock goes with it
             raise
 
-    async def _finish(self, ch: _Channel, nonce: str, data: bytes | None) -> None:
-        """``keep`` (nothing changed) or the new bytes, then wait for the script's word."""
+    async def _finish(self, ch: _Channel, nonce: str, data: bytes | None) -> bool:
+        """``keep`` (nothing changed) or the new bytes, then wait for the script's word:
+        False when the lock file was replaced meanwhile (nothing written: try again)."""
         try:
             if data is None:
                 ch.write(f"{nonce} keep\n".encode())
@@ -501,10 +507,13 @@ class RemoteStore:
         except (_Closed, _Framing, OSError, asyncssh.Error) as exc:
             raise StoreError(f"{self.label}: the connection to {self.host} failed during the "
                              f"write ({exc}); it was written whole or not at all") from None
+        if words[0] == "err" and words[1:2] == ["moved"]:
+            return False
         if words[0] == "err":
             raise self._error(words)
         if words[0] != "done":
             raise StoreError(f"{self.label}: unexpected answer from {self.host}")
+        return True
 
     async def _close(self, ch: _Channel) -> None:
         ch.close()

@@ -89,6 +89,9 @@ WRITER_SCRIPT = (
     '> "$t" || { rm -f -- "$t"; end; }; '
     'set -- $(wc -c < "$t"); [ "$1" = "$z" ] || { rm -f -- "$t"; say err short; end; }; '
     'sync -- "$t" || sync; '
+    # Still the lock? Someone may have removed the lock file while gputop decided, and a
+    # writer on the host then locked a new one: start again rather than write beside it.
+    '[ /dev/fd/9 -ef "$k" ] || { rm -f -- "$t"; say err moved; end; }; '
     'mv -f -- "$t" "$p" || { rm -f -- "$t"; say err rename; end; }; '
     'sync -- "$d" || :; say done; end'
 )
