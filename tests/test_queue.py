@@ -495,6 +495,9 @@ def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> No
     b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
     until(lambda: len(team.queue_users()) == 2, what="B queued")
     bid = team.state().waiting()[1].id
+    # Its first words say who is ahead of it, not only its position.
+    until(lambda: "position 2 in the queue; 1 ahead of you (first: gtalice, 1 GPU(s))"
+          in text(b[2]), what="B says who is ahead")
     r = team.run("reservations")
     assert r.returncode == 0
     assert "waiting 1: gtalice for 1 GPU(s)" in r.stdout and f"[id {stale.id}]" in r.stdout

@@ -11,6 +11,7 @@ from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import (
+    not_answering,
     open_store,
     poll_hosts,
     queue_request,
@@ -69,7 +70,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
             print_free(found, state, utcnow())                   # test for all or nothing
         print(f"gputop: {len(found)} free, {args.count} wanted"
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
-                 " (--wait to queue for them)"), file=sys.stderr)
+                 " (--wait to queue for them)") + not_answering(hosts), file=sys.stderr)
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_REFUSED
@@ -103,3 +104,4 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     else:
         print_free(found, store.read() if args.reserve else state, utcnow())
     return EXIT_OK
+

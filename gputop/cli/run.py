@@ -11,6 +11,7 @@ import sys
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     host_config,
+    not_answering,
     open_store,
     poll_hosts,
     queue_request,
@@ -71,7 +72,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"
                   + (f" that none of the {waiting} waiting could use" if waiting else "")
-                  + "; --wait to queue for them", file=sys.stderr)
+                  + "; --wait to queue for them" + not_answering(hosts), file=sys.stderr)
             return EXIT_REFUSED
         got = made
     from gputop.jobs.run import run_on

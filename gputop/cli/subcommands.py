@@ -178,12 +178,13 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
                    help="start: 2026-11-01 or 2026-11-01T09:00 (local time unless it says)")
     p.add_argument("--to", dest="end", metavar="DATE", help="end (default: now)")
     p.add_argument("--by", choices=("user", "host", "gpu"), default="user",
-                   help="the table to show (default: user)")
+                   help="the table to show (default: user, then the host table)")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print everything as JSON")
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
-                   "(needs matplotlib: pip install 'gputop[plot]')")
+                   "(needs matplotlib: pip install '.[plot]' in the checkout, or "
+                   "pipx inject gputop matplotlib)")
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:

@@ -150,7 +150,11 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'gputop[plot]'") from None
+        # Not `pip install 'gputop[plot]'`: gputop is installed from a checkout, and that
+        # name on an index may be someone else's package.
+        raise ValueError("--plot needs matplotlib in gputop's own environment: pipx inject "
+                         "gputop matplotlib, or pip install '.[plot]' in the checkout "
+                         "(uv tool install '.[plot]')") from None
     start = datetime.fromisoformat(doc["series"]["start"].replace("Z", "+00:00"))
     step = doc["series"]["step_s"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8))

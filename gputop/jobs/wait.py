@@ -121,7 +121,12 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
         sight = Sight(req, fleet, say)
         q.sees = sight.look(list(snap.hosts))
         pos = await asyncio.to_thread(q.join)
-        say(f"waiting for {describe_request(req)}: position {pos} in the queue")
+        ahead = ""
+        if pos > 1:  # who is ahead, as the docs promise (not only once the place changes)
+            joined, now = await asyncio.to_thread(store.read), utcnow()
+            if any(w.id == q.id for w in joined.waiting(now)):
+                ahead = f"; {_ahead(joined, q, now)}"
+        say(f"waiting for {describe_request(req)}: position {pos} in the queue{ahead}")
         renewing: set[str] = set()
         poke = asyncio.Event()  # what it sees changed: renew (and record it) now
         keeper = asyncio.create_task(keep_lease(q, say, renewing, poke))
