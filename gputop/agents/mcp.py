@@ -33,10 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def instructions(user: str) -> str:
+    who = (f"your user, {user} (the login this server runs as, or the one the shared "
+           "file's host authenticates)" if user else "your user (the login this server "
+           "runs as, or the one the shared file's host authenticates)")
     return (
         "gputop: the team's GPU servers and their shared, advisory reservations. You act "
-        f"as your user, {user} (the login this server runs as): every reservation you make "
-        "is recorded under that name, and you cannot act as anyone else.\n"
+        f"as {who}: every reservation you make is recorded under that name, and you cannot "
+        "act as anyone else.\n"
         "Rules:\n"
         "1. Reserve before you use a GPU: find_gpus then reserve (or wait_for_gpus when "
         "none is free), and run only on the GPUs you hold (my_reservations), e.g. with "
@@ -65,8 +68,16 @@ def _error(kind: str, message: str) -> CallToolResult:
                           is_error=True)
 
 
-async def _call(make: Callable[[], Awaitable[dict[str, Any]]]) -> CallToolResult:
+async def _call(tools: FleetTools, make: Callable[[], Awaitable[dict[str, Any]]], *,
+                anyone: bool = False) -> CallToolResult:
+    """One tool call: who you are first (``anyone``: a look at the fleet goes on without
+    it, marking nothing as yours), then the tool; failures as classified tool errors."""
     try:
+        try:
+            await tools.identity()
+        except ToolFailure:
+            if not anyone:
+                raise
         return _result(await make())
     except ToolFailure as exc:
         return _error(exc.kind, exc.message)
@@ -118,7 +129,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         many wait in the queue. state per GPU: free, queued (idle but kept for a waiter),
         busy, reserved (by someone else), mine, lost. A long fleet is counted per host:
         name a host or a tag for each GPU."""
-        return await _call(lambda: tools.fleet_status(host, tag))
+        return await _call(tools, lambda: tools.fleet_status(host, tag), anyone=True)
 
     @server.tool(annotations=_READ)
     async def find_gpus(count: Count = 1, min_free_memory_gib: MinFree = 0,
@@ -130,7 +141,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         `gputop free` ranks them: idle, reserved by nobody else, and not kept for someone
         waiting in the queue. With share_gib: the GPU a share of that size fits best (one
         already shared first). Reserves nothing: call reserve with the GPUs found."""
-        return await _call(lambda: tools.find_gpus(count, min_free_memory_gib, hosts, tag,
+        return await _call(tools, lambda: tools.find_gpus(count, min_free_memory_gib, hosts, tag,
                                                    whole_only, share_gib))
 
     @server.tool(annotations=_WRITE)
@@ -146,7 +157,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         (nothing reserved) when someone else holds one, or a waiter in the queue could use
         it: then wait_for_gpus. With share_gib: a memory share of one GPU (the given one,
         or the best fit); use no more memory than that."""
-        return await _call(lambda: tools.reserve(gpus, count, duration, note,
+        return await _call(tools, lambda: tools.reserve(gpus, count, duration, note,
                                                  min_free_memory_gib, hosts, tag, share_gib))
 
     @server.tool(annotations=_RELEASE)
@@ -156,19 +167,19 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
                       ) -> CallToolResult:
         """Give back GPUs you reserved (the given gpus, or all_mine). Only your own: a GPU
         someone else holds is refused and nothing is released."""
-        return await _call(lambda: tools.release(gpus, all_mine))
+        return await _call(tools, lambda: tools.release(gpus, all_mine))
 
     @server.tool(annotations=_READ)
     async def my_reservations() -> CallToolResult:
         """The reservations your user holds now (GPU, until when, time left, note) and your
         places in the queue."""
-        return await _call(tools.my_reservations)
+        return await _call(tools, tools.my_reservations)
 
     @server.tool(annotations=_READ)
     async def queue_status() -> CallToolResult:
         """The team's queue, in order (who waits for how many GPUs with how much memory,
         where, since when; yours marked) and every current reservation."""
-        return await _call(tools.queue_status)
+        return await _call(tools, tools.queue_status)
 
     @server.tool(annotations=_WAIT)
     async def wait_for_gpus(count: Count = 1, min_free_memory_gib: MinFree = 0,
@@ -184,7 +195,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         """Wait your turn in the team's queue for count GPUs, then reserve them for you (in
         one write: all of them or none). Gives up after max_wait_s, leaving the queue,
         with where it stood (granted false); call again to keep waiting."""
-        return await _call(lambda: tools.wait_for_gpus(count, min_free_memory_gib, hosts,
+        return await _call(tools, lambda: tools.wait_for_gpus(count, min_free_memory_gib, hosts,
                                                        tag, duration, note, max_wait_s,
                                                        one_host, share_gib))
 
@@ -195,6 +206,10 @@ async def serve(config: Config) -> int:
     """Serve on stdin/stdout until the client closes them (or a signal cancels this)."""
     tools = FleetTools(config)
     try:
+        try:
+            await tools.identity()
+        except ToolFailure as exc:  # (a store over SSH that is down: asked again per call)
+            log.warning("%s", exc)
         await build_server(tools).run_stdio_async()
     finally:
         await tools.aclose()

@@ -7,11 +7,12 @@ commands' own: free GPUs ranked and held back for the queue as ``gputop free`` d
 queue's claim checked under the lock, releases of your own reservations only, the
 queue's wait (:func:`~gputop.jobs.wait.wait_for_gpus`), bounded in time.
 
-The agent is its user: identity is the process's real uid (``whoami``), never a tool
-argument. Everything that comes from elsewhere (process and user names, notes, GPU names,
-error texts) is data: control and escape characters dropped (:func:`gputop.text.clean`),
-cut to a bound, and never put into a summary line. Outputs are bounded: a long fleet is
-counted per host, processes per GPU and list lengths are capped.
+The agent is its user: identity is the process's real uid, or for a store over SSH the
+account its host authenticated (``whoami(store)``), never a tool argument. Everything that
+comes from elsewhere (process and user names, notes, GPU names, error texts) is data:
+control and escape characters dropped, cut to a bound (:mod:`gputop.agents.views`), and
+never put into a summary line. Outputs are bounded: a long fleet is counted per host,
+processes per GPU and list lengths are capped.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ from gputop.reservations.queue import (
     share_offered,
 )
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
-from gputop.reservations.store import Store, StoreError, StoreState
+from gputop.reservations.store import StoreError, StoreState
 from gputop.reservations.targets import check_targets, parse_targets
+from gputop.sources.shared_file import open_store
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them
@@ -101,10 +103,12 @@ class FleetTools:
 
     def __init__(self, config: Config, poller: Poller | None = None) -> None:
         self.config = config
-        # (as cli/targets.py open_store: read with max_duration, so a far expiry counts as
-        # created + max_duration)
-        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
-        self.me = whoami()[0]
+        # The one store factory: a path here, or HOST:/path over SSH (read with
+        # max_duration, so a far expiry counts as created + max_duration).
+        self.store = open_store(config)
+        #: Who you are for this store (``identity``): the real uid's login, or for a
+        #: store over SSH the account its host authenticated. "" until known.
+        self.me = ""
         #: The account this gputop logs in as on each host: your processes there are yours.
         self.login = logins(config)
         self.fleet = [h.name for h in config.hosts]
@@ -114,6 +118,16 @@ class FleetTools:
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
         self._asking: dict[str, asyncio.Lock] = {}
+
+    async def identity(self) -> str:
+        """``me``, found once: a store over SSH asks its host (off the event loop)."""
+        if not self.me:
+            try:
+                self.me = (await asyncio.to_thread(whoami, self.store))[0]
+            except StoreError as exc:
+                raise ToolFailure("store", f"who you are for the shared file is not known: "
+                                  f"{exc}") from None
+        return self.me
 
     async def aclose(self) -> None:
         await self.poller.aclose()

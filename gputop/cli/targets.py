@@ -16,7 +16,7 @@ from gputop.poller import Poller
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
+    ReservationStore,
     StoreError,
     Target,
 )
@@ -26,6 +26,7 @@ from gputop.reservations.queue import (
 )
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
+from gputop.sources import shared_file
 from gputop.text import clean
 
 
@@ -80,23 +81,25 @@ def validate_gpus(config: Config, targets: list[Target],
     the hosts as polled."""
     from gputop.jobs.remote import logins
 
+    me = whoami(open_store(config))[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
-    out, warnings = check_targets(targets, snaps, whoami()[0], logins(config))
+    out, warnings = check_targets(targets, snaps, me, logins(config))
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
 
-def open_store(config: Config) -> Store:
-    """The config's reservations file, read with its ``max_duration`` (an expiry further
-    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
-    return Store(config.reservations_path, max_s=config.reservation_max_s)
+def open_store(config: Config) -> ReservationStore:
+    """The config's reservations file (a path, or ``HOST:/path`` over SSH), read with its
+    ``max_duration`` (an expiry further ahead counts as created + max_duration and is
+    flagged ``beyond-max``): :func:`gputop.sources.shared_file.open_store`."""
+    return shared_file.open_store(config)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
 
-def reap_ended_jobs(config: Config, store: Store) -> None:
+def reap_ended_jobs(config: Config, store: ReservationStore) -> None:
     """Release job-tied reservations whose job has ended (see gputop.jobs.reap)."""
     if not any(r.job is not None for r in read_quietly(store)):
         return
@@ -106,7 +109,7 @@ def reap_ended_jobs(config: Config, store: Store) -> None:
         print(f"gputop: released {clean(r.host)}:{r.gpu} of {clean(r.user)}: its job has "
               "ended", file=sys.stderr)
 
-def read_quietly(store: Store) -> tuple[Reservation, ...]:
+def read_quietly(store: ReservationStore) -> tuple[Reservation, ...]:
     try:
         return store.read().reservations
     except StoreError:
