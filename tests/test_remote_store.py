@@ -715,3 +715,32 @@ def test_signature_changes_with_the_file(clean: World) -> None:
     assert st.signature() == a
     reserve(st, [Target("gpu", 1)], seconds=600, max_seconds=3600)
     assert st.signature() != a
+
+
+async def test_an_agent_over_mcp_is_the_store_hosts_login(clean: World) -> None:
+    """`gputop mcp` with the file over SSH: the agent reserves, sees and releases as the
+    account the store host authenticated (not this process's login, nor $USER)."""
+    pytest.importorskip("mcp")
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    env = clean.fleet.env() | {"USER": "mallory", "LOGNAME": "mallory"}
+    params = StdioServerParameters(command=sys.executable, env=env, args=[
+        "-m", "gputop", "mcp", "--config", str(clean.config("gtcarol", name="agent"))])
+    async with stdio_client(params) as (r, w), ClientSession(r, w) as s:
+        init = await s.initialize()
+        assert "as your user, gtcarol" in (init.instructions or "")
+
+        async def call(name: str, **args: Any) -> dict[str, Any]:
+            res = await s.call_tool(name, args)
+            assert not res.is_error, res.content
+            return json.loads(res.content[0].text)  # type: ignore[union-attr]
+
+        made = await call("reserve", gpus=["gpu:0"], duration="10m")
+        assert "for you (gtcarol)" in made["summary"]
+        assert [(x.host, x.gpu, x.user) for x in Store(clean.path).read().reservations] == [
+            ("gpu", 0, "gtcarol")]
+        mine = await call("my_reservations")
+        assert [x["gpu"] for x in mine["reservations"]] == ["gpu:0"]
+        assert (await call("release", all_mine=True))["released"] == ["gpu:0"]
+    assert Store(clean.path).read().reservations == ()
