@@ -176,7 +176,9 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
                 host = snap.hosts[0]
                 assert host.ok and host.gpus[0].instances, host.error
                 rec.record(host)
-                await asyncio.sleep(0.3)
+                # More than half an interval apart: history keeps a name seen in two
+                # refreshes (gputop.history.names), and samples closer are one refresh.
+                await asyncio.sleep(0.6)
         finally:
             await poller.aclose()
 
