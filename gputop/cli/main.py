@@ -12,10 +12,18 @@ from typing import Any
 
 from gputop import __version__
 from gputop.cli.headless import fleet, json_output, table_output
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, UsageError, run_until_signal
+from gputop.cli.lifecycle import (
+    EXIT_ERROR,
+    EXIT_HUB,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    run_until_signal,
+)
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, ConfigError, default_config_path, load_config
+from gputop.config import Config, ConfigError, default_config_path, hub_url_problem, load_config
 from gputop.history.db import HistoryError
+from gputop.sources import HubError
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
@@ -33,6 +41,9 @@ def _global_options(*, sub: bool) -> argparse.ArgumentParser:
                    help="per-host timeout for connect + one query (overrides the config)")
     p.add_argument("--theme", metavar="NAME", **kw,
                    help="board theme: gputop-dark, gputop-light, gputop-contrast or your own")
+    p.add_argument("--hub", metavar="URL", **kw,
+                   help="read this hub (gputop serve) instead of SSHing to every host "
+                   "(overrides [hub] url)")
     return p
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="gputop",
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
-        "2 usage, config or store error, 130 interrupted (143 SIGTERM, 129 SIGHUP).",
+        "2 usage, config or store error, 3 the hub is down or answered garbage, "
+        "130 interrupted (143 SIGTERM, 129 SIGHUP).",
         parents=[_global_options(sub=False)],
     )
     p.add_argument("--version", action="version", version=f"gputop {__version__}")
@@ -84,6 +96,13 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
         if args.timeout < 0.5:
             raise UsageError("--timeout must be at least 0.5 seconds")
         config = replace(config, timeout=args.timeout)
+    if getattr(args, "hub", None) is not None:
+        problem = hub_url_problem(args.hub)
+        if problem:
+            raise UsageError(f"--hub {problem}")
+        config = replace(config, hub_url=args.hub)
+    if config.hub_url is not None and config.implicit:
+        config = replace(config, hosts=())  # no hosts file: the hub's hosts, all of them
     return config
 
 def _run_board(config: Config | None, args: argparse.Namespace) -> int:
@@ -158,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UsageError, HistoryError) as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except HubError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_HUB
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gputop.cli.free import cmd_free
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_ERROR, EXIT_HUB, EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
+from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config import Config
 from gputop.history.db import HistoryError
 from gputop.reservations import (
@@ -20,6 +21,7 @@ from gputop.reservations import (
     Refused,
     StoreError,
 )
+from gputop.sources import HubError
 
 
 def cmd_record(config: Config, args: argparse.Namespace) -> int:
@@ -39,7 +41,8 @@ def cmd_report(config: Config, args: argparse.Namespace) -> int:
     return report(config, args)
 
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
-            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report}
+            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report,
+            "serve": cmd_serve}
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -122,6 +125,7 @@ def add_subcommands(parser: argparse.ArgumentParser,
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
                    "(needs matplotlib: pip install 'gputop[plot]')")
+    add_serve(sub, parents)
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:
@@ -139,3 +143,6 @@ def run_command(config: Config, args: argparse.Namespace) -> int:
     except HistoryError as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except HubError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_HUB

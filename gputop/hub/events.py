@@ -125,6 +125,13 @@ class EventLog:
         self.subscribers.discard(sub)
         self._kills.pop(sub, None)
 
+    def close_all(self) -> None:
+        """End every stream (the hub is stopping): each handler sees it at once."""
+        for sub in list(self.subscribers):
+            sub.dropped = True
+            sub.ready.set()
+            self.unsubscribe(sub)
+
     def _drop(self, sub: Subscriber) -> None:
         self.dropped += 1
         kill = self._kills.get(sub)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import logging
 import re
 import sys
 import time
@@ -34,6 +35,7 @@ from gputop.hub.collector import Collector
 from gputop.hub.events import KEEPALIVE, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.output import dumps
+from gputop.text import excerpt
 
 #: ``gputop serve``'s default: loopback, a port of its own (not Prometheus' 9090,
 #: node-exporter's 9100 or dcgm-exporter's 9400).
@@ -263,17 +265,48 @@ def read_token(path: Path) -> str:
     return token
 
 
+class _OneLine(logging.Handler):
+    """aiohttp's request errors (a malformed request from anyone who can connect) as one
+    line each, at most one per ``every_s`` (with a count of those left out): no traceback
+    floods the hub's log."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        super().__init__(logging.ERROR)
+        self.every_s, self.last, self.skipped = every_s, -1e9, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.skipped += 1
+            return
+        self.last = now
+        why = record.exc_info[1] if record.exc_info else None
+        more = f" ({self.skipped} more since)" if self.skipped else ""
+        self.skipped = 0
+        print(f"gputop: hub: {excerpt(record.getMessage(), 80)}"
+              + (f": {excerpt(str(why), 120)}" if why else "") + more,
+              file=sys.stderr, flush=True)
+
+
+def _quiet_request_errors() -> None:
+    log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(h, _OneLine) for h in log.handlers):
+        log.addHandler(_OneLine())
+    log.propagate = False
+
+
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None, **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
     host, port = parse_listen(listen)
+    _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
     runner = web.AppRunner(hub.app(), access_log=None, handle_signals=False,
                            max_line_size=8190, max_field_size=8190, max_headers=64)
     await runner.setup()
     collecting = asyncio.create_task(hub.collector.run())
     try:
-        site = web.TCPSite(runner, host, port, backlog=128)
+        site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
         await site.start()
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
         print(f"gputop: hub serving {len(hub.collector.names)} host(s) on {url}",
@@ -287,6 +320,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
             ready(url)
         await collecting
     finally:
+        hub.events.close_all()
         collecting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collecting

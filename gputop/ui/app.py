@@ -25,7 +25,7 @@ from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import Poller
+from gputop.poller import HubPoller, Poller, open_poller
 from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
 from gputop.reservations.ops import whoami
 from gputop.reservations.store import StoreState
@@ -141,7 +141,7 @@ class GputopApp(App[int]):
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
-        self.poller: Poller | None = None
+        self.poller: Poller | HubPoller | None = None
         self._feed_started = False
         #: Armed by the first signal; cancelled once the board has exited (see run_board).
         self.watchdog: threading.Timer | None = None
@@ -231,7 +231,7 @@ class GputopApp(App[int]):
         """Poll on the feed thread (see feed.py) until the app exits; its snapshots wait in
         ``_inbox`` for the next frame."""
         self._feed_started = True
-        poller = self.poller = Poller(self.config, self._sources)
+        poller = self.poller = open_poller(self.config, self._sources)
         feed = self._feed_thread = FeedThread(poller, self._inbox.put)
         feed.start()
         try:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from gputop.model import HostSnapshot
-from gputop.poller import Poller
+from gputop.poller import HubPoller, Poller
 
 #: The longest the feed waits for the board in one go, and how long it then runs at least.
 MAX_HOLD_S = 0.25
@@ -30,7 +30,7 @@ MIN_RUN_S = 0.1
 
 
 class FeedThread:
-    def __init__(self, poller: Poller, deliver: Callable[[HostSnapshot], None],
+    def __init__(self, poller: Poller | HubPoller, deliver: Callable[[HostSnapshot], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.poller = poller
         self._deliver = deliver

@@ -1,0 +1,386 @@
+"""Reading a hub (``gputop serve``): its snapshot and its event stream, as remote output.
+
+A hub is another machine's process: everything it sends is checked like any host's
+output. A body or an event line larger than ``MAX_DOCUMENT_BYTES`` is cut off while it is
+read; the JSON must parse (no ``NaN``, bounded nesting) and match the shipped snapshot
+schema (``gputop/schema/snapshot.schema.json``, checked here by a small validator of the
+subset it uses), and every string is cleaned again, as if it came straight from a host.
+What fails is one :class:`HubError` with a classified kind (``unreachable``, ``timeout``,
+``auth``, ``parse``, ``error``) and the hub's URL, never a hang: every read has a timeout.
+
+This module knows the document, not the server: ``gputop.hub`` is never imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Mapping
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+
+from gputop.model import (
+    SCHEMA_VERSION,
+    FleetSnapshot,
+    GpuInfo,
+    HostError,
+    HostSnapshot,
+    MigInstance,
+    ProcessInfo,
+)
+from gputop.sources import HubError
+from gputop.text import clean, excerpt
+
+#: The largest document or event this reader takes (a 1,000 x 8 fleet is about 6 MB).
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+MAX_STRING = 64 * 1024
+MAX_ITEMS = 100_000
+MAX_DEPTH = 32
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "snapshot.schema.json"
+#: With no event (an update or a keepalive, every 15 s at most) for this long, the stream
+#: is taken for dead and reopened.
+STREAM_IDLE_S = 40.0
+_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
+
+
+# --- the schema --------------------------------------------------------------------------
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    return cast(dict[str, Any], json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
+
+
+class _Invalid(ValueError):
+    pass
+
+
+def _type_ok(value: Any, t: str) -> bool:
+    if t == "null":
+        return value is None
+    if t == "boolean":
+        return isinstance(value, bool)
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "string":
+        return isinstance(value, str)
+    if t == "array":
+        return isinstance(value, list)
+    if t == "object":
+        return isinstance(value, dict)
+    return False
+
+
+def check(value: Any, schema: Mapping[str, Any], where: str = "$", depth: int = 0) -> Any:
+    """``value`` checked against ``schema`` (the snapshot schema's subset: ``$ref``,
+    ``type``, ``const``, ``enum``, ``pattern``, ``oneOf``, ``required``, ``properties``,
+    ``additionalProperties: false``, ``items``); returns it with every string cleaned."""
+    if depth > MAX_DEPTH:
+        raise _Invalid(f"{where}: nested too deep")
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        assert ref.startswith("#/$defs/")
+        return check(value, _schema()["$defs"][ref[len("#/$defs/"):]], where, depth + 1)
+    if "oneOf" in schema:
+        for option in schema["oneOf"]:
+            try:
+                return check(value, option, where, depth + 1)
+            except _Invalid:
+                continue
+        raise _Invalid(f"{where}: matches none of the allowed forms")
+    if "const" in schema and value != schema["const"]:
+        raise _Invalid(f"{where}: expected {schema['const']!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise _Invalid(f"{where}: not one of the known values")
+    t = schema.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        if not any(_type_ok(value, x) for x in types):
+            raise _Invalid(f"{where}: expected {' or '.join(types)}")
+    if isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise _Invalid(f"{where}: longer than {MAX_STRING} characters")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            raise _Invalid(f"{where}: not in the expected form")
+        return clean(value)
+    if isinstance(value, float) and value != value:  # NaN (json.loads refuses it anyway)
+        raise _Invalid(f"{where}: not a number")
+    if isinstance(value, list):
+        if len(value) > MAX_ITEMS:
+            raise _Invalid(f"{where}: more than {MAX_ITEMS} items")
+        items = schema.get("items", {})
+        return [check(v, items, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        missing = [k for k in schema.get("required", ()) if k not in value]
+        if missing:
+            raise _Invalid(f"{where}: missing {missing[0]!r}")
+        if schema.get("additionalProperties") is False:
+            extra = [k for k in value if k not in props]
+            if extra:
+                raise _Invalid(f"{where}: unknown key {excerpt(str(extra[0]), 40)!r}")
+        return {k: check(v, props.get(k, {}), f"{where}.{k}", depth + 1)
+                for k, v in value.items()}
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise _Invalid(f"{name} is not JSON")
+
+
+def parse_json(raw: bytes | str) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise _Invalid("nested too deep") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Invalid(f"not JSON: {excerpt(str(exc), 80)}") from None
+
+
+def check_document(doc: Any) -> dict[str, Any]:
+    """A whole ``--json`` document, checked (and its strings cleaned)."""
+    if not isinstance(doc, dict):
+        raise _Invalid("$: expected an object")
+    if doc.get("version") != SCHEMA_VERSION:
+        raise _Invalid(f"$.version: expected {SCHEMA_VERSION} (this gputop reads schema "
+                       f"{SCHEMA_VERSION}; is the hub another version?)")
+    return cast(dict[str, Any], check(doc, _schema()))
+
+
+def check_update(update: Any) -> dict[str, Any]:
+    """An ``update`` event: ``time``, complete ``hosts``, ``removed`` names, ``set`` keys."""
+    if not isinstance(update, dict) or set(update) != {"time", "hosts", "removed", "set"}:
+        raise _Invalid("update: expected the keys hosts, removed, set, time")
+    top = _schema()["properties"]
+    out: dict[str, Any] = {
+        "time": check(update["time"], top["time"], "update.time"),
+        "hosts": check(update["hosts"], top["hosts"], "update.hosts"),
+        "removed": check(update["removed"], {"type": "array", "items": {"type": "string"}},
+                         "update.removed"),
+    }
+    if not isinstance(update["set"], dict):
+        raise _Invalid("update.set: expected an object")
+    moved = {}
+    for k, v in update["set"].items():
+        if k in ("version", "time", "hosts") or k not in top:
+            raise _Invalid(f"update.set: unknown key {excerpt(str(k), 40)!r}")
+        moved[k] = None if v is None else check(v, top[k], f"update.set.{k}")
+    out["set"] = moved
+    return out
+
+
+class Document:
+    """A hub's document as a reader keeps it: a snapshot, then updates applied to it."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.doc = doc
+        self.order = [h["name"] for h in doc["hosts"]]
+        self.hosts = {h["name"]: h for h in doc["hosts"]}
+
+    def apply(self, update: dict[str, Any]) -> list[dict[str, Any]]:
+        """Apply a checked update; returns the hosts it changed."""
+        for h in update["hosts"]:
+            if h["name"] not in self.hosts:
+                self.order.append(h["name"])
+            self.hosts[h["name"]] = h
+        for name in update["removed"]:
+            if self.hosts.pop(name, None) is not None:
+                self.order.remove(name)
+        for k, v in update["set"].items():
+            if v is None:
+                self.doc.pop(k, None)
+            else:
+                self.doc[k] = v
+        self.doc["time"] = update["time"]
+        self.doc["hosts"] = [self.hosts[n] for n in self.order]
+        return list(update["hosts"])
+
+
+# --- the document as the model -------------------------------------------------------------
+
+
+def _time(text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def _process(p: dict[str, Any]) -> ProcessInfo:
+    return ProcessInfo(p["pid"], p["user"], p["command"], p["gpu_memory_mib"],
+                       p.get("elapsed_s"), p.get("gpu_instance_id"),
+                       p.get("compute_instance_id"))
+
+
+def _gpu(g: dict[str, Any]) -> GpuInfo:
+    fields = {k: v for k, v in g.items()
+              if k not in ("processes", "instances", "reservation", "flags")}
+    insts = tuple(MigInstance(
+        gpu_instance_id=i["gpu_instance_id"], compute_instance_id=i["compute_instance_id"],
+        device_index=i.get("device_index"), uuid=i["uuid"], profile=i["profile"],
+        memory_used_mib=i["memory_used_mib"], memory_total_mib=i["memory_total_mib"],
+        utilization_percent=None, processes=tuple(_process(p) for p in i["processes"]))
+        for i in g.get("instances", ()))
+    return GpuInfo(**fields, processes=tuple(_process(p) for p in g["processes"]),
+                   instances=insts)
+
+
+def host_from_dict(h: dict[str, Any]) -> HostSnapshot:
+    """A checked host object as the model (its reservations and flags are the reader's own
+    to work out, from its own reservations file)."""
+    err = h["error"]
+    return HostSnapshot(
+        name=h["name"], time=_time(h.get("time")) or datetime.now(timezone.utc),
+        gpus=tuple(_gpu(g) for g in h["gpus"]) if err is None else (),
+        error=None if err is None else HostError(err["kind"], err["message"]),
+        last_ok=_time(h.get("last_ok")), source=h.get("source", "ssh"),
+        tags=tuple(h.get("tags", ())), warnings=tuple(h.get("warnings", ())),
+        first_sample_s=h.get("first_sample_s"))
+
+
+def fleet_from_document(doc: dict[str, Any]) -> FleetSnapshot:
+    return FleetSnapshot(hosts=tuple(host_from_dict(h) for h in doc["hosts"]),
+                         time=_time(doc["time"]) or datetime.now(timezone.utc))
+
+
+# --- HTTP ----------------------------------------------------------------------------------
+
+
+def read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"{path}: cannot read the hub token: {exc}") from None
+    token = text.splitlines()[0].strip() if text else ""
+    if not token or not token.isprintable() or len(token) > 4096:
+        raise OSError(f"{path}: the hub token file must hold one line of text")
+    return token
+
+
+class HubClient:
+    """One hub: its snapshot (``snapshot``) and its event stream (``stream``)."""
+
+    def __init__(self, url: str, *, timeout: float, token: str | None = None) -> None:
+        self.url = url if url.endswith("/") else url + "/"
+        self.timeout = timeout
+        self.headers = {"Accept": "application/json"}
+        if token is not None:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No proxy from the environment: the hub is the team's own, named by URL.
+            self._session = aiohttp.ClientSession(trust_env=False, headers=self.headers)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _fail(self, exc: BaseException) -> HubError:
+        if isinstance(exc, HubError):
+            return exc
+        if isinstance(exc, asyncio.TimeoutError):
+            return HubError(self.url, "timeout", f"no answer in {self.timeout:g} s")
+        if isinstance(exc, _Invalid):
+            return HubError(self.url, "parse", str(exc))
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return HubError(self.url, "unreachable", excerpt(str(exc.os_error or exc), 120))
+        if isinstance(exc, (aiohttp.ClientError, OSError)):
+            return HubError(self.url, "unreachable", excerpt(f"{type(exc).__name__}: {exc}",
+                                                             120))
+        return HubError(self.url, "error", excerpt(f"{type(exc).__name__}: {exc}", 120))
+
+    def _status(self, resp: aiohttp.ClientResponse) -> None:
+        if resp.status in (401, 403):
+            raise HubError(self.url, "auth", f"refused (HTTP {resp.status}): check [hub] "
+                           "token_file")
+        if resp.status != 200:
+            raise HubError(self.url, "error", f"HTTP {resp.status}")
+
+    async def snapshot(self) -> dict[str, Any]:
+        """The hub's document, checked."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout)
+            async with self._open().get(self.url + "api/v1/snapshot",
+                                        timeout=timeout) as resp:
+                self._status(resp)
+                if (resp.content_length or 0) > MAX_DOCUMENT_BYTES:
+                    raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > MAX_DOCUMENT_BYTES:
+                        raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
+            return check_document(parse_json(bytes(body)))
+        except Exception as exc:
+            raise self._fail(exc) from None
+
+    async def stream(self, last_event_id: str | None = None
+                     ) -> AsyncIterator[tuple[str, str | None, str]]:
+        """The hub's events as (event, id, data), until the stream ends or goes quiet for
+        ``STREAM_IDLE_S``; then HubError."""
+        headers = {"Accept": "text/event-stream"}
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        try:
+            timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout,
+                                            sock_connect=self.timeout,
+                                            sock_read=STREAM_IDLE_S)
+            async with self._open().get(self.url + "api/v1/events", headers=headers,
+                                        timeout=timeout) as resp:
+                self._status(resp)
+                async for item in _sse(resp.content):
+                    yield item
+            raise HubError(self.url, "unreachable", "the event stream ended")
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            raise self._fail(exc) from None
+
+
+async def _sse(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str, str | None, str]]:
+    """Server-Sent Events from a byte stream: lines bounded by MAX_DOCUMENT_BYTES while
+    they are read; ``event``, ``id`` and ``data`` fields; comments skipped."""
+    buf = bytearray()
+    event, eid, data = "message", None, cast(list[str], [])
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            return
+        buf += chunk
+        while True:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                if len(buf) > MAX_DOCUMENT_BYTES:
+                    raise _Invalid(f"an event line longer than {MAX_DOCUMENT_BYTES} bytes")
+                break
+            line = bytes(buf[:nl]).rstrip(b"\r").decode("utf-8", "replace")
+            del buf[: nl + 1]
+            if not line:
+                if data:
+                    yield event, eid, "\n".join(data)
+                event, data = "message", []
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+                if sum(len(d) for d in data) > MAX_DOCUMENT_BYTES:
+                    raise _Invalid(f"an event larger than {MAX_DOCUMENT_BYTES} bytes")
+            elif name == "id":
+                eid = value if len(value) <= 64 else None
