@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,7 +122,7 @@ def test_no_write_endpoints_and_requests_bounded(hub: Hub) -> None:
     for method in ("POST", "PUT", "DELETE", "PATCH"):
         req = urllib.request.Request(hub.url + "api/v1/snapshot", method=method, data=b"x")
         try:
-            urllib.request.urlopen(req, timeout=5)  # noqa: S310
+            urllib.request.urlopen(req, timeout=5)
             pytest.fail(f"{method} accepted")
         except urllib.error.HTTPError as e:
             assert e.code == 405
@@ -191,8 +192,8 @@ def test_prometheus_scrapes_gpu_count_and_holder(prometheus: str, hub: Hub) -> N
     assert int(count[0]["value"][1]) >= 3  # alpha's two and weird's
     held = wait_for(lambda: promql(
         prometheus, 'gputop_gpu_holder_info{kind="reservation"}'), 10, "holder")
-    import pwd
     import os
+    import pwd
 
     me = pwd.getpwuid(os.getuid()).pw_name
     assert [(r["metric"]["host"], r["metric"]["gpu"], r["metric"]["holder"]) for r in held] \
@@ -286,4 +287,160 @@ def test_subscribers_are_bounded(hub_fleet: Fleet, config: Path, tmp_path: Path)
         assert status == 503 and headers["Content-Security-Policy"]
         one.close()
     finally:
+        h.stop()
+
+
+# --- gputop reading a hub ---------------------------------------------------------------------
+
+
+def test_commands_read_the_hub_and_a_hung_host_costs_nothing(hub: Hub, hub_fleet: Fleet,
+                                                            config: Path,
+                                                            schema: dict) -> None:
+    """``--json``, ``--once`` and ``free`` through the hub: no SSH (the hub's own hosts
+    only: a config without them), and the hung host does not slow them down."""
+    bare = config.parent / "client.toml"
+    bare.write_text(f'[hub]\nurl = "{hub.url}"\n[reservations]\n'
+                    f'path = "{config.parent / "reservations.json"}"\n')
+    for args in (("--json",), ("--once",), ("free", "--json")):
+        t = time.monotonic()
+        r = gputop(hub_fleet, *args, "--config", str(bare))
+        took = time.monotonic() - t
+        assert r.returncode == 0 if args[0] != "free" else r.returncode in (0, 1), r.stderr
+        # Python's own start-up is most of it; a hung host would have cost its timeout (2 s).
+        assert took < 1.5 + 2.0, (args, took)
+        if args == ("--json",):
+            doc = json.loads(r.stdout)
+            jsonschema.validate(doc, schema)
+            assert [h["name"] for h in doc["hosts"]] == ["alpha", "weird", "hung"]
+            assert doc["hosts"][0]["gpus"][1]["reservation"]["note"] == NOTE
+        if args == ("--once",):
+            assert "alpha" in r.stdout and "hung" in r.stdout
+    # --hub on the command line, with the fleet's own config (hosts named there).
+    r = gputop(hub_fleet, "--json", "--config", str(config), "--hub", hub.url)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["hosts"][0]["status"] == "ok"
+
+
+def test_a_hub_that_is_down_is_one_classified_error(hub_fleet: Fleet, config: Path) -> None:
+    port = free_port(ADDR)
+    for args in (("--json",), ("--once",), ("free",)):
+        t = time.monotonic()
+        r = gputop(hub_fleet, *args, "--config", str(config), "--hub", f"http://{ADDR}:{port}/")
+        assert r.returncode == 3, (args, r.returncode, r.stderr)
+        assert f"hub http://{ADDR}:{port}/: unreachable" in r.stderr
+        assert time.monotonic() - t < 10
+    # fallback = "direct": the hosts are polled instead, and it says so.
+    fb = config.parent / "fallback.toml"
+    fb.write_text(config.read_text() + f'\n[hub]\nurl = "http://{ADDR}:{port}/"\n'
+                  'fallback = "direct"\n')
+    r = gputop(hub_fleet, "--json", "--config", str(fb))
+    assert r.returncode == 0, r.stderr
+    assert "polling the hosts directly" in r.stderr
+    assert json.loads(r.stdout)["hosts"][0]["status"] == "ok"
+
+
+def _http(body: bytes, status: str = "200 OK", length: int | None = None) -> bytes:
+    n = len(body) if length is None else length
+    return f"HTTP/1.1 {status}\r\nContent-Length: {n}\r\n\r\n".encode() + body
+
+
+@pytest.mark.parametrize("answer", [
+    _http(b"nope!"),
+    _http(b'{"version": 3, "time": NaN, "hosts": []}'),
+    _http(b'{"version": 3, "time": "2026-01-01T00:00:00Z", "hosts": [1]}'),
+    _http(b'{"version": 3, "time": "2026-01-01T00:00:00Z", "hosts": [], "evil": 1}'),
+    _http(b"[" * 100000),
+    _http(b"{", length=99999999999),
+    _http(b"", "401 Unauthorized"),
+    b"SSH-2.0-OpenSSH_9.2\r\n",  # not HTTP at all
+    b"",  # accepts and never answers
+], ids=["not-json", "nan", "bad-host", "unknown-key", "deep", "huge", "401", "not-http",
+        "silent"])
+def test_a_hub_answering_garbage_is_one_classified_error(hub_fleet: Fleet, config: Path,
+                                                        answer: bytes) -> None:
+    """A hostile (or broken) hub: a listener that sends fixed bytes, nothing else."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind((ADDR, 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        conns = []
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            c.settimeout(2)
+            try:
+                c.recv(65536)
+                if answer:
+                    c.sendall(answer)
+                    c.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        for c in conns:
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        started = time.monotonic()
+        r = gputop(hub_fleet, "--json", "--config", str(config), "--timeout", "1",
+                   "--hub", f"http://{ADDR}:{port}/")
+        assert r.returncode == 3, (r.returncode, r.stderr)
+        kind = {b"": "timeout"}.get(answer, "auth" if b"401" in answer[:20] else "parse")
+        assert f": {kind}: " in r.stderr, r.stderr
+        assert r.stdout == ""
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+def test_watch_and_sse_survive_a_hub_restart(hub_fleet: Fleet, config: Path,
+                                             tmp_path: Path) -> None:
+    """A hub killed mid-stream: ``--json --watch --hub`` says so in the document and goes
+    on; the restarted hub (new epoch) answers an old ``Last-Event-ID`` with a snapshot."""
+    cfg = tmp_path / "alpha.toml"
+    cfg.write_text(config.read_text().replace('[[hosts]]\nname = "weird"\n\n', "")
+                   .replace('[[hosts]]\nname = "hung"\n\n', ""))
+    h = Hub(cfg, hub_fleet.env(), ADDR).start()
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "--json", "--watch", "--config", str(cfg),
+         "--hub", h.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=hub_fleet.env())
+    try:
+        from test_cli import read_lines
+
+        first = json.loads(read_lines(watch, 1, 20)[0])
+        assert first["hosts"][0]["status"] == "ok"
+        sse = Sse(h.url)
+        old = next(sse.events())["id"]
+        h.stop(signal.SIGKILL)  # mid-stream
+        assert list(sse.events()) == []  # the stream ends; it does not hang
+        down = wait_for(lambda: next((d for d in (json.loads(x) for x in
+                                                  read_lines(watch, 1, 20))
+                                      if d["hosts"][0]["status"] == "error"), None), 20,
+                        "a document saying the hub is down")
+        assert down["hosts"][0]["error"]["kind"] == "unreachable"
+        assert h.url in down["hosts"][0]["error"]["message"]
+        h.start()
+        back = Sse(h.url, last_event_id=old)
+        ev = next(back.events())
+        back.close()
+        assert ev["event"] == "snapshot" and ev["id"].split("-")[0] != old.split("-")[0]
+        wait_for(lambda: json.loads(read_lines(watch, 1, 20)[0])["hosts"][0]["status"]
+                 == "ok", 20, "the watch back on the restarted hub")
+        assert watch.poll() is None
+    finally:
+        watch.terminate()
+        watch.wait(10)
         h.stop()

@@ -294,6 +294,10 @@ class HubClient:
             return HubError(self.url, "timeout", f"no answer in {self.timeout:g} s")
         if isinstance(exc, _Invalid):
             return HubError(self.url, "parse", str(exc))
+        if isinstance(exc, (aiohttp.ClientResponseError, aiohttp.ClientPayloadError)):
+            # Not HTTP, or a broken body: what answers there is no hub (or a broken one).
+            return HubError(self.url, "parse", "not an HTTP answer a hub gives: "
+                            + excerpt(str(getattr(exc, "message", exc)), 100))
         if isinstance(exc, aiohttp.ClientConnectorError):
             return HubError(self.url, "unreachable", excerpt(str(exc.os_error or exc), 120))
         if isinstance(exc, (aiohttp.ClientError, OSError)):
