@@ -56,7 +56,12 @@ def hub(hub_fleet: Fleet, config: Path) -> Iterator[Hub]:
     r = gputop(hub_fleet, "reserve", "alpha:1", "--for", "1h", "--note", NOTE,
                "--config", str(config))
     assert r.returncode == 0, r.stderr
-    h = Hub(config, hub_fleet.env(), ADDR).start()
+    h = Hub(config, hub_fleet.env(), ADDR).start(wait_ready=None)
+    # Not ready while the hung host has neither answered nor timed out (2 s).
+    status, _, body = get(h.url + "-/ready")
+    assert status == 503 and b"waiting for" in body, (status, body)
+    assert get(h.url + "-/healthy")[0] == 200
+    wait_for(lambda: get(h.url + "-/ready")[0] == 200, 20, "readiness")
     yield h
     h.stop()
 

@@ -14,7 +14,7 @@ DATA_LAYER = [
     "gputop.history.report", "gputop.history.render", "gputop.history.live", "gputop.history.cli",
     "gputop.cli.main", "gputop.cli.subcommands", "gputop.cli.headless", "gputop.cli.reserve",
     "gputop.cli.free", "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets",
-    "gputop.cli.lifecycle",
+    "gputop.cli.lifecycle", "gputop.sources.hub", "gputop.hub.server", "gputop.cli.serve",
 ]
 
 

@@ -84,6 +84,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def listen_warning(host: str, has_token: bool) -> str | None:
+    """What ``serve`` says at start when it listens beyond this machine."""
+    if is_loopback(host):
+        return None
+    return (f"listening on {host}, beyond this machine: anyone who can reach it sees every "
+            "host's GPUs, processes and reservations"
+            + ("" if has_token else " (set [hub] token_file to require a token)"))
+
+
 def static_files(web_dir: Path = WEB_DIR) -> dict[str, Path]:
     """The files the page may load: plain files directly in ``web_dir`` with plain names
     (no dot files, no folders, no links), found once at start. Nothing else is served."""
@@ -311,11 +320,9 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
         print(f"gputop: hub serving {len(hub.collector.names)} host(s) on {url}",
               file=sys.stderr, flush=True)
-        if not is_loopback(host):
-            print(f"gputop: warning: listening on {host}, beyond this machine: anyone who "
-                  "can reach it sees every host's GPUs, processes and reservations"
-                  + ("" if token else " (set [hub] token_file to require a token)"),
-                  file=sys.stderr, flush=True)
+        warning = listen_warning(host, token is not None)
+        if warning:
+            print(f"gputop: warning: {warning}", file=sys.stderr, flush=True)
         if ready is not None:
             ready(url)
         await collecting
