@@ -449,3 +449,50 @@ def test_watch_and_sse_survive_a_hub_restart(hub_fleet: Fleet, config: Path,
         watch.terminate()
         watch.wait(10)
         h.stop()
+
+
+async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
+        hub_fleet: Fleet, config: Path, tmp_path: Path) -> None:
+    """The real board (Textual's pilot) on ``[hub] url``: the hub's hosts, no SSH; the hub
+    killed mid-stream is every row's classified error and a summary-bar banner, and the
+    restarted hub's data comes back by itself."""
+    from gputop.config import load_config
+    from gputop.ui.app import GputopApp
+    from gputop.ui.widgets import SummaryBar
+
+    cfg = tmp_path / "alpha.toml"
+    cfg.write_text(config.read_text().replace('[[hosts]]\nname = "weird"\n\n', "")
+                   .replace('[[hosts]]\nname = "hung"\n\n', ""))
+    h = Hub(cfg, hub_fleet.env(), ADDR).start()
+    reader = tmp_path / "reader.toml"
+    reader.write_text(f'[defaults]\ninterval = 1\ntimeout = 2\n[hub]\nurl = "{h.url}"\n'
+                      f'[reservations]\npath = "{tmp_path / "r.json"}"\n')
+    app = GputopApp(load_config(str(reader)), user="ann")
+    try:
+        async with app.run_test(size=(120, 30)) as pilot:
+            async def until(check, what: str, seconds: float = 20) -> None:  # type: ignore[no-untyped-def]
+                for _ in range(int(seconds / 0.05)):
+                    if check():
+                        return
+                    await pilot.pause(0.05)
+                pytest.fail(f"the board never showed {what}")
+
+            def alpha():  # type: ignore[no-untyped-def]
+                return app.model.snapshots.get("alpha")
+
+            await until(lambda: alpha() is not None and len(alpha().gpus) == 2, "alpha")
+            h.stop(signal.SIGKILL)
+            await until(lambda: alpha().error is not None
+                        and alpha().error.kind == "unreachable", "the hub down")
+            app.render_board()
+            await pilot.pause()
+            assert "hub unreachable" in str(app.query_one(SummaryBar).render())
+            assert h.url in alpha().error.message
+            h.start()
+            await until(lambda: alpha().error is None and len(alpha().gpus) == 2,
+                        "the hub back")
+            app.render_board()
+            await pilot.pause()
+            assert "hub " not in str(app.query_one(SummaryBar).render())
+    finally:
+        h.stop()

@@ -392,7 +392,10 @@ class GputopApp(App[int]):
         waiting = len(self._state.waiting(now)) if self._state is not None else 0
         if waiting:
             note = (note + f"  queue: {waiting} waiting (Q)").strip()
-        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem)
+        # A hub that is down (or answers garbage) stays in the summary bar until it is back.
+        hub_error = getattr(self.poller, "error", None)
+        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem,
+                                        hub_error.kind if hub_error is not None else None)
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, now, self.palette)

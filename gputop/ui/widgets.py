@@ -25,11 +25,14 @@ __all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
 
 class SummaryBar(Static):
     def show(self, s: Summary, palette: Palette, note: str = "",
-             problem: str | None = None) -> None:
+             problem: str | None = None, hub_problem: str | None = None) -> None:
         # Fits 80 columns: "2 up · 2 down │ 1 free · 6 busy · 0 reserved of 7 GPUs │ ..."
         t = Text(" ")
         if note:  # first: a filtered or re-sorted view must never look like the whole board
             t.append(f"[{note}] ", style=f"bold {palette.reserved}")
+        if hub_problem:  # the hub the board reads ([hub] url) is down: every row says why
+            t.append(f"hub {hub_problem} ", style=f"bold reverse {palette.error}")
+            t.append(" ")
         if problem:  # lasts as long as the problem does, unlike a notification
             t.append("reservations unreadable ", style=f"bold reverse {palette.error}")
             t.append(" ")
