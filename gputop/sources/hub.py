@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 from typing import Any, cast
-
-import aiohttp
 
 from gputop.model import (
     SCHEMA_VERSION,
@@ -266,7 +267,12 @@ def read_token(path: Path | None) -> str | None:
 
 
 class HubClient:
-    """One hub: its snapshot (``snapshot``) and its event stream (``stream``)."""
+    """One hub: its snapshot (``snapshot``) and its event stream (``stream``).
+
+    One look (``snapshot``) goes through the standard library's ``http.client`` on a
+    worker thread: a one-shot ``--json`` or ``free`` then never imports aiohttp (a third
+    of a second of start-up, the most of what such a command costs through a hub). The
+    stream, which lives as long as the board, uses aiohttp on the caller's loop."""
 
     def __init__(self, url: str, *, timeout: float, token: str | None = None) -> None:
         self.url = url if url.endswith("/") else url + "/"
@@ -274,9 +280,11 @@ class HubClient:
         self.headers = {"Accept": "application/json"}
         if token is not None:
             self.headers["Authorization"] = f"Bearer {token}"
-        self._session: aiohttp.ClientSession | None = None
+        self._session: Any = None
 
-    def _open(self) -> aiohttp.ClientSession:
+    def _open(self) -> Any:
+        import aiohttp
+
         if self._session is None or self._session.closed:
             # No proxy from the environment: the hub is the team's own, named by URL.
             self._session = aiohttp.ClientSession(trust_env=False, headers=self.headers)
@@ -288,52 +296,83 @@ class HubClient:
             self._session = None
 
     def _fail(self, exc: BaseException) -> HubError:
+        import http.client
+
         if isinstance(exc, HubError):
             return exc
-        if isinstance(exc, asyncio.TimeoutError):
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError, socket.timeout)):
             return HubError(self.url, "timeout", f"no answer in {self.timeout:g} s")
         if isinstance(exc, _Invalid):
             return HubError(self.url, "parse", str(exc))
-        if isinstance(exc, (aiohttp.ClientResponseError, aiohttp.ClientPayloadError)):
-            # Not HTTP, or a broken body: what answers there is no hub (or a broken one).
+        if isinstance(exc, http.client.HTTPException):
             return HubError(self.url, "parse", "not an HTTP answer a hub gives: "
-                            + excerpt(str(getattr(exc, "message", exc)), 100))
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            return HubError(self.url, "unreachable", excerpt(str(exc.os_error or exc), 120))
-        if isinstance(exc, (aiohttp.ClientError, OSError)):
-            return HubError(self.url, "unreachable", excerpt(f"{type(exc).__name__}: {exc}",
-                                                             120))
+                            + excerpt(f"{type(exc).__name__}: {exc}", 100))
+        aiohttp = sys.modules.get("aiohttp")
+        if aiohttp is not None:
+            if isinstance(exc, (aiohttp.ClientResponseError, aiohttp.ClientPayloadError)):
+                # Not HTTP, or a broken body: what answers there is no hub (or a broken one).
+                return HubError(self.url, "parse", "not an HTTP answer a hub gives: "
+                                + excerpt(str(getattr(exc, "message", exc)), 100))
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                return HubError(self.url, "unreachable",
+                                excerpt(str(exc.os_error or exc), 120))
+            if isinstance(exc, aiohttp.ClientError):
+                return HubError(self.url, "unreachable",
+                                excerpt(f"{type(exc).__name__}: {exc}", 120))
+        if isinstance(exc, OSError):
+            return HubError(self.url, "unreachable",
+                            excerpt(exc.strerror or f"{type(exc).__name__}: {exc}", 120))
         return HubError(self.url, "error", excerpt(f"{type(exc).__name__}: {exc}", 120))
 
-    def _status(self, resp: aiohttp.ClientResponse) -> None:
-        if resp.status in (401, 403):
-            raise HubError(self.url, "auth", f"refused (HTTP {resp.status}): check [hub] "
+    def _check_status(self, status: int) -> None:
+        if status in (401, 403):
+            raise HubError(self.url, "auth", f"refused (HTTP {status}): check [hub] "
                            "token_file")
-        if resp.status != 200:
-            raise HubError(self.url, "error", f"HTTP {resp.status}")
+        if status != 200:
+            raise HubError(self.url, "error", f"HTTP {status}")
 
     async def snapshot(self) -> dict[str, Any]:
         """The hub's document, checked."""
         try:
-            timeout = aiohttp.ClientTimeout(total=self.timeout)
-            async with self._open().get(self.url + "api/v1/snapshot",
-                                        timeout=timeout) as resp:
-                self._status(resp)
-                if (resp.content_length or 0) > MAX_DOCUMENT_BYTES:
-                    raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
-                body = bytearray()
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    body += chunk
-                    if len(body) > MAX_DOCUMENT_BYTES:
-                        raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
-            return check_document(parse_json(bytes(body)))
+            body = await asyncio.to_thread(self._get, "api/v1/snapshot")
+            return check_document(parse_json(body))
         except Exception as exc:
             raise self._fail(exc) from None
+
+    def _get(self, path: str) -> bytes:
+        """One GET (blocking): status checked, the body bounded while it is read, the
+        whole exchange within ``timeout``."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        deadline = time.monotonic() + self.timeout
+        u = urlsplit(self.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname or "", u.port, timeout=self.timeout)
+        try:
+            conn.request("GET", (u.path or "/") + path, headers=self.headers)
+            resp = conn.getresponse()
+            self._check_status(resp.status)
+            length = resp.getheader("Content-Length")
+            if length is not None and length.isdigit() and int(length) > MAX_DOCUMENT_BYTES:
+                raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
+            body = bytearray()
+            while chunk := resp.read1(1 << 16):
+                body += chunk
+                if len(body) > MAX_DOCUMENT_BYTES:
+                    raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+            return bytes(body)
+        finally:
+            conn.close()
 
     async def stream(self, last_event_id: str | None = None
                      ) -> AsyncIterator[tuple[str, str | None, str]]:
         """The hub's events as (event, id, data), until the stream ends or goes quiet for
         ``STREAM_IDLE_S``; then HubError."""
+        import aiohttp
+
         headers = {"Accept": "text/event-stream"}
         if last_event_id:
             headers["Last-Event-ID"] = last_event_id
@@ -343,7 +382,7 @@ class HubClient:
                                             sock_read=STREAM_IDLE_S)
             async with self._open().get(self.url + "api/v1/events", headers=headers,
                                         timeout=timeout) as resp:
-                self._status(resp)
+                self._check_status(resp.status)
                 async for item in _sse(resp.content):
                     yield item
             raise HubError(self.url, "unreachable", "the event stream ended")
@@ -353,7 +392,7 @@ class HubClient:
             raise self._fail(exc) from None
 
 
-async def _sse(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str, str | None, str]]:
+async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
     """Server-Sent Events from a byte stream: lines bounded by MAX_DOCUMENT_BYTES while
     they are read; ``event``, ``id`` and ``data`` fields; comments skipped."""
     buf = bytearray()
