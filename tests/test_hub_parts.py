@@ -285,3 +285,24 @@ def test_listening_beyond_loopback_says_so(tmp_path: Path) -> None:
         assert "beyond" not in hub.stderr()
     finally:
         hub.stop()
+
+
+def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gputop", "serve", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    reader = tmp_path / "reader.toml"
+    reader.write_text('[hub]\nurl = "http://127.0.0.1:9/"\n')
+    r = serve("--config", str(reader))
+    assert r.returncode == 2 and "hosts" in r.stderr and str(reader) in r.stderr
+    cfg = local_config(tmp_path)
+    r = serve("--config", str(cfg), "--listen", "nowhere")
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = serve("--config", str(cfg), "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 2 and "cannot listen" in r.stderr
+    assert "Traceback" not in r.stderr
