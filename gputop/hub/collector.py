@@ -37,7 +37,7 @@ class HostStats:
     answers: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     last_answer: float | None = None  # time.time() of the last answer, any kind
-    answered: bool = False  # a first real answer (not "starting"), or its timeout
+    answered: bool = False  # a first real answer (not "starting") or its timeout, folded
 
 
 class Collector:
@@ -119,8 +119,6 @@ class Collector:
         st.last_answer = time.time()
         if snap.error is not None:
             st.errors[snap.error.kind] = st.errors.get(snap.error.kind, 0) + 1
-        if snap.error is None or snap.error.kind != "starting":
-            st.answered = True
         self.tracker.observe(snap)
         self._latest[snap.name] = snap
         self._dirty.add(snap.name)
@@ -141,7 +139,11 @@ class Collector:
         for n in self.names:
             if n not in dirty:
                 continue
-            h = annotated_host(self._latest[n], state, self.tracker, now)
+            latest = self._latest[n]
+            if latest.error is None or latest.error.kind != "starting":
+                # Ready counts what the document shows, not what is still to be folded.
+                self.stats[n].answered = True
+            h = annotated_host(latest, state, self.tracker, now)
             if h != self._hosts.get(n):
                 self._hosts[n] = h
                 changed.append(h)
