@@ -306,3 +306,41 @@ def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
         r = serve("--config", str(cfg), "--listen", f"127.0.0.1:{port}")
     assert r.returncode == 2 and "cannot listen" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
+        tmp_path: Path) -> None:
+    """The collector's folds (up to ten a second) read the shared file only when it
+    changed; a broken one is ``reservations_error`` (and ``set`` in an update), and its
+    mending clears it. No poller runs: the host is its placeholder until it answers."""
+    from gputop.hub.collector import Collector
+    from gputop.hub.metrics import HubCounts, families, render
+
+    config = load_config(str(local_config(tmp_path)))
+    c = Collector(config)
+    updates: list[dict] = []
+    c.on_update = lambda text: updates.append(json.loads(text))
+    reads = 0
+    real = c.store.read
+
+    def counted():  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        return real()
+
+    c.store.read = counted  # type: ignore[method-assign]
+    path = config.reservations_path
+    path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
+    c.fold()
+    assert "reservations_error" in c.document() and "queue" not in c.document()
+    assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
+    assert updates[-1]["set"]["queue"] is None
+    text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
+    assert b"gputop_reservations_file_ok 0.0" in text
+    for _ in range(5):
+        c.fold()
+    assert reads == 1  # unchanged: not read again
+    path.write_text('{"version": 1, "reservations": [], "events": []}')
+    c.fold()
+    assert reads == 2 and "reservations_error" not in c.document()
+    assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
