@@ -7,6 +7,7 @@ error, enough for what is checked here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -344,3 +345,54 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     c.fold()
     assert reads == 2 and "reservations_error" not in c.document()
     assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
+
+
+async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
+        served: tuple[Hub, int]) -> None:
+    """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
+    keeps running: the host shows the hub's error, then, back within the window, the
+    missed update (no second snapshot), the host's data first restored."""
+    from dataclasses import replace
+
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.poller import HubPoller
+
+    hub, port = served
+    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    got: list[HostSnapshot] = []
+
+    async def read() -> None:
+        async for h in poller.updates():
+            got.append(h)
+
+    async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(400):
+            if got and check(got[-1]):
+                return
+            await asyncio.sleep(0.025)
+        pytest.fail(f"never {what}: {got[-3:]}")
+
+    def answer(util: int) -> None:
+        hub.collector.observe(HostSnapshot("here", source="nvml", gpus=(
+            GpuInfo(index=0, uuid="GPU-1", name="T", utilization_percent=util),)))
+        hub.collector.fold()
+
+    task = asyncio.get_running_loop().create_task(read())
+    try:
+        await until(lambda h: h.name == "here", "the snapshot")
+        answer(10)
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 10, "an update")
+        hub.events.close_all()
+        await until(lambda h: h.error is not None and h.error.kind == "unreachable",
+                    "the hub's error")
+        answer(50)  # while the reader is away
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 50, "the resume")
+        assert poller.error is None and poller.connects == 1  # resumed, not a new snapshot
+        restored = [h for h in got if h.error is None and h.gpus
+                    and h.gpus[0].utilization_percent == 10]
+        assert len(restored) == 2  # the update, and again right after the resume
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await poller.aclose()
