@@ -396,3 +396,21 @@ async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await poller.aclose()
+
+
+def test_a_loopback_hub_answers_to_loopback_names_only(tmp_path: Path) -> None:
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 sends
+    ``Host: evil.example``; a hub on loopback refuses it (421), whatever the route."""
+    hub = HubProcess(local_config(tmp_path), {**__import__("os").environ}).start(
+        wait_ready=None)
+    try:
+        for host in ("evil.example", "evil.example:80", "10.0.0.1", ""):
+            for path in ("", "api/v1/snapshot", "metrics", "-/healthy"):
+                status, headers, _ = get(hub.url + path, {"Host": host})
+                assert status == 421, (host, path, status)
+                assert headers["Content-Security-Policy"]
+        for host in (f"127.0.0.1:{hub.port}", "localhost", f"localhost:{hub.port}",
+                     "[::1]:1", "127.9.9.9"):
+            assert get(hub.url + "api/v1/snapshot", {"Host": host})[0] == 200, host
+    finally:
+        hub.stop()
