@@ -414,3 +414,27 @@ def test_a_loopback_hub_answers_to_loopback_names_only(tmp_path: Path) -> None:
             assert get(hub.url + "api/v1/snapshot", {"Host": host})[0] == 200, host
     finally:
         hub.stop()
+
+
+def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
+    """The document's queue is ``Waiter.to_dict``: a field added there (as ``sees`` and
+    ``share_mib`` were) must be added to the schema's closed ``waiter``, or every hub
+    reader refuses the document as ``parse``. A waiter with every field set checks out."""
+    import dataclasses
+    from datetime import timedelta
+
+    import jsonschema
+
+    from gputop.model import utcnow
+    from gputop.reservations.store import Waiter
+
+    now = utcnow()
+    w = Waiter("w1", "ann", "laptop", 2, now, now + timedelta(seconds=60), min_free_mib=1,
+               hosts=("a",), want="--host a", one_host=True, share_mib=1024, sees=("a",))
+    unset = [f.name for f in dataclasses.fields(Waiter)
+             if getattr(w, f.name) == f.default and f.default is not None]
+    assert not unset, f"set these in the test too: {unset}"
+    doc = _doc()
+    doc["queue"] = [w.to_dict()]
+    jsonschema.validate(doc, schema)
+    assert check_document(doc)["queue"] == [w.to_dict()]
