@@ -300,6 +300,8 @@ def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg = local_config(tmp_path)
     r = serve("--config", str(cfg), "--listen", "nowhere")
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    r = serve("--config", str(cfg), "--max-subscribers", "0")
+    assert r.returncode == 2 and "--max-subscribers" in r.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
