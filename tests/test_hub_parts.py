@@ -313,9 +313,9 @@ def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
         tmp_path: Path) -> None:
-    """The collector's folds (up to ten a second) read the shared file only when it
-    changed; a broken one is ``reservations_error`` (and ``set`` in an update), and its
-    mending clears it. No poller runs: the host is its placeholder until it answers."""
+    """The collector reads the shared file (off its loop) only when it changed, never in
+    a fold (up to ten a second); a broken one is ``reservations_error`` (and ``set`` in an
+    update), and its mending clears it. No poller runs: the host is its placeholder."""
     from gputop.hub.collector import Collector
     from gputop.hub.metrics import HubCounts, families, render
 
@@ -334,6 +334,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     c.store.read = counted  # type: ignore[method-assign]
     path = config.reservations_path
     path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
+    assert c.refresh_store()
     c.fold()
     assert "reservations_error" in c.document() and "queue" not in c.document()
     assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
@@ -341,9 +342,11 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
     assert b"gputop_reservations_file_ok 0.0" in text
     for _ in range(5):
+        assert not c.refresh_store()
         c.fold()
-    assert reads == 1  # unchanged: not read again
+    assert reads == 1  # unchanged: not read again (and a fold reads nothing)
     path.write_text('{"version": 1, "reservations": [], "events": []}')
+    assert c.refresh_store()
     c.fold()
     assert reads == 2 and "reservations_error" not in c.document()
     assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
