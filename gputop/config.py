@@ -134,6 +134,14 @@ class Config:
     history_raw_keep_s: float = 2 * 86400.0
     history_minute_keep_s: float = 30 * 86400.0
     history_hour_keep_s: float | None = None  # None: forever
+    #: A hub to read instead of SSHing to every host (``[hub] url``, or ``--hub URL``),
+    #: and what to do when it is down: "none" (a clear error) or "direct" (poll the hosts).
+    hub_url: str | None = None
+    hub_fallback: str = "none"
+    #: A file holding the bearer token: the hub requires it, its clients send it.
+    hub_token_file: Path | None = None
+    #: Where ``gputop serve`` listens (``[hub] listen``; ``--listen`` overrides).
+    hub_listen: str | None = None
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -399,6 +407,24 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
                           "keep_minutes (or \"forever\", the default)")
     hist.done()
 
+    hub = _Table(path, "hub", top.get("hub", dict, {}))
+    hub_url = hub.get("url", str)
+    if hub_url is not None:
+        problem = hub_url_problem(hub_url)
+        if problem:
+            raise ConfigError(path, "hub.url", problem)
+    hub_fallback = hub.get("fallback", str, "none")
+    if hub_fallback not in ("none", "direct"):
+        raise ConfigError(path, "hub.fallback", 'must be "none" or "direct"')
+    token_value = hub.get("token_file", str)
+    if token_value is not None and not token_value.strip():
+        raise ConfigError(path, "hub.token_file", "must not be empty")
+    token_file = _data_path(token_value, path, "") if token_value else None
+    hub_listen = hub.get("listen", str)
+    if hub_listen is not None and listen_problem(hub_listen):
+        raise ConfigError(path, "hub.listen", str(listen_problem(hub_listen)))
+    hub.done()
+
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -409,8 +435,9 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
             raise ConfigError(path, f"hosts[{i}].name", f"duplicate host name {h.name!r}")
         seen.add(h.name)
         hosts.append(h)
-    if not hosts:
-        raise ConfigError(path, "hosts", "no hosts configured (add [[hosts]] tables)")
+    if not hosts and (hub_url is None or hub_fallback == "direct"):
+        raise ConfigError(path, "hosts", "no hosts configured (add [[hosts]] tables)"
+                          + (" for hub.fallback = \"direct\"" if hub_url else ""))
 
     ssh_paths: tuple[Path, ...] | None = None
     if ssh_cfg is not None:
@@ -439,4 +466,32 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         history_raw_keep_s=raw_keep,
         history_minute_keep_s=minute_keep,
         history_hour_keep_s=hour_keep,
+        hub_url=hub_url,
+        hub_fallback=hub_fallback,
+        hub_token_file=token_file,
+        hub_listen=hub_listen,
     )
+
+
+def hub_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a hub's address (None: it can)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        return f"{url!r} is not a URL: {exc}"
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"{url!r}: expected http://HOST:PORT/ (or https://)"
+    if u.username or u.password or u.query or u.fragment:
+        return f"{url!r}: no user, password, query or fragment (a token goes in [hub] token_file)"
+    return None
+
+
+def listen_problem(text: str) -> str | None:
+    """Why ``text`` cannot be ``gputop serve``'s HOST:PORT (None: it can)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"{text!r}: expected HOST:PORT, e.g. 127.0.0.1:9847"
+    return None

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 #: 2: GPUs gained ``instances`` (MIG) and processes their GPU / compute instance ids.
 #: 3: memory shares (``shares``, ``unshared_mib``, ``share_mib``, the ``over-share`` flag).
+#: 3 also: the document may carry the wait queue (``queue``), so a hub's readers see waiters.
 SCHEMA_VERSION = 3
 
 #: Classified reasons a host produced no (or partial) data. The JSON schema lists the same.
@@ -165,6 +166,17 @@ class GpuInfo(_HoldsMemoryAndProcesses):
         d = g.__dict__
         d.update(self.__dict__)
         d["processes"] = processes
+        return g
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> GpuInfo:
+        """A GPU from a dict of its fields by name (checked by the caller: e.g. a hub's
+        document, see gputop.sources.hub), the others' defaults; built as ``from_row``.
+        ``fields`` must hold fields only."""
+        g = object.__new__(cls)
+        d = g.__dict__
+        d.update(_GPU_DEFAULTS)
+        d.update(fields)
         return g
 
     @classmethod

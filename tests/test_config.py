@@ -26,7 +26,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     for key in ("interval", "timeout", "max_connecting", "ssh_config", "theme",
                 "idle_holder_after", "address", "port", "user", "tags", "local",
                 "path", "default_duration", "max_duration", "idle_grace",
-                "keep_raw", "keep_minutes", "keep_hours"):
+                "keep_raw", "keep_minutes", "keep_hours", "url",
+                "fallback", "token_file", "listen"):
         assert f"{key} =" in text or f"# {key} =" in text, key
 
 

@@ -51,6 +51,11 @@ def test_wheel_ships_themes_and_example_config(wheels: dict[str, Path], how: str
     assert "gputop/data/hosts.example.toml" in names
     assert "gputop/schema/snapshot.schema.json" in names and "gputop/ui/gputop.tcss" in names
     assert "gputop/history/gputop-record.service" in names  # gputop record --print-unit
+    # The hub's web page and what runs it for a team (unit, scrape job, dashboard).
+    for f in sorted((ROOT / "gputop" / "hub" / "web").iterdir()):
+        assert f"gputop/hub/web/{f.name}" in names
+    for f in ("gputop-hub.service", "prometheus-scrape.yml", "grafana-dashboard.json"):
+        assert f"gputop/hub/deploy/{f}" in names
     data = zipfile.ZipFile(wheels[how]).read("gputop/data/hosts.example.toml")
     assert data == (ROOT / "hosts.example.toml").read_bytes()
 

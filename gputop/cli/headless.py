@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -32,10 +31,13 @@ def fleet(config: Config | None) -> Iterator[tuple[Config, list[Source] | None]]
         with demo_session() as (demo_config, sources):
             yield demo_config, list(sources)
     else:
-        if config.implicit:
+        if config.implicit and config.hub_url is None:
             print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()),
                   file=sys.stderr)
         yield config, None
+
+def _say(message: str) -> None:
+    print(f"gputop: {message}", file=sys.stderr, flush=True)
 
 class ReservationsReader:
     """The shared file, read once per document; a broken file is reported once per change."""
@@ -62,12 +64,11 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
                 pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
     from gputop.output import write_document
-    from gputop.poller import Poller
+    from gputop.poller import open_poller
     from gputop.reservations.flags import IdleTracker, annotate
 
     # One document: one query per host is cheaper for the hosts than starting streams.
-    poller = Poller(config if watch else dataclasses.replace(config, collection="query"),
-                    sources)
+    poller = open_poller(config, sources, one_look=not watch, say=_say)
     reservations = ReservationsReader(config)
     tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
     reaping = _JobReaper(config, reservations.store) if sources is None else None
@@ -149,15 +150,17 @@ async def watch_latest(poller: Any, interval: float, emit: Callable[[FleetSnapsh
     its own loop (``Poller.updates``), so a host whose refresh is still in flight keeps its
     last data (its ``time`` says how old) and never holds the others back. The first
     snapshot waits for every host's first answer, which its timeout bounds."""
-    names = [s.name for s in poller.sources]
     latest: dict[str, HostSnapshot] = {}
     everyone = asyncio.Event()
+
+    def names() -> list[str]:  # (a hub's hosts are known once its stream has begun)
+        return [s.name for s in poller.sources]
 
     async def consume() -> None:
         async for snap in poller.updates():
             observe(snap)
             latest[snap.name] = snap
-            if len(latest) == len(names):
+            if not everyone.is_set() and all(n in latest for n in names()):
                 everyone.set()
 
     feed = asyncio.create_task(consume())
@@ -173,7 +176,7 @@ async def watch_latest(poller: Any, interval: float, emit: Callable[[FleetSnapsh
         set_pace(min(WATCH_PACE_S, interval / 8))
         while True:
             started = loop.time()
-            emit(FleetSnapshot(hosts=tuple(latest[n] for n in names)))
+            emit(FleetSnapshot(hosts=tuple(latest[n] for n in names() if n in latest)))
             await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
     finally:
         feed.cancel()
@@ -185,9 +188,9 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     import shutil
 
     from gputop.cli.table import render
-    from gputop.poller import Poller
+    from gputop.poller import open_poller
 
-    poller = Poller(dataclasses.replace(config, collection="query"), sources)  # one query
+    poller = open_poller(config, sources, one_look=True, say=_say)  # one query
     try:
         snap = await poller.snapshot()
     finally:

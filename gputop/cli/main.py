@@ -11,11 +11,19 @@ from collections.abc import Sequence
 
 from gputop import __version__
 from gputop.cli.headless import fleet, json_output, table_output
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, UsageError, run_until_signal
+from gputop.cli.lifecycle import (
+    EXIT_ERROR,
+    EXIT_HUB,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    run_until_signal,
+)
 from gputop.cli.options import for_subcommand, global_options
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, ConfigError, load_config
+from gputop.config import Config, ConfigError, hub_url_problem, load_config
 from gputop.history.db import HistoryError
+from gputop.sources import HubError
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
@@ -26,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
         "2 usage, config or store error, 3 --json/--once: no host answered (the output "
-        "says why for each), 130 interrupted (143 SIGTERM, 129 SIGHUP).",
+        "says why for each), 4 the hub (--hub, [hub] url) is down or answered garbage, "
+        "130 interrupted (143 SIGTERM, 129 SIGHUP).",
         parents=[global_options(sub=False)],
     )
     p.add_argument("--version", action="version", version=f"gputop {__version__}")
@@ -78,6 +87,13 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
         if args.timeout < 0.5:
             raise UsageError("--timeout must be at least 0.5 seconds")
         config = replace(config, timeout=args.timeout)
+    if getattr(args, "hub", None) is not None:
+        problem = hub_url_problem(args.hub)
+        if problem:
+            raise UsageError(f"--hub {problem}")
+        config = replace(config, hub_url=args.hub)
+    if config.hub_url is not None and config.implicit:
+        config = replace(config, hosts=())  # no hosts file: the hub's hosts, all of them
     return config
 
 def _run_board(config: Config | None, args: argparse.Namespace) -> int:
@@ -154,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UsageError, HistoryError) as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except HubError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_HUB
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

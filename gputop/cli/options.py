@@ -14,17 +14,19 @@ from typing import Any
 from gputop.config import default_config_path
 
 #: Every global option, in the order ``--help`` lists them.
-ALL = ("--config", "--interval", "--timeout", "--theme")
+ALL = ("--config", "--interval", "--timeout", "--theme", "--hub")
 #: What a subcommand takes when it is not named below: it reads the config and hosts.
 DEFAULT = ("--config", "--interval", "--timeout")
+#: ``--hub``: where a command reads the live GPUs (a hub instead of the hosts).
 #: Per subcommand: ``--interval`` only where it loops (waits, records); ``--timeout``
 #: where it asks hosts (a one-shot query, or the job check that ``ps``-es a job's host).
 BY_COMMAND: dict[str, tuple[str, ...]] = {
-    "reserve": ("--config", "--timeout"),
-    "release": ("--config", "--timeout"),
+    "reserve": ("--config", "--timeout", "--hub"),
+    "release": ("--config", "--timeout", "--hub"),
     "reservations": ("--config", "--timeout"),
-    "free": ("--config", "--interval", "--timeout"),
-    "run": ("--config", "--interval", "--timeout"),
+    "free": ("--config", "--interval", "--timeout", "--hub"),
+    "run": ("--config", "--interval", "--timeout", "--hub"),
+    "serve": ("--config", "--interval", "--timeout"),
     "record": ("--config", "--interval", "--timeout"),
     "report": ("--config",),
     "mcp": ("--config", "--interval", "--timeout"),
@@ -51,6 +53,10 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.Argumen
     if "--timeout" in names:
         p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
                        help="per-host timeout for connect + one query (overrides the config)")
+    if "--hub" in names:
+        p.add_argument("--hub", metavar="URL", **kw,
+                       help="read the live GPUs from this hub (gputop serve) instead of "
+                       "SSHing to every host (overrides [hub] url)")
     if "--theme" in names:
         p.add_argument("--theme", metavar="NAME", **kw,
                        help="board theme: gputop-dark, gputop-light, gputop-contrast or your "

@@ -9,10 +9,11 @@ import sys
 from typing import Any
 
 from gputop.cli.free import cmd_free
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_ERROR, EXIT_HUB, EXIT_OK, EXIT_REFUSED
 from gputop.cli.options import for_subcommand
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
+from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config import Config
 from gputop.history.db import HistoryError
 from gputop.reservations import (
@@ -20,6 +21,7 @@ from gputop.reservations import (
     Refused,
     StoreError,
 )
+from gputop.sources import HubError
 
 
 def recorder_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -79,7 +81,7 @@ def cmd_report(config: Config, args: argparse.Namespace) -> int:
 
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
             "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report,
-            "mcp": cmd_mcp}
+            "mcp": cmd_mcp, "serve": cmd_serve}
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -204,6 +206,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
         "find_gpus, reserve, release, my_reservations, queue_status, wait_for_gpus. The "
         "agent acts as you (this process's login) under the team's rules. Register it "
         "with your MCP client, e.g. claude mcp add gputop -- gputop mcp (docs/mcp.md).")
+    add_serve(sub)
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:
@@ -221,3 +224,6 @@ def run_command(config: Config, args: argparse.Namespace) -> int:
     except HistoryError as exc:
         print(f"gputop: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except HubError as exc:
+        print(f"gputop: {exc}", file=sys.stderr)
+        return EXIT_HUB

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration
 from gputop.model import HostSnapshot
-from gputop.poller import Poller
+from gputop.poller import open_poller
 from gputop.reservations import (
     Invalid,
     Reservation,
@@ -53,7 +53,8 @@ async def poll_hosts(config: Config, names: set[str] | None = None) -> list[Host
         config = replace(config, hosts=tuple(h for h in config.hosts if h.name in names))
     # One look: one query per host, as `--json` does (starting streams and waiting for
     # their first samples made `free` and `reserve` take seconds).
-    poller = Poller(replace(config, collection="query"))
+    poller = open_poller(config, one_look=True,
+                         say=lambda m: print(f"gputop: {m}", file=sys.stderr))
     try:
         return list((await poller.snapshot()).hosts)
     finally:

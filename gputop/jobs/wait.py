@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import Poller
+from gputop.poller import HubPoller, Poller, open_poller
 from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,
@@ -87,7 +87,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                         note: str = "", lease_s: float, max_wait: float | None,
                         say: Callable[[str], None],
                         job: Callable[[str], Job | None] | None = None,
-                        poller: Poller | None = None,
+                        poller: Poller | HubPoller | None = None,
                         reaper: Callable[[], object] | None = None) -> list[Reservation]:
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
     SIGTERM) and every error leave the queue at once; nothing is half-reserved. A request
@@ -105,7 +105,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
         # is gone from a query, while the apps stream can only say "no process now" by
         # staying silent for 1.5 intervals, and a waiter wants that moment (issue 11's
         # bound: one interval plus one store write). A waiter is temporary; a board is not.
-        poller = Poller(replace(config, collection="query"))
+        poller = open_poller(config, one_look=True, say=say)
     from gputop.jobs.remote import logins
 
     q = Queue(store, req, lease_s=lease_s, login=logins(config))

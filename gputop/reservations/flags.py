@@ -265,18 +265,33 @@ def annotated_shared_gpu(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
 def annotate(snapshot: FleetSnapshot, state: StoreState | None,
              tracker: IdleTracker | None = None) -> dict[str, Any]:
     """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags (and
-    a shared GPU's shares)."""
+    a shared GPU's shares), and the wait queue, in order, when the reservations file could
+    be read."""
     now = snapshot.time
+    doc: dict[str, Any] = {"version": SCHEMA_VERSION, "time": iso(snapshot.time),
+           "hosts": [annotated_host(host, state, tracker, now) for host in snapshot.hosts]}
+    if state is not None:
+        doc["queue"] = queue_document(state, now)
+    return doc
+
+
+def annotated_host(host: HostSnapshot, state: StoreState | None,
+                   tracker: IdleTracker | None, now: datetime) -> dict[str, Any]:
+    """One host's object of the ``--json`` document (the hub rebuilds only hosts that
+    answered anew)."""
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
     shared = share_index(state, now)
-    return {"version": SCHEMA_VERSION, "time": iso(snapshot.time), "hosts": [
-        host.head_dict() | {"gpus": [
-            annotated_shared_gpu(host.name, g, sh, tracker, now)
-            if shared and g.index is not None and (sh := shared.get((host.name, g.index)))
-            else annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
-            for g in host.gpus]}
-        for host in snapshot.hosts]}
+    return host.head_dict() | {"gpus": [
+        annotated_shared_gpu(host.name, g, sh, tracker, now)
+        if shared and g.index is not None and (sh := shared.get((host.name, g.index)))
+        else annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
+        for g in host.gpus]}
+
+
+def queue_document(state: StoreState, now: datetime) -> list[dict[str, Any]]:
+    """The waiters whose lease runs, first come first."""
+    return [w.to_dict() for w in state.waiting(now)]
 
 
 def is_free(g: GpuInfo) -> bool:

@@ -6,6 +6,9 @@ from typing import Literal, Protocol
 
 from gputop.model import GpuInfo, HostError
 
+#: Why a hub could not be read (see gputop.sources.hub).
+HubErrorKind = Literal["unreachable", "timeout", "auth", "parse", "error"]
+
 
 class Source(Protocol):
     """One host. ``query`` never raises for the host's own failures: it returns them.
@@ -29,3 +32,14 @@ class Source(Protocol):
     async def query(self) -> tuple[list[GpuInfo], HostError | None]: ...
 
     async def close(self) -> None: ...
+
+
+class HubError(Exception):
+    """The hub could not be read: ``kind`` classifies why."""
+
+    def __init__(self, url: str, kind: HubErrorKind, message: str) -> None:
+        super().__init__(f"hub {url}: {kind}: {message}")
+        self.url, self.kind, self.message = url, kind, message
+
+    def host_error(self) -> HostError:
+        return HostError(self.kind, f"hub {self.url}: {self.message}")

@@ -32,7 +32,7 @@ from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import Poller
+from gputop.poller import HubPoller, Poller, open_poller
 from gputop.reservations import Invalid, Refused, StoreError, Target, release
 from gputop.reservations.ops import whoami
 from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
@@ -157,7 +157,7 @@ class GputopApp(App[int]):
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
-        self.poller: Poller | None = None
+        self.poller: Poller | HubPoller | None = None
         self._feed_started = False
         #: Armed by the first signal; cancelled once the board has exited (see run_board).
         self.watchdog: threading.Timer | None = None
@@ -247,7 +247,7 @@ class GputopApp(App[int]):
         """Poll on the feed thread (see feed.py) until the app exits; its snapshots wait in
         ``_inbox`` for the next frame."""
         self._feed_started = True
-        poller = self.poller = Poller(self.config, self._sources)
+        poller = self.poller = open_poller(self.config, self._sources)
         feed = self._feed_thread = FeedThread(poller, self._inbox.put)
         feed.start()
         try:
@@ -439,7 +439,10 @@ class GputopApp(App[int]):
         waiting = len(self._state.waiting(now)) if self._state is not None else 0
         if waiting:
             note = (note + f"  queue: {waiting} waiting (Q)").strip()
-        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem)
+        # A hub that is down (or answers garbage) stays in the summary bar until it is back.
+        hub_error = getattr(self.poller, "error", None)
+        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem,
+                                        hub_error.kind if hub_error is not None else None)
         detail = self.query_one(DetailPane)
         if detail.display:
             detail.show(self._selected(), self.model, now, self.palette)

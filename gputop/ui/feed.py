@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from gputop.model import GpuInfo, HostError, HostSnapshot
-from gputop.poller import Poller
+from gputop.poller import HubPoller, Poller
 
 #: The longest the feed waits for the board in one go, and how long it then runs at least.
 MAX_HOLD_S = 0.25
@@ -31,7 +31,7 @@ MIN_RUN_S = 0.1
 
 
 class FeedThread:
-    def __init__(self, poller: Poller, deliver: Callable[[HostSnapshot], None],
+    def __init__(self, poller: Poller | HubPoller, deliver: Callable[[HostSnapshot], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.poller = poller
         self._deliver = deliver

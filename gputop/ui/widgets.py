@@ -29,15 +29,15 @@ class SummaryBar(Static):
     is narrower than the whole line, its words shorten ("resv", no "GPUs"); what still does
     not fit ends in ``…``, never cut silently."""
 
-    _last: tuple[Summary, Palette, str, str | None] | None = None
+    _last: tuple[Summary, Palette, str, str | None, str | None] | None = None
 
     def show(self, s: Summary, palette: Palette, note: str = "",
-             problem: str | None = None) -> None:
-        self._last = (s, palette, note, problem)
+             problem: str | None = None, hub_problem: str | None = None) -> None:
+        self._last = (s, palette, note, problem, hub_problem)
         width = self.size.width or self.app.size.width
-        t = self._line(s, palette, note, problem, short=False)
+        t = self._line(s, palette, note, problem, hub_problem, short=False)
         if t.cell_len > width:
-            t = self._line(s, palette, note, problem, short=True)
+            t = self._line(s, palette, note, problem, hub_problem, short=True)
             if t.cell_len > width:
                 t.truncate(width, overflow="ellipsis")
         self.update(t)
@@ -48,10 +48,13 @@ class SummaryBar(Static):
 
     @staticmethod
     def _line(s: Summary, palette: Palette, note: str, problem: str | None,
-              short: bool) -> Text:
+              hub_problem: str | None, short: bool) -> Text:
         t = Text(" ")
         if note:  # first: a filtered or re-sorted view must never look like the whole board
             t.append(f"[{note}] ", style=f"bold {palette.reserved}")
+        if hub_problem:  # the hub the board reads ([hub] url) is down: every row says why
+            t.append(f"hub {hub_problem} ", style=f"bold reverse {palette.error}")
+            t.append(" ")
         if problem:  # lasts as long as the problem does, unlike a notification
             t.append("reservations unreadable ", style=f"bold reverse {palette.error}")
             t.append(" ")

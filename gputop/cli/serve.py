@@ -1,0 +1,68 @@
+"""``gputop serve``: run the hub (see gputop.hub) until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
+from gputop.config import Config, listen_problem
+
+
+def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+    from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
+
+    listen = args.listen or config.hub_listen or DEFAULT_LISTEN
+    problem = listen_problem(listen)
+    if problem:
+        print(f"gputop: --listen {problem}", file=sys.stderr)
+        return EXIT_ERROR
+    if not 1 <= args.max_subscribers <= 10_000:
+        print("gputop: --max-subscribers must be between 1 and 10000", file=sys.stderr)
+        return EXIT_ERROR
+    if not config.hosts:
+        print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
+              "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
+        return EXIT_ERROR
+    if config.hub_url is not None:
+        print("gputop: serve polls the hosts itself: it ignores [hub] url (a hub does not "
+              "read another hub)", file=sys.stderr)
+    token = None
+    if config.hub_token_file is not None:
+        try:
+            token = read_token(config.hub_token_file)
+        except ValueError as exc:
+            print(f"gputop: {config.path}: hub.token_file: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+    from dataclasses import replace
+
+    cfg = replace(config, hub_url=None)
+
+    async def main() -> int:
+        try:
+            await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers)
+        except OSError as exc:
+            print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return EXIT_ERROR
+        return EXIT_OK
+
+    return run_until_signal(main)
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from gputop.cli.options import for_subcommand
+
+    p = sub.add_parser(
+        "serve", parents=for_subcommand("serve"),
+        help="run a hub: poll every host once for the whole team and serve /metrics "
+        "(Prometheus), the --json snapshot and its event stream",
+        description="Poll every host of the config once, for everybody, and serve it "
+        "read-only over HTTP: /metrics (Prometheus), /api/v1/snapshot (the --json "
+        "document), /api/v1/events (Server-Sent Events), /-/ready, /-/healthy and the "
+        "wall board's page. Readers point [hub] url (or --hub URL) at it. See docs/hub.md.")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help="where to listen (default: [hub] listen, else 127.0.0.1:9847; "
+                   "beyond loopback only when told)")
+    p.add_argument("--max-subscribers", type=int, default=64, metavar="N",
+                   help="event streams open at once (default 64); one more is refused")

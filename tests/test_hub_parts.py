@@ -1,0 +1,445 @@
+"""The hub's parts on their own: the event log's window and its slow subscribers, the
+reader's schema check, the metric families and the shipped dashboard, [hub] config, the
+token. Servers here are real (aiohttp on loopback); the hub's one host is the local
+machine through NVML, which this machine does not have: that host is a real ``no-nvml``
+error, enough for what is checked here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hubs import Hub as HubProcess
+from hubs import get
+
+from gputop.config import ConfigError, load_config
+from gputop.hub.events import EventLog, frame
+from gputop.hub.metrics import HostCounts, HubCounts, families, render
+from gputop.hub.server import Hub, listen_warning
+from gputop.sources.hub import _Invalid, check_document, check_update, parse_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "gputop" / "hub" / "deploy"
+
+
+def local_config(tmp_path: Path, extra: str = "") -> Path:
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[defaults]\ninterval = 0.5\ntimeout = 1\n[reservations]\npath = '
+                   f'"{tmp_path / "r.json"}"\n{extra}\n[[hosts]]\nname = "here"\nlocal = true\n')
+    return cfg
+
+
+# --- the event log ---------------------------------------------------------------------------
+
+
+def test_event_ids_window_and_epochs() -> None:
+    log = EventLog(retain=3, epoch="abc")
+    assert log.missed("abc-0") == [] and log.missed(None) is None
+    for i in range(5):
+        log.publish(json.dumps({"n": i}))
+    assert log.event_id() == "abc-5"
+    assert [f.split(b"\n")[1] for f in log.missed("abc-3") or []] == [b"id: abc-4", b"id: abc-5"]
+    assert log.missed("abc-2") is not None  # 3, 4, 5 retained
+    assert log.missed("abc-1") is None  # 2 fell out of the window: a fresh snapshot
+    assert log.missed("abc-6") is None and log.missed("abd-5") is None
+    assert log.missed("abc-5\nevent: x") is None and log.missed("x" * 100) is None
+    assert EventLog().epoch != EventLog().epoch  # two runs never share ids
+    with pytest.raises(ValueError):
+        frame("update", "abc-1", '{"a": 1}\ndata: forged')
+
+
+def test_a_subscriber_that_falls_behind_is_dropped_alone() -> None:
+    log = EventLog(backlog=4)
+    killed = []
+    slow = log.subscribe(lambda: killed.append("slow"))
+    quick = log.subscribe(lambda: killed.append("quick"))
+    assert slow is not None and quick is not None
+    for i in range(10):
+        log.publish(str(i))
+        quick.take()
+    assert killed == ["slow"] and slow.dropped and not slow.pending
+    assert log.subscribers == {quick} and log.dropped == 1
+    log2 = EventLog(max_subscribers=1)
+    assert log2.subscribe(lambda: None) is not None
+    assert log2.subscribe(lambda: None) is None and log2.refused == 1
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[Hub, int]]:
+    from aiohttp import web
+
+    config = load_config(str(local_config(tmp_path)))
+    hub = Hub(config, backlog=8)
+    runner = web.AppRunner(hub.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield hub, port
+    finally:
+        hub.events.close_all()
+        await runner.cleanup()
+
+
+async def test_a_stream_nobody_reads_is_dropped_not_buffered(served: tuple[Hub, int]) -> None:
+    """A real socket that asks for the stream and never reads: once the kernel's buffers
+    are full the hub's backlog fills, and that subscriber is cut off; a reader that keeps
+    up is not."""
+    hub, port = served
+    loop = asyncio.get_running_loop()
+    stuck = socket.create_connection(("127.0.0.1", port))
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.sendall(b"GET /api/v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /api/v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+    while len(hub.events.subscribers) < 2:
+        await asyncio.sleep(0.01)
+    got = 0
+
+    async def read() -> None:
+        nonlocal got
+        while chunk := await reader.read(1 << 20):
+            got += len(chunk)
+
+    reading = loop.create_task(read())
+    big = json.dumps({"time": "x", "hosts": [], "removed": [], "set": {"pad": "y" * 65536}})
+    for _ in range(400):  # 26 MB: more than any socket buffers
+        hub.events.publish(big)
+        await asyncio.sleep(0)
+        if hub.events.dropped:
+            break
+    for _ in range(200):
+        if hub.events.dropped:
+            break
+        await asyncio.sleep(0.01)
+    assert hub.events.dropped == 1
+    assert len(hub.events.subscribers) == 1  # the reader is still subscribed
+    hub.events.publish('{"last": 1}')
+    await asyncio.sleep(0.2)
+    assert got > 1_000_000
+    reading.cancel()
+    writer.close()
+    stuck.close()
+
+
+# --- the reader's check of a hub's answers ---------------------------------------------------
+
+
+def _doc() -> dict:
+    gpu = {"index": 0, "uuid": "GPU-1", "name": "H100", "utilization_percent": 5,
+           "memory_used_mib": 1, "memory_total_mib": 2, "temperature_c": None,
+           "power_draw_w": 1.5, "processes": [{"pid": 1, "user": "u", "command":
+                                                "evil \x1b]0;x\x07 \u202e", "gpu_memory_mib": 1}],
+           "instances": [], "reservation": None, "flags": []}
+    return {"version": 3, "time": "2026-01-01T00:00:00Z", "hosts": [
+        {"name": "a", "status": "ok", "error": None, "gpus": [gpu]}], "queue": []}
+
+
+def test_the_reader_checks_and_cleans_what_a_hub_sends() -> None:
+    doc = check_document(_doc())
+    assert doc["hosts"][0]["gpus"][0]["processes"][0]["command"] == "evil  "
+    for bad in ({**_doc(), "version": 2}, {**_doc(), "extra": 1}, {**_doc(), "time": "now"},
+                {**_doc(), "hosts": [{"name": "a"}]}, [], "x"):
+        with pytest.raises(_Invalid):
+            check_document(bad)
+    d = _doc()
+    d["hosts"][0]["gpus"][0]["index"] = True  # a boolean is not an integer
+    with pytest.raises(_Invalid):
+        check_document(d)
+    for raw in (b"[" * 10000 + b"]" * 10000, b'{"a": NaN}', b'{"a": Infinity}', b"\xff"):
+        with pytest.raises(_Invalid):
+            check_document(parse_json(raw))
+    up = {"time": "2026-01-01T00:00:00Z", "hosts": [], "removed": ["a"],
+          "set": {"queue": [], "reservations_error": None}}
+    assert check_update(up)["set"] == {"queue": [], "reservations_error": None}
+    for bad in ({**up, "set": {"version": 9}}, {**up, "set": {"hosts": []}},
+                {**up, "extra": 1}, {**up, "removed": [1]}):
+        with pytest.raises(_Invalid):
+            check_update(bad)
+
+
+# --- metrics and what ships with them -----------------------------------------------------
+
+
+def exported_names() -> set[str]:
+    doc = _doc()
+    doc["queue"] = [{"id": "w1", "user": "u", "count": 2}]
+    text = render(lambda: families(doc, {"a": HostCounts(3, {"timeout": 1}, 0.5)},
+                                   HubCounts(True, 1.0, 1, 1, 0.1, 0, 0, 0))).decode()
+    # Every family's name as its samples carry it (families without samples here still
+    # say their TYPE: the text format names it as its samples are named).
+    return ({m.group(1) for m in re.finditer(r"^# TYPE (\S+) \S+$", text, re.M)}
+            | {m.group(1) for m in re.finditer(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M)})
+
+
+def test_null_is_left_out_never_zero() -> None:
+    text = render(lambda: families(_doc(), {}, HubCounts(False, 0, 0, 0, 0, 0, 0, 0))).decode()
+    assert "gputop_gpu_temperature_celsius{" not in text  # null: no sample
+    assert re.search(r'gputop_gpu_power_watts\{[^}]*\} 1\.5', text)
+    assert re.search(r'gputop_gpu_utilization_ratio\{[^}]*\} 0\.05', text)
+
+
+def test_the_dashboard_asks_only_for_exported_metrics() -> None:
+    names = exported_names()
+    dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    used = {m for e in exprs for m in re.findall(r"\bgputop_[a-z0-9_]+", e)}
+    assert used and used <= names, sorted(used - names)
+    assert len(exprs) >= 15
+
+
+def test_the_scrape_config_is_valid_prometheus(tmp_path: Path) -> None:
+    if subprocess.run(["which", "promtool"], capture_output=True).returncode:
+        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text((DEPLOY / "prometheus-scrape.yml").read_text())
+    r = subprocess.run(["promtool", "check", "config", str(cfg)], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    unit = (DEPLOY / "gputop-hub.service").read_text()
+    assert "ExecStart=%h/.local/bin/gputop serve" in unit
+
+
+# --- [hub] in the config, the token, listening ------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ('[hub]\nurl = "ftp://x/"\n', "hub.url"),
+    ('[hub]\nurl = "http://user:pw@x:1/"\n', "hub.url"),
+    ('[hub]\nurl = "http://x:99999/"\n', "hub.url"),
+    ('[hub]\nfallback = "sometimes"\n', "hub.fallback"),
+    ('[hub]\nlisten = "everywhere"\n', "hub.listen"),
+    ('[hub]\ntoken = "inline"\n', "hub.token"),
+    ('[hub]\ntoken_file = ""\n', "hub.token_file"),
+])
+def test_hub_config_mistakes_name_file_and_key(tmp_path: Path, extra: str, key: str) -> None:
+    cfg = local_config(tmp_path, extra)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(cfg))
+    assert str(cfg) in str(e.value) and key in str(e.value)
+    r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and key in r.stderr
+
+
+def test_a_reader_needs_no_hosts_only_the_hub(tmp_path: Path) -> None:
+    cfg = tmp_path / "reader.toml"
+    cfg.write_text('[hub]\nurl = "http://127.0.0.1:9/"\n')
+    assert load_config(str(cfg)).hosts == ()
+    cfg.write_text('[hub]\nurl = "http://127.0.0.1:9/"\nfallback = "direct"\n')
+    with pytest.raises(ConfigError, match="hosts"):
+        load_config(str(cfg))
+
+
+def test_the_token_is_required_and_sent(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    cfg = local_config(tmp_path, f'[hub]\ntoken_file = "{token}"\n')
+    hub = HubProcess(cfg, {**__import__("os").environ}).start(wait_ready=None)
+    try:
+        for path in ("api/v1/snapshot", "api/v1/events", "metrics"):
+            status, headers, _ = get(hub.url + path)
+            assert status == 401 and headers["WWW-Authenticate"] == "Bearer", path
+            status, _, _ = get(hub.url + path, {"Authorization": "Bearer wrong"})
+            assert status == 401
+        status, _, _ = get(hub.url + "metrics", {"Authorization": "Bearer s3cret-token"})
+        assert status == 200
+        assert get(hub.url + "-/healthy")[0] == 200  # liveness needs no token
+        reader = tmp_path / "reader.toml"
+        reader.write_text(f'[hub]\nurl = "{hub.url}"\ntoken_file = "{token}"\n')
+        r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(reader)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 3, r.stderr  # read; its one host (no NVML here) is down
+        assert json.loads(r.stdout)["hosts"][0]["name"] == "here"
+        reader.write_text(f'[hub]\nurl = "{hub.url}"\n')
+        r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(reader)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 4 and ": auth: " in r.stderr
+    finally:
+        hub.stop()
+
+
+def test_listening_beyond_loopback_says_so(tmp_path: Path) -> None:
+    """(Worked out, not bound: tests listen on loopback only.)"""
+    for host in ("0.0.0.0", "::", "10.1.2.3", "gpu-hub.example.org"):
+        said = listen_warning(host, has_token=False)
+        assert said and "beyond this machine" in said and "token_file" in said
+        assert "token_file" not in (listen_warning(host, has_token=True) or "x token_file")
+    for host in ("127.0.0.1", "127.0.23.1", "::1", "localhost"):
+        assert listen_warning(host, has_token=False) is None
+    hub = HubProcess(local_config(tmp_path), {**__import__("os").environ}).start(
+        wait_ready=None)
+    try:
+        assert "serving 1 host(s) on http://127.0.0.1:" in hub.stderr()
+        assert "beyond" not in hub.stderr()
+    finally:
+        hub.stop()
+
+
+def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gputop", "serve", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    reader = tmp_path / "reader.toml"
+    reader.write_text('[hub]\nurl = "http://127.0.0.1:9/"\n')
+    r = serve("--config", str(reader))
+    assert r.returncode == 2 and "hosts" in r.stderr and str(reader) in r.stderr
+    cfg = local_config(tmp_path)
+    r = serve("--config", str(cfg), "--listen", "nowhere")
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    r = serve("--config", str(cfg), "--max-subscribers", "0")
+    assert r.returncode == 2 and "--max-subscribers" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = serve("--config", str(cfg), "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 2 and "cannot listen" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
+        tmp_path: Path) -> None:
+    """The collector reads the shared file (off its loop) only when it changed, never in
+    a fold (up to ten a second); a broken one is ``reservations_error`` (and ``set`` in an
+    update), and its mending clears it. No poller runs: the host is its placeholder."""
+    from gputop.hub.collector import Collector
+    from gputop.hub.metrics import HubCounts, families, render
+
+    config = load_config(str(local_config(tmp_path)))
+    c = Collector(config)
+    updates: list[dict] = []
+    c.on_update = lambda text: updates.append(json.loads(text))
+    reads = 0
+    real = c.store.read
+
+    def counted():  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        return real()
+
+    c.store.read = counted  # type: ignore[method-assign]
+    path = config.reservations_path
+    path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
+    assert c.refresh_store()
+    c.fold()
+    assert "reservations_error" in c.document() and "queue" not in c.document()
+    assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
+    assert updates[-1]["set"]["queue"] is None
+    text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
+    assert b"gputop_reservations_file_ok 0.0" in text
+    for _ in range(5):
+        assert not c.refresh_store()
+        c.fold()
+    assert reads == 1  # unchanged: not read again (and a fold reads nothing)
+    path.write_text('{"version": 1, "reservations": [], "events": []}')
+    assert c.refresh_store()
+    c.fold()
+    assert reads == 2 and "reservations_error" not in c.document()
+    assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
+
+
+async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
+        served: tuple[Hub, int]) -> None:
+    """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
+    keeps running: the host shows the hub's error, then, back within the window, the
+    missed update (no second snapshot), the host's data first restored."""
+    from dataclasses import replace
+
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.poller import HubPoller
+
+    hub, port = served
+    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    got: list[HostSnapshot] = []
+
+    async def read() -> None:
+        async for h in poller.updates():
+            got.append(h)
+
+    async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(400):
+            if got and check(got[-1]):
+                return
+            await asyncio.sleep(0.025)
+        pytest.fail(f"never {what}: {got[-3:]}")
+
+    def answer(util: int) -> None:
+        hub.collector.observe(HostSnapshot("here", source="nvml", gpus=(
+            GpuInfo(index=0, uuid="GPU-1", name="T", utilization_percent=util),)))
+        hub.collector.fold()
+
+    task = asyncio.get_running_loop().create_task(read())
+    try:
+        await until(lambda h: h.name == "here", "the snapshot")
+        answer(10)
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 10, "an update")
+        hub.events.close_all()
+        await until(lambda h: h.error is not None and h.error.kind == "unreachable",
+                    "the hub's error")
+        answer(50)  # while the reader is away
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 50, "the resume")
+        assert poller.error is None and poller.connects == 1  # resumed, not a new snapshot
+        restored = [h for h in got if h.error is None and h.gpus
+                    and h.gpus[0].utilization_percent == 10]
+        assert len(restored) == 2  # the update, and again right after the resume
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await poller.aclose()
+
+
+def test_a_loopback_hub_answers_to_loopback_names_only(tmp_path: Path) -> None:
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 sends
+    ``Host: evil.example``; a hub on loopback refuses it (421), whatever the route."""
+    hub = HubProcess(local_config(tmp_path), {**__import__("os").environ}).start(
+        wait_ready=None)
+    try:
+        for host in ("evil.example", "evil.example:80", "10.0.0.1", ""):
+            for path in ("", "api/v1/snapshot", "metrics", "-/healthy"):
+                status, headers, _ = get(hub.url + path, {"Host": host})
+                assert status == 421, (host, path, status)
+                assert headers["Content-Security-Policy"]
+        for host in (f"127.0.0.1:{hub.port}", "localhost", f"localhost:{hub.port}",
+                     "[::1]:1", "127.9.9.9"):
+            assert get(hub.url + "api/v1/snapshot", {"Host": host})[0] == 200, host
+    finally:
+        hub.stop()
+
+
+def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
+    """The document's queue is ``Waiter.to_dict``: a field added there (as ``sees`` and
+    ``share_mib`` were) must be added to the schema's closed ``waiter``, or every hub
+    reader refuses the document as ``parse``. A waiter with every field set checks out."""
+    import dataclasses
+    from datetime import timedelta
+
+    import jsonschema
+
+    from gputop.model import utcnow
+    from gputop.reservations.store import Waiter
+
+    now = utcnow()
+    w = Waiter("w1", "ann", "laptop", 2, now, now + timedelta(seconds=60), min_free_mib=1,
+               hosts=("a",), want="--host a", one_host=True, share_mib=1024, sees=("a",))
+    unset = [f.name for f in dataclasses.fields(Waiter)
+             if getattr(w, f.name) == f.default and f.default is not None]
+    assert not unset, f"set these in the test too: {unset}"
+    doc = _doc()
+    doc["queue"] = [w.to_dict()]
+    jsonschema.validate(doc, schema)
+    assert check_document(doc)["queue"] == [w.to_dict()]
