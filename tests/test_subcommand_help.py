@@ -21,6 +21,7 @@ GLOBALS = {
     "record": {"--config", "--interval", "--timeout"},
     "report": {"--config"},
     "mcp": {"--config", "--interval", "--timeout"},
+    "serve": {"--config", "--interval", "--timeout"},
     "init-config": {"--config"},
     "completion": {"--config"},
 }
