@@ -34,6 +34,7 @@ from gputop.config import Config
 from gputop.hub.collector import Collector
 from gputop.hub.events import KEEPALIVE, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
+from gputop.hub.waste import WasteCache
 from gputop.output import dumps
 from gputop.text import excerpt
 
@@ -122,6 +123,7 @@ class Hub:
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
+        self.waste = WasteCache(config.history_path)
 
     def _published(self, update: str) -> None:
         self.events.publish(update)
@@ -143,6 +145,7 @@ class Hub:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/v1/snapshot", self.snapshot_route)
         app.router.add_get("/api/v1/events", self.events_route)
+        app.router.add_get("/api/v1/waste", self.waste_route)
         app.router.add_get("/-/ready", self.ready)
         app.router.add_get("/-/healthy", self.healthy)
         app.router.add_get("/", self.index)
@@ -185,6 +188,11 @@ class Hub:
     async def snapshot_route(self, request: web.Request) -> web.Response:
         body, _ = self.snapshot()
         return web.Response(body=body, content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+
+    async def waste_route(self, request: web.Request) -> web.Response:
+        """The last day's waste from the history database, for the web board's panel."""
+        return web.Response(text=dumps(await self.waste.get()), content_type="application/json",
                             headers={"Cache-Control": "no-store"})
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
