@@ -15,8 +15,20 @@ export function el(tag, cls, text) {
   return e;
 }
 
+/** Text set as text. An element holding one text node has that node's data changed (no
+ * node made or dropped: the cheap path, taken by every number of every update). */
 function setText(node, text) {
-  if (node.textContent !== text) node.textContent = text;
+  const t = node.firstChild;
+  if (t !== null && t.nodeType === Node.TEXT_NODE && t.nextSibling === null) {
+    if (t.data !== text) t.data = text;
+  } else if (node.textContent !== text) {
+    node.textContent = text;
+    if (text === "") node.append(document.createTextNode(""));
+  }
+}
+
+function setTitle(node, text) {
+  if (node.title !== text) node.title = text;
 }
 
 function show(node, on) {
@@ -39,15 +51,19 @@ class Bar {
     this.val = el("span", "val");
     this.el.append(this.fill, this.val);
     this.frac = -1;
+    this.na = false;
   }
 
   set(frac, text) {
-    const f = frac === null ? 0 : Math.max(0, Math.min(1, frac));
+    const f = frac === null ? 0 : Math.max(0, Math.min(1, Math.round(frac * 500) / 500));
     if (f !== this.frac) {
       this.fill.style.transform = `scaleX(${f})`;
       this.frac = f;
     }
-    this.el.classList.toggle("na", frac === null);
+    if ((frac === null) !== this.na) {
+      this.na = frac === null;
+      this.el.classList.toggle("na", this.na);
+    }
     setText(this.val, text);
   }
 }
@@ -87,6 +103,7 @@ class Reservation {
     this.note = el("span", "note");
     this.el.append(el("span", "label", "reserved by "), this.who, this.left, this.note);
     this.expires = null;
+    this.expiresText = null;
     this.el.hidden = true;
   }
 
@@ -98,7 +115,10 @@ class Reservation {
     }
     setText(this.who, str(r.user, 64) || "?");
     setText(this.note, str(r.note, 200));
-    this.expires = parseTime(r.expires);
+    if (r.expires !== this.expiresText) {
+      this.expiresText = r.expires;
+      this.expires = parseTime(r.expires);
+    }
     this.tick(Date.now());
   }
 
@@ -168,6 +188,7 @@ export class GpuView {
     this.util_ = null;
     this.freeMib = -1;
     this.index = 0;
+    this.look = "";
   }
 
   update(g) {
@@ -175,7 +196,7 @@ export class GpuView {
     this.index = index ?? 1e9;
     setText(this.idx, index === null ? "?" : String(index));
     setText(this.name, model(str(g.name, 120)) || "unknown GPU");
-    this.name.title = str(g.name, 300);
+    setTitle(this.name, str(g.name, 300));
     const util = num(g.utilization_percent);
     this.util_ = util;
     this.util.set(util === null ? null : util / 100, util === null ? "n/a" : `${util}%`);
@@ -186,7 +207,7 @@ export class GpuView {
     setText(this.temp, t === null ? "n/a" : `${t}\u00b0C`);
     const p = num(g.power_draw_w), pl = num(g.power_limit_w);
     setText(this.power, p === null ? "n/a" : `${Math.round(p)} W`);
-    this.power.title = pl === null ? "" : `limit ${Math.round(pl)} W`;
+    setTitle(this.power, pl === null ? "" : `limit ${Math.round(pl)} W`);
     const procs = processes(g.processes);
     const pk = JSON.stringify(procs);
     if (pk !== this.key.procs) {
@@ -210,10 +231,14 @@ export class GpuView {
     const insts = list(g.instances).map(obj).filter(Boolean);
     setText(this.hint, this.free && !insts.length
       ? `free \u00b7 gputop reserve ${this.host}:${index ?? "?"}` : "");
-    this.el.classList.toggle("free", this.free);
-    this.el.classList.toggle("reserved", r !== null);
-    this.el.classList.toggle("lost", g.lost === true);
-    this.el.classList.toggle("flagged", flags.length > 0);
+    const look = `${+this.free}${+(r !== null)}${+(g.lost === true)}${+(flags.length > 0)}`;
+    if (look !== this.look) {
+      this.look = look;
+      this.el.classList.toggle("free", this.free);
+      this.el.classList.toggle("reserved", r !== null);
+      this.el.classList.toggle("lost", g.lost === true);
+      this.el.classList.toggle("flagged", flags.length > 0);
+    }
     this.updateMig(insts);
     this.words = gpuWords(g);
   }
