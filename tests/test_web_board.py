@@ -180,7 +180,8 @@ def test_every_host_and_gpu_of_the_snapshot(page: Any, hub: Hub) -> None:
     assert f"{len(doc['hosts'])} hosts" in summary
     assert f"{sum(len(h['gpus']) for h in doc['hosts'])} GPUs" in summary
     # The reservation: its holder and time left; a free GPU tells how to reserve it.
-    assert "reserved by" in got["beta"]["gpus"][0]["res"] and "left" in got["beta"]["gpus"][0]["res"]
+    res = got["beta"]["gpus"][0]["res"]
+    assert "reserved by" in res and "left" in res
     free = [f"{h['name']}:{g['index']}" for h in doc["hosts"] for g in h["gpus"]
             if not g["processes"] and not g["reservation"] and g["index"] is not None
             and (g["memory_used_mib"] or 1e9) <= 512 and (g["utilization_percent"] or 0) <= 10]
@@ -353,7 +354,9 @@ def test_one_update_at_200_hosts_costs_at_most_16_ms(big: tuple[DocHub, Any, dic
     print(f"script time per update, 10 of 200 hosts: median {statistics.median(some):.2f} ms,"
           f" max {max(some):.2f} ms; all 200 hosts: median {statistics.median(every):.2f} ms,"
           f" max {max(every):.2f} ms")
-    assert statistics.median(some) <= 16 and statistics.median(every) <= 16
+    # (on this shared 2-core machine a single update can wait for the CPU: the realistic
+    # case must hold every time, the worst case on the median)
+    assert max(some) <= 16 and statistics.median(every) <= 16
 
 
 def test_memory_holds_over_many_updates(big: tuple[DocHub, Any, dict[str, Any]]) -> None:
@@ -362,7 +365,7 @@ def test_memory_holds_over_many_updates(big: tuple[DocHub, Any, dict[str, Any]])
     h, b, doc = big
 
     def measure() -> tuple[float, int]:
-        b.execute_script("window.gc && window.gc()")
+        b.execute_cdp_cmd("HeapProfiler.collectGarbage", {})
         heap = b.execute_cdp_cmd("Runtime.getHeapUsage", {})["usedSize"]
         nodes = b.execute_cdp_cmd("Memory.getDOMCounters", {})["nodes"]
         return heap, nodes

@@ -133,7 +133,8 @@ def fleet_doc(hosts: int, gpus: int, seed: int = 1, failing: int = 0) -> dict[st
          "want": "2 GPUs, 40 GiB free", "one_host": True}]}
 
 
-def churn(doc: dict[str, Any], rnd: random.Random, hosts: int | None = None) -> list[dict[str, Any]]:
+def churn(doc: dict[str, Any], rnd: random.Random,
+          hosts: int | None = None) -> list[dict[str, Any]]:
     """Move the numbers of ``hosts`` hosts (all: None) as a busy fleet does; the changed
     host objects, complete, as the hub's update carries them."""
     now = iso(datetime.now(timezone.utc))

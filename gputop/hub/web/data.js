@@ -72,7 +72,7 @@ export function processes(x) {
 
 /** Nobody uses it and nobody holds it: no processes, next to no memory, no load. */
 export function isFree(g) {
-  if (g.lost === true || num(g.index) === null || processes(g.processes).length) return false;
+  if (g.lost === true || num(g.index) === null || list(g.processes).length) return false;
   if (obj(g.reservation)) return false;
   const used = num(g.memory_used_mib);
   if (used === null || used > FREE_MEMORY_SLACK_MIB) return false;
@@ -81,7 +81,7 @@ export function isFree(g) {
 }
 
 export function instanceFree(inst) {
-  if (processes(inst.processes).length || obj(inst.reservation)) return false;
+  if (list(inst.processes).length || obj(inst.reservation)) return false;
   const used = num(inst.memory_used_mib);
   return used !== null && used <= FREE_MEMORY_SLACK_MIB;
 }
@@ -101,8 +101,8 @@ export function freeMib(g) {
 
 export function users(g) {
   const out = [];
-  for (const p of processes(g.processes)) {
-    const u = str(p.user, 64);
+  for (const p of list(g.processes)) {
+    const u = str(obj(p)?.user, 64);
     if (u && !out.includes(u)) out.push(u);
   }
   return out;
@@ -216,7 +216,7 @@ export function summary(hosts) {
       s.gpus += 1;
       if (anyFree(g)) s.free += 1;
       if (obj(g.reservation)) s.reserved += 1;
-      if (processes(g.processes).length) s.busy += 1;
+      if (list(g.processes).length) s.busy += 1;
       const u = num(g.utilization_percent);
       if (u !== null) {
         s.util += u;

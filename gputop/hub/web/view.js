@@ -35,6 +35,19 @@ function show(node, on) {
   if (node.hidden === on) node.hidden = !on;
 }
 
+/** Which rows are on screen (or within a screen's margin of it). */
+const views = new WeakMap();
+const sight = new IntersectionObserver((entries) => {
+  const t0 = performance.now();
+  for (const e of entries) {
+    const v = views.get(e.target);
+    if (!v) continue;
+    v.seen = e.isIntersecting;
+    if (v.seen) v.flush();
+  }
+  performance.measure("gputop-draw", { start: t0 });
+}, { rootMargin: "50% 0px" });
+
 const FLAG_WORDS = {
   "unreserved-use": "used without a reservation",
   "idle-reservation": "reserved, unused",
@@ -189,20 +202,52 @@ export class GpuView {
     this.freeMib = -1;
     this.index = 0;
     this.look = "";
+    this.seen = false;
+    this.drawn = false;
+    this.pending = null;
+    views.set(this.el, this);
+    sight.observe(this.el);
   }
 
+  drop() {
+    sight.unobserve(this.el);
+    views.delete(this.el);
+    this.el.remove();
+  }
+
+  /** What the filter and the sort need, at once; the row itself now if it is on screen
+   * (or new), else when it comes into view: an update of 200 hosts writes only the rows
+   * someone can see. */
   update(g) {
     const index = num(g.index);
     this.index = index ?? 1e9;
+    this.util_ = num(g.utilization_percent);
+    this.freeMib = freeMib(g);
+    this.free = anyFree(g);
+    this.words = gpuWords(g);
+    if (this.seen || !this.drawn) {
+      this.draw(g);
+    } else {
+      this.pending = g;
+    }
+  }
+
+  /** Draw what is waiting (the row came into view, or a page of the wall screen did). */
+  flush() {
+    if (this.pending !== null) this.draw(this.pending);
+  }
+
+  draw(g) {
+    this.pending = null;
+    this.drawn = true;
+    const index = num(g.index);
     setText(this.idx, index === null ? "?" : String(index));
     setText(this.name, model(str(g.name, 120)) || "unknown GPU");
     setTitle(this.name, str(g.name, 300));
     const util = num(g.utilization_percent);
-    this.util_ = util;
     this.util.set(util === null ? null : util / 100, util === null ? "n/a" : `${util}%`);
     const used = num(g.memory_used_mib), total = num(g.memory_total_mib);
     this.mem.set(used !== null && total ? used / total : null, memText(used, total));
-    this.freeMib = freeMib(g);
     const t = num(g.temperature_c);
     setText(this.temp, t === null ? "n/a" : `${t}\u00b0C`);
     const p = num(g.power_draw_w), pl = num(g.power_limit_w);
@@ -227,7 +272,6 @@ export class GpuView {
         return chip;
       }));
     }
-    this.free = anyFree(g);
     const insts = list(g.instances).map(obj).filter(Boolean);
     setText(this.hint, this.free && !insts.length
       ? `free \u00b7 gputop reserve ${this.host}:${index ?? "?"}` : "");
@@ -240,7 +284,6 @@ export class GpuView {
       this.el.classList.toggle("flagged", flags.length > 0);
     }
     this.updateMig(insts);
-    this.words = gpuWords(g);
   }
 
   updateMig(insts) {
@@ -261,6 +304,7 @@ export class HostView {
   constructor(name) {
     this.name = name;
     this.el = el("section", "host");
+    this.el.dataset.host = name;
     const head = el("header", "hhead");
     this.title = el("h2", "hname", name);
     this.tags = el("span", "tags");
@@ -326,7 +370,7 @@ export class HostView {
     });
     for (const k of [...this.rows.keys()]) {
       if (!seen.has(k)) {
-        this.rows.get(k).el.remove();
+        this.rows.get(k).drop();
         this.rows.delete(k);
       }
     }
@@ -335,6 +379,15 @@ export class HostView {
     setText(this.info, gpus.length ? `${gpus.length} GPU${gpus.length > 1 ? "s" : ""} \u00b7 ${free} free` : "");
     this.tick(Date.now());
     return changed;
+  }
+
+  flush() {
+    for (const r of this.rows.values()) r.flush();
+  }
+
+  drop() {
+    for (const r of this.rows.values()) r.drop();
+    this.el.remove();
   }
 
   gpuRows() {
