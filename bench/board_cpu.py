@@ -78,6 +78,9 @@ def main() -> None:
                     help="write a CPU-time profile (cProfile) of the measured window")
     ap.add_argument("--feed-only", action="store_true",
                     help="the poller and simulated sources alone, no board: their share")
+    ap.add_argument("--hub", metavar="URL",
+                    help="read this hub instead (e.g. `python bench/hub.py demo-hub`): the "
+                    "board's cost alone, the simulated hosts run in the hub's process")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's GC settings (the board tunes them, see tune_gc)")
     args = ap.parse_args()
@@ -85,8 +88,14 @@ def main() -> None:
     cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
                  timeout=5.0,
                  reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
-    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
+    sources: list[DemoSource] | None = [
+        DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
+    if args.hub:
+        from dataclasses import replace
+
+        cfg, sources = replace(cfg, hub_url=args.hub, hosts=()), None
     if args.feed_only:
+        assert sources is not None
         print(json.dumps(feed_only(cfg, sources, args)))
         return
     app = GputopApp(cfg, sources=sources, user="bench", long_running=not args.default_gc)

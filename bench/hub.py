@@ -43,10 +43,38 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from fleet import Fleet, GpuProcess, Host  # noqa: E402
-from streaming import host_cpu  # noqa: E402
 
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu(fleet: Fleet) -> float:
+    """CPU seconds, to the nanosecond (``/proc/PID/task/*/schedstat``), of every process
+    under every host's sshd: everything the hosts run for their readers. (The clock-tick
+    counters of ``/proc/PID/stat`` round each process down to 10 ms: the streams' few
+    milliseconds per process would read as nothing.) Processes that end inside the window
+    are not counted: in steady state the streams start and end none."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = [h.proc.pid for h in fleet.hosts.values() if h.proc is not None]
+    total = 0
+    while todo:
+        pid = todo.pop()
+        try:
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                total += int((t / "schedstat").read_text().split()[0])
+        except OSError:
+            pass
+        todo.extend(children.get(pid, []))
+    return total / 1e9
 
 
 def cpu_of(pid: int) -> float:

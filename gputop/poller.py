@@ -283,7 +283,9 @@ class HubPoller:
                     async for snap in self._go_direct(exc).updates():
                         yield snap
                     return
-                for name in [s.name for s in self.sources] or ["hub"]:
+                if not self.sources:  # no host known yet: the hub itself is the row
+                    self.sources = [_Named("hub")]
+                for name in [s.name for s in self.sources]:
                     prev = self._last.get(name)
                     yield HostSnapshot(name=name, source="none", error=exc.host_error(),
                                        last_ok=prev.last_ok if prev else None,
