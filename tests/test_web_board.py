@@ -36,8 +36,13 @@ IMG_CMD = "<img src=x onerror=alert(1)>"
 MARKUP_GPU = "<b>H100</b><script>alert(2)</script>&amp;"
 NOTE = "<script>alert(3)</script> \\u003c \"quoted\" &lt;b&gt; ${x} data: x\\n"
 
-pytestmark = pytest.mark.skipif(chromium_missing() is not None,
-                                reason=chromium_missing() or "")
+
+
+def _need_chromium() -> None:
+    reason = chromium_missing()
+    if reason:
+        pytest.skip(reason)
+
 
 # --- the static files, without a browser ----------------------------------------------------
 
@@ -125,6 +130,7 @@ def hub(web_fleet: Fleet) -> Iterator[Hub]:
 
 @pytest.fixture(scope="module")
 def page(hub: Hub) -> Iterator[Any]:
+    _need_chromium()
     b = browser(1600, 1000)
     b.get(hub.url)
     wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "a live page")
@@ -190,6 +196,42 @@ def test_every_host_and_gpu_of_the_snapshot(page: Any, hub: Hub) -> None:
     assert [f for f in free if f"gputop reserve {f}" in text] == free
     people = page.find_element("id", "people").text
     assert "beta:0" in people
+
+
+def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
+    """data.js on its own, in the browser: wrong types, huge strings and odd URLs."""
+    got = page.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import('/static/data.js').then((d) => done({
+          num: [d.num('5'), d.num(NaN), d.num(Infinity), d.num(null), d.num(3.5)],
+          str: [d.str({}), d.str(null), d.str(7), d.str('x'.repeat(1000)).length],
+          time: [d.parseTime('2026-12-01T17:00:00Z'), d.parseTime('<b>'),
+                 d.parseTime(12), d.parseTime('2026-13-45T99:00:00Z')],
+          state: d.readState('?sort=%3Cscript%3E&q=' + 'a'.repeat(500) + '&every=1e9&tv=1'),
+          back: d.writeState(d.readState('?q=a+b&free=1&sort=utilization')),
+          free: [d.isFree({index: 0, memory_used_mib: 0, utilization_percent: 0,
+                           processes: []}),
+                 d.isFree({index: 0, memory_used_mib: 0, utilization_percent: 0,
+                           processes: 'x'}),
+                 d.isFree({index: 0, memory_used_mib: '0', processes: []}),
+                 d.isFree({index: 0, memory_used_mib: 0, processes: [],
+                           reservation: {user: 'a'}})],
+          match: [d.matches(d.terms(' GPU-0  alice '), ['gpu-01', 'alice']),
+                  d.matches(d.terms('bob'), ['alice'])],
+          people: d.people([{name: 'h', gpus: [{index: 0, processes: [{user: 'u'}, 7, null],
+                             reservation: {user: 'r', expires: 'soon'}}]}], 0),
+        }), (e) => done(String(e)));
+    """)
+    assert got["num"] == [None, None, None, None, 3.5]
+    assert got["str"] == ["", "", "", 301]
+    assert got["time"][0] == 1796144400000 and got["time"][1:] == [None, None, None]
+    assert got["state"] == {"q": "a" * 200, "free": False, "sort": "host", "tv": True,
+                            "every": 12}
+    assert got["back"] == "?q=a+b&free=1&sort=utilization"
+    assert got["free"] == [True, True, False, False]
+    assert got["match"] == [True, False]
+    assert got["people"] == [{"user": "r", "held": [{"label": "h:0", "left": None}],
+                              "using": 0}, {"user": "u", "held": [], "using": 1}]
 
 
 def test_hostile_strings_are_literal_text(page: Any, hub: Hub) -> None:
@@ -318,6 +360,7 @@ def test_the_hub_restarted_the_page_says_so_and_recovers(page: Any, hub: Hub) ->
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
+    _need_chromium()
     doc = fleet_doc(200, 8, failing=3)
     h = DocHub(doc, tmp_path_factory.mktemp("bighub"))
     b = browser(1920, 1080)
@@ -379,6 +422,35 @@ def test_memory_holds_over_many_updates(big: tuple[DocHub, Any, dict[str, Any]])
     assert nodes2 <= nodes1 * 1.02 + 200
 
 
+def test_a_hub_with_a_token_asks_for_it_once(tmp_path: Path) -> None:
+    """EventSource sends no header: the page asks for the token, keeps it in a
+    SameSite=Strict cookie, and the hub takes it from there; a wrong one is asked again."""
+    _need_chromium()
+    h = DocHub(fleet_doc(3, 2), tmp_path, token="s3cret token;=")
+    b = browser(1200, 800)
+    try:
+        assert get(h.url + "api/v1/snapshot")[0] == 401
+        b.get(h.url)
+        wait(b, "return !document.getElementById('tokenform').hidden", "the token form")
+        assert b.execute_script("return window.gputopBoard.snapshots") == 0
+        for token, live in (("wrong", False), ("s3cret token;=", True)):
+            b.find_element("id", "token").send_keys(token)
+            b.find_element("css selector", "#tokenform button").click()
+            if live:
+                wait(b, "return window.gputopBoard.conn === 'live'", "live with the token")
+            else:
+                time.sleep(0.3)
+                wait(b, "return !document.getElementById('tokenform').hidden", "asked again")
+        cookie = [c for c in b.get_cookies() if c["name"] == "gputop_token"]
+        assert cookie and cookie[0]["sameSite"] == "Strict"
+        assert len(read(b)) == 3
+        # The cookie is this hub's key, not anyone's: without it, nothing.
+        assert get(h.url + "api/v1/events", {"Cookie": "gputop_token=wrong"})[0] == 401
+    finally:
+        b.quit()
+        h.stop()
+
+
 # --- the three screens -------------------------------------------------------------------------
 
 
@@ -392,6 +464,7 @@ def test_screens(tmp_path_factory: pytest.TempPathFactory, name: str, width: int
     docs/img are written anew."""
     import os
 
+    _need_chromium()
     doc = fleet_doc(12, 4, seed=3, failing=1)
     h = DocHub(doc, tmp_path_factory.mktemp(name))
     b = browser(width, height)
@@ -427,3 +500,18 @@ def test_the_page_loads_only_from_the_hub(hub: Hub) -> None:
         status, headers, _ = get(hub.url + "static/" + js)
         assert status == 200 and headers["Content-Type"].startswith("text/javascript")
     assert json.loads(get(hub.url + "api/v1/waste")[2])["available"] is True
+
+
+def test_waste_without_a_database_or_with_a_broken_one(tmp_path: Path) -> None:
+    from gputop.hub.waste import waste_summary
+
+    none = waste_summary(tmp_path / "absent.sqlite3", time.time())
+    assert none["available"] is False and "no history database" in none["reason"]
+    assert not (tmp_path / "absent.sqlite3").exists()
+    broken = tmp_path / "broken.sqlite3"
+    broken.write_bytes(b"not a database, " * 20)
+    got = waste_summary(broken, time.time())
+    assert got["available"] is False and got["error"] is True
+    assert str(broken) in got["reason"] and "left untouched" in got["reason"]
+    assert broken.read_bytes() == b"not a database, " * 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.sqlite3"]

@@ -182,7 +182,8 @@ class DocCollector:
 class DocHub:
     """``gputop.hub.server.Hub``'s real app on loopback, in a thread with its own loop."""
 
-    def __init__(self, doc: dict[str, Any], config_dir: Path, address: str = "127.0.0.1") -> None:
+    def __init__(self, doc: dict[str, Any], config_dir: Path, address: str = "127.0.0.1",
+                 token: str | None = None) -> None:
         from gputop.config import load_config
         from gputop.hub.server import Hub
 
@@ -191,7 +192,8 @@ class DocHub:
                        f'[history]\npath = "{config_dir / "none.sqlite3"}"\n'
                        '[[hosts]]\nname = "x"\nlocal = true\n')
         self.collector = DocCollector(doc)
-        self.hub = Hub(load_config(str(cfg)), collector=self.collector)  # type: ignore[arg-type]
+        self.hub = Hub(load_config(str(cfg)), collector=self.collector,  # type: ignore[arg-type]
+                       token=token)
         self.address = address
         self.loop = asyncio.new_event_loop()
         self.port = 0

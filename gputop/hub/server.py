@@ -10,7 +10,8 @@ inline script, no other origin) and ``X-Content-Type-Options: nosniff``. Request
 bounded: request line and header sizes, header count, no bodies (``client_max_size``),
 at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams. With a
 token file, every route but ``/-/healthy``, ``/-/ready`` and the web page's own files
-needs ``Authorization: Bearer <token>``.
+needs ``Authorization: Bearer <token>`` (or, from the web board, the ``gputop_token``
+cookie holding it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -60,6 +62,8 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
+#: The cookie the web board keeps the token in (set by the page when a hub asks for one).
+TOKEN_COOKIE = "gputop_token"  # noqa: S105 - a cookie name, not a secret
 #: Routes anyone may ask without the token: liveness, readiness and the page's own files.
 _OPEN = ("/-/healthy", "/-/ready", "/", "/static/")
 
@@ -159,7 +163,11 @@ class Hub:
         if self.token is not None and not _open(request.path):
             got = request.headers.get("Authorization", "")
             want = f"Bearer {self.token}"
-            if not hmac.compare_digest(got.encode(), want.encode()):
+            # The web board's EventSource cannot send a header: the page keeps the token
+            # in a SameSite=Strict cookie that only this hub's own pages send.
+            cookie = unquote(request.cookies.get(TOKEN_COOKIE, ""))
+            if not (hmac.compare_digest(got.encode(), want.encode())
+                    or hmac.compare_digest(cookie.encode(), self.token.encode())):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead

@@ -95,10 +95,40 @@ function connect() {
   es.onerror = () => {
     setConn("stale");
     if (es.readyState === EventSource.CLOSED) {
-      // A refusal (503: too many streams, 401) ends an EventSource for good: start anew.
-      setTimeout(() => { if (source === es) connect(); }, 5000);
+      // A refusal (503: too many streams, 401) ends an EventSource for good: start anew,
+      // unless the hub wants a token this page does not have yet.
+      refused(es);
     }
   };
+}
+
+async function refused(es) {
+  let status = 0;
+  try {
+    status = (await fetch("/-/healthy", { cache: "no-store" })).ok
+      ? (await fetch("/api/v1/snapshot", { cache: "no-store", method: "HEAD" })).status : 0;
+  } catch {
+    status = 0;
+  }
+  if (source !== es) return;
+  if (status === 401) {
+    $("tokenform").hidden = false;
+    return;
+  }
+  setTimeout(() => { if (source === es) connect(); }, 5000);
+}
+
+function useToken(e) {
+  e.preventDefault();
+  const token = $("token").value.trim();
+  if (!token) return;
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = `gputop_token=${encodeURIComponent(token)}; path=/; max-age=31536000; ` +
+    `SameSite=Strict${secure}`;
+  $("token").value = "";
+  $("tokenform").hidden = true;
+  connect();
+  loadWaste();
 }
 
 function heard() {
@@ -318,7 +348,7 @@ function controls() {
   filter.addEventListener("input", () => {
     clearTimeout(timer);
     timer = setTimeout(() => {
-      state.q = str(filter.value, 200);
+      state.q = filter.value.slice(0, 200);
       pushState();
       applyView(board.order, true);
     }, 120);
@@ -335,6 +365,7 @@ function controls() {
     applyView(board.order, true);
   });
   $("controls").addEventListener("submit", (e) => e.preventDefault());
+  $("tokenform").addEventListener("submit", useToken);
 }
 
 // --- wall-screen mode: large type, pages through the fleet ---------------------------------

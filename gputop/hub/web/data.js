@@ -140,7 +140,7 @@ export function readState(search) {
   const sort = p.get("sort");
   const every = Number(p.get("every"));
   return {
-    q: str(p.get("q") || "", 200),
+    q: (p.get("q") || "").slice(0, 200),
     free: p.get("free") === "1",
     sort: SORTS.includes(sort) ? sort : "host",
     tv: p.get("tv") === "1",
