@@ -25,8 +25,6 @@ Prints JSON lines; bench/results/hub.md holds the numbers.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -284,6 +282,7 @@ def demo_config(hosts: int, interval: float):  # type: ignore[no-untyped-def]
 
 
 def run_demo_hub(args: argparse.Namespace) -> None:
+    from gputop.cli.lifecycle import run_until_signal
     from gputop.hub.collector import Collector
     from gputop.hub.server import serve
     from gputop.poller import Poller
@@ -292,13 +291,13 @@ def run_demo_hub(args: argparse.Namespace) -> None:
     cfg = demo_config(args.hosts, args.interval)
     sources = [DemoSource(h.name, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0)
                for h in cfg.hosts]
-    collector = Collector(cfg, Poller(cfg, sources))
 
-    async def main() -> None:
+    async def main() -> int:  # SIGTERM, SIGINT, SIGHUP end it cleanly (run_until_signal)
+        collector = Collector(cfg, Poller(cfg, sources))
         await serve(cfg, args.listen, collector=collector, max_subscribers=200)
+        return 0
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    run_until_signal(main)
 
 
 READER = r"""
@@ -339,7 +338,7 @@ def bench_hub_cpu(args: argparse.Namespace) -> None:
                 r.kill()
                 r.wait()
     finally:
-        hub.send_signal(signal.SIGINT)
+        hub.send_signal(signal.SIGTERM)
         hub.wait(15)
 
 

@@ -126,6 +126,7 @@ class Config:
     )
     history_raw_keep_s: float = 2 * 86400.0
     history_minute_keep_s: float = 30 * 86400.0
+    history_hour_keep_s: float | None = None  # None: forever
     #: A hub to read instead of SSHing to every host (``[hub] url``, or ``--hub URL``),
     #: and what to do when it is down: "none" (a clear error) or "direct" (poll the hosts).
     hub_url: str | None = None
@@ -345,6 +346,13 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     hpath = _data_path(hvalue, path, "history.sqlite3")
     raw_keep = hist.duration("keep_raw", 2 * 86400.0)
     minute_keep = hist.duration("keep_minutes", 30 * 86400.0)
+    hour_keep: float | None = None
+    if hist.get("keep_hours", (str, int, float)) != "forever":
+        hour_keep = hist.duration("keep_hours", 0.0) or None
+    if hour_keep is not None and hour_keep < max(minute_keep, 86400.0):
+        # The board's last day and a report's edges read hours wherever minutes are gone.
+        raise ConfigError(path, "history.keep_hours", "must be at least 1d and at least "
+                          "keep_minutes (or \"forever\", the default)")
     hist.done()
 
     hub = _Table(path, "hub", top.get("hub", dict, {}))
@@ -403,6 +411,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         history_path=hpath,
         history_raw_keep_s=raw_keep,
         history_minute_keep_s=minute_keep,
+        history_hour_keep_s=hour_keep,
         hub_url=hub_url,
         hub_fallback=hub_fallback,
         hub_token_file=token_file,

@@ -168,6 +168,16 @@ class GpuInfo(_HoldsMemoryAndProcesses):
         return g
 
     @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> GpuInfo:
+        """A GPU from a dict of its fields by name (checked by the caller: e.g. a hub's
+        document, see gputop.sources.hub), the others' defaults; built as ``from_row``."""
+        g = object.__new__(cls)
+        d = g.__dict__
+        d.update(_GPU_DEFAULTS)
+        d.update(fields)
+        return g
+
+    @classmethod
     def from_row(cls, values: Sequence[Any]) -> GpuInfo:
         """A GPU from its first ``len(values)`` fields in order, the others' defaults.
 

@@ -21,7 +21,7 @@ from gputop.text import excerpt
 
 if TYPE_CHECKING:
     from gputop.sources import HubError
-    from gputop.sources.ssh import JumpPool
+    from gputop.sources.transport import JumpPool
 
 
 def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
@@ -35,7 +35,8 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
         if h.local:
             sources.append(NvmlSource(h.name, timeout=config.timeout))
             continue
-        from gputop.sources.ssh import JumpPool, SshSource
+        from gputop.sources.ssh import SshSource
+        from gputop.sources.transport import JumpPool
 
         if jumps is None:
             jumps = JumpPool(config.ssh_config)

@@ -212,6 +212,10 @@ class GpuProcess:
 LOST_TEXT = "errors/device-handle-unknown-error-busid-no-space.txt"
 #: Where a lost GPU's line comes (on stderr), per scenario; "lost" is the original: stdout, last.
 LOST_AT = {"lost-first": 0, "lost-middle": 1, "lost-last": -1}
+#: The same lost GPU, with a compute-apps query that fails too (exit 15, as every query of
+#: an nvidia-smi that lost a GPU) while it lists the other GPUs' processes, and names no
+#: lost GPU in its own output.
+LOST_APPS_AT = {"lost-apps-first": 0, "lost-apps-middle": 1, "lost-apps-last": -1}
 HOSTILE_GPU_NAME = "NVIDIA \x1b]0;pwned\x07H100\x1b[2J \u202eevil"
 
 
@@ -341,6 +345,7 @@ class Host:
     scenario: str = "ok"  # ok lost parse hang no-nvidia-smi driver no-devices nvml-mismatch
     #                       auth host-key-changed host-key-unknown unreachable banner-timeout
     #                       lost-first lost-middle lost-last dup-index huge hostile-names
+    #                       lost-apps-first lost-apps-middle lost-apps-last
     #                       drop (TCP SYNs dropped: a full listen queue)
     gpus: tuple[str, ...] = ("h100",)
     processes: list[GpuProcess] = field(default_factory=list)
@@ -507,7 +512,7 @@ class Fleet:
         else:
             rows: list[str] = []
             lost_gpus = 1 if scenario == "lost" or scenario in LOST_AT \
-                or scenario == "hostile-names" else 0
+                or scenario in LOST_APPS_AT or scenario == "hostile-names" else 0
             for i, g in enumerate(h.gpus):
                 # The stand-in prints the timestamp in front of each row as it prints it.
                 cells = project_capture(CAPTURES[g], ROW_QUERY).rstrip("\n").split(", ")
@@ -536,6 +541,12 @@ class Fleet:
                 lost = lost.replace("Unknown Error", "Unknown \x1b[31mError\x1b[0m")
             if scenario == "lost":
                 gpu_chunks = [("rows", "".join(rows)), ("out", lost)]
+                rc = "15"
+            elif scenario in LOST_APPS_AT:
+                at = LOST_APPS_AT[scenario]
+                at = len(rows) if at < 0 else min(at, len(rows))
+                gpu_chunks = [("rows", "".join(rows[:at])), ("err", lost),
+                              ("rows", "".join(rows[at:]))]
                 rc = "15"
             elif scenario in LOST_AT or scenario == "hostile-names":
                 at = LOST_AT.get(scenario, -1)

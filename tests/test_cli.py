@@ -191,8 +191,29 @@ def test_init_config_follows_no_link_and_honours_config(tmp_path: Path,
 
 def test_no_config_hint_names_the_command(env: dict[str, str]) -> None:
     r = gputop("--json", "--timeout", "1", env=env)
-    assert r.returncode == 0
+    answered = any(h["status"] == "ok" for h in json.loads(r.stdout)["hosts"])
+    assert r.returncode == (0 if answered else 3)  # (this machine may have no GPU)
     assert "gputop init-config" in r.stderr
+
+
+@pytest.mark.parametrize("output", ["--json", "--once"])
+def test_no_host_answering_has_its_own_exit_code(tmp_path: Path, env: dict[str, str],
+                                                 output: str) -> None:
+    """Every host failed: the output is still written, each host with its reason, and
+    the exit code (3) tells a script so; one host answering is enough for 0 (the fleet
+    tests run ``--json`` on fleets with some hosts down and expect 0)."""
+    r = gputop("--config", str(unreachable_config(tmp_path)), output, "--timeout", "1",
+               env=env)
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    if output == "--json":
+        (host,) = json.loads(r.stdout)["hosts"]
+        assert host["status"] == "error" and host["error"]["kind"] == "unreachable"
+    else:
+        assert "gpu-01" in r.stdout and "unreachable" in r.stdout
+    help_text = gputop("--help", env=env).stdout
+    assert "3 --json/--once: no host answered" in " ".join(help_text.split())
+    docs = " ".join(p.read_text() for p in [ROOT / "README.md", *ROOT.glob("docs/*.md")])
+    assert "`3`" in docs and "where no host answered" in docs  # with the other exit codes
 
 
 @pytest.mark.parametrize("args", [["--json", "reservations"], ["--once", "free"],

@@ -53,11 +53,16 @@ for w in "${COMPREPLY[@]}"; do printf '<%s>\n' "$w"; done
 
 
 def test_subcommands_and_options(setup: dict[str, str]) -> None:
-    assert complete(setup, "gputop re") == ["release", "reservations", "reserve"]
+    assert complete(setup, "gputop re") == ["record", "release", "report", "reservations",
+                                            "reserve"]
     assert "init-config" in complete(setup, "gputop ")
     assert "--once" in complete(setup, "gputop --")
     assert complete(setup, "gputop reserve gpu-01:0 --f") == ["--for"]
     assert "--config" in complete(setup, "gputop reserve gpu-01:0 --")
+    # --theme is the board's: offered before any subcommand, never after one
+    assert "--theme" in complete(setup, "gputop --")
+    assert "--theme" not in complete(setup, "gputop reserve gpu-01:0 --")
+    assert complete(setup, "gputop report --in") == []  # report does not loop: no --interval
     assert complete(setup, "gputop --theme gputop-l") == ["gputop-light"]
 
 

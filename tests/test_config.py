@@ -26,7 +26,8 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     for key in ("interval", "timeout", "max_connecting", "ssh_config", "theme",
                 "idle_holder_after", "address", "port", "user", "tags", "local",
                 "path", "default_duration", "max_duration", "idle_grace",
-                "keep_raw", "keep_minutes", "url", "fallback", "token_file", "listen"):
+                "keep_raw", "keep_minutes", "keep_hours", "url",
+                "fallback", "token_file", "listen"):
         assert f"{key} =" in text or f"# {key} =" in text, key
 
 
@@ -83,6 +84,12 @@ local = true
      "cannot be used with local"),
     ('[[hosts]]\nname = "ws"\nuser = "me"\nlocal = true\n', "hosts[0].user",
      "cannot be used with local"),
+    ('hosts = ["a"]\n[history]\nkeep_hours = "always"\n', "history.keep_hours",
+     "not a duration"),
+    ('hosts = ["a"]\n[history]\nkeep_hours = true\n', "history.keep_hours", "boolean"),
+    ('hosts = ["a"]\n[history]\nkeep_hours = "12h"\n', "history.keep_hours", "at least 1d"),
+    ('hosts = ["a"]\n[history]\nkeep_minutes = "60d"\nkeep_hours = "30d"\n',
+     "history.keep_hours", "keep_minutes"),
 ])
 def test_mistakes_name_the_key(tmp_path: Path, text: str, key: str, words: str) -> None:
     path = write(tmp_path, text)
@@ -90,6 +97,14 @@ def test_mistakes_name_the_key(tmp_path: Path, text: str, key: str, words: str) 
         load_config(str(path))
     assert exc.value.key == key
     assert str(path) in str(exc.value) and words in str(exc.value)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, None), ('"forever"', None),
+                                               ('"365d"', 365 * 86400.0), ("45000", 45000 * 60.0)])
+def test_keep_hours(tmp_path: Path, value: str | None, seconds: float | None) -> None:
+    body = 'hosts = ["a"]\n[history]\nkeep_raw = "6h"\n'
+    cfg = load_config(str(write(tmp_path, body + (f"keep_hours = {value}\n" if value else ""))))
+    assert cfg.history_hour_keep_s == seconds and cfg.history_raw_keep_s == 6 * 3600
 
 
 def test_invalid_toml_names_the_line(tmp_path: Path) -> None:

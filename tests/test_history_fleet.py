@@ -176,3 +176,87 @@ def test_json_watch_can_record_while_it_runs(history_fleet: Fleet, tmp_path: Pat
                         "--watch", "--record"], env=history_fleet.env(),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and str(db) in r.stderr and r.stdout == ""
+
+
+@pytest.fixture
+def forged_fleet(tmp_path: Path) -> Iterator[Fleet]:
+    _need_sshd()
+    (tmp_path / "fleet").mkdir()
+    f = Fleet(_world_readable(tmp_path / "fleet"), [
+        Host("alpha", "127.0.2.2", processes=[GpuProcess("gtalice", "python train.py")]),
+        Host("gamma", "127.0.2.4", scenario="unreachable"),  # down all along
+    ]).start()
+    yield f
+    f.stop()
+
+
+def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
+        forged_fleet: Fleet, tmp_path: Path) -> None:
+    """While `gputop record` runs against real hosts, a careless teammate writes a new holder
+    of alpha:0 into the shared file every 50 ms (ten per refresh): no name held for a
+    single refresh gets rows of its own (only the few a stalled writer left for two
+    refreshes may), their time is all there under (other names), and gamma, down before
+    any GPU of it was seen, is in the report as host-hours with its GPUs unknown."""
+    fleet = forged_fleet
+    db = tmp_path / "history.sqlite3"
+    cfg = fleet.write_config(timeout=2.0, interval=INTERVAL,
+                             extra=f'[history]\npath = "{db}"\n')
+    store = Store(fleet.root / "reservations.json")
+
+    def forge(i: int) -> None:
+        store.update(lambda st, now: replace(st, reservations=(
+            new_reservation("alpha", 0, f"forged{i}", "m", now, 3600, None, ""),)))
+
+    forge(0)
+    rec = _record(fleet, cfg)
+    forged = 1
+    try:
+        _wait_for_samples(db, 1, time.monotonic() + 30)
+        t0 = time.time()
+        while time.time() - t0 < 8 * INTERVAL:
+            forge(forged)
+            forged += 1
+            time.sleep(0.05)
+        t1 = time.time()
+        time.sleep(1.5)  # the last samples get committed
+        rec.send_signal(signal.SIGTERM)
+        assert rec.wait(15) == 0, rec.communicate()[1]
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    names = [n for (n,) in c.execute("SELECT name FROM users")]
+    samples = c.execute("SELECT COUNT(*) FROM samples s JOIN hosts h ON h.id = s.host "
+                        "WHERE h.name = 'alpha'").fetchone()[0]
+    c.close()
+    # forged0 (held before recording began) and the last one (held to the end) stayed
+    kept = [n for n in names if n.startswith("forged")
+            and n not in ("forged0", f"forged{forged - 1}")]
+    assert forged > 30 and samples >= 8
+    assert len(kept) <= max(2, samples // 4), (kept, samples)  # main: one per read
+    assert "gtalice" in names and "(other names)" in names
+
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--from", _iso(t0), "--to", _iso(t1), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    users = {u["user"]: u for u in doc["users"]}
+    hosts = {h["host"]: h for h in doc["hosts"]}
+    span = t1 - t0
+    slack = 3 * INTERVAL + 0.1  # a sample interval at each end, and a loaded machine's
+    held = sum(u["reserved_hours"] for u in users.values()) * 3600
+    assert abs(held - span) <= slack  # every second of alpha:0 held by someone
+    assert users["(other names)"]["reserved_hours"] * 3600 >= span - slack * (1 + len(kept))
+    assert abs(users["gtalice"]["used_hours"] * 3600 - span) <= slack
+    assert set(hosts) == {"alpha", "gamma"}
+    gamma = hosts["gamma"]
+    assert gamma["gpus"] is None and gamma["gpu_hours"] == 0
+    assert abs(gamma["unknown_gpus_hours"] * 3600 - span) <= slack
+    assert doc["headline"]["no_data_hours"] == 0  # gamma's are host-hours, not GPU-hours
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--from", _iso(t0), "--to", _iso(t1), "--by", "host"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "gamma: down" in r.stdout and "GPUs unknown" in r.stdout

@@ -331,7 +331,7 @@ def test_a_hub_that_is_down_is_one_classified_error(hub_fleet: Fleet, config: Pa
     for args in (("--json",), ("--once",), ("free",)):
         t = time.monotonic()
         r = gputop(hub_fleet, *args, "--config", str(config), "--hub", f"http://{ADDR}:{port}/")
-        assert r.returncode == 3, (args, r.returncode, r.stderr)
+        assert r.returncode == 4, (args, r.returncode, r.stderr)
         assert f"hub http://{ADDR}:{port}/: unreachable" in r.stderr
         assert time.monotonic() - t < 10
     # fallback = "direct": the hosts are polled instead, and it says so.
@@ -399,7 +399,7 @@ def test_a_hub_answering_garbage_is_one_classified_error(hub_fleet: Fleet, confi
         started = time.monotonic()
         r = gputop(hub_fleet, "--json", "--config", str(config), "--timeout", "1",
                    "--hub", f"http://{ADDR}:{port}/")
-        assert r.returncode == 3, (r.returncode, r.stderr)
+        assert r.returncode == 4, (r.returncode, r.stderr)
         kind = {b"": "timeout"}.get(answer, "auth" if b"401" in answer[:20] else "parse")
         assert f": {kind}: " in r.stderr, r.stderr
         assert r.stdout == ""

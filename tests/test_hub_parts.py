@@ -265,7 +265,7 @@ def test_the_token_is_required_and_sent(tmp_path: Path) -> None:
         reader.write_text(f'[hub]\nurl = "{hub.url}"\n')
         r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(reader)],
                            capture_output=True, text=True, timeout=30)
-        assert r.returncode == 3 and ": auth: " in r.stderr
+        assert r.returncode == 4 and ": auth: " in r.stderr
     finally:
         hub.stop()
 

@@ -56,6 +56,8 @@ async def test_instance_rows_under_their_gpu_and_reserved_by_key(
         assert cell(table, inst[0], "util").strip() == "n/a"  # none per instance: never 0
         assert cell(table, inst[0], "mem").endswith(" 11/40G")  # 11091 of 40448 MiB
         assert app.model.summary().gpus == 4  # instances are not more GPUs
+        # ... nor does the host's row count them as GPUs: it says each apart
+        assert cell(table, "gpu-mixed", "util").startswith("4 GPUs, 4 MIG instances")
         goto(app, table, inst[2])
         await pilot.press("r")
         await pilot.pause()

@@ -50,6 +50,7 @@ def test_wheel_ships_themes_and_example_config(wheels: dict[str, Path], how: str
         assert f"gputop/data/themes/{theme.name}" in names
     assert "gputop/data/hosts.example.toml" in names
     assert "gputop/schema/snapshot.schema.json" in names and "gputop/ui/gputop.tcss" in names
+    assert "gputop/history/gputop-record.service" in names  # gputop record --print-unit
     # The hub's web page and what runs it for a team (unit, scrape job, dashboard).
     for f in sorted((ROOT / "gputop" / "hub" / "web").iterdir()):
         assert f"gputop/hub/web/{f.name}" in names

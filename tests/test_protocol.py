@@ -22,6 +22,7 @@ from gputop.sources.nvidia_smi import (
     parse_gpu_rows,
     parse_owner_rows,
     parse_remote_output,
+    script_pids,
     to_str,
 )
 from gputop.sources.protocol import (
@@ -166,3 +167,82 @@ def test_the_script_runs_in_a_posix_shell_and_frames_its_output(tmp_path: Path) 
     second = lines[lines.index(end_line(nonces[1])) + 1: lines.index(end_line(nonces[2]))]
     assert parse_remote_output(second, nonces[2]).error is None
     assert parse_remote_output(second, nonces[1]).error is not None  # the wrong nonce
+
+
+#: Lines a failed compute-apps query might print besides its rows, as the remote script's
+#: ``IFS=', ' read`` splits them: some give it a pid for ps, some look as if they did.
+ODD_APPS_LINES = [
+    "GPU 0000:07:00.0, pid 1, Unknown Error",  # the 4th field is a pid to the script
+    ", ,1 ,2, x",  # empty fields: commas with and without spaces
+    "  a   b  c   3   ",
+    "a\tb c 4 5",  # a tab separates nothing there
+    "a b c \uff14",  # a fullwidth digit is no pid
+    "a,b,c,,6",
+    "a b c 7\r",
+    LOST,
+]
+
+
+@pytest.mark.parametrize("shell", ["dash", "bash"])
+@pytest.mark.parametrize("at", ["first", "middle", "last"])
+def test_a_failed_apps_query_keeps_its_rows_and_the_owners_ps_gave(
+        tmp_path: Path, shell: str, at: str) -> None:
+    """Issue 19: an apps query that exits 15 (a GPU lost) but lists the other GPUs'
+    processes. The real script, run by a real shell, asks ps about every pid it picks out
+    of that output, odd lines included; the parser reads the rows and accepts exactly the
+    owners the script asked for (not a ``parse: unexpected ps row`` for the host)."""
+    sh = shutil.which(shell)
+    if sh is None:
+        pytest.skip(f"{shell} is not installed")
+    rows = ["2026/07/14 08:12:53.500, GPU-x, 100, 5", "2026/07/14 08:12:53.500, GPU-y, 200, 7"]
+    apps = {"first": [*ODD_APPS_LINES, *rows], "middle": [rows[0], *ODD_APPS_LINES, rows[1]],
+            "last": [*rows, *ODD_APPS_LINES]}[at]
+    (tmp_path / "gpu.txt").write_text(f"{row(0, 'GPU-x')}\n{row(1, 'GPU-y')}\n{LOST}\n")
+    (tmp_path / "apps.txt").write_text("\n".join(apps) + "\n")
+    (tmp_path / "nvidia-smi").write_text(
+        f"#!/bin/sh\ncd {tmp_path}\ncase $1 in --query-gpu=*) cat gpu.txt ;; "
+        "*) cat apps.txt ;; esac\nexit 15\n")
+    # ps answers every pid it is asked about (as for live processes) and logs the list.
+    (tmp_path / "ps").write_text(
+        f"#!/bin/sh\nfor a; do last=$a; done\necho \"$last\" >> {tmp_path}/asked\n"
+        "case \"$*\" in *args=*) f=args ;; *) f=owner ;; esac\n"
+        "IFS=,; for p in $last; do if [ $f = args ]; then echo \"$p python job.py\"; "
+        "else echo \"$p root 00:01\"; fi; done\n")
+    for name in ("nvidia-smi", "ps"):
+        (tmp_path / name).chmod(0o755)
+    nonces = ["1" * 32, "2" * 32]
+    r = subprocess.run([sh, "-c", REMOTE_SCRIPT], input="\n".join(nonces) + "\n",
+                       capture_output=True, text=True, timeout=30,
+                       env={"PATH": f"{tmp_path}:/usr/bin:/bin"})
+    lines = r.stdout.split("\n")
+    result = parse_remote_output(lines[1: lines.index(end_line(nonces[1]))], nonces[1])
+    assert result.error is None, result.error
+    assert [g.lost for g in result.gpus] == [False, False, True]
+    assert [[(p.pid, p.user) for p in g.processes] for g in result.gpus] == [
+        [(100, "root")], [(200, "root")], []]
+    # The lost GPU says why the query failed; the lines that are neither rows nor a lost
+    # GPU's are shown as what they are.
+    (warning,) = result.warnings
+    assert warning.startswith("processes may be missing: nvidia-smi failed (exit 15): GPU "
+                              "0000:07:00.0, pid 1, Unknown Error , ,1 ,2, x"), warning
+    asked = (tmp_path / "asked").read_text().split()
+    assert asked[0] == asked[1]  # owners, then command lines, for the same pids
+    assert sorted(map(int, asked[0].split(","))) == sorted(script_pids("\n".join(apps)))
+
+
+def test_a_failed_apps_query_without_a_lost_gpu_is_a_warning() -> None:
+    """Rows of a failed query nothing explains are shown, with a warning that the list may
+    be incomplete; with no rows, the processes are unknown (the host still shows)."""
+    apps = "2026/07/14 08:12:53.500, GPU-x, 100, 5\nSomething unexpected happened"
+    lines = frame(NONCE, gpu=(row(0, "GPU-x"), 0), apps=(apps, 15),
+                  owners=("100 root 00:01", 0))
+    r = parse_remote_output(lines, NONCE)
+    assert r.error is None, r.error
+    assert [p.pid for p in r.gpus[0].processes] == [100]
+    assert r.warnings == ("processes may be missing: nvidia-smi failed (exit 15): "
+                          "Something unexpected happened",)
+    r = parse_remote_output(frame(NONCE, gpu=(row(0, "GPU-x"), 0),
+                                  apps=("Something unexpected happened", 15)), NONCE)
+    assert r.error is None and r.gpus[0].processes == ()
+    assert r.warnings == ("processes unknown: nvidia-smi failed (exit 15): "
+                          "Something unexpected happened",)

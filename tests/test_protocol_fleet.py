@@ -25,7 +25,7 @@ from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host, gpu_uuid
 from gputop.config import load_config
 from gputop.model import SCHEMA_VERSION
 from gputop.poller import Poller
-from gputop.sources.ssh import MAX_OUTPUT
+from gputop.sources.protocol import MAX_OUTPUT
 
 TIMEOUT = 4.0
 CONTROL = [chr(c) for c in (*range(0x20), 0x7F, 0x9B)] + ["\u202e"]
@@ -48,6 +48,11 @@ def hosts() -> list[Host]:
             GpuProcess("gtalice", "python a.py", gpu=0),
             GpuProcess("gtbob", "python b.py", gpu=1),
         ]) for i, at in enumerate(("first", "middle", "last"))),
+        *(Host(f"lost-apps-{at}", f"127.0.4.{11 + i}", scenario=f"lost-apps-{at}", gpus=two,
+               processes=[GpuProcess("gtalice", "python a.py", gpu=0),
+                          GpuProcess("gtbob", "python b.py", gpu=1),
+                          GpuProcess("gtalice", "python c.py", gpu=1)])
+          for i, at in enumerate(("first", "middle", "last"))),
         Host("dup-index", "127.0.4.7", scenario="dup-index", gpus=two),
         Host("huge", "127.0.4.8", scenario="huge"),
         Host("hostile-names", "127.0.4.9", scenario="hostile-names", gpus=("l40s",)),
@@ -192,6 +197,47 @@ def test_lost_gpu_on_stderr_anywhere_hides_nothing(pfleet: Fleet, schema: dict, 
     jsonschema.validate({"version": SCHEMA_VERSION, "time": h["time"], "hosts": [h]}, schema)
 
 
+@pytest.mark.parametrize("at", ["first", "middle", "last"])
+def test_a_failed_process_query_hides_no_healthy_gpu(pfleet: Fleet, schema: dict,
+                                                     at: str) -> None:
+    """Issue 19: the compute-apps query of an nvidia-smi that lost a GPU exits 15 but still
+    lists the other GPUs' processes (naming no lost GPU itself), and the script asks ps
+    about them. Its rows used to be dropped while the owners section held them: the host
+    became ``parse: unexpected ps row`` in every one-shot answer (``--json`` here). The
+    lost GPU's line comes first, between the rows and last."""
+    name = f"lost-apps-{at}"
+    h = run_json(pfleet, [name])[name]
+    assert h["status"] == "ok", h["error"]
+    assert [g["lost"] for g in h["gpus"]] == [False, False, True]
+    a, b, lost = h["gpus"]
+    assert (lost["bus_id"], lost["lost_reason"]) == ("0000:07:00.0", "Unknown Error")
+    alice, bob, carol = pfleet.hosts[name].processes
+    assert [p["pid"] for p in a["processes"]] == [alice.pid]
+    assert sorted(p["pid"] for p in b["processes"]) == sorted([bob.pid, carol.pid])
+    if pfleet.users:  # the owners ps gave are kept with their rows
+        got = {p["pid"]: p["user"] for g in (a, b) for p in g["processes"]}
+        assert got == {alice.pid: "gtalice", bob.pid: "gtbob", carol.pid: "gtalice"}
+    assert h["warnings"] == []  # the lost GPU says why the query failed
+    jsonschema.validate({"version": SCHEMA_VERSION, "time": h["time"], "hosts": [h]}, schema)
+
+
+async def test_a_failed_process_query_while_streaming(home: Fleet) -> None:
+    """The same host streamed: each loop ends after its sample (exit 15), and the sample
+    shows the healthy GPUs' processes (as it did before the query mode's fix)."""
+    cfg = home.write_config(["lost-apps-middle"], timeout=TIMEOUT,
+                            extra='collection = "stream"')
+    poller = Poller(load_config(str(cfg)))
+    alice, bob, carol = home.hosts["lost-apps-middle"].processes
+    try:
+        (h,) = (await poller.snapshot()).hosts
+    finally:
+        await poller.aclose()
+    assert h.error is None, h.error
+    assert [g.lost for g in h.gpus] == [False, False, True]
+    assert [sorted(p.pid for p in g.processes) for g in h.gpus] == [
+        [alice.pid], sorted([bob.pid, carol.pid]), []]
+
+
 def test_two_gpus_with_one_index_are_both_shown_and_flagged(pfleet: Fleet, schema: dict) -> None:
     h = run_json(pfleet, ["dup-index"])["dup-index"]
     assert h["status"] == "ok"
@@ -253,7 +299,8 @@ async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:
 def test_retries_of_many_failing_hosts_are_spread_out() -> None:
     from gputop.config import HostConfig
     from gputop.model import HostError
-    from gputop.sources.ssh import JumpPool, SshSource
+    from gputop.sources.ssh import SshSource
+    from gputop.sources.transport import JumpPool
 
     async def retry_times() -> list[float]:
         sem, jumps = asyncio.Semaphore(1), JumpPool(None)
@@ -262,8 +309,8 @@ def test_retries_of_many_failing_hosts_are_spread_out() -> None:
         now = time.monotonic()
         for _ in range(3):  # the third failure in a row: 8 s nominal
             for s in srcs:
-                s._backoff(HostError("unreachable", "connection refused"))
-        return [s._retry_at - now for s in srcs]
+                s.link.backoff(HostError("unreachable", "connection refused"))
+        return [s.link.retry_at - now for s in srcs]
 
     waits = asyncio.run(retry_times())
     assert all(3.9 <= w <= 8.1 for w in waits), waits

@@ -110,7 +110,7 @@ async def test_steady_state_starts_no_process_and_ps_runs_for_new_pids_only(
             seen.append(snap)
             if len(seen) == 1:
                 first_calls, channels = sfleet.calls(alpha), src.channels
-            st = src._streams
+            st = src.streams.session
             assert st is not None
             if len(seen) == 3:
                 # ONE exec channel carries both loops and ps: one SSH session on the host.
@@ -348,7 +348,7 @@ async def test_hung_ps_is_a_timeout_that_kills_the_session_on_the_host(sfleet: F
             kinds.append(snap.error.kind if snap.error else "ok")
             if len(kinds) == 2:
                 assert kinds == ["ok", "ok"]
-                st = src._streams
+                st = src.streams.session
                 assert st is not None
                 hung_sid = st.pid
                 flag.write_text("")
@@ -438,7 +438,7 @@ async def test_closing_while_ps_hangs_leaves_nothing_on_the_host(sfleet: Fleet) 
     try:
         first = await poller.snapshot()
         assert first.hosts[0].error is None, first.hosts[0].error
-        st = src._streams
+        st = src.streams.session
         assert st is not None
         sid = st.pid
         flag.write_text("")
@@ -503,3 +503,44 @@ async def test_a_command_line_ps_cannot_read_costs_its_text_not_the_host(
     assert not shown.command, shown  # unknown, not someone else's or a stale one
     left = subprocess.run(["pgrep", "-f", "^sleep 600$"], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+async def test_a_session_that_opened_between_refreshes_is_not_awaited_again(
+    sfleet: Fleet,
+) -> None:
+    """A refresh gives up on a session still opening (the host is ``starting``), and the
+    session opens before the next refresh. Once that session is gone (killed as stalled),
+    the next refresh opens a new one on the same connection: it used to await the old
+    opening again, find no session, and fail the host (``error: AssertionError``) with a
+    reconnect."""
+    poller = poller_for(sfleet, ["alpha"])
+    src = poller.sources[0]
+    assert isinstance(src, SshSource)
+    st = src.streams
+    kinds: list[str] = []
+
+    async def until_ok() -> None:
+        for _ in range(40):  # each waits at most an interval for the session's next sample
+            _gpus, err = await src.query()
+            kinds.append(err.kind if err else "ok")
+            if err is None:
+                return
+        raise AssertionError(kinds)
+
+    try:
+        await src.link.open()  # connected; no session yet
+        st.timeout = 0.0  # this refresh gives up on the opening at once
+        _gpus, err = await src.query()
+        assert err is not None and err.kind == "starting", err
+        opening = st._opening
+        assert opening is not None
+        await opening  # it opens between two refreshes
+        st.timeout = TIMEOUT
+        await until_ok()
+        assert st.session is not None
+        st._kill(st.session)  # as a session with no sample in time is
+        await until_ok()
+    finally:
+        await poller.aclose()
+    assert set(kinds) <= {"ok", "starting"}, kinds
+    assert (src.connects, src.stream_starts) == (1, 2)

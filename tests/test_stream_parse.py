@@ -119,6 +119,18 @@ def test_apps_rows_group_by_timestamp_and_match_the_gpu_sample_by_host_clock() -
         b.feed(f"{TS}, GPU-0, python, 2566")
 
 
+def test_a_pid_seen_again_in_a_batch_replaces_its_row() -> None:
+    """Two loop iterations printed within half an interval (a slow one, then a quick one)
+    or a flood of one row: the process is one row, the newest, never one per line."""
+    b = AppsBatches(interval=2.0)
+    t0 = parse_timestamp(TS)
+    for i in range(400):
+        b.feed(f"2026/07/14 08:12:53.{500 + i % 400:03d}, GPU-0, 11327, {2000 + i}")
+    b.feed("2026/07/14 08:12:53.900, GPU-1, 11327, 10")  # the same pid on another GPU
+    assert [(r.gpu_uuid, r.pid, r.used_memory_mib) for r in b.for_sample(t0)] == [
+        ("GPU-0", 11327, 2399), ("GPU-1", 11327, 10)]
+
+
 def test_timestamps_are_checked() -> None:
     assert parse_timestamp(TS) - parse_timestamp("2026/07/14 08:12:52.500") == pytest.approx(1)
     for bad in ("2026-07-14 08:12:53", "now", "2026/13/14 08:12:53.500"):
@@ -137,7 +149,9 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
 
     from gputop.config import HostConfig
     from gputop.sources.nvidia_smi import AppRow, Owner
-    from gputop.sources.ssh import OWNER_MEMORY, JumpPool, SshSource
+    from gputop.sources.ssh import SshSource
+    from gputop.sources.streaming import OWNER_MEMORY
+    from gputop.sources.transport import JumpPool
 
     async def scenario(steps: list[tuple[float, str | None]]) -> list[list[int]]:
         src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,
@@ -148,10 +162,10 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
             asked.append(pids)
             return {p: Owner(p, "gtalice", 5) for p in pids}, {p: "train.py" for p in pids}
 
-        src._ask_ps = ask_ps  # type: ignore[method-assign]
+        src.streams._ask_ps = ask_ps  # type: ignore[method-assign]
         for now, start in steps:
             apps = [] if start == "gone" else [AppRow("GPU-1", 42, 100, start)]
-            owners, _ = await src._owners_of(None, apps, now)  # type: ignore[arg-type]
+            owners, _ = await src.streams._owners_of(None, apps, now)  # type: ignore[arg-type]
             assert (42 in owners) == bool(apps)
         return asked
 

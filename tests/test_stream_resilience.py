@@ -97,7 +97,7 @@ async def _freeze_until_back(poller: Poller, host: Host, limit: float,
 
 
 async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fleet) -> None:
-    """Finding: no keepalive on streaming connections (sources/ssh.py _connect) and a
+    """Finding: no keepalive on streaming connections (sources/transport.py connect) and a
     stream stall keeps the connection (kind "timeout" is not dropped), so a connection
     whose peer went silent without a FIN/RST (sshd hung, conntrack/NAT state lost) is
     reused for ever: every restart opens a channel on it and times out. The host never
@@ -209,7 +209,7 @@ async def test_many_session_restarts_leave_no_channels_timers_tasks_or_processes
             kinds.append(snap.error.kind if snap.error else "ok")
             oks_since_kill = oks_since_kill + 1 if snap.error is None else 0
             if oks_since_kill >= 3:
-                conn = src._conn
+                conn = src.link.conn
                 assert conn is not None
                 marks.append((len(conn._channels), len(loop._scheduled),  # type: ignore[attr-defined]
                               len(asyncio.all_tasks()), len(_sessions(rfleet, alpha))))

@@ -13,20 +13,31 @@ import os
 import sys
 from pathlib import Path
 
+from gputop.cli.options import ALL as ALL_GLOBAL_OPTIONS
+from gputop.cli.options import for_command
 from gputop.config import ConfigError, data_path, default_config_path, find_config, load_config
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
-COMMANDS = ("reserve", "release", "reservations", "free", "init-config", "completion")
-GLOBAL_OPTIONS = ("--config", "--interval", "--timeout", "--theme")
-TOP_OPTIONS = ("--json", "--watch", "--pretty", "--once", "--demo", "--version", "--help")
-OPTIONS = {
-    "reserve": ("--for", "--note"),
-    "release": ("--mine", "--force"),
-    "reservations": ("--json",),
-    "free": ("--count", "--min-free-memory", "--reserve", "--for", "--note", "--json"),
-    "init-config": ("--stdout",),
-    "completion": (),
-}
+GLOBAL_OPTIONS = ALL_GLOBAL_OPTIONS
+TOP_OPTIONS = ("--json", "--watch", "--pretty", "--once", "--demo", "--record", "--version",
+               "--help")
+#: The subcommands made here, apart from those in :mod:`gputop.cli.subcommands`.
+OWN_OPTIONS = {"init-config": ("--stdout",), "completion": ()}
+
+
+def options() -> dict[str, tuple[str, ...]]:
+    """Each subcommand's options as its parser has them (its own, then the global ones it
+    takes; never --theme), so completion cannot fall behind the parsers. Read when a
+    script is printed, never on a Tab press."""
+    import argparse
+
+    from gputop.cli.subcommands import add_subcommands
+
+    sub = add_subcommands(argparse.ArgumentParser(add_help=False))
+    out = {name: tuple(s for a in p._actions if a.help != argparse.SUPPRESS
+                       for s in a.option_strings if s.startswith("--") and s != "--help")
+           for name, p in sub.choices.items()}
+    return out | {cmd: (*opts, *for_command(cmd)) for cmd, opts in OWN_OPTIONS.items()}
 THEMES = ("gputop-dark", "gputop-light", "gputop-contrast")
 
 
@@ -102,30 +113,32 @@ def _reserved(path: Path, names: set[str], *, mine: bool) -> list[str]:
 
 
 def script(shell: str) -> str:
+    opts = options()
     words = {
-        "COMMANDS": " ".join(COMMANDS),
+        "COMMANDS": " ".join(opts),
         "GLOBAL": " ".join(GLOBAL_OPTIONS),
         "TOP": " ".join(TOP_OPTIONS),
         "THEMES": " ".join(THEMES),
     }
     text = {"bash": BASH, "zsh": ZSH, "fish": FISH}[shell]
     if shell == "fish":
-        text = text.replace("@FISH_OPTIONS@", _fish_options())
+        text = text.replace("@FISH_OPTIONS@", _fish_options(opts))
     else:
-        cases = "".join(f"        {cmd}) opts=\"{' '.join(opts)}\" ;;\n"
-                        for cmd, opts in OPTIONS.items())
+        cases = "".join(f"        {cmd}) opts=\"{' '.join(names)}\" ;;\n"
+                        for cmd, names in opts.items())
         text = text.replace("@CASES@", cases.rstrip("\n"))
+        text = text.replace("@COMMANDS_CASE@", "|".join(opts))
     for k, v in words.items():
         text = text.replace(f"@{k}@", v)
     return text
 
 
-def _fish_options() -> str:
+def _fish_options(opts: dict[str, tuple[str, ...]]) -> str:
     lines = []
     for opt in (*GLOBAL_OPTIONS, *TOP_OPTIONS):
-        lines.append(f"complete -c gputop -l {opt[2:]}")
-    for cmd, opts in OPTIONS.items():
-        for opt in opts:
+        lines.append(f"complete -c gputop -n '__fish_use_subcommand' -l {opt[2:]}")
+    for cmd, names in opts.items():
+        for opt in names:
             lines.append(f"complete -c gputop -n '__fish_seen_subcommand_from {cmd}' "
                          f"-l {opt[2:]}")
     return "\n".join(lines)
@@ -160,8 +173,8 @@ _gputop() {
         case "$cmd" in
 @CASES@
         esac
-        [[ -z "$cmd" ]] && opts="@TOP@"
-        words="$opts @GLOBAL@"
+        [[ -z "$cmd" ]] && opts="@TOP@ @GLOBAL@"
+        words="$opts"
     elif [[ -z "$cmd" ]]; then
         words="@COMMANDS@"
     else
@@ -188,7 +201,7 @@ _gputop() {
     fi
 }
 complete -o default -F _gputop gputop
-""".replace("@COMMANDS_CASE@", "|".join(COMMANDS))
+"""
 
 ZSH = r"""# gputop completion for zsh: eval "$(gputop completion zsh)" in ~/.zshrc
 autoload -U +X compinit && compinit
@@ -206,6 +219,6 @@ complete -c gputop -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish
 complete -c gputop -n '__fish_seen_subcommand_from reserve' -a '(__gputop_candidates targets)'
 complete -c gputop -n '__fish_seen_subcommand_from release' -a '(__gputop_candidates mine)'
 complete -c gputop -l config -r -F
-complete -c gputop -l theme -x -a '@THEMES@'
+complete -c gputop -n '__fish_use_subcommand' -l theme -x -a '@THEMES@'
 @FISH_OPTIONS@
 """

@@ -7,12 +7,13 @@ import argparse
 import asyncio
 import sys
 
+from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import poll_hosts, queue_request, reap_ended_jobs, reservation_seconds
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
-from gputop.model import iso
+from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (
     Store,
@@ -57,7 +58,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
              if req.fits(f) and not taken(f)
              and not (args.whole and f.instance)][: args.count]
     if len(found) < args.count:
-        print(f"gputop: {len(found)} free GPU(s) found, {args.count} wanted"
+        if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
+            print_free(found, state, utcnow())                   # test for all or nothing
+        print(f"gputop: {len(found)} free, {args.count} wanted"
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
                  " (--wait to queue for them)"), file=sys.stderr)
         if args.json:
@@ -86,6 +89,5 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
             | ({"expires": expires.get(f.label)} if args.reserve else {})
             for f in found]}, sys.stdout)
     else:
-        for f in found:
-            print(f.label)
+        print_free(found, store.read() if args.reserve else state, utcnow())
     return EXIT_OK

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gputop.cli.lifecycle import EXIT_OK
+from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK
 from gputop.config import NO_CONFIG_HINT, Config, default_config_path
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.pacing import set_pace
@@ -101,7 +101,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
             if reaping is not None:
                 await reaping.once()
             emit(snap)
-            return EXIT_OK
+            return exit_code(snap)
         await watch_latest(poller, config.interval, emit, observe)
         return EXIT_OK  # pragma: no cover - watch_latest runs until cancelled
     finally:
@@ -203,4 +203,11 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     color = tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
     sys.stdout.write(render(snap, state, width=width, color=color))
     sys.stdout.flush()
+    return exit_code(snap)
+
+
+def exit_code(snap: FleetSnapshot) -> int:
+    """0, or EXIT_NO_HOST when there were hosts and none of them answered."""
+    if snap.hosts and not any(h.ok for h in snap.hosts):
+        return EXIT_NO_HOST
     return EXIT_OK

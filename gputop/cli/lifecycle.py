@@ -1,8 +1,9 @@
 """Exit codes and ending cleanly on a signal: the ground every subcommand stands on.
 
-Exit codes are API: 0 done, 1 refused, 2 usage/config/store error, 3 the hub ([hub] url,
---hub) is down or answered garbage, 130 interrupted (128 + the signal's number for SIGTERM
-and SIGHUP too).
+Exit codes are API: 0 done, 1 refused, 2 usage/config/store error, 3 no host answered
+(``--json``/``--once``: the output is written, and every host in it is an error), 4 the hub
+(``[hub] url``, ``--hub``) is down or answered garbage (nothing is written), 130
+interrupted (128 + the signal's number for SIGTERM and SIGHUP too).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-EXIT_HUB = 3
+#: ``--json``/``--once`` where every host failed: a script can tell "all down" from data.
+EXIT_NO_HOST = 3
+#: The hub a reader was pointed at could not be read: one classified line, no output.
+EXIT_HUB = 4
 
 #: Signals that end ``--json``/``--once`` cleanly: every remote loop is ended first.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

@@ -8,7 +8,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from gputop import __version__
 from gputop.cli.headless import fleet, json_output, table_output
@@ -20,40 +19,24 @@ from gputop.cli.lifecycle import (
     UsageError,
     run_until_signal,
 )
+from gputop.cli.options import for_subcommand, global_options
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, ConfigError, default_config_path, hub_url_problem, load_config
+from gputop.config import Config, ConfigError, hub_url_problem, load_config
 from gputop.history.db import HistoryError
 from gputop.sources import HubError
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
 
-def _global_options(*, sub: bool) -> argparse.ArgumentParser:
-    """Options that work before or after the subcommand (``gputop reserve X --config F``).
-    In a subcommand they default to SUPPRESS, so they never undo what came before it."""
-    p = argparse.ArgumentParser(add_help=False)
-    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
-    p.add_argument("--config", metavar="FILE", **kw,
-                   help=f"hosts file (default: $GPUTOP_CONFIG, else {default_config_path()})")
-    p.add_argument("--interval", type=float, metavar="SECONDS", **kw,
-                   help="seconds between refreshes (overrides the config)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
-                   help="per-host timeout for connect + one query (overrides the config)")
-    p.add_argument("--theme", metavar="NAME", **kw,
-                   help="board theme: gputop-dark, gputop-light, gputop-contrast or your own")
-    p.add_argument("--hub", metavar="URL", **kw,
-                   help="read this hub (gputop serve) instead of SSHing to every host "
-                   "(overrides [hub] url)")
-    return p
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gputop",
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
-        "2 usage, config or store error, 3 the hub is down or answered garbage, "
+        "2 usage, config or store error, 3 --json/--once: no host answered (the output "
+        "says why for each), 4 the hub (--hub, [hub] url) is down or answered garbage, "
         "130 interrupted (143 SIGTERM, 129 SIGHUP).",
-        parents=[_global_options(sub=False)],
+        parents=[global_options(sub=False)],
     )
     p.add_argument("--version", action="version", version=f"gputop {__version__}")
     p.add_argument("--json", action="store_true",
@@ -72,14 +55,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="board or --json --watch: also record every refresh into the history "
                    "database ([history] path), like `gputop record`")
 
-    common = _global_options(sub=True)
-    sub = add_subcommands(p, parents=[common])
-    c = sub.add_parser("init-config", parents=[common],
+    sub = add_subcommands(p)
+    c = sub.add_parser("init-config", parents=for_subcommand("init-config"),
                        help="write the documented example hosts file to the config path "
-                       "(never overwrites)")
+                       "(never overwrites)",
+                       description="Write the documented example hosts file (every key, "
+                       "commented) to --config FILE, else $GPUTOP_CONFIG, else "
+                       "~/.config/gputop/hosts.toml; never over an existing file (exit 1). "
+                       "Edit its [[hosts]], then run gputop.")
     c.add_argument("--stdout", action="store_true", help="print it instead of writing it")
-    c = sub.add_parser("completion", parents=[common],
-                       help="print a shell completion script: bash, zsh or fish")
+    c = sub.add_parser("completion", parents=for_subcommand("completion"),
+                       help="print a shell completion script: bash, zsh or fish",
+                       description="Print a completion script for bash, zsh or fish: "
+                       "subcommands, options, host names and HOST:GPU from your config. "
+                       'bash: eval "$(gputop completion bash)" in ~/.bashrc; zsh: the same '
+                       "in ~/.zshrc; fish: gputop completion fish > "
+                       "~/.config/fish/completions/gputop.fish")
     c.add_argument("shell", nargs="?", choices=("bash", "zsh", "fish"))
     c.add_argument("--candidates", choices=("hosts", "targets", "mine"),
                    help=argparse.SUPPRESS)  # what the scripts call back for

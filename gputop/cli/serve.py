@@ -43,11 +43,17 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     return run_until_signal(main)
 
 
-def add_serve(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
-              parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", parents=parents,
-                       help="run a hub: poll every host once for the whole team and serve "
-                       "/metrics (Prometheus), the --json snapshot and its event stream")
+def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from gputop.cli.options import for_subcommand
+
+    p = sub.add_parser(
+        "serve", parents=for_subcommand("serve"),
+        help="run a hub: poll every host once for the whole team and serve /metrics "
+        "(Prometheus), the --json snapshot and its event stream",
+        description="Poll every host of the config once, for everybody, and serve it "
+        "read-only over HTTP: /metrics (Prometheus), /api/v1/snapshot (the --json "
+        "document), /api/v1/events (Server-Sent Events), /-/ready, /-/healthy and the "
+        "wall board's page. Readers point [hub] url (or --hub URL) at it. See docs/hub.md.")
     p.add_argument("--listen", metavar="HOST:PORT",
                    help="where to listen (default: [hub] listen, else 127.0.0.1:9847; "
                    "beyond loopback only when told)")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from gputop.cli.free import cmd_free
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_HUB, EXIT_OK, EXIT_REFUSED
+from gputop.cli.options import for_subcommand
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
@@ -24,11 +24,37 @@ from gputop.reservations import (
 from gputop.sources import HubError
 
 
+def recorder_command(config: Config, args: argparse.Namespace) -> list[str]:
+    """``gputop record`` as a service runs it: this very gputop (the script on PATH, else
+    this interpreter with ``-m gputop``) and what this run read, all absolute."""
+    import os
+    from pathlib import Path
+
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == "gputop" and os.access(script, os.X_OK):
+        cmd = [os.path.abspath(script), "record"]  # unresolved: pipx's ~/.local/bin link
+    else:
+        cmd = [sys.executable, "-m", "gputop", "record"]
+    if config.path is not None:
+        cmd += ["--config", str(config.path.expanduser().absolute())]
+    if args.db:
+        cmd += ["--db", str(Path(args.db).expanduser().absolute())]
+    if args.interval is not None:
+        cmd += ["--interval", f"{args.interval:g}"]
+    if args.timeout is not None:
+        cmd += ["--timeout", f"{args.timeout:g}"]
+    return cmd
+
 def cmd_record(config: Config, args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from gputop.history.live import record_forever
 
+    if args.print_unit:
+        from gputop.history.unit import unit_text
+
+        sys.stdout.write(unit_text(recorder_command(config, args)))
+        return EXIT_OK
     try:
         asyncio.run(record_forever(config, Path(args.db).expanduser() if args.db else None))
     except asyncio.CancelledError:  # SIGTERM: stopped cleanly, everything committed
@@ -55,15 +81,23 @@ def _queue_options(p: argparse.ArgumentParser) -> None:
                    "(GPUTOP_RESULT, GPUTOP_GPUS, GPUTOP_UUIDS in its environment)")
     p.add_argument("--lease", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
 
-def add_subcommands(parser: argparse.ArgumentParser,
-                    parents: Sequence[argparse.ArgumentParser] = ()) -> Any:
-    """The reservation subcommands; ``parents`` adds the global options to each, so they
-    work after the subcommand too. Returns the subparsers, for the CLI to add its own."""
+def add_subcommands(parser: argparse.ArgumentParser) -> Any:
+    """The reservation, queue, run and history subcommands, each with a description and
+    the global options it uses (:mod:`gputop.cli.options`), which work after the
+    subcommand too. Returns the subparsers, for the CLI to add its own."""
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    parents = list(parents)
-    p = sub.add_parser("reserve", parents=parents,
-                       help="reserve GPUs: HOST:GPU[,GPU...] (all or nothing); "
-                       "a MIG instance: HOST:GPU/INSTANCE or HOST:MIG-<uuid>")
+
+    def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=for_subcommand(name), help=help,
+                              description=description)
+
+    p = add("reserve", "reserve GPUs: HOST:GPU[,GPU...] (all or nothing); "
+            "a MIG instance: HOST:GPU/INSTANCE or HOST:MIG-<uuid>",
+            "Reserve GPUs in the team's shared reservations file, all or nothing: "
+            "gputop reserve gpu-01:0,1 --for 2h --note 'sweep 7'. Advisory: nobody's job is "
+            "stopped, but everyone's gputop shows who holds what and flags misuse. Your own "
+            "reservation is extended (or kept, if it already lasts longer); a GPU someone "
+            "else holds, or that a waiter in the queue could use, is refused (exit 1).")
     p.add_argument("targets", nargs="+", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="how long, e.g. 90m, 2h, 1d (default from the config: 4h)")
@@ -73,8 +107,10 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--skip-queue", action="store_true",
                    help="reserve even a GPU that people in the queue wait for (recorded in "
                    "the file with your name)")
-    p = sub.add_parser("release", parents=parents,
-                       help="release GPUs you reserved, or a place in the queue (--waiter)")
+    p = add("release", "release GPUs you reserved, or a place in the queue (--waiter)",
+            "Release your reservations (gputop release gpu-01:0,1, or --mine for all), "
+            "someone else's with --force (recorded in the file with your name), or take a "
+            "place out of the queue with --waiter ID.")
     p.add_argument("targets", nargs="*", metavar="HOST:GPU[,GPU...]")
     p.add_argument("--mine", action="store_true", help="release all of your reservations")
     p.add_argument("--force", action="store_true",
@@ -83,10 +119,17 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--waiter", metavar="ID",
                    help="take waiter ID (from gputop reservations) out of the queue: "
                    "your own, or with --force anyone's")
-    p = sub.add_parser("reservations", parents=parents, help="list current reservations")
+    p = add("reservations", "list current reservations",
+            "List the current reservations (GPU, holder, until when, time left, note) and "
+            "the queue (who waits for what, since when, each waiter's id), in local time; "
+            "--json in UTC.")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("free", parents=parents,
-                       help="list idle, unreserved GPUs (and MIG instances), best first")
+    p = add("free", "list idle, unreserved GPUs (and MIG instances), best first",
+            "List idle GPUs (and MIG instances) nobody else holds, most free memory first. "
+            "On a terminal: a table with model, free memory, load and your own reservations; "
+            "in a pipe: HOST:GPU lines, for scripts. Fewer than --count free: exit 1 "
+            "(--wait queues for them). --reserve reserves what was found in one write; "
+            "--wait waits your turn in the team's queue, then reserves.")
     _queue_options(p)
     p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
@@ -96,8 +139,11 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
     p.add_argument("--note", help="with --reserve")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = sub.add_parser("run", parents=parents,
-                       help="reserve GPUs on one host, run CMD there on them, release them")
+    p = add("run", "reserve GPUs on one host, run CMD there on them, release them",
+            "Pick (or, with --wait, wait for) --count free GPUs on one host, reserve them, run "
+            "CMD there over SSH with CUDA_VISIBLE_DEVICES set to them, and release them when "
+            "the job ends: gputop run --count 2 --wait -- python train.py. Exits with the "
+            "job's status (255: the SSH connection failed).")
     _queue_options(p)
     p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
     p.add_argument("--for", dest="duration", metavar="DURATION",
@@ -106,13 +152,21 @@ def add_subcommands(parser: argparse.ArgumentParser,
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
                    help="the command and its arguments")
-    p = sub.add_parser("record", parents=parents,
-                       help="record every host's GPUs, owners and reservations "
-                       "into the history database (runs until stopped)")
+    p = add("record", "record every host's GPUs, owners and reservations "
+            "into the history database (runs until stopped)",
+            "Record every refresh of every host (GPUs, load, memory, process owners, "
+            "reservations) into the history database that gputop report reads. One recorder "
+            "per database, on one machine, on local disk; --print-unit prints a systemd user "
+            "unit that runs it.")
     p.add_argument("--db", metavar="FILE", help="history database (default: [history] path)")
-    p = sub.add_parser("report", parents=parents,
-                       help="GPU-hours used, reserved and wasted, per user, host "
-                       "and GPU, from the history database")
+    p.add_argument("--print-unit", action="store_true",
+                   help="print a systemd user unit that runs this gputop's recorder (with "
+                   "this --config, --db, --interval, --timeout) and exit")
+    p = add("report", "GPU-hours used, reserved and wasted, per user, host "
+            "and GPU, from the history database",
+            "Say who used, reserved and wasted how many GPU-hours (busy, idle, held idle, "
+            "no data), per user, host or GPU, from what gputop record wrote; as text, "
+            "--csv, --json or a --plot.")
     p.add_argument("--db", metavar="FILE", help="history database (default: [history] path)")
     p.add_argument("--since", metavar="DURATION", help="the last DURATION, e.g. 7d (default)")
     p.add_argument("--from", dest="start", metavar="DATE",
@@ -125,7 +179,7 @@ def add_subcommands(parser: argparse.ArgumentParser,
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
                    "(needs matplotlib: pip install 'gputop[plot]')")
-    add_serve(sub, parents)
+    add_serve(sub)
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from gputop.history.names import OTHER_NAMES
+
 #: Bumped for every schema change; each step has a migration below.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: PRAGMA application_id: "GPUT". Tells our file apart from any other SQLite database.
 APPLICATION_ID = 0x47505554
 _MAGIC = b"SQLite format 3\x00"
@@ -69,6 +71,13 @@ MIGRATIONS: dict[int, list[str]] = {
     # The mark says from when instances were recorded as fractions.
     2: ["INSERT OR IGNORE INTO meta VALUES ('mig_parts_from', "
         "CAST(strftime('%s', 'now') AS INTEGER))"],
+    # 3: bounded history (``names``, ``recorder``). No table changes shape, and version-2
+    # rows read as before; but a version-2 gputop would count the pseudo GPU of a host
+    # down with its GPUs unknown (key "") as one GPU, and read hours dropped after
+    # ``keep_hours`` (before 'hour_from') as time with nothing recorded: the version
+    # refuses it that file. '(other names)' holds the time of names not kept.
+    3: ["INSERT OR IGNORE INTO meta VALUES ('hour_from', 0)",
+        f"INSERT OR IGNORE INTO users (name) VALUES ('{OTHER_NAMES}')"],
 }
 
 

@@ -4,7 +4,14 @@ Each host snapshot becomes one raw row. A host that did not answer is recorded a
 data* for the GPUs it last had, never as zeros. Rows are committed in batches (at most
 every ``commit_every`` seconds), so a killed recorder loses at most that much and the
 database stays valid (SQLite WAL). ``maintain`` rolls complete minutes and hours up and
-drops raw samples and minutes past their keep windows.
+drops raw samples, minutes and hours past their keep windows.
+
+Which user names get rows of their own is ``names``' rule: a name seen for a single
+refresh, or beyond the new-name limit, counts under ``(other names)``, and a rollup keeps
+the 16 busiest names per GPU and bucket, so history's size does not grow with the names
+that arrive. A host that is down before any of its GPUs was seen is recorded as one
+pseudo GPU with key ``""`` (no uuid is empty): the report counts it as the host's time with
+no data and GPUs unknown, not as GPU-hours.
 
 A MIG GPU whose instances are known is recorded with one part per instance (its GI id,
 fraction, users and holder; see ``accounting``), so that each instance counts for its
@@ -18,10 +25,13 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
+from itertools import groupby
 
 from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
+from gputop.history.names import OTHER_NAMES, NameGate, fold
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Reservation, StoreState
 
@@ -29,6 +39,22 @@ RAW_KEEP_S = 2 * 86400.0
 MINUTE_KEEP_S = 30 * 86400.0
 #: A minute is rolled up this long after it ends (late rows of a slow host still land).
 ROLLUP_DELAY_S = 30.0
+#: The key of a down host's GPUs while none of them is known (a GPU's key is its uuid or
+#: ``index:N``, never empty).
+UNKNOWN_GPUS_KEY = ""
+#: Samples remembered for writing again when a name in them is kept (see ``_revisit``).
+REVISITS_MAX = 1024
+
+
+@dataclass
+class _Revisit:
+    t: int
+    hid: int
+    snap: HostSnapshot
+    current: list[int]
+    held: dict[tuple[str, int], Reservation]
+    inst_held: dict[tuple[str, int, int], Reservation]
+    waiting: set[str]  # names in it not kept yet
 
 
 def _ms(t: datetime) -> int:
@@ -38,13 +64,14 @@ def _ms(t: datetime) -> int:
 class Recorder:
     def __init__(self, db: HistoryDB, *, interval: float, timeout: float = 10.0,
                  raw_keep_s: float = RAW_KEEP_S, minute_keep_s: float = MINUTE_KEEP_S,
-                 commit_every: float = 1.0,
+                 hour_keep_s: float | None = None, commit_every: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.db = db
         self.interval = interval
         #: A gap longer than this (recorder stopped) is not attributed to the next sample.
         self.max_gap_ms = int(1000 * max(2 * interval, interval + timeout))
         self.raw_keep_s, self.minute_keep_s = raw_keep_s, minute_keep_s
+        self.hour_keep_s = hour_keep_s  # None: forever
         self.commit_every = commit_every
         self._clock = clock
         self._hosts: dict[str, int] = {}
@@ -55,16 +82,20 @@ class Recorder:
         self._last: dict[int, int] = {}
         self._held: dict[tuple[str, int], Reservation] = {}
         self._inst_held: dict[tuple[str, int, int], Reservation] = {}
-        self._pending: list[tuple[int, int, int, int, str | None, str]] = []
+        self._revisits: list[_Revisit] = []
+        self._minute_done = 0
         self._last_commit = clock()
         try:
-            self._load()
             with db.transaction() as c:  # the report's chart is no finer than the samples
                 c.execute("INSERT OR REPLACE INTO meta VALUES ('interval_ms', ?)",
                           (int(interval * 1000),))
+            self._load()
+            self._minute_done = db.meta("minute_done")
         except HistoryError:
             db.abandon()
             raise
+        self.names = NameGate(self._users, lambda n: self._id("users", self._users, n),
+                              interval_ms=int(interval * 1000), max_gap_ms=self.max_gap_ms)
 
     def _load(self) -> None:
         with self.db.errors():
@@ -128,10 +159,12 @@ class Recorder:
             r = self._held.get((host, idx))
         if r is None or not r.active(at):
             return None
-        return self._id("users", self._users, r.user)
+        return self.names.resolve(r.user, _ms(at))
 
-    def _user_ids(self, procs: tuple[ProcessInfo, ...]) -> list[int]:
-        return sorted({self._id("users", self._users, p.user or UNKNOWN_USER) for p in procs})
+    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int) -> list[int]:
+        if not procs:
+            return []
+        return self.names.user_ids([p.user or UNKNOWN_USER for p in procs], t_ms)
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
@@ -146,7 +179,7 @@ class Recorder:
         total = sum(f for f in fracs if f is not None)
         scale = 1.0 if total <= 1.0 else 1.0 / total  # instances that claim more than all
         return [[i.gpu_instance_id, (f or 0.0) * scale, i.utilization_percent,
-                 self._user_ids(i.processes),
+                 self._user_ids(i.processes, _ms(at)),
                  self._holder(host, g.index, at, i.gpu_instance_id)]
                 for i, f in zip(g.instances, fracs)]
 
@@ -167,7 +200,50 @@ class Recorder:
             return  # a clock step back, or the same sample twice
         dt = int(self.interval * 1000) if prev is None else min(t - prev, self.max_gap_ms)
         self._last[hid] = t
+        current = self._current.get(hid, [])
+        self.names.waiting.clear()
+        entries = self._entries(hid, snap)
+        if self.names.waiting:  # written as (other names) for now: see _revisit
+            self._revisits.append(_Revisit(t, hid, snap, current, self._held,
+                                           self._inst_held, set(self.names.waiting)))
+            del self._revisits[:-REVISITS_MAX]
+        error = None if snap.error is None else snap.error.kind
+        self.db.conn.execute(
+            "INSERT OR IGNORE INTO samples (t, host, dt, ok, error, gpus) VALUES (?,?,?,?,?,?)",
+            (t, hid, dt, int(snap.ok), error, json.dumps(entries, separators=(",", ":"))))
+        if self.names.admitted:
+            self._revisit(set(self.names.admitted))
+            self.names.admitted.clear()
+
+    def _revisit(self, admitted: set[str]) -> None:
+        """Names just kept had their first refreshes written as (other names): write those
+        samples again with what is known now, while they are not rolled up yet."""
+        live = (self._held, self._inst_held)
+        self.names.replaying = True
+        try:
+            keep = []
+            for r in self._revisits:
+                if r.t < self._minute_done * 1000:
+                    continue  # rolled up (or about to be): it stays as it is
+                if r.waiting & admitted:
+                    self._held, self._inst_held = r.held, r.inst_held
+                    entries = self._entries(r.hid, r.snap, r.current)
+                    self.db.conn.execute("UPDATE samples SET gpus = ? WHERE t = ? AND host = ?",
+                                         (json.dumps(entries, separators=(",", ":")), r.t,
+                                          r.hid))
+                    r.waiting -= admitted
+                if r.waiting:
+                    keep.append(r)
+            self._revisits = keep
+        finally:
+            self.names.replaying = False
+            self._held, self._inst_held = live
+
+    def _entries(self, hid: int, snap: HostSnapshot, current: list[int] | None = None
+                 ) -> list[list[object]]:
+        """The sample's GPU entries; ``current``: replaying, the host's GPUs back then."""
         entries: list[list[object]] = []
+        t_ms = _ms(snap.time)
         if snap.ok:
             ids = []
             for g in snap.gpus:
@@ -178,27 +254,26 @@ class Recorder:
                 ids.append(gid)
                 util = None if g.lost else g.utilization_percent
                 entry: list[object] = [gid, util, g.memory_used_mib,
-                                       self._user_ids(g.processes),
+                                       self._user_ids(g.processes, t_ms),
                                        self._holder(snap.name, g.index, snap.time),
                                        int(g.lost)]
                 parts = self._parts(snap.name, g, snap.time)
                 if parts is not None:
                     entry.append(parts)
                 entries.append(entry)
-            if ids != self._current.get(hid):
+            if current is None and ids != self._current.get(hid):
                 self.db.conn.execute("UPDATE gpus SET current = 0 WHERE host = ?", (hid,))
                 self.db.conn.executemany("UPDATE gpus SET current = 1 WHERE id = ?",
                                          [(i,) for i in ids])
                 self._current[hid] = ids
         else:
-            for gid in self._current.get(hid, []):
+            gids = (self._current.get(hid) if current is None else current) or [
+                self._gpu_id(hid, UNKNOWN_GPUS_KEY, None, None, None)]  # no GPU seen yet
+            for gid in gids:
                 idx = self._gpu_meta.get(gid, (None, None, None))[0]
                 entries.append([gid, None, None, [], self._holder(snap.name, idx, snap.time),
                                 1])
-        error = None if snap.error is None else snap.error.kind
-        self.db.conn.execute(
-            "INSERT OR IGNORE INTO samples (t, host, dt, ok, error, gpus) VALUES (?,?,?,?,?,?)",
-            (t, hid, dt, int(snap.ok), error, json.dumps(entries, separators=(",", ":"))))
+        return entries
 
     def flush(self) -> None:
         with self.db.errors():
@@ -212,12 +287,14 @@ class Recorder:
         """Roll up complete minutes and hours, then drop what is past its keep window.
         ``now`` is UTC epoch seconds."""
         self.flush()
+        self.names.purge(int(now * 1000))
         with self.db.transaction() as c:
             minute_done = rollup_minutes(c, self.db.meta("minute_done"),
                                          int(now - ROLLUP_DELAY_S) // 60 * 60)
+            self._minute_done = minute_done
             hour_done = rollup_up(c, "minute", "hour", 3600, self.db.meta("hour_done"),
                                   minute_done)
-            rollup_up(c, "hour", "day", 86400, self.db.meta("day_done"), hour_done)
+            day_done = rollup_up(c, "hour", "day", 86400, self.db.meta("day_done"), hour_done)
             raw_cut = min(int(now - self.raw_keep_s) // 60 * 60, minute_done)
             c.execute("DELETE FROM samples WHERE t < ?", (raw_cut * 1000,))
             minute_cut = min(int(now - self.minute_keep_s) // 3600 * 3600, hour_done)
@@ -225,6 +302,13 @@ class Recorder:
                 c.execute("DELETE FROM gpu_minute WHERE b < ?", (minute_cut,))
                 c.execute("DELETE FROM user_minute WHERE b < ?", (minute_cut,))
                 c.execute("UPDATE meta SET value = ? WHERE key = 'minute_from'", (minute_cut,))
+            if self.hour_keep_s is None:
+                return
+            hour_cut = min(int(now - self.hour_keep_s) // 86400 * 86400, day_done)
+            if hour_cut > self.db.meta("hour_from"):
+                c.execute("DELETE FROM gpu_hour WHERE b < ?", (hour_cut,))
+                c.execute("DELETE FROM user_hour WHERE b < ?", (hour_cut,))
+                c.execute("INSERT OR REPLACE INTO meta VALUES ('hour_from', ?)", (hour_cut,))
 
 
 def rollup_up(c: sqlite3.Connection, finer: str, coarser: str, size: int, done: int,
@@ -234,12 +318,23 @@ def rollup_up(c: sqlite3.Connection, finer: str, coarser: str, size: int, done: 
     target = finer_done // size * size
     if target <= done:
         return done
-    for tier, keys, cols in (("gpu", "gpu", GPU_METRICS), ("user", "gpu, user", USER_METRICS)):
-        sums = ", ".join(f"SUM({m})" for m in cols)
-        add = ", ".join(f"{m} = {m} + excluded.{m}" for m in cols)
-        c.execute(f"INSERT INTO {tier}_{coarser} SELECT b / {size} * {size} AS cb, {keys}, "
-                  f"{sums} FROM {tier}_{finer} WHERE b >= ? AND b < ? GROUP BY cb, {keys} "
-                  f"ON CONFLICT (b, {keys}) DO UPDATE SET {add}", (done, target))
+    sums = ", ".join(f"SUM({m})" for m in GPU_METRICS)
+    add = ", ".join(f"{m} = {m} + excluded.{m}" for m in GPU_METRICS)
+    c.execute(f"INSERT INTO gpu_{coarser} SELECT b / {size} * {size} AS cb, gpu, {sums} "
+              f"FROM gpu_{finer} WHERE b >= ? AND b < ? GROUP BY cb, gpu "
+              f"ON CONFLICT (b, gpu) DO UPDATE SET {add}", (done, target))
+    # Users: summed by SQLite, then each GPU's bucket folded to its busiest names.
+    others = others_uid(c)
+    usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
+    rows = c.execute(f"SELECT b / {size} * {size} AS cb, gpu, user, {usums} FROM "
+                     f"user_{finer} WHERE b >= ? AND b < ? GROUP BY cb, gpu, user "
+                     "ORDER BY cb, gpu", (done, target))
+    insert = upsert(f"user_{coarser}", ("b", "gpu", "user"), USER_METRICS)
+    for (b, g), group in groupby(rows, key=lambda r: (r[0], r[1])):
+        users = {r[2]: list(r[3:]) for r in group}
+        if others is not None:
+            users = fold(users, others)
+        c.executemany(insert, [(b, g, u, *s) for u, s in users.items()])
     c.execute(f"UPDATE meta SET value = ? WHERE key = '{coarser}_done'", (target,))
     return target
 
@@ -253,12 +348,18 @@ def upsert(table: str, keys: tuple[str, ...], metrics: tuple[str, ...]) -> str:
             f"ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {add}")
 
 
-def unknown_uid(conn: object) -> int | None:
-    import sqlite3
-
+def _uid(conn: object, name: str) -> int | None:
     assert isinstance(conn, sqlite3.Connection)
-    row = conn.execute("SELECT id FROM users WHERE name = ?", (UNKNOWN_USER,)).fetchone()
+    row = conn.execute("SELECT id FROM users WHERE name = ?", (name,)).fetchone()
     return None if row is None else int(row[0])
+
+
+def unknown_uid(conn: object) -> int | None:
+    return _uid(conn, UNKNOWN_USER)
+
+
+def others_uid(conn: object) -> int | None:
+    return _uid(conn, OTHER_NAMES)
 
 
 def rollup_minutes(c: object, done: int, target: int) -> int:
@@ -282,7 +383,9 @@ def rollup_minutes(c: object, done: int, target: int) -> int:
             account(dt / 1000, entry, unknown, sums, user.setdefault(key, {}))
     c.executemany(upsert("gpu_minute", ("b", "gpu"), GPU_METRICS),
                   [(b, g, *s) for (b, g), s in gpu.items()])
+    others = others_uid(c)
     c.executemany(upsert("user_minute", ("b", "gpu", "user"), USER_METRICS),
-                  [(b, g, u, *s) for (b, g), us in user.items() for u, s in us.items()])
+                  [(b, g, u, *s) for (b, g), us in user.items()
+                   for u, s in (us if others is None else fold(us, others)).items()])
     c.execute("UPDATE meta SET value = ? WHERE key = 'minute_done'", (target,))
     return target

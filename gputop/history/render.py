@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from gputop.history.names import MAX_NAMED, OTHER_NAMES
 from gputop.text import clean
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -19,7 +20,7 @@ BY_COLUMNS = {
              "held_idle_hours", "mean_utilization_used"),
     "host": ("host", "gpus", "gpu_hours", "busy_hours", "idle_hours", "held_idle_hours",
              "no_data_hours", "mean_utilization", "used_hours", "reserved_hours",
-             "reserved_idle_hours"),
+             "reserved_idle_hours", "unknown_gpus_hours"),
     "gpu": ("host", "index", "name", "uuid", "gpu_hours", "busy_hours", "idle_hours",
             "held_idle_hours", "no_data_hours", "mean_utilization", "used_hours",
             "reserved_hours", "reserved_idle_hours"),
@@ -30,6 +31,8 @@ _HEADERS = {"user": "USER", "host": "HOST", "gpus": "GPUS", "index": "GPU", "nam
             "held_idle_hours": "HELD IDLE", "mean_utilization_used": "UTIL WHEN USED",
             "gpu_hours": "GPU-H", "busy_hours": "BUSY", "idle_hours": "IDLE",
             "no_data_hours": "NO DATA", "mean_utilization": "MEAN UTIL"}
+#: In CSV and JSON only; the text form says it in a line under the table.
+_TEXT_SKIP = {"unknown_gpus_hours"}
 
 
 def sparkline(values: list[float | None]) -> str:
@@ -45,7 +48,7 @@ def sparkline(values: list[float | None]) -> str:
 
 def _cell(key: str, v: Any) -> str:
     if v is None:
-        return "-"
+        return "?" if key == "gpus" else "-"
     if key.startswith("mean_utilization"):
         return f"{v:.0f} %"
     if isinstance(v, float):
@@ -73,13 +76,17 @@ def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
     print(f"of {_num(hl['gpu_hours'])} GPU-hours, {_pct(hl['busy_percent'])} busy, "
           f"{_pct(hl['idle_percent'])} idle, {_pct(hl['held_idle_percent'])} held idle "
           f"({_num(hl['no_data_hours'])} GPU-hours with no data)", file=out)
+    if hl.get("hosts_with_unknown_gpus"):
+        print(f"and {hl['hosts_with_unknown_gpus']} host(s) down before any of their GPUs "
+              f"was seen: {_num(hl['unknown_gpus_hours'])} host-hours with no data, not "
+              "counted as GPU-hours (how many GPUs is unknown)", file=out)
     if not doc["hosts"] and not doc["users"]:
         print("nothing recorded in this range", file=out)
         return
     tables = {"user": ["user", "host"], "host": ["host"], "gpu": ["gpu"]}[by]
     for which in tables:
         rows = doc[which + "s"]
-        cols = BY_COLUMNS[which]
+        cols = tuple(c for c in BY_COLUMNS[which] if c not in _TEXT_SKIP)
         table = [[_HEADERS[c] for c in cols]] + [[_cell(c, r.get(c)) for c in cols]
                                                   for r in rows]
         if which == "host":
@@ -95,6 +102,16 @@ def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
             rest = [c.rjust(w) if i + 1 < len(cols) else c.ljust(w)
                     for i, (c, w) in enumerate(zip(row[1:], widths[1:]))]
             print("  ".join([first, *rest]).rstrip(), file=out)
+        if which == "host":
+            for r in rows:
+                if r.get("unknown_gpus_hours"):
+                    print(f"  {clean(r['host'])[:40]}: down {_num(r['unknown_gpus_hours'])} h "
+                          "before any of its GPUs was seen (GPUs unknown, not in GPU-hours)",
+                          file=out)
+        if which == "user" and any(r["user"] == OTHER_NAMES for r in rows):
+            print(f"  {OTHER_NAMES}: names seen for a single refresh, names over the limit "
+                  f"on new names, and names past the {MAX_NAMED} busiest of a GPU in a "
+                  "minute, hour or day (see docs/history.md)", file=out)
     print(f"\nchart: one column per {_step_words(doc['series']['step_s'])}, blank = no data",
           file=out)
 
@@ -141,7 +158,9 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
         xs = [(start + timedelta(seconds=step * i)).astimezone(timezone.utc)
               for i in range(len(values))]
         ys = [float("nan") if v is None else v for v in values]
-        ax1.plot(xs, ys, label=clean(name)[:30], linewidth=2.5 if name == "fleet" else 1)
+        # a marker too: a value between two gaps draws no line, and would not show
+        ax1.plot(xs, ys, label=clean(name)[:30], linewidth=2.5 if name == "fleet" else 1,
+                 marker="o", markersize=2)
     ax1.set_ylabel("utilisation %")
     ax1.set_ylim(0, 100)
     ax1.set_title("utilisation over time (gaps: no data)")
@@ -184,7 +203,8 @@ def fleet_text(hour: dict[str, Any], day: dict[str, Any], width: int = 24) -> st
         rows.append([clean(h["host"])[:24], _pct(hour_util.get(h["host"])),
                      _pct(h["mean_utilization"]), share(h["busy_hours"]),
                      share(h["idle_hours"]), share(h["held_idle_hours"]),
-                     f"{_num(h['no_data_hours'])} h", sparkline(chart)])
+                     f"{_num(h['no_data_hours'])} h" if h.get("gpus") is not None else
+                     f"{_num(h.get('unknown_gpus_hours', 0.0))} h, GPUs ?", sparkline(chart)])
     if len(rows) == 1:
         return "\n".join([*lines, "nothing recorded in the last 24 hours"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -5,6 +5,11 @@ daily and hourly rollups, the rest from minute rollups, and the minutes not roll
 from raw samples, each span from one tier only. Ranges of 7 days or more start on a whole
 hour, so they read no minutes but the last hour's. Every tier carries the same sums (see
 ``accounting``), so the totals do not depend on which tier answered.
+
+The chart's columns start on a multiple of their width (UTC), and no column is narrower
+than the rows that fill it (a minute where minute sums answer), so time recorded without
+a break has no blank column. A host down before any of its GPUs was seen has no GPU-hours
+to count: it is reported with its hours down and its GPUs unknown.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from gputop.history.accounting import (
     account,
 )
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
-from gputop.history.recorder import unknown_uid
+from gputop.history.recorder import UNKNOWN_GPUS_KEY, unknown_uid
 
 #: Ranges longer than these are answered from daily / hourly rollups (and so is the chart).
 DAILY_OVER_S = 7 * 86400
@@ -47,11 +52,13 @@ _STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 
 @dataclass
 class History:
     """Sums over one time range, in seconds: per GPU, per (chart bucket, host) for the
-    charts, per user, and the user sums per GPU."""
+    charts, per user, and the user sums per GPU. Chart bucket ``i`` is
+    ``[origin + i * step, origin + (i + 1) * step)``."""
 
     start: float
     end: float
     step: int
+    origin: float = 0.0
     hosts: dict[int, str] = field(default_factory=dict)
     gpus: dict[int, tuple[int, int | None, str | None, str]] = field(default_factory=dict)
     users: dict[int, str] = field(default_factory=dict)
@@ -62,7 +69,7 @@ class History:
 
     @property
     def n_buckets(self) -> int:
-        return max(1, math.ceil((self.end - self.start) / self.step))
+        return max(1, math.ceil((self.end - self.origin) / self.step))
 
 
 def _add(table: dict[Any, list[float]], key: Any, sums: Iterable[float], n: int = 7) -> None:
@@ -92,23 +99,34 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
     c.execute("BEGIN")  # one consistent view while the recorder goes on writing
     try:
         marks = {k: db.meta(k) for k in ("minute_done", "hour_done", "day_done",
-                                          "minute_from")}
+                                          "minute_from", "hour_from")}
+        first_raw = c.execute("SELECT MIN(t) FROM samples").fetchone()[0]
+        # raw samples are dropped by whole minutes: from this minute on, all are there
+        marks["raw_from"] = 2 ** 62 if first_raw is None else first_raw // 60000 * 60
         span = max(1.0, end - start)
         level = 0 if span >= DAILY_OVER_S else 1 if span > HOURLY_OVER_S else 2
         if start < marks["minute_from"]:
             level = min(level, 1)
+        if start < marks["hour_from"]:
+            level = 0
         if level == 0:
             # Long ranges start on a whole hour: hour and day sums answer all of them but
             # the time since the last hour was rolled up (minutes, then raw samples).
             start = math.floor(start / 3600) * 3600
+        parts: list[tuple[str, float, float]] = []
+        _cover(parts, marks, start, end, level)
+        # A column is no narrower than the coarsest rows in it: a column of 30 s where
+        # minute sums answer would be blank every other time.
         finest = max(1, math.ceil(db.meta("interval_ms") / 1000))
-        h = History(start, end, _step(span, (86400, 3600, finest)[level]))
+        for tier, a, z in parts:
+            if a < z:
+                finest = max(finest, {"raw": 1, "minute": 60, "hour": 3600, "day": 86400}[tier])
+        step = _step(span, max(finest, (86400, 3600, 1)[level]))
+        h = History(start, end, step, origin=math.floor(start / step) * step)
         h.hosts = {i: n for i, n in c.execute("SELECT id, name FROM hosts")}
         h.users = {i: n for i, n in c.execute("SELECT id, name FROM users")}
         h.gpus = {i: (host, idx, name, key) for i, host, idx, name, key in c.execute(
             "SELECT id, host, idx, name, key FROM gpus")}
-        parts: list[tuple[str, float, float]] = []
-        _cover(parts, marks, start, end, level)
         _tiers(h, c, [p for p in parts if p[0] != "raw" and p[1] < p[2]])
         for tier, a, z in parts:
             if tier == "raw":
@@ -118,22 +136,23 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
     return h
 
 
-_TIERS = (("day", 86400, "day_done"), ("hour", 3600, "hour_done"))
+#: (tier, bucket size, the mark it is rolled up to, the mark its finer tier is kept from)
+_TIERS = (("day", 86400, "day_done", "hour_from"), ("hour", 3600, "hour_done", "minute_from"),
+          ("minute", 60, "minute_done", "raw_from"))
 
 
 def _cover(parts: list[tuple[str, float, float]], marks: dict[str, int], a: float, z: float,
            level: int) -> None:
-    """[a, z) from tier ``level`` (0 days, 1 hours, 2 minutes then raw): its whole buckets,
-    the edges from the next finer tier. Where that finer tier is gone (minutes past their
-    keep window), the range is rounded out to this tier's buckets instead."""
+    """[a, z) from tier ``level`` (0 days, 1 hours, 2 minutes, 3 raw): its whole buckets,
+    the edges from the next finer tier. Where that finer tier is gone (past its keep
+    window), the range is rounded out to this tier's buckets instead."""
     if a >= z:
         return
-    if level == 2:
-        parts.append(("minute", a, min(z, marks["minute_done"])))
-        parts.append(("raw", max(a, marks["minute_done"]), z))
+    if level == 3:
+        parts.append(("raw", a, z))
         return
-    name, size, done = _TIERS[level]
-    finer_from = marks["minute_from"] if level == 1 else 0
+    name, size, done, finer = _TIERS[level]
+    finer_from = marks.get(finer, 0)
     lo = math.ceil(a / size) * size
     if a < finer_from:
         lo = math.floor(a / size) * size
@@ -167,7 +186,7 @@ def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]]) -> None:
     for bucket, host, *row in c.execute(
             "SELECT CAST((u.b - ?) / ? AS INTEGER), g.host, SUM(u.util_sum), "
             f"SUM(u.util_secs) FROM ({union('gpu', 'util_sum, util_secs')}) AS u "
-            "JOIN gpus AS g ON g.id = u.gpu GROUP BY 1, 2", (h.start, h.step, *args)):
+            "JOIN gpus AS g ON g.id = u.gpu GROUP BY 1, 2", (h.origin, h.step, *args)):
         _add(h.series, (max(0, min(last, bucket)), host), row, 2)
     usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
     ucols = ", ".join(USER_METRICS)
@@ -189,7 +208,7 @@ def _raw(h: History, c: Any, a: float, z: float) -> None:
     users: dict[int, dict[int, list[float]]] = {}
     for t, dt, packed in c.execute("SELECT t, dt, gpus FROM samples WHERE t >= ? AND t < ?",
                                    (int(a * 1000), int(z * 1000))):
-        bucket = max(0, min(last, int((t / 1000 - h.start) // h.step)))
+        bucket = max(0, min(last, int((t / 1000 - h.origin) // h.step)))
         for entry in json.loads(packed):
             gpu = entry[0]
             sums = buckets.get((bucket, gpu))
@@ -238,18 +257,25 @@ def summarise(h: History) -> dict[str, Any]:
     zero = [0.0] * 7
     gpus = []
     per_host: dict[int, tuple[list[float], list[float]]] = {}
+    unknown: dict[int, float] = {}  # host -> seconds down with its GPUs unknown
     for gpu in sorted(set(per_gpu) | set(gpu_user),
                       key=lambda g: (h.hosts.get(h.gpus[g][0], ""), h.gpus[g][1] or 0)):
         host, idx, name, key = h.gpus[gpu]
         s, u = per_gpu.get(gpu, zero), gpu_user.get(gpu, zero)
+        if key == UNKNOWN_GPUS_KEY:  # not a GPU: how many were down is not known
+            unknown[host] = unknown.get(host, 0.0) + s[NODATA]
+            per_host.setdefault(host, ([0.0] * 7, [0.0] * 7))
+            continue
         gpus.append({"host": h.hosts.get(host, "?"), "index": idx, "name": name,
                      "uuid": None if key.startswith("index:") else key} | gpu_row(s, u))
         hs, hu = per_host.setdefault(host, ([0.0] * 7, [0.0] * 7))
         for i in range(7):
             hs[i] += s[i]
             hu[i] += u[i]
-    counts = Counter(h.gpus[g][0] for g in set(per_gpu) | set(gpu_user))
-    hosts = [{"host": h.hosts.get(host, "?"), "gpus": counts[host], **gpu_row(s, u)}
+    counts = Counter(h.gpus[g][0] for g in set(per_gpu) | set(gpu_user)
+                     if h.gpus[g][3] != UNKNOWN_GPUS_KEY)
+    hosts = [{"host": h.hosts.get(host, "?"), "gpus": counts.get(host),
+              **gpu_row(s, u), "unknown_gpus_hours": _hours(unknown.get(host, 0.0))}
              for host, (s, u) in sorted(per_host.items(), key=lambda kv: h.hosts.get(kv[0], ""))]
     users: list[dict[str, Any]] = sorted(({
                      "user": h.users.get(uid, "?"), "used_hours": _hours(s[USED]),
@@ -262,7 +288,9 @@ def summarise(h: History) -> dict[str, Any]:
                    key=lambda r: (-float(r["used_hours"]), -float(r["reserved_hours"]),
                                   str(r["user"])))
     fleet = [0.0] * 7
-    for s in per_gpu.values():
+    for gpu, s in per_gpu.items():
+        if h.gpus[gpu][3] == UNKNOWN_GPUS_KEY:
+            continue
         for i in range(7):
             fleet[i] += s[i]
     data = fleet[DATA]
@@ -286,13 +314,16 @@ def summarise(h: History) -> dict[str, Any]:
                      "idle_percent": pct(fleet[IDLE]),
                      "held_idle_percent": pct(fleet[HELD_IDLE]),
                      "no_data_hours": _hours(fleet[NODATA]),
-                     "mean_utilization": _mean(fleet[UTIL_SUM], fleet[UTIL_SECS])},
+                     "mean_utilization": _mean(fleet[UTIL_SUM], fleet[UTIL_SECS]),
+                     # host-hours, not GPU-hours: hosts down before any GPU of theirs was seen
+                     "unknown_gpus_hours": _hours(sum(unknown.values())),
+                     "hosts_with_unknown_gpus": sum(1 for v in unknown.values() if v > 0)},
         "users": users, "hosts": hosts, "gpus": gpus,
-        "series": {"start": _iso(h.start), "step_s": h.step,
+        "series": {"start": _iso(h.origin), "step_s": h.step,
                    "fleet": line(fleet_cells),
-                   "hosts": {h.hosts.get(host, "?"): line(cells)
-                             for host, cells in sorted(series.items(),
-                                                       key=lambda kv: h.hosts.get(kv[0], ""))}},
+                   "hosts": {h.hosts.get(host, "?"): line(series.get(host, {}))
+                             for host in sorted(set(series) | set(per_host),
+                                                key=lambda k: h.hosts.get(k, ""))}},
     }
 
 

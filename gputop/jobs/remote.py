@@ -14,7 +14,7 @@ from typing import Any
 import asyncssh
 
 from gputop.config import Config, HostConfig
-from gputop.sources.ssh import JumpPool, known_hosts_for, resolve_options
+from gputop.sources.transport import JumpPool, known_hosts_for, resolve_options
 
 #: ``ps`` prints only numbers, a state and a start time here (C locale, UTC): nothing a
 #: remote user chooses can forge a row. A zombie (state Z: exited, not yet reaped by its

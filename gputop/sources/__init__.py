@@ -24,8 +24,10 @@ class Source(Protocol):
     def kind(self) -> Literal["ssh", "nvml", "demo"]:
         """Where the data comes from, as the snapshot reports it."""
         ...
-    #: Connections this source opened so far (SSH); lets tests and the bench prove reuse.
-    connects: int
+    @property
+    def connects(self) -> int:
+        """Connections this source opened so far (SSH); lets tests and the bench prove reuse."""
+        ...
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]: ...
 

@@ -4,7 +4,8 @@ A hub is another machine's process: everything it sends is checked like any host
 output. A body or an event line larger than ``MAX_DOCUMENT_BYTES`` is cut off while it is
 read; the JSON must parse (no ``NaN``, bounded nesting) and match the shipped snapshot
 schema (``gputop/schema/snapshot.schema.json``, checked here by a small validator of the
-subset it uses), and every string is cleaned again, as if it came straight from a host.
+subset it uses: ``gputop.sources.hub_schema``), and every string is cleaned again, as if
+it came straight from a host.
 What fails is one :class:`HubError` with a classified kind (``unreachable``, ``timeout``,
 ``auth``, ``parse``, ``error``) and the hub's URL, never a hang: every read has a timeout.
 
@@ -15,13 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
-from functools import cache
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,101 +34,18 @@ from gputop.model import (
     ProcessInfo,
 )
 from gputop.sources import HubError
+from gputop.sources.hub_schema import MAX_ITEMS, check, schema
+from gputop.sources.hub_schema import Invalid as _Invalid
 from gputop.text import clean, excerpt
 
 #: The largest document or event this reader takes (a 1,000 x 8 fleet is about 6 MB).
 MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
-MAX_STRING = 64 * 1024
-MAX_ITEMS = 100_000
-MAX_DEPTH = 32
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schema" / "snapshot.schema.json"
 #: With no event (an update or a keepalive, every 15 s at most) for this long, the stream
 #: is taken for dead and reopened.
 STREAM_IDLE_S = 40.0
-_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")
 
 
-# --- the schema --------------------------------------------------------------------------
-
-
-@cache
-def _schema() -> dict[str, Any]:
-    return cast(dict[str, Any], json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
-
-
-class _Invalid(ValueError):
-    pass
-
-
-def _type_ok(value: Any, t: str) -> bool:
-    if t == "null":
-        return value is None
-    if t == "boolean":
-        return isinstance(value, bool)
-    if t == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if t == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t == "string":
-        return isinstance(value, str)
-    if t == "array":
-        return isinstance(value, list)
-    if t == "object":
-        return isinstance(value, dict)
-    return False
-
-
-def check(value: Any, schema: Mapping[str, Any], where: str = "$", depth: int = 0) -> Any:
-    """``value`` checked against ``schema`` (the snapshot schema's subset: ``$ref``,
-    ``type``, ``const``, ``enum``, ``pattern``, ``oneOf``, ``required``, ``properties``,
-    ``additionalProperties: false``, ``items``); returns it with every string cleaned."""
-    if depth > MAX_DEPTH:
-        raise _Invalid(f"{where}: nested too deep")
-    if "$ref" in schema:
-        ref = schema["$ref"]
-        assert ref.startswith("#/$defs/")
-        return check(value, _schema()["$defs"][ref[len("#/$defs/"):]], where, depth + 1)
-    if "oneOf" in schema:
-        for option in schema["oneOf"]:
-            try:
-                return check(value, option, where, depth + 1)
-            except _Invalid:
-                continue
-        raise _Invalid(f"{where}: matches none of the allowed forms")
-    if "const" in schema and value != schema["const"]:
-        raise _Invalid(f"{where}: expected {schema['const']!r}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise _Invalid(f"{where}: not one of the known values")
-    t = schema.get("type")
-    if t is not None:
-        types = t if isinstance(t, list) else [t]
-        if not any(_type_ok(value, x) for x in types):
-            raise _Invalid(f"{where}: expected {' or '.join(types)}")
-    if isinstance(value, str):
-        if len(value) > MAX_STRING:
-            raise _Invalid(f"{where}: longer than {MAX_STRING} characters")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
-            raise _Invalid(f"{where}: not in the expected form")
-        return clean(value)
-    if isinstance(value, float) and value != value:  # NaN (json.loads refuses it anyway)
-        raise _Invalid(f"{where}: not a number")
-    if isinstance(value, list):
-        if len(value) > MAX_ITEMS:
-            raise _Invalid(f"{where}: more than {MAX_ITEMS} items")
-        items = schema.get("items", {})
-        return [check(v, items, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        missing = [k for k in schema.get("required", ()) if k not in value]
-        if missing:
-            raise _Invalid(f"{where}: missing {missing[0]!r}")
-        if schema.get("additionalProperties") is False:
-            extra = [k for k in value if k not in props]
-            if extra:
-                raise _Invalid(f"{where}: unknown key {excerpt(str(extra[0]), 40)!r}")
-        return {k: check(v, props.get(k, {}), f"{where}.{k}", depth + 1)
-                for k, v in value.items()}
-    return value
+# --- checking what a hub sends ---------------------------------------------------------------
 
 
 def _no_constant(name: str) -> Any:
@@ -152,19 +68,21 @@ def check_document(doc: Any) -> dict[str, Any]:
     if doc.get("version") != SCHEMA_VERSION:
         raise _Invalid(f"$.version: expected {SCHEMA_VERSION} (this gputop reads schema "
                        f"{SCHEMA_VERSION}; is the hub another version?)")
-    return cast(dict[str, Any], check(doc, _schema()))
+    return cast(dict[str, Any], check(doc))
 
 
 def check_update(update: Any) -> dict[str, Any]:
     """An ``update`` event: ``time``, complete ``hosts``, ``removed`` names, ``set`` keys."""
     if not isinstance(update, dict) or set(update) != {"time", "hosts", "removed", "set"}:
         raise _Invalid("update: expected the keys hosts, removed, set, time")
-    top = _schema()["properties"]
+    top = schema()["properties"]
+    removed = update["removed"]
+    if not isinstance(removed, list) or not all(isinstance(n, str) for n in removed):
+        raise _Invalid("update.removed: expected an array of strings")
     out: dict[str, Any] = {
-        "time": check(update["time"], top["time"], "update.time"),
-        "hosts": check(update["hosts"], top["hosts"], "update.hosts"),
-        "removed": check(update["removed"], {"type": "array", "items": {"type": "string"}},
-                         "update.removed"),
+        "time": check(update["time"], "time", "update.time"),
+        "hosts": check(update["hosts"], "hosts", "update.hosts"),
+        "removed": [clean(n) for n in removed[:MAX_ITEMS]],
     }
     if not isinstance(update["set"], dict):
         raise _Invalid("update.set: expected an object")
@@ -172,7 +90,7 @@ def check_update(update: Any) -> dict[str, Any]:
     for k, v in update["set"].items():
         if k in ("version", "time", "hosts") or k not in top:
             raise _Invalid(f"update.set: unknown key {excerpt(str(k), 40)!r}")
-        moved[k] = None if v is None else check(v, top[k], f"update.set.{k}")
+        moved[k] = None if v is None else check(v, k, f"update.set.{k}")
     out["set"] = moved
     return out
 
@@ -208,28 +126,41 @@ class Document:
 
 
 def _time(text: str | None) -> datetime | None:
+    """A checked ``...Z`` time (most of a document's share a few seconds: cached)."""
     if text is None:
         return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    t = _TIMES.get(text)
+    if t is None:
+        if len(_TIMES) > 1024:
+            _TIMES.clear()
+        t = _TIMES[text] = datetime.fromisoformat(text[:-1]).replace(tzinfo=timezone.utc)
+    return t
+
+
+_TIMES: dict[str, datetime] = {}
+_PROCESS_DEFAULTS = {"elapsed_s": None, "gpu_instance_id": None, "compute_instance_id": None}
 
 
 def _process(p: dict[str, Any]) -> ProcessInfo:
-    return ProcessInfo(p["pid"], p["user"], p["command"], p["gpu_memory_mib"],
-                       p.get("elapsed_s"), p.get("gpu_instance_id"),
-                       p.get("compute_instance_id"))
+    # (Built without the dataclass's __init__: a 200-host document has thousands.)
+    q = object.__new__(ProcessInfo)
+    q.__dict__.update(_PROCESS_DEFAULTS)
+    q.__dict__.update(p)
+    return q
 
 
 def _gpu(g: dict[str, Any]) -> GpuInfo:
-    fields = {k: v for k, v in g.items()
-              if k not in ("processes", "instances", "reservation", "flags")}
-    insts = tuple(MigInstance(
+    fields = dict(g)
+    fields.pop("reservation", None)
+    fields.pop("flags", None)
+    fields["processes"] = tuple(_process(p) for p in g["processes"])
+    fields["instances"] = tuple(MigInstance(
         gpu_instance_id=i["gpu_instance_id"], compute_instance_id=i["compute_instance_id"],
         device_index=i.get("device_index"), uuid=i["uuid"], profile=i["profile"],
         memory_used_mib=i["memory_used_mib"], memory_total_mib=i["memory_total_mib"],
         utilization_percent=None, processes=tuple(_process(p) for p in i["processes"]))
         for i in g.get("instances", ()))
-    return GpuInfo(**fields, processes=tuple(_process(p) for p in g["processes"]),
-                   instances=insts)
+    return GpuInfo.from_fields(fields)
 
 
 def host_from_dict(h: dict[str, Any]) -> HostSnapshot:
@@ -396,6 +327,7 @@ async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
     """Server-Sent Events from a byte stream: lines bounded by MAX_DOCUMENT_BYTES while
     they are read; ``event``, ``id`` and ``data`` fields; comments skipped."""
     buf = bytearray()
+    seen = 0  # how much of buf is known to hold no newline (a 1 MB line comes in chunks)
     event, eid, data = "message", None, cast(list[str], [])
     while True:
         chunk = await content.readany()
@@ -403,13 +335,15 @@ async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
             return
         buf += chunk
         while True:
-            nl = buf.find(b"\n")
+            nl = buf.find(b"\n", seen)
             if nl < 0:
+                seen = len(buf)
                 if len(buf) > MAX_DOCUMENT_BYTES:
                     raise _Invalid(f"an event line longer than {MAX_DOCUMENT_BYTES} bytes")
                 break
             line = bytes(buf[:nl]).rstrip(b"\r").decode("utf-8", "replace")
             del buf[: nl + 1]
+            seen = 0
             if not line:
                 if data:
                     yield event, eid, "\n".join(data)

@@ -254,6 +254,37 @@ def parse_apps_row(line: str) -> AppRow:
     return AppRow(to_str(cells[1]), pid, to_int(cells[3]))
 
 
+def failed_apps_rows(text: str) -> tuple[list[AppRow], list[str]]:
+    """The process rows of a query that failed, and its other lines (the failure's words):
+    lost-GPU lines are skipped and a row cut by one is joined, as in :func:`parse_apps_rows`."""
+    rows: list[AppRow] = []
+    words: list[str] = []
+    for line in _split_lost(text)[0]:
+        try:
+            rows.append(parse_apps_row(line))
+        except ParseError:
+            words.append(line)
+    return rows, words
+
+
+#: The separators of the remote script's ``IFS=', ' read``: a comma with the spaces around
+#: it, or a run of spaces (POSIX field splitting; a tab is no separator there).
+_SCRIPT_IFS = re.compile(r" *, *| +")
+
+
+def script_pids(text: str) -> list[int]:
+    """The pids the remote script asked ``ps`` about for this apps output: the fourth field
+    of each line (``while IFS=', ' read -r _d _t _u p _r``) where it is ASCII digits. The
+    owners section answers exactly these, whatever else the output held."""
+    pids: list[int] = []
+    for line in text.split("\n"):  # read's lines: "\n" only (not str.splitlines' \r etc.)
+        fields = _SCRIPT_IFS.split(line.strip(" "), 4)
+        p = fields[3] if len(fields) > 3 else ""
+        if p.isascii() and p.isdigit():
+            pids.append(int(p))
+    return pids
+
+
 def parse_etime(value: str) -> int | None:
     """POSIX ``ps -o etime`` (``[[dd-]hh:]mm:ss``) to seconds."""
     m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", value.strip())
@@ -328,11 +359,13 @@ def attach_processes(
     on its instance, where ``mig`` (the host's MIG inventory) knows that uuid."""
     args = args or {}
     mig = mig or {}
-    by_uuid: dict[str | None, list[ProcessInfo]] = {}
+    # A pid listed again on one GPU (nvidia-smi's loop printing two iterations as one
+    # batch) is the same process: its newer row replaces the older, never adds to it.
+    by_uuid: dict[str | None, dict[tuple[int, int | None, int | None], ProcessInfo]] = {}
     for a in apps:
         o = owners.get(a.pid)
         parent, gi, ci = mig.get(a.gpu_uuid or "", (a.gpu_uuid, None, None))
-        by_uuid.setdefault(parent, []).append(
+        by_uuid.setdefault(parent, {})[(a.pid, gi, ci)] = (
             ProcessInfo(
                 pid=a.pid,
                 user=o.user if o else None,
@@ -350,7 +383,7 @@ def attach_processes(
     for g in gpus:
         if g.uuid in by_uuid and g.uuid not in claimed and not g.lost:
             claimed.add(g.uuid)
-            g = g.with_processes(tuple(by_uuid[g.uuid]))
+            g = g.with_processes(tuple(by_uuid[g.uuid].values()))
         result.append(g)
     return result
 
@@ -431,13 +464,23 @@ def parse_sections(sections: dict[str, Section], mig: MigParents | None = None) 
             return RemoteResult([], HostError("parse", "nvidia-smi listed no GPUs"))
         warnings = index_warnings(gpus)
         apps_failure = classify_failure(apps_s.text, apps_s.rc)
-        if apps_failure:
-            warnings.append(f"processes unknown: {apps_failure.message}")
-            apps: list[AppRow] = []
-        else:
+        if apps_failure is None and apps_s.rc == 0:
             apps = parse_apps_rows(apps_s.text)
+            asked = [a.pid for a in apps]
+        else:
+            # A failed query (exit 15: a GPU lost) may still list the other GPUs' processes,
+            # and the script asked ps about them: keep the rows, as a stream's apps loop does.
+            apps, words = failed_apps_rows(apps_s.text)
+            asked = script_pids(apps_s.text)
+            if not apps and apps_failure is not None:
+                warnings.append(f"processes unknown: {apps_failure.message}")
+            elif words or (apps_failure is not None and not any(g.lost for g in gpus)):
+                # (A lost GPU alone says why the query failed.)
+                why = apps_failure.message if apps_failure is not None else \
+                    f"nvidia-smi failed (exit {apps_s.rc}): {excerpt(' '.join(words))}"
+                warnings.append(f"processes may be missing: {why}")
         pids = [a.pid for a in apps]
-        owners = parse_owner_rows(sections["owners"].text, pids)
+        owners = parse_owner_rows(sections["owners"].text, asked)
         args = parse_args_rows(sections["args"].text, pids)
         unknown_mig = frozenset(a.gpu_uuid for a in apps if a.gpu_uuid
                                 and a.gpu_uuid.startswith("MIG-") and a.gpu_uuid not in (mig or {}))

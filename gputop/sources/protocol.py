@@ -33,6 +33,10 @@ MARK = "@@gputop"
 #: The sections of one refresh, in the order the script prints them.
 SECTIONS = ("gpu", "apps", "owners", "args")
 
+#: Largest output accepted for one refresh (a host with thousands of processes stays far
+#: below this; anything larger is not nvidia-smi talking). Enforced while reading.
+MAX_OUTPUT = 4 * 1024 * 1024
+
 
 class ParseError(ValueError):
     """Output that is not what was asked for; the message carries a sanitised excerpt."""

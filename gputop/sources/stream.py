@@ -195,7 +195,9 @@ _DAYS: dict[str, float] = {}
 @dataclass
 class _Batch:
     stamp: float
-    rows: list[AppRow] = field(default_factory=list)
+    #: By (GPU uuid, pid): a process listed again in one batch (two loop iterations close
+    #: together, or a flood) replaces its row instead of adding another.
+    rows: dict[tuple[str | None, int], AppRow] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,7 +227,7 @@ class AppsBatches:
         stamp = parse_timestamp(line.split(", ", 1)[0])
         if not self.batches or abs(stamp - self.batches[-1].stamp) > self.interval / 2:
             self.batches = [*self.batches[-3:], _Batch(stamp)]
-        self.batches[-1].rows.append(row)
+        self.batches[-1].rows[(row.gpu_uuid, row.pid)] = row
         self.seen = True
 
     def for_sample(self, stamp: float) -> list[AppRow]:
@@ -234,7 +236,7 @@ class AppsBatches:
             if b.stamp <= stamp + self.interval / 2:
                 if stamp - b.stamp > 1.5 * self.interval:
                     return []
-                return list(b.rows)
+                return list(b.rows.values())
         return []
 
 

@@ -1,9 +1,16 @@
-"""The Textual app: one live board of every GPU, fed by the poller as hosts answer."""
+"""The Textual app: one live board of every GPU, fed by the poller as hosts answer.
+
+About 700 lines, over the ~600 rule: every key's action shares the app's state (the
+selection, the store, the feed). The reservation and queue keys are the part that could
+move to a module of their own; that waits for the queue work on the board's ``r`` (issue
+19's order rule) to land, so the two changes do not collide.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import os
 import queue
@@ -30,7 +37,7 @@ from gputop.reservations import Invalid, Refused, Store, StoreError, Target, rel
 from gputop.reservations.ops import whoami
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
-from gputop.text import clean
+from gputop.text import clean, excerpt
 from gputop.ui.board_model import (
     BoardModel,
     GpuRow,
@@ -41,7 +48,7 @@ from gputop.ui.board_model import (
     split_instance,
 )
 from gputop.ui.cells import Palette, time_left
-from gputop.ui.feed import FeedThread
+from gputop.ui.feed import BoardSource, FeedThread
 from gputop.ui.screens import (
     ConfirmScreen,
     HelpScreen,
@@ -92,7 +99,9 @@ class GputopApp(App[int]):
     BINDINGS = [
         Binding("r", "reserve", "Reserve"),
         Binding("u", "release", "Release"),
-        Binding("slash", "filter", "Filter", key_display="/"),
+        # Priority: handled as it arrives, before the keys typed after it are passed on,
+        # so they go to the filter (see check_action, action_filter).
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),
         Binding("s", "sort", "Sort"),
         Binding("f", "free_only", "Free", show=False),  # the footer fits 80 columns;
         Binding("w", "users", "Who"),  # `?` lists every key
@@ -163,7 +172,7 @@ class GputopApp(App[int]):
         yield BoardTable(id="board")
         yield DetailPane(id="detail")
         yield Input(placeholder="filter: host, model, user or tag (esc clears)", id="filter")
-        yield Footer()
+        yield Footer(compact=True)  # every shown key fits 80 columns, q Quit included
 
     def on_mount(self) -> None:
         loop = asyncio.get_running_loop()
@@ -187,7 +196,7 @@ class GputopApp(App[int]):
         self._update_palette()
         self.query_one(DetailPane).history_path = self.config.history_path
         self.reload_store()
-        self.query_one(BoardTable).focus()
+        self.set_focus(self.query_one(BoardTable))  # now, not after a refresh
         if self.config.implicit:
             from gputop.config import NO_CONFIG_HINT, default_config_path
 
@@ -496,13 +505,21 @@ class GputopApp(App[int]):
             self.notify(msg, title="queue", markup=False, timeout=6)
             self._store_sig = None
 
-        try:
+        poller = None
+        if self._sources is not None:  # the demo (or given sources): what the board shows,
+            poller = Poller(dataclasses.replace(self.config, collection="query"), [
+                BoardSource(s.name, self.model.snapshots.get) for s in self._sources])
+        try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
             got = await wait_for_gpus(self.config, self.store, Request(count), note="",
                                       seconds=self.config.reservation_default_s,
-                                      lease_s=DEFAULT_LEASE_S, max_wait=None, say=say)
+                                      lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
+                                      poller=poller)
         except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
+        finally:
+            if poller is not None:
+                await poller.aclose()
         self.bell()
         self._store_changed("granted: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in got))
     def action_history(self) -> None:
@@ -521,10 +538,19 @@ class GputopApp(App[int]):
             return
         self.notify(f"reconnecting {clean(row.host)} now", markup=False)
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """``/`` (a priority key) opens the filter only from the board itself: in a
+        dialog, or typing in any input, it is an ordinary character."""
+        return action != "filter" or (self.screen is self.screen_stack[0]
+                                      and not isinstance(self.focused, Input))
+
     def action_filter(self) -> None:
+        """Open the filter with the focus in it now, not after the next refresh (as
+        ``focus()`` would): keys typed right after ``/`` are the filter's, never the
+        board's (``/gpu-012`` typed fast once sent ``u``, release, to the board)."""
         box = self.query_one("#filter", Input)
         box.display = True
-        box.focus()
+        self.screen.set_focus(box)
 
     def action_clear_filter(self) -> None:
         box = self.query_one("#filter", Input)
@@ -540,10 +566,11 @@ class GputopApp(App[int]):
             self.render_board()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Enter applies the filter and closes its bar (the summary says what filters the
+        board; ``/`` opens it again, esc clears it)."""
         if event.input.id == "filter":
-            if not event.value:
-                event.input.display = False
-            self.query_one(BoardTable).focus()
+            event.input.display = False
+            self.screen.set_focus(self.query_one(BoardTable))
 
     def action_next_theme(self) -> None:
         names = self._theme_names or [FALLBACK]
@@ -587,7 +614,9 @@ class GputopApp(App[int]):
         q = Text()
         q.append(f"{label} is in use by {who}:\n", style="bold")
         for p in others[:5]:
-            q.append(f"  {p.pid} {clean(p.user) or '?'}  {clean(p.command)[:50]}\n")
+            q.append(f"  {p.pid} {clean(p.user) or '?'}  {excerpt(p.command or '', 50)}\n")
+        if len(others) > 5:
+            q.append(f"  … and {len(others) - 5} more\n")
         q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
         self.push_screen(ConfirmScreen(q, "Reserve anyway"),
                          lambda yes: ask() if yes else None)

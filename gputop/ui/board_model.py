@@ -1,5 +1,9 @@
 """What the board shows, computed without Textual: rows, order, filter, summary, history.
 
+About 650 lines, over the ~600 rule: the row cache, the filter's memo and the summary's
+counts share one pass over the fleet per frame (bench/results/board-scale.md); split into
+modules they would be the same code with calls between them.
+
 The app feeds host snapshots and reservation state in, and asks for rows out. Keeping this
 free of widgets makes it cheap to test and lets the table update only the rows that changed.
 """
@@ -127,6 +131,8 @@ class HostRow:
     collapsed: bool
     stale: bool
     last_seen: datetime | None
+    #: MIG instance rows under its GPUs (``gpu_count`` counts the GPUs only).
+    instance_count: int = 0
 
     @property
     def key(self) -> str:
@@ -187,6 +193,7 @@ class _Counts:
     util_n: int = 0
     mem_used_mib: int = 0
     mem_total_mib: int = 0
+    instances: int = 0  # MIG instance rows
 
 
 class _HostRows:
@@ -235,6 +242,7 @@ class _HostRows:
             c = _Counts()
             for row in self.rows:
                 if row.instance is not None:  # MIG: its GPU counts, once
+                    c.instances += 1
                     continue
                 g = row.gpu
                 c.gpus += 1
@@ -339,7 +347,7 @@ class BoardModel:
                     row.show_host)
         seconds = int(now.timestamp()) if row.error or row.stale else 0
         return ("h", self.host_version.get(row.host), row.collapsed, row.stale,
-                row.gpu_count, seconds)
+                row.gpu_count, row.instance_count, seconds)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -558,8 +566,10 @@ class BoardModel:
                 continue
             if grouped:
                 collapsed = host in self.collapsed
-                out.append(HostRow(host, snap, len(gpus), collapsed, cached.stale,
-                                   snap.time))
+                insts = (sum(1 for r in gpus if r.instance is not None) if filtering
+                         else cached.counts.instances)
+                out.append(HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
+                                   snap.time, insts))
                 if not collapsed:
                     out.extend(gpus)
             else:
@@ -608,14 +618,24 @@ class BoardModel:
             snap = self.snapshots.get(host)
             if snap is None or not snap.ok:
                 continue
+            # A pid seen again is the same process: once per GPU for its memory, once per
+            # host for the count (one process on two GPUs is one process).
+            pids: set[int] = set()
             for g in snap.gpus:
                 label = f"{clean(host)}:{'?' if g.index is None else g.index}"
+                on_gpu: set[int] = set()
                 for p in g.processes:
+                    if p.pid in on_gpu:
+                        continue
+                    on_gpu.add(p.pid)
                     load = loads.setdefault(clean(p.user) or "?", UserLoad(clean(p.user) or "?"))
                     if label not in load.running:
                         load.running.append(label)
-                    load.processes += 1
                     load.memory_mib += p.gpu_memory_mib or 0
+                    if p.pid in pids:
+                        continue
+                    pids.add(p.pid)
+                    load.processes += 1
                     cmd = clean(p.command or "?").split(" ", 1)
                     name = cmd[0].rsplit("/", 1)[-1] + (" " + cmd[1] if len(cmd) > 1 else "")
                     load.commands[name] = load.commands.get(name, 0) + 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from rich.cells import cell_len
 from rich.text import Text
 
 from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration
-from gputop.text import clean
+from gputop.text import clean, excerpt
 from gputop.ui.board_model import GpuRow, HostRow, Row, short_model
 
 Columns = tuple[tuple[str, str, int | None], ...]
@@ -21,19 +22,20 @@ Columns = tuple[tuple[str, str, int | None], ...]
 COLUMNS: Columns = (
     ("gpu", "GPU", 22),
     ("util", "Util", 9),
-    ("mem", "Memory", 16),
+    ("mem", "Memory", 14),  # "█████ 0.0/141G"
     ("users", "Users", 12),
     ("resv", "Reserved", 13),
     ("temp", "Temp", 4),
-    ("power", "Power", 9),
+    ("power", "Power", 11),  # "1000W/1000W"
     ("flags", "Flags", None),
 )
-#: Below this many columns: temperature and power drop first, the rest narrows, so host,
-#: GPU, util, memory, users, reservation and flags fit 80 columns without sideways scrolling.
-WIDE_FROM = 110
+#: Below this many columns: temperature and power drop first (the details show them), the
+#: rest narrows, so host, GPU, util, memory, users, reservation and flags fit 80 columns
+#: without sideways scrolling. (At 120 the wide set leaves its flags 16 columns.)
+WIDE_FROM = 120
 NARROW: Columns = (
-    ("gpu", "GPU", 17),
-    ("util", "Util", 8),
+    ("gpu", "GPU", 18),  # " 0 H100 80GB HBM3": the index and a 14-character model
+    ("util", "Util", 7),
     ("mem", "Memory", 11),  # "unreachable": an error's kind shows whole
     ("users", "Users", 10),
     ("resv", "Reserved", 10),
@@ -95,7 +97,7 @@ def util_cell(g: GpuInfo, p: Palette, narrow: bool = False) -> Text:
     u = g.utilization_percent
     if u is None:
         return Text("  n/a", style=p.muted)
-    t = bar(u / 100, 3 if narrow else 4, p.busy if u > 10 else p.free)
+    t = bar(u / 100, 2 if narrow else 4, p.busy if u > 10 else p.free)
     t.append(f"{u:>4}%")
     return t
 
@@ -106,6 +108,32 @@ def mem_cell(g: GpuInfo, p: Palette, narrow: bool = False) -> Text:
     t = bar(frac, 2 if narrow else 5, p.busy if frac and frac > 0.05 else p.free)
     t.append(f" {gib(used)}/{gib(total)}G")
     return t
+
+
+def short_bus(bus_id: str | None) -> str:
+    """"00000000:07:00.0" -> "07:00.0": PCI domain 0 (nearly every machine's only one)
+    goes, so a lost GPU's row names its bus whole at 80 columns (the details: in full)."""
+    b = clean(bus_id) or "?"
+    domain, sep, rest = b.partition(":")
+    return rest if sep and domain.strip("0") == "" and rest else b
+
+
+def power_text(g: GpuInfo) -> str:
+    """"70W/700W": a unit on both (``70W/700`` read as two different things)."""
+    if g.power_draw_w is None:
+        return ""
+    limit = "" if g.power_limit_w is None else f"/{g.power_limit_w:.0f}W"
+    return f"{g.power_draw_w:.0f}W{limit}"
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` in ``width`` columns, ending in ``…`` when it had to be cut (never cut
+    silently: the details show it whole)."""
+    if cell_len(text) <= width:
+        return text
+    t = Text(text)
+    t.truncate(max(1, width), overflow="ellipsis")
+    return t.plain
 
 
 def time_left(r_expires: datetime, now: datetime) -> str:
@@ -129,21 +157,26 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
         label = Text(f"   /{inst.gpu_instance_id} ", style="bold")
     else:
         label = Text(f" {idx:>2} ", style="bold")
+    mig = " MIG" if g.mig_mode == "Enabled" and inst is None else ""
+    # The model is cut (with an ellipsis) before the MIG mark is: the mark says how to
+    # read the rows under it, the details name the model whole.
+    room = (NARROW if narrow else COLUMNS)[0][2] or 0
+    room -= cell_len(label.plain) + len(mig)
     if inst is not None:
-        label.append(clean(inst.profile or "MIG instance"), style=label_style)
+        label.append(fit(clean(inst.profile or "MIG instance"), room), style=label_style)
     else:
-        label.append(short_model(g.name) if not g.lost else f"lost {clean(g.bus_id)}",
-                     style=label_style or (p.error if g.lost else ""))
-    if g.mig_mode == "Enabled" and inst is None:
-        label.append(" MIG", style=p.muted)
+        label.append(fit(short_model(g.name) if not g.lost else f"lost {short_bus(g.bus_id)}",
+                         room), style=label_style or (p.error if g.lost else ""))
+    if mig:
+        label.append(mig, style=p.muted)
     users = ",".join(row.users) or "—"
     resv = Text("—", style=p.muted)
     if row.reservation is not None:
-        resv = Text(f"{clean(row.reservation.user)} {time_left(row.reservation.expires, now)}",
-                    style=p.reserved)
+        left = time_left(row.reservation.expires, now)  # the user gives way, not the time
+        room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
+        resv = Text(f"{fit(clean(row.reservation.user), room)} {left}", style=p.reserved)
     temp = Text("" if g.temperature_c is None or inst else f"{g.temperature_c}°")
-    power = Text("" if g.power_draw_w is None or inst else f"{g.power_draw_w:.0f}W"
-                 + ("" if g.power_limit_w is None else f"/{g.power_limit_w:.0f}"))
+    power = Text("" if inst else power_text(g))
     labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS
     flags = Text(" ".join(labels.get(f, f) for f in row.flags),
                  style=p.error if row.flags else "")
@@ -157,44 +190,47 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     return cells
 
 
+def gpu_count_text(gpus: int, instances: int) -> str:
+    """"8 GPUs"; on a MIG host "2 GPUs, 4 MIG instances" (the rows under them are not more
+    GPUs)."""
+    t = f"{gpus} GPU" + ("s" if gpus != 1 else "")
+    if instances:
+        t += f", {instances} MIG instance" + ("s" if instances != 1 else "")
+    return t
+
+
 def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
                ) -> tuple[Text, ...]:
+    """A host's row. Its last cell spans the columns it does not fill (see
+    ``BoardTable._render_row``): a host's count, tags and reason are not cut to one
+    column's width, and what is cut ends in ``…`` (the details show it whole)."""
     name = clean(row.host)
-    blank = Text("")
-    extra = () if narrow else (blank, blank)  # temperature, power
     if row.snapshot is None:
-        return (Text(f"… {name}", style=p.muted), Text("waiting", style=p.muted), blank,
-                blank, blank, *extra, blank)
+        return (Text(f"… {name}", style=p.muted), Text("waiting", style=p.muted))
     if row.snapshot.error is not None and row.snapshot.error.kind == "starting":
         # nvidia-smi's loop is starting (seconds per GPU without persistence mode): no fault.
-        msg = Text(clean(row.snapshot.error.message)[:160], style=p.muted)
-        return (Text(f"… {name}", style=p.muted), Text("starting", style=p.muted), blank,
-                blank, blank, *extra, msg)
+        return (Text(f"… {name}", style=p.muted), Text("starting", style=p.muted),
+                Text(excerpt(row.snapshot.error.message, 160), style=p.muted))
     if row.error:
         err = row.snapshot.error
         assert err is not None
-        seen = Text(f"seen {_ago(row.last_seen, now)}", style=p.muted)
-        reason = Text(clean(err.message)[:160], style=p.error)
+        reason = Text(f"seen {_ago(row.last_seen, now)}", style=p.muted)
+        reason.append("  ")
+        reason.append(excerpt(err.message, 300), style=p.error)
         label = Text(f"✖ {name}", style=f"bold {p.error}")
         kind = Text(err.kind, style=f"bold {p.error}")
-        if narrow:  # the kind and the start of the reason before anything else
-            short = Text(f"seen {_ago(row.last_seen, now).removesuffix(' ago')}", style=p.muted)
-            return (label, Text("down", style=p.error), kind, reason, short, blank)
-        return (label, Text("down", style=p.error), kind, seen, blank, blank, blank, reason)
+        return (label, Text("down", style=p.error), kind, reason)
     arrow = "▸" if row.collapsed else "▾"
     label = Text(f"{arrow} {name}", style="bold")
-    tags = Text(" ".join(clean(t) for t in row.snapshot.tags), style=p.muted)
-    count = Text(f"{row.gpu_count} GPU" + ("s" if row.gpu_count != 1 else ""), style=p.muted)
-    if row.stale and narrow:  # in the wide columns, where 80 columns show it whole
-        return (label, count, tags, Text("stale", style=p.error),
-                Text("seen " + _ago(row.last_seen, now), style=p.error), blank)
-    state = Text("stale: seen " + _ago(row.last_seen, now), style=p.error) if row.stale else blank
-    if not row.stale and row.snapshot.warnings:  # e.g. two GPUs with one index: enter tells
+    rest = Text(gpu_count_text(row.gpu_count, row.instance_count), style=p.muted)
+    if row.snapshot.tags:
+        rest.append("  " + " ".join(clean(t) for t in row.snapshot.tags), style=p.muted)
+    if row.stale:
+        rest.append("  stale: seen " + _ago(row.last_seen, now), style=p.error)
+    elif row.snapshot.warnings:  # e.g. two GPUs with one index: enter tells
         more = f" (+{len(row.snapshot.warnings) - 1})" if len(row.snapshot.warnings) > 1 else ""
-        state = Text(f"⚠ {clean(row.snapshot.warnings[0])}{more}", style=p.busy)
-        if narrow:
-            return (label, count, tags, blank, blank, state)
-    return (label, count, tags, blank, blank, *extra, state)
+        rest.append(f"  ⚠ {clean(row.snapshot.warnings[0])}{more}", style=p.busy)
+    return (label, rest)
 
 
 def row_cells(row: Row, now: datetime, p: Palette, narrow: bool = False) -> tuple[Text, ...]:

@@ -20,8 +20,9 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
-from gputop.model import HostSnapshot
+from gputop.model import GpuInfo, HostError, HostSnapshot
 from gputop.poller import HubPoller, Poller
 
 #: The longest the feed waits for the board in one go, and how long it then runs at least.
@@ -106,3 +107,26 @@ class FeedThread:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(cancel)
             self._thread.join(timeout)
+
+
+class BoardSource:
+    """A host as the board last saw it, for a poller that must not poll anything itself:
+    the demo's queue (``Q``) waits on the simulated fleet the board shows, never on hosts
+    of the same names over SSH. Read on the board's own loop (its model is not shared
+    with the feed thread)."""
+
+    kind: Literal["demo"] = "demo"
+    connects = 0
+
+    def __init__(self, name: str, latest: Callable[[str], HostSnapshot | None]) -> None:
+        self.name = name
+        self._latest = latest
+
+    async def query(self) -> tuple[list[GpuInfo], HostError | None]:
+        snap = self._latest(self.name)
+        if snap is None:
+            return [], HostError("starting", "the board has no answer from it yet")
+        return list(snap.gpus), snap.error
+
+    async def close(self) -> None:
+        return None

@@ -11,11 +11,12 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from gputop.ui.screens import Dialog
 
-class FleetHistoryScreen(ModalScreen[None]):
+
+class FleetHistoryScreen(Dialog[None]):
     BINDINGS = [Binding("escape,q,h", "close", "Close")]
 
     def __init__(self, path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -19,6 +20,25 @@ from gputop.text import clean, excerpt
 from gputop.ui.board_model import UserLoad
 from gputop.ui.cells import gib
 
+ResultT = TypeVar("ResultT")
+
+
+class Dialog(ModalScreen[ResultT]):
+    """A modal whose keys act only once it has been drawn: a key typed before the user
+    could see it (``r`` then ``y`` in one burst, where ``y`` answers "reserve anyway")
+    was meant for what was there before, and is dropped."""
+
+    _shown = False
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(self._drawn)
+
+    def _drawn(self) -> None:
+        self._shown = True
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return self._shown
+
 
 @dataclass(frozen=True)
 class ReserveRequest:
@@ -26,7 +46,7 @@ class ReserveRequest:
     note: str
 
 
-class ReserveScreen(ModalScreen[ReserveRequest | None]):
+class ReserveScreen(Dialog[ReserveRequest | None]):
     """Duration and note for a reservation of one GPU."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -111,7 +131,7 @@ the same file, and `gputop reservations` lists them in a terminal.
 """
 
 
-class ConfirmScreen(ModalScreen[bool]):
+class ConfirmScreen(Dialog[bool]):
     """A yes/no question; no (esc) is the default."""
 
     BINDINGS = [Binding("escape,n", "answer(False)", "No"), Binding("y", "answer(True)", "Yes")]
@@ -128,7 +148,7 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Button("Cancel (n)", id="confirm-no")
 
     def on_mount(self) -> None:
-        self.query_one("#confirm-no", Button).focus()
+        self.set_focus(self.query_one("#confirm-no", Button))  # now: see GputopApp.action_filter
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "confirm-yes")
@@ -155,13 +175,13 @@ def users_text(loads: list[UserLoad]) -> Text:
         if u.running:
             t.append("    runs on   " + ", ".join(u.running) + "\n")
         if u.commands:
-            runs = ", ".join(cmd[:60] + (f" ({n})" if n > 1 else "")
+            runs = ", ".join(excerpt(cmd, 60) + (f" ({n})" if n > 1 else "")
                              for cmd, n in sorted(u.commands.items(), key=lambda c: -c[1]))
             t.append(f"    runs      {runs}\n", style="dim")
     return t
 
 
-class UsersScreen(ModalScreen[None]):
+class UsersScreen(Dialog[None]):
     """Who holds how many GPUs across the fleet (processes and reservations)."""
 
     BINDINGS = [Binding("escape,q,w", "close", "Close")]
@@ -179,7 +199,7 @@ class UsersScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
-class HelpScreen(ModalScreen[None]):
+class HelpScreen(Dialog[None]):
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
     def compose(self) -> ComposeResult:
@@ -211,7 +231,7 @@ def queue_text(waiters: list[Waiter], now: datetime, me: str) -> Text:
     return t
 
 
-class QueueScreen(ModalScreen[int | None]):
+class QueueScreen(Dialog[int | None]):
     """The team's wait queue; enter a number of GPUs to join it (any host)."""
 
     BINDINGS = [Binding("escape,Q", "close", "Close")]
@@ -229,7 +249,7 @@ class QueueScreen(ModalScreen[int | None]):
             yield Input(value="1", id="queue-count")
 
     def on_mount(self) -> None:
-        self.query_one("#queue-count", Input).focus()  # enter joins, as the label says
+        self.set_focus(self.query_one("#queue-count", Input))  # enter joins, as it says
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         value = event.value.strip()

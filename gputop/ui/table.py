@@ -47,11 +47,18 @@ def cell_segments(console: Console, options: ConsoleOptions, cell: Text, width: 
     """One cell, padded, as DataTable draws it: ``Styled(Padding(cell, (0, 1)), pre,
     post)`` rendered ``width`` wide on one line. A one-line cell that fits (nearly all of
     them) is put together directly, with the same segments and styles, at a fraction of
-    the cost; anything else goes through Rich."""
+    the cost; anything else goes through Rich. A cell wider than its column is cut with
+    an ellipsis (``…``), never silently."""
     inner = width - 2 * PAD
     plain = cell.plain
+    n = cell_len(plain)
+    if n > inner > 0 and "\n" not in plain:
+        cell = cell.copy()
+        cell.truncate(inner, overflow="ellipsis")
+        plain = cell.plain
+        n = cell_len(plain)
     if ("\n" in plain or "\t" in plain or cell.justify not in (None, "default", "left")
-            or cell_len(plain) > inner):
+            or n > inner):
         rich_options = options.update_dimensions(width, 1).update(no_wrap=True)
         return console.render_lines(
             Styled(Padding(cell, (0, PAD)), pre_style=pre, post_style=post), rich_options)[0]
@@ -61,7 +68,7 @@ def cell_segments(console: Console, options: ConsoleOptions, cell: Text, width: 
         text = [Segment(plain, console.get_style(cell.style) if cell.style else None)]
     else:
         text = []
-    segments = [Segment(" " * PAD), *text, Segment(" " * (inner - cell_len(plain) + PAD))]
+    segments = [Segment(" " * PAD), *text, Segment(" " * (inner - n + PAD))]
     return list(Segment.apply_style(segments, pre, post))
 
 
@@ -147,8 +154,10 @@ class BoardTable(ScrollView, can_focus=True):
         return self._index[key]
 
     def get_cell(self, key: str, column: str) -> Text:
-        """The cell as drawn (built now if the row was never on screen)."""
-        return self._cells_of(key)[self.column_keys.index(column)]
+        """The cell as drawn (built now if the row was never on screen); a column a row's
+        last cell spans (a host's) gives that cell."""
+        cells = self._cells_of(key)
+        return cells[min(self.column_keys.index(column), len(cells) - 1)]
 
     def selected_key(self) -> str | None:
         """The row the user chose and the cursor is on; None when nothing is selected."""
@@ -302,6 +311,18 @@ class BoardTable(ScrollView, can_focus=True):
                 return
         self.show_cursor = False  # the choice is gone and so is its host: nothing selected
 
+    async def _on_key(self, event: events.Key) -> None:
+        """A key that was on its way here when an earlier key moved the focus away (a
+        dialog opened: the keys typed right after were already queued for the table) was
+        typed before what has the focus now was shown: it is dropped, never acts on the
+        board or in the dialog."""
+        focused = self.app.focused
+        if focused is not self and (focused is not None or self.app.screen is not self.screen):
+            event.stop()
+            event.prevent_default()
+            return
+        await super()._on_key(event)
+
     async def _on_click(self, event: events.Click) -> None:
         self._wake()
         row = event.y - 1 + self.scroll_offset.y
@@ -327,7 +348,9 @@ class BoardTable(ScrollView, can_focus=True):
         self.cursor_row += 1
 
     def _page(self) -> int:
-        return max(1, self.scrollable_content_region.height - 1)
+        """Rows a page moves: those on screen (less the header) less one, so the last row
+        of a page is the first of the next and nothing passes unseen."""
+        return max(1, self.scrollable_content_region.height - 2)
 
     def action_page_up(self) -> None:
         self._wake()
@@ -407,6 +430,8 @@ class BoardTable(ScrollView, can_focus=True):
             post = Style.from_color(color=component.color)  # the CSS's foreground wins
         parts: list[list[Segment]] = []
         widths = self._widths()
+        if len(cells) < len(widths):  # a host's row: its last cell spans the rest
+            widths = [*widths[:len(cells) - 1], sum(widths[len(cells) - 1:])]
         cache = self._cell_strips
         if len(cache) > 20_000:  # a bound; what is on screen comes back in one frame
             cache.clear()

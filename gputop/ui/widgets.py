@@ -17,16 +17,37 @@ from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration, local_time
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
-from gputop.ui.cells import FLAG_LABELS, Palette, gib
+from gputop.ui.cells import FLAG_LABELS, Palette, gib, gpu_count_text, power_text
 from gputop.ui.table import BoardTable
 
 __all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
 
 
 class SummaryBar(Static):
+    """One line: hosts up/down, GPUs free/busy/reserved, load, memory. When the terminal
+    is narrower than the whole line, its words shorten ("resv", no "GPUs"); what still does
+    not fit ends in ``…``, never cut silently."""
+
+    _last: tuple[Summary, Palette, str, str | None, str | None] | None = None
+
     def show(self, s: Summary, palette: Palette, note: str = "",
              problem: str | None = None, hub_problem: str | None = None) -> None:
-        # Fits 80 columns: "2 up · 2 down │ 1 free · 6 busy · 0 reserved of 7 GPUs │ ..."
+        self._last = (s, palette, note, problem, hub_problem)
+        width = self.size.width or self.app.size.width
+        t = self._line(s, palette, note, problem, hub_problem, short=False)
+        if t.cell_len > width:
+            t = self._line(s, palette, note, problem, hub_problem, short=True)
+            if t.cell_len > width:
+                t.truncate(width, overflow="ellipsis")
+        self.update(t)
+
+    def on_resize(self) -> None:
+        if self._last is not None:
+            self.show(*self._last)
+
+    @staticmethod
+    def _line(s: Summary, palette: Palette, note: str, problem: str | None,
+              hub_problem: str | None, short: bool) -> Text:
         t = Text(" ")
         if note:  # first: a filtered or re-sorted view must never look like the whole board
             t.append(f"[{note}] ", style=f"bold {palette.reserved}")
@@ -36,27 +57,42 @@ class SummaryBar(Static):
         if problem:  # lasts as long as the problem does, unlike a notification
             t.append("reservations unreadable ", style=f"bold reverse {palette.error}")
             t.append(" ")
+        dot, bar = ("·", " │ ") if not short else ("·", "│")
         t.append(f"{s.hosts_up} up", style="bold")
         if s.hosts_down:
-            t.append(f" · {s.hosts_down} down", style=f"bold {palette.error}")
+            t.append(f" {dot} {s.hosts_down} down", style=f"bold {palette.error}")
         if s.hosts_waiting:
-            t.append(f" · {s.hosts_waiting} waiting", style=palette.muted)
-        t.append(" │ ", style=palette.muted)
+            t.append(f" {dot} {s.hosts_waiting} waiting", style=palette.muted)
+        t.append(bar, style=palette.muted)
         t.append(f"{s.free} free", style=f"bold {palette.free}")
-        t.append(" · ")
+        t.append(f" {dot} ")
         t.append(f"{s.busy} busy", style=palette.busy)
-        t.append(" · ")
-        t.append(f"{s.reserved} reserved", style=palette.reserved)
-        t.append(f" of {s.gpus} GPUs")
+        t.append(f" {dot} ")
+        t.append(f"{s.reserved} {'resv' if short else 'reserved'}", style=palette.reserved)
+        t.append(f" of {s.gpus}" if short else f" of {s.gpus} GPUs")
         util = "n/a" if s.util_percent is None else f"{s.util_percent:.0f}%"
-        t.append(" │ ", style=palette.muted)
+        t.append(bar, style=palette.muted)
         t.append(f"util {util}")
-        t.append(" │ ", style=palette.muted)
+        t.append(bar, style=palette.muted)
         t.append(f"mem {gib(s.mem_used_mib)}/{gib(s.mem_total_mib)}G")
-        self.update(t)
+        return t
 
 
 SPARK = "▁▂▃▄▅▆▇█"
+
+
+def gpu_vitals(g: GpuInfo) -> str:
+    """Temperature, power, load and memory in words, for the details (the table's 80
+    columns have no room for temperature and power)."""
+    parts = [f"{g.temperature_c}°C" if g.temperature_c is not None else "temp ?"]
+    parts.append(f"power {power_text(g)}" if g.power_draw_w is not None else "power ?")
+    if g.utilization_percent is not None:
+        parts.append(f"util {g.utilization_percent}%")
+    if g.memory_total_mib:
+        parts.append(f"mem {gib(g.memory_used_mib)}/{gib(g.memory_total_mib)}G")
+    if g.pstate:
+        parts.append(clean(g.pstate))
+    return "  ".join(parts)
 
 
 def spark(values: Iterable[float | None], width: int, style: str) -> Text:
@@ -75,6 +111,8 @@ class DetailPane(Vertical):
     #: under the sparklines when it exists.
     history_path: Path | None = None
     _recent_key: tuple[str, int] | None = None
+    #: The last GPU shown (to lay it out again when the pane is resized).
+    _last: tuple[GpuRow, BoardModel, datetime, Palette] | None = None
 
     def _show_recent(self, row: GpuRow | HostRow) -> None:
         """The row's recorded last hour and day (a host: all its GPUs), once a minute."""
@@ -118,6 +156,7 @@ class DetailPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
+        yield Static(id="detail-procs")  # right under the head: never pushed out of view
         yield Static("utilisation %, this session", classes="spark-label")
         yield Static(id="spark-util", classes="spark")
         yield Static("memory used %", classes="spark-label")
@@ -125,7 +164,6 @@ class DetailPane(Vertical):
         recent = Static(id="detail-recent")
         recent.display = False  # shown once the history database answered
         yield recent
-        yield Static(id="detail-procs")
 
     def show(self, row: Row | None, model: BoardModel, now: datetime, palette: Palette) -> None:
         """Only ``row``'s own data: a host row never shows the previous GPU's history."""
@@ -134,6 +172,7 @@ class DetailPane(Vertical):
         for part in self.query(".spark-label, .spark"):  # a host row has no history
             part.display = isinstance(row, GpuRow)
         if not isinstance(row, GpuRow):
+            self._last = None
             for name in ("#spark-util", "#spark-mem"):
                 self.query_one(name, Static).update("")
             procs.update("")
@@ -147,11 +186,14 @@ class DetailPane(Vertical):
         g = row.gpu
         t = Text()
         t.append(f"{row.label}  ", style="bold")
-        t.append(short_model(g.name))
+        if g.lost:  # the driver has no handle for it: what it said, not a row of "?"
+            t.append(f"lost: {clean(g.lost_reason) or 'no reason given'}", style="bold")
+        else:
+            t.append(short_model(g.name))
+            if row.instance is None:  # (an instance has no temperature or power of its own)
+                t.append(f"  {gpu_vitals(g)}")
         t.append(f"\nuuid {clean(g.uuid) or '?'}  bus {clean(g.bus_id) or '?'}  driver "
-                 f"{clean(g.driver_version) or '?'}  {clean(g.pstate) or ''}")
-        if g.power_limit_w is not None:
-            t.append(f"  power limit {g.power_limit_w:.0f} W")
+                 f"{clean(g.driver_version) or '?'}")
         if g.mig_mode:
             t.append(f"  MIG {clean(g.mig_mode)}")
         r = row.reservation
@@ -166,23 +208,53 @@ class DetailPane(Vertical):
         if row.flags:
             t.append("\n" + "  ".join(FLAG_LABELS.get(f, f) for f in row.flags), style="bold")
         head.update(t)
+        self._last = (row, model, now, palette)
         util, mem = model.history.get(row.key, ((), ()))
         width = max(10, self.size.width - 2)
         self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
         self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
         self._show_recent(row)
+        procs.update(self._procs_text(g, self._room_for_procs(t)))
+
+    def _room_for_procs(self, head: Text) -> int:
+        """Lines the processes have under the head (wrapped as drawn), in the pane's
+        height: the sparklines below them may go out of view, they may not."""
+        app = self.app
+        height = self.size.height or min(14, app.size.height // 2)
+        width = max(10, (self.size.width or app.size.width) - 2)
+        used = len(head.wrap(app.console, width)) + 1  # (+ the pane's top border)
+        return max(2, height - used)
+
+    @staticmethod
+    def _procs_text(g: GpuInfo, room: int) -> Text:
+        """The GPU's processes in ``room`` lines (the column titles one of them); those
+        that do not fit are counted on the last line, never dropped without a sign."""
         p = Text()
         if not g.processes:
             p.append("no processes")
-        else:
-            p.append(f"{'PID':>8}  {'USER':<12} {'GPU MEM':>8}  {'ELAPSED':>8}  COMMAND\n",
+            return p
+        p.append(f"{'PID':>8}  {'USER':<12} {'GPU MEM':>8}  {'ELAPSED':>8}  COMMAND",
+                 style="bold")
+        shown = g.processes
+        if len(shown) > room - 1:
+            shown = shown[:max(0, room - 2)]
+        for proc in shown:
+            mem_s = "?" if proc.gpu_memory_mib is None else f"{proc.gpu_memory_mib}M"
+            el = "?" if proc.elapsed_s is None else format_duration(proc.elapsed_s)
+            user = clean(proc.user) or "?"
+            user = user if len(user) <= 12 else user[:11] + "…"
+            p.append(f"\n{proc.pid:>8}  {user:<12} {mem_s:>8}  {el:>8}  {clean(proc.command)}")
+        hidden = len(g.processes) - len(shown)
+        if hidden:
+            p.append(f"\n… and {hidden} more process{'es' if hidden != 1 else ''} "
+                     f"({len(g.processes)} in all; a taller terminal shows them)",
                      style="bold")
-            for proc in g.processes:
-                mem_s = "?" if proc.gpu_memory_mib is None else f"{proc.gpu_memory_mib}M"
-                el = "?" if proc.elapsed_s is None else format_duration(proc.elapsed_s)
-                p.append(f"{proc.pid:>8}  {clean(proc.user)[:12] or '?':<12} {mem_s:>8}  "
-                         f"{el:>8}  {clean(proc.command)}\n")
-        procs.update(p)
+        p.no_wrap, p.overflow = True, "ellipsis"  # a line per process, a long one cut with …
+        return p
+
+    def on_resize(self) -> None:
+        if self.display and self._last is not None:
+            self.show(*self._last)
 
     @staticmethod
     def _host_text(row: HostRow | None, now: datetime) -> Text:
@@ -205,7 +277,7 @@ class DetailPane(Vertical):
                      f"\nc reconnects now (skips the retry wait)")
             return t
         t = Text(f"{name}", style="bold")
-        t.append(f"  {row.gpu_count} GPU{'s' if row.gpu_count != 1 else ''}")
+        t.append(f"  {gpu_count_text(row.gpu_count, row.instance_count)}")
         if snap.tags:
             t.append("  tags: " + " ".join(clean(x) for x in snap.tags))
         t.append(f"\nlast answered: {local_time(snap.time)}")

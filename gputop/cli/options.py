@@ -1,0 +1,68 @@
+"""The global options (``--config``, ``--interval``, ``--timeout``, ``--theme``) and which of
+them each subcommand takes, so that its ``--help`` lists only what it uses.
+
+They work before or after the subcommand (``gputop reserve X --config F``); ``--theme`` is
+the board's alone. The completion scripts offer the same sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from gputop.config import default_config_path
+
+#: Every global option, in the order ``--help`` lists them.
+ALL = ("--config", "--interval", "--timeout", "--theme", "--hub")
+#: What a subcommand takes when it is not named below: it reads the config and hosts.
+DEFAULT = ("--config", "--interval", "--timeout")
+#: ``--hub``: where a command reads the live GPUs (a hub instead of the hosts).
+#: Per subcommand: ``--interval`` only where it loops (waits, records); ``--timeout``
+#: where it asks hosts (a one-shot query, or the job check that ``ps``-es a job's host).
+BY_COMMAND: dict[str, tuple[str, ...]] = {
+    "reserve": ("--config", "--timeout", "--hub"),
+    "release": ("--config", "--timeout", "--hub"),
+    "reservations": ("--config", "--timeout"),
+    "free": ("--config", "--interval", "--timeout", "--hub"),
+    "run": ("--config", "--interval", "--timeout", "--hub"),
+    "serve": ("--config", "--interval", "--timeout"),
+    "record": ("--config", "--interval", "--timeout"),
+    "report": ("--config",),
+    "init-config": ("--config",),
+    "completion": ("--config",),
+}
+
+
+def for_command(name: str) -> tuple[str, ...]:
+    return BY_COMMAND.get(name, DEFAULT)
+
+
+def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.ArgumentParser:
+    """A parent parser holding ``names``. In a subcommand they default to SUPPRESS, so they
+    never undo what came before it (``gputop --config A reserve X``)."""
+    p = argparse.ArgumentParser(add_help=False)
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
+    if "--config" in names:
+        p.add_argument("--config", metavar="FILE", **kw,
+                       help=f"hosts file (default: $GPUTOP_CONFIG, else {default_config_path()})")
+    if "--interval" in names:
+        p.add_argument("--interval", type=float, metavar="SECONDS", **kw,
+                       help="seconds between refreshes (overrides the config)")
+    if "--timeout" in names:
+        p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
+                       help="per-host timeout for connect + one query (overrides the config)")
+    if "--hub" in names:
+        p.add_argument("--hub", metavar="URL", **kw,
+                       help="read the live GPUs from this hub (gputop serve) instead of "
+                       "SSHing to every host (overrides [hub] url)")
+    if "--theme" in names:
+        p.add_argument("--theme", metavar="NAME", **kw,
+                       help="board theme: gputop-dark, gputop-light, gputop-contrast or your "
+                       "own")
+    return p
+
+
+def for_subcommand(name: str) -> list[argparse.ArgumentParser]:
+    """``parents=`` for subcommand ``name``'s parser."""
+    return [global_options(for_command(name), sub=True)]
