@@ -278,6 +278,39 @@ def test_a_change_on_a_host_reaches_a_subscriber(hub: Hub, hub_fleet: Fleet) -> 
         hub_fleet.set_scenario(alpha_host, "ok")
 
 
+def test_a_waiter_reaches_the_stream_and_the_metrics(hub: Hub, config: Path) -> None:
+    """The queue is in the document (schema 3): a waiter joining is one ``update`` whose
+    ``set`` carries the whole new queue, and ``/metrics`` counts it; leaving, the same."""
+    from gputop.config import load_config
+    from gputop.reservations import Store
+    from gputop.reservations.queue import Queue, Request
+
+    sse = Sse(hub.url)
+    events = sse.events()
+    next(events)
+    q = Queue(Store(load_config(str(config)).reservations_path),
+              Request(2, 0, ("alpha",), want="--host alpha"))
+    q.join()
+    try:
+        for ev in events:
+            moved = json.loads(ev["data"])["set"]
+            if "queue" in moved:
+                assert [w["count"] for w in moved["queue"]] == [2]
+                assert moved["queue"][0]["want"] == "--host alpha"
+                break
+        text = get(hub.url + "metrics")[2].decode()
+        assert "gputop_queue_waiters 1.0" in text
+        assert re.search(r'gputop_queue_waiter_gpus\{[^}]*position="1"[^}]*\} 2\.0', text)
+    finally:
+        q.leave()
+    for ev in events:
+        moved = json.loads(ev["data"])["set"]
+        if "queue" in moved:
+            assert moved["queue"] == []
+            break
+    sse.close()
+
+
 def test_subscribers_are_bounded(hub_fleet: Fleet, config: Path, tmp_path: Path) -> None:
     """A second hub with room for one stream: the second is refused (503), the first
     goes on; it is not this module's main hub, so the other tests keep theirs."""

@@ -260,7 +260,7 @@ def test_the_token_is_required_and_sent(tmp_path: Path) -> None:
         reader.write_text(f'[hub]\nurl = "{hub.url}"\ntoken_file = "{token}"\n')
         r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(reader)],
                            capture_output=True, text=True, timeout=30)
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 3, r.stderr  # read; its one host (no NVML here) is down
         assert json.loads(r.stdout)["hosts"][0]["name"] == "here"
         reader.write_text(f'[hub]\nurl = "{hub.url}"\n')
         r = subprocess.run([sys.executable, "-m", "gputop", "--json", "--config", str(reader)],
