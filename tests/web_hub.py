@@ -70,17 +70,19 @@ def iso(t: datetime) -> str:
     return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S")
+MODELS = (("NVIDIA H100 80GB HBM3", 81559, "h100"), ("NVIDIA A100-SXM4-80GB", 81920, "a100"),
+          ("NVIDIA L40S", 46068, "l40s"))
 USERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
 COMMANDS = ("python train.py --config exp/llama-7b.yaml", "torchrun --nproc 8 pretrain.py",
             "jupyter-lab", "python -m vllm.entrypoints.api_server", "./bench --all")
 
 
-def gpu_doc(host: str, i: int, rnd: random.Random, now: datetime) -> dict[str, Any]:
-    total = 81559
+def gpu_doc(host: str, i: int, rnd: random.Random, now: datetime,
+            model: int = 0) -> dict[str, Any]:
+    name, total, _ = MODELS[model % len(MODELS)]
     busy = rnd.random() < 0.65
     util = rnd.randint(30, 100) if busy else rnd.randint(0, 3)
-    used = rnd.randint(8000, 78000) if busy else 0
+    used = rnd.randint(total // 10, total - 2000) if busy else 0
     procs = []
     if busy:
         for k in range(rnd.randint(1, 2)):
@@ -99,7 +101,7 @@ def gpu_doc(host: str, i: int, rnd: random.Random, now: datetime) -> dict[str, A
             flags.append("idle-reservation")
     elif procs and rnd.random() < 0.15:
         flags.append("unreserved-use")
-    return {"index": i, "uuid": f"GPU-{host}-{i:02d}", "name": MODELS[hash(host) % 3],
+    return {"index": i, "uuid": f"GPU-{host}-{i:02d}", "name": name,
             "bus_id": f"00000000:{i + 16:02X}:00.0", "utilization_percent": util,
             "memory_utilization_percent": util // 2, "memory_used_mib": used,
             "memory_total_mib": total, "temperature_c": 30 + util // 2,
@@ -110,22 +112,24 @@ def gpu_doc(host: str, i: int, rnd: random.Random, now: datetime) -> dict[str, A
 
 
 def host_doc(name: str, gpus: int, rnd: random.Random, now: datetime,
-             error: tuple[str, str] | None = None) -> dict[str, Any]:
+             error: tuple[str, str] | None = None, model: int = 0) -> dict[str, Any]:
     if error is not None:
         return {"name": name, "status": "error", "error": {"kind": error[0],
                 "message": error[1]}, "time": iso(now),
                 "last_ok": iso(now - timedelta(minutes=7)), "source": "ssh",
                 "tags": ["a100"], "warnings": [], "first_sample_s": None, "gpus": []}
     return {"name": name, "status": "ok", "error": None, "time": iso(now), "last_ok": iso(now),
-            "source": "ssh", "tags": ["h100", f"rack{hash(name) % 4}"], "warnings": [],
-            "first_sample_s": 1.2, "gpus": [gpu_doc(name, i, rnd, now) for i in range(gpus)]}
+            "source": "ssh", "tags": [MODELS[model % len(MODELS)][2],
+                                      f"rack{model % 4}"], "warnings": [],
+            "first_sample_s": 1.2,
+            "gpus": [gpu_doc(name, i, rnd, now, model) for i in range(gpus)]}
 
 
 def fleet_doc(hosts: int, gpus: int, seed: int = 1, failing: int = 0) -> dict[str, Any]:
     rnd = random.Random(seed)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     hs = [host_doc(f"gpu-{i:03d}", gpus, rnd, now,
-                   ("unreachable", "connection refused") if i < failing else None)
+                   ("unreachable", "connection refused") if i < failing else None, i // 3)
           for i in range(hosts)]
     return {"version": 3, "time": iso(now), "hosts": hs, "queue": [
         {"id": "q1", "user": "erin", "machine": "ws", "count": 2, "created": iso(now),
@@ -148,7 +152,7 @@ def churn(doc: dict[str, Any], rnd: random.Random,
         for g in h["gpus"]:
             if g["processes"]:
                 g["utilization_percent"] = rnd.randint(30, 100)
-                g["memory_used_mib"] = max(0, min(81559, g["memory_used_mib"]
+                g["memory_used_mib"] = max(0, min(g["memory_total_mib"], g["memory_used_mib"]
                                                   + rnd.randint(-900, 900)))
             g["temperature_c"] = 30 + (g["utilization_percent"] or 0) // 2
             g["power_draw_w"] = 60.0 + 6 * (g["utilization_percent"] or 0) + rnd.random()

@@ -23,7 +23,8 @@ const board = {
   resError: null,
   conn: "connecting",
   since: null, // when the current connection state began (ms)
-  lastEvent: 0,
+  lastEvent: 0, // when the last event came (shown as "updated")
+  lastHeard: 0, // ... or the hub last answered /-/healthy (the watchdog's clock)
   snapshots: 0,
   updates: 0,
   epoch: null,
@@ -60,9 +61,8 @@ function drawConn() {
   const banner = $("banner");
   banner.hidden = !stale || !board.snapshots;
   if (!banner.hidden) {
-    const last = board.lastEvent ? clock(board.lastEvent) : "never";
     banner.textContent = `Not connected to the hub since ${clock(board.since)} ` +
-      `(${duration((Date.now() - board.since) / 1000)}): what you see is from ${last} ` +
+      `(${duration((Date.now() - board.since) / 1000)}): what you see is as it was then ` +
       "and may be out of date. Reconnecting\u2026";
   }
 }
@@ -132,7 +132,7 @@ function useToken(e) {
 }
 
 function heard() {
-  board.lastEvent = Date.now();
+  board.lastEvent = board.lastHeard = Date.now();
   clearTimeout(liveTimer);
   setConn("live");
 }
@@ -162,13 +162,13 @@ function measured(name, fn) {
 /** A quiet fleet sends no events and keepalives are invisible to EventSource: after
  * ``WATCHDOG_S`` without one, a hub that does not answer /-/healthy is a lost stream. */
 async function watchdog() {
-  if (board.conn !== "live" || Date.now() - board.lastEvent < WATCHDOG_S * 1000) return;
+  if (board.conn !== "live" || Date.now() - board.lastHeard < WATCHDOG_S * 1000) return;
   const ctl = new AbortController();
   const timer = setTimeout(() => ctl.abort(), 5000);
   try {
     const r = await fetch("/-/healthy", { cache: "no-store", signal: ctl.signal });
     if (r.ok) {
-      board.lastEvent = Date.now();
+      board.lastHeard = Date.now();
       return;
     }
   } catch {

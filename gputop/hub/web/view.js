@@ -154,13 +154,15 @@ class InstanceView {
     this.procKey = "";
   }
 
-  update(inst, hostLabel) {
+  /** ``whole``: the GPU's own reservation, which covers every instance (shown once, on
+   * the GPU's line, not again on each instance). */
+  update(inst, hostLabel, whole) {
     const gi = num(inst.gpu_instance_id);
     setText(this.prof, `${str(inst.profile, 32) || "MIG"} (GI ${gi ?? "?"})`);
     const used = num(inst.memory_used_mib), total = num(inst.memory_total_mib);
     this.mem.set(used !== null && total ? used / total : null, memText(used, total));
     const r = obj(inst.reservation);
-    this.res.set(r);
+    this.res.set(r !== null && (whole === null || r.id !== whole.id) ? r : null);
     const procs = processes(inst.processes);
     const key = JSON.stringify(procs);
     if (key !== this.procKey) {
@@ -253,7 +255,10 @@ export class GpuView {
     const p = num(g.power_draw_w), pl = num(g.power_limit_w);
     setText(this.power, p === null ? "n/a" : `${Math.round(p)} W`);
     setTitle(this.power, pl === null ? "" : `limit ${Math.round(pl)} W`);
-    const procs = processes(g.processes);
+    const insts = list(g.instances).map(obj).filter(Boolean);
+    // On a MIG GPU a process is listed under its instance; here only those without one.
+    const procs = processes(g.processes).filter((p) => !insts.length ||
+      num(p.gpu_instance_id) === null);
     const pk = JSON.stringify(procs);
     if (pk !== this.key.procs) {
       this.key.procs = pk;
@@ -272,7 +277,6 @@ export class GpuView {
         return chip;
       }));
     }
-    const insts = list(g.instances).map(obj).filter(Boolean);
     setText(this.hint, this.free && !insts.length
       ? `free \u00b7 gputop reserve ${this.host}:${index ?? "?"}` : "");
     const look = `${+this.free}${+(r !== null)}${+(g.lost === true)}${+(flags.length > 0)}`;
@@ -283,14 +287,14 @@ export class GpuView {
       this.el.classList.toggle("lost", g.lost === true);
       this.el.classList.toggle("flagged", flags.length > 0);
     }
-    this.updateMig(insts);
+    this.updateMig(insts, r);
   }
 
-  updateMig(insts) {
+  updateMig(insts, whole) {
     show(this.mig, insts.length > 0);
     while (this.insts.length > insts.length) this.insts.pop().el.remove();
     while (this.insts.length < insts.length) this.insts.push(new InstanceView(this.mig));
-    insts.forEach((inst, i) => this.insts[i].update(inst, this.host));
+    insts.forEach((inst, i) => this.insts[i].update(inst, this.host, whole));
   }
 
   tick(now) {
