@@ -234,6 +234,38 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
                               "using": 0}, {"user": "u", "held": [], "using": 1}]
 
 
+def test_sorted_views_move_only_rows_out_of_place(page: Any) -> None:
+    """view.js's reorder: any new order (rows added, dropped, moved) comes out exact, and a
+    row moved from the end to the front is one move, not a rebuild."""
+    got = page.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import('/static/view.js').then(({reorder}) => {
+          const box = document.createElement('div');
+          let seed = 7;
+          const rnd = (n) => (seed = (seed * 1103515245 + 12345) % 2147483648) % n;
+          const pool = Array.from({length: 60}, (_, i) => {
+            const e = document.createElement('p'); e.id = 'r' + i; return e; });
+          let bad = 0;
+          for (let t = 0; t < 200; t++) {
+            const want = pool.filter(() => rnd(4) > 0);
+            for (let i = want.length - 1; i > 0; i--) {
+              if (rnd(3) === 0) { const j = rnd(i + 1); [want[i], want[j]] = [want[j], want[i]]; }
+            }
+            reorder(box, want);
+            const now = [...box.children];
+            if (now.length !== want.length || now.some((c, i) => c !== want[i])) bad++;
+          }
+          reorder(box, pool);
+          let moves = 0;
+          new MutationObserver((m) => { for (const r of m) moves += r.addedNodes.length; })
+            .observe(box, {childList: true});
+          reorder(box, [pool[59], ...pool.slice(0, 59)]);
+          setTimeout(() => done({bad, moves, first: box.firstChild.id}), 0);
+        }, (e) => done(String(e)));
+    """)
+    assert got == {"bad": 0, "moves": 1, "first": "r59"}
+
+
 def test_hostile_strings_are_literal_text(page: Any, hub: Hub) -> None:
     from selenium.common.exceptions import NoAlertPresentException
 

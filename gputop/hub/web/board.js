@@ -8,7 +8,7 @@ import {
   terms, writeState,
 } from "./data.js";
 import { renderPeople, renderQueue, renderWaste } from "./panels.js";
-import { HostView } from "./view.js";
+import { HostView, reorder } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 const WATCHDOG_S = 30; // no event for this long: ask /-/healthy whether the hub still lives
@@ -291,7 +291,7 @@ function placeFlat() {
   const box = $("flat");
   if (key !== board.flatKey || box.children.length !== rows.length) {
     board.flatKey = key;
-    box.replaceChildren(...rows.map((x) => x.r.el));
+    reorder(box, rows.map((x) => x.r.el));
   }
   return rows.length > 0;
 }
