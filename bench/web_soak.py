@@ -6,9 +6,10 @@ A real hub (``gputop.hub`` collector and server) over simulated hosts (``DemoSou
 as ``bench/hub.py demo-hub``), read by the page in headless Chromium (Debian's
 ``chromium`` + ``chromium-driver``, through Selenium). Every ``--every`` seconds: the JS
 heap after a forced garbage collection, the DOM's node count and listeners (Chrome's
-``Memory.getDOMCounters``), and the script time of the updates since the last sample (the
-page's own ``performance.measure`` entries). The test suite runs a short version
-(tests/test_web_board.py::test_memory_holds_over_many_updates).
+``Memory.getDOMCounters``), the plain JS objects alive, and the script time of the
+updates since the last sample (the page's own ``performance.measure`` entries). The
+test suite runs a short version (tests/test_web_board.py::
+test_memory_holds_over_many_updates).
 
 Prints one JSON line per sample and a summary line; bench/results/web.md holds the numbers.
 """
@@ -31,6 +32,21 @@ from hubs import free_port, get  # noqa: E402
 from web_hub import browser, chromium_missing  # noqa: E402
 
 ADDR = "127.0.24.9"
+
+
+def plain_objects(b: object) -> int:
+    """Plain JS objects alive (the hub's host, GPU and process objects are plain objects:
+    one kept past its update counts here)."""
+    cdp = b.execute_cdp_cmd  # type: ignore[attr-defined]
+    proto = cdp("Runtime.evaluate", {"expression": "Object.prototype", "objectGroup": "m"})
+    found = cdp("Runtime.queryObjects", {"prototypeObjectId": proto["result"]["objectId"],
+                                         "objectGroup": "m"})
+    n = cdp("Runtime.callFunctionOn", {
+        "objectId": found["objects"]["objectId"], "returnByValue": True,
+        "functionDeclaration": "function () { return this.filter((o) =>"
+                               " Object.getPrototypeOf(o) === Object.prototype).length; }"})
+    cdp("Runtime.releaseObjectGroup", {"objectGroup": "m"})
+    return int(n["result"]["value"])
 
 
 def main() -> None:
@@ -72,11 +88,13 @@ def main() -> None:
             b.execute_cdp_cmd("HeapProfiler.collectGarbage", {})
             heap = b.execute_cdp_cmd("Runtime.getHeapUsage", {})["usedSize"]
             dom = b.execute_cdp_cmd("Memory.getDOMCounters", {})
+            objects = plain_objects(b)
             times = b.execute_script(
                 "const e = performance.getEntriesByName('gputop-update').map(x => x.duration);"
                 "performance.clearMeasures('gputop-update'); return e;")
             s = {"t": round(time.monotonic() - start), "heap_mb": round(heap / 1e6, 2),
                  "nodes": dom["nodes"], "listeners": dom["jsEventListeners"],
+                 "objects": objects,
                  "updates": b.execute_script("return window.gputopBoard.updates"),
                  "conn": b.execute_script("return window.gputopBoard.conn"),
                  "n": len(times),
@@ -93,6 +111,7 @@ def main() -> None:
                           "gpus": args.gpus, "tv": args.tv, "updates": last["updates"],
                           "heap_mb": [first["heap_mb"], last["heap_mb"]],
                           "nodes": [first["nodes"], last["nodes"]],
+                          "objects": [first["objects"], last["objects"]],
                           "max_ms": max(s["max_ms"] or 0 for s in samples)}), flush=True)
     finally:
         if b is not None:
