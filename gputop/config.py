@@ -115,6 +115,9 @@ class Config:
     #: A reservation is flagged ``idle-reservation`` only after this long without a process
     #: of its holder on the GPU (``[reservations] idle_grace``).
     idle_grace_s: float = 900.0
+    #: A share is flagged ``over-share`` only after its holder's processes used more than
+    #: the share this long (``[reservations] share_grace``).
+    share_grace_s: float = 300.0
     #: A job-tied reservation is released once its job has been seen gone for this long
     #: (``[reservations] job_grace``).
     job_grace_s: float = 30.0
@@ -336,6 +339,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     if rdefault > rmax:
         raise ConfigError(path, "reservations.default_duration", "is longer than max_duration")
     idle_grace_s = r.duration("idle_grace", 900.0)
+    share_grace_s = r.duration("share_grace", 300.0)
     job_grace_s = r.duration("job_grace", 30.0)
     r.done()
 
@@ -407,6 +411,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         reservation_max_s=rmax,
         idle_holder_s=idle_holder_s,
         idle_grace_s=idle_grace_s,
+        share_grace_s=share_grace_s,
         job_grace_s=job_grace_s,
         history_path=hpath,
         history_raw_keep_s=raw_keep,

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gputop.config import Config, HostConfig
 from gputop.model import FleetSnapshot, HostError, HostSnapshot, utcnow
@@ -226,6 +226,7 @@ class HubPoller:
         self.error: HubError | None = None
         self._direct: Poller | None = None
         self._last: dict[str, HostSnapshot] = {}
+        self._doc: Any = None  # the hub's document as last read (gputop.sources.hub.Document)
         self._wake: asyncio.Future[None] | None = None
         self.connects = 0
 
@@ -304,8 +305,15 @@ class HubPoller:
             parse_json,
         )
 
-        doc: Document | None = getattr(self, "_doc", None) if last_id else None
+        doc: Document | None = self._doc if last_id else None
+        resumed = doc is not None
         async for event, eid, data in self.client.stream(last_id):
+            if resumed and event == "update":
+                # Back within the hub's window: only what changed since comes, so the
+                # hosts shown as "hub down" meanwhile get their last data back first.
+                for h in list(self._last.values()):
+                    yield h
+            resumed = False
             try:
                 if event == "snapshot":
                     doc = Document(check_document(parse_json(data)))

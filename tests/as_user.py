@@ -65,7 +65,8 @@ def user_home(fleet: Fleet, root: Path, user: str) -> Path:
     return home
 
 
-_PRELOAD = ["gputop.cli", "gputop.cli.subcommands", "gputop.cli.targets", "gputop.poller",
+_PRELOAD = ["gputop.cli", "gputop.cli.subcommands", "gputop.cli.targets", "gputop.cli.shares",
+            "gputop.poller",
             "gputop.output",
             "gputop.reservations.flags", "gputop.sources.ssh", "gputop.sources.nvml",
             "gputop.sources.nvidia_smi", "asyncssh", "concurrent.futures.thread",

@@ -139,8 +139,11 @@ def ensure_test_users() -> list[str]:
         except KeyError:
             if not is_root():
                 continue
-            subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", u], check=True,
-                           capture_output=True)
+            r = subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", u],
+                               capture_output=True)
+            # 9: another test process (a parallel worker) made it first
+            if r.returncode not in (0, 9):
+                raise RuntimeError(f"useradd {u}: {r.stderr.decode(errors='replace')}") from None
         users.append(u)
     return users
 

@@ -160,6 +160,24 @@ def test_once_and_json_are_one_or_the_other(env: dict[str, str]) -> None:
     assert r.returncode == 2 and "--once" in r.stderr
 
 
+def test_demo_with_a_subcommand_says_what_the_demo_does(env: dict[str, str]) -> None:
+    """A newcomer tries the tour's commands on the demo: the refusal says where the demo's
+    reserve and queue are (the board) and what the subcommands need instead."""
+    r = gputop("--demo", "free", env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert "--demo cannot be used with free: the simulated fleet is the board" in r.stderr
+    assert "gputop --demo; r reserves, Q queues there" in r.stderr
+    assert "gputop init-config" in r.stderr
+
+
+def test_report_help_says_the_default_shows_users_then_hosts(env: dict[str, str]) -> None:
+    """`gputop report` prints the user table and then the host table (docs/history.md);
+    its --help said "default: user" alone, and a newcomer looked for the second table."""
+    r = gputop("report", "--help", env=env | {"COLUMNS": "200"})
+    assert r.returncode == 0
+    assert "the table to show (default: user, then the host table)" in r.stdout
+
+
 def test_init_config_writes_the_example_and_never_overwrites(env: dict[str, str]) -> None:
     target = Path(env["XDG_CONFIG_HOME"]) / "gputop" / "hosts.toml"
     r = gputop("init-config", env=env)

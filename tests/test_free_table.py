@@ -121,6 +121,29 @@ def test_fewer_than_count_shows_those_found_and_says_how_many(
     assert code == 1 and json.loads(out)["free"] == []
 
 
+
+def test_fewer_than_count_names_the_hosts_that_did_not_answer(
+        team: tuple[dict[str, str], Path], fleet: Fleet, tmp_path: Path) -> None:
+    """A host that is down may be why too few are free: `free` names it and its error kind
+    (and where to read why) instead of only suggesting --wait, which could wait for good."""
+    env, res = team
+    res.unlink(missing_ok=True)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(Path(env["GPUTOP_CONFIG"]).read_text()
+                   + '[[hosts]]\nname = "unreachable"\n\n[[hosts]]\nname = "auth"\n')
+    code, _, err = run(["free", "--whole", "--count", "20"], env | {"GPUTOP_CONFIG": str(cfg)},
+                       tty=False)
+    assert code == 1
+    assert "1 free, 20 wanted" in err
+    assert ("2 of 5 host(s) did not answer: unreachable (unreachable), auth (auth) "
+            "(gputop --once says why)") in err, err
+    code, _, err = run(["run", "--count", "2", "--", "true"], env | {"GPUTOP_CONFIG": str(cfg)},
+                       tty=False)
+    assert code == 1 and "not 2 free GPU(s) on one host" in err, err
+    assert "2 of 5 host(s) did not answer: unreachable (unreachable), auth (auth)" in err, err
+    code, _, err = run(["free", "--whole", "--count", "20"], env, tty=False)
+    assert code == 1 and "did not answer" not in err  # all answered: nothing to name
+
 def test_mig_instances_show_their_profile_and_no_load(team: tuple[dict[str, str], Path]) -> None:
     env, res = team
     res.unlink(missing_ok=True)

@@ -432,6 +432,23 @@ def test_report_plot(recorded: Path, tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_plot_without_matplotlib_says_how_to_add_it(recorded: Path,
+                                                            tmp_path: Path) -> None:
+    """gputop is installed from a checkout (pipx, a venv): the hint must not send people to
+    `pip install 'gputop[plot]'`, an index's package of that name. matplotlib is made
+    unimportable for this one process (it may be installed here)."""
+    out = tmp_path / "r.png"
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys; sys.modules['matplotlib'] = None; "
+                        "from gputop.cli import main; sys.exit(main(sys.argv[1:]))",
+                        "report", "--db", str(recorded), *RANGE, "--plot", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and not out.exists()
+    assert "pipx inject gputop matplotlib" in r.stderr, r.stderr
+    assert "pip install '.[plot]' in the checkout" in r.stderr
+    assert "gputop[plot]" not in r.stderr
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (("--since", "7x"), "--since 7x"),
     (("--from", "yesterday"), "--from yesterday"),

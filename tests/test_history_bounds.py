@@ -254,13 +254,16 @@ def test_a_version_2_database_migrates_and_keeps_its_numbers(
     c = sqlite3.connect(db)
     c.execute("DELETE FROM meta WHERE key = 'hour_from'")
     c.execute("DELETE FROM users WHERE name = ?", (OTHERS,))
+    for tier in ("minute", "hour", "day"):  # nor the shares' sums (version 4)
+        for col in ("shared", "shared_idle"):
+            c.execute(f"ALTER TABLE user_{tier} DROP COLUMN {col}")
     c.execute("PRAGMA user_version = 2")
     c.commit()
     c.close()
     before = report(db, T0, T0 + timedelta(seconds=65))
     assert users_of(before)["alice"]["used_hours"] == pytest.approx(hours(60))
     rec = open_recorder(db)
-    assert rec.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert rec.db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     assert rec.db.conn.execute("SELECT COUNT(*) FROM users WHERE name = ?",
                                (OTHERS,)).fetchone()[0] == 1
     assert rec.db.conn.execute("SELECT COUNT(*) FROM meta WHERE key = 'hour_from'"

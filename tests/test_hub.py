@@ -29,7 +29,7 @@ NOTE = "<script>alert(1)</script> \"quoted\" {json} data: x"
 def hub_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     _need_sshd()
     f = Fleet(_world_readable(tmp_path_factory.mktemp("hubfleet")), [
-        Host("alpha", "127.0.23.2", gpus=("h100", "h100"), processes=[
+        Host("alpha", "127.0.23.2", gpus=("h100", "rtx2080"), processes=[
             GpuProcess("gtalice", "python train.py", gpu=0, mem_mib=9000),
             GpuProcess("gtbob", HOSTILE, gpu=1, mem_mib=77),
         ]),
@@ -529,3 +529,33 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
             assert "hub " not in str(app.query_one(SummaryBar).render())
     finally:
         h.stop()
+
+
+def test_a_waiter_through_the_hub_is_granted_when_a_gpu_frees(hub: Hub, hub_fleet: Fleet,
+                                                              config: Path) -> None:
+    """``free --wait --hub``: the waiter reads the hub's stream (no SSH of its own) and is
+    granted the GPU once its last process is gone (alpha:1: idle but for gtbob's job once
+    the module's reservation of it is released). Last in the module: it ends a job."""
+    r = gputop(hub_fleet, "release", "alpha:1", "--config", str(config))
+    assert r.returncode == 0, r.stderr
+    alpha = hub_fleet.hosts["alpha"]
+    job = next(p for p in alpha.processes if p.gpu == 1)
+    waiter = subprocess.Popen(
+        [sys.executable, "-m", "gputop", "free", "--count", "1", "--host", "alpha", "--wait",
+         "--max-wait", "60s", "--json", "--config", str(config), "--hub", hub.url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hub_fleet.env())
+    try:
+        assert waiter.stderr is not None
+        line = waiter.stderr.readline()
+        assert "position 1" in line, line
+        assert job.popen is not None
+        job.popen.kill()
+        alpha.processes.remove(job)
+        hub_fleet.set_scenario(alpha, "ok")
+        out, err = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, err
+        got = json.loads(out)["free"]
+        assert [(g["host"], g["gpu"]) for g in got] == [("alpha", 1)]
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()

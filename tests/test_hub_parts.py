@@ -7,6 +7,7 @@ error, enough for what is checked here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
@@ -283,5 +284,133 @@ def test_listening_beyond_loopback_says_so(tmp_path: Path) -> None:
     try:
         assert "serving 1 host(s) on http://127.0.0.1:" in hub.stderr()
         assert "beyond" not in hub.stderr()
+    finally:
+        hub.stop()
+
+
+def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gputop", "serve", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    reader = tmp_path / "reader.toml"
+    reader.write_text('[hub]\nurl = "http://127.0.0.1:9/"\n')
+    r = serve("--config", str(reader))
+    assert r.returncode == 2 and "hosts" in r.stderr and str(reader) in r.stderr
+    cfg = local_config(tmp_path)
+    r = serve("--config", str(cfg), "--listen", "nowhere")
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = serve("--config", str(cfg), "--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 2 and "cannot listen" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
+        tmp_path: Path) -> None:
+    """The collector's folds (up to ten a second) read the shared file only when it
+    changed; a broken one is ``reservations_error`` (and ``set`` in an update), and its
+    mending clears it. No poller runs: the host is its placeholder until it answers."""
+    from gputop.hub.collector import Collector
+    from gputop.hub.metrics import HubCounts, families, render
+
+    config = load_config(str(local_config(tmp_path)))
+    c = Collector(config)
+    updates: list[dict] = []
+    c.on_update = lambda text: updates.append(json.loads(text))
+    reads = 0
+    real = c.store.read
+
+    def counted():  # type: ignore[no-untyped-def]
+        nonlocal reads
+        reads += 1
+        return real()
+
+    c.store.read = counted  # type: ignore[method-assign]
+    path = config.reservations_path
+    path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
+    c.fold()
+    assert "reservations_error" in c.document() and "queue" not in c.document()
+    assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
+    assert updates[-1]["set"]["queue"] is None
+    text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
+    assert b"gputop_reservations_file_ok 0.0" in text
+    for _ in range(5):
+        c.fold()
+    assert reads == 1  # unchanged: not read again
+    path.write_text('{"version": 1, "reservations": [], "events": []}')
+    c.fold()
+    assert reads == 2 and "reservations_error" not in c.document()
+    assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
+
+
+async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
+        served: tuple[Hub, int]) -> None:
+    """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
+    keeps running: the host shows the hub's error, then, back within the window, the
+    missed update (no second snapshot), the host's data first restored."""
+    from dataclasses import replace
+
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.poller import HubPoller
+
+    hub, port = served
+    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    got: list[HostSnapshot] = []
+
+    async def read() -> None:
+        async for h in poller.updates():
+            got.append(h)
+
+    async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(400):
+            if got and check(got[-1]):
+                return
+            await asyncio.sleep(0.025)
+        pytest.fail(f"never {what}: {got[-3:]}")
+
+    def answer(util: int) -> None:
+        hub.collector.observe(HostSnapshot("here", source="nvml", gpus=(
+            GpuInfo(index=0, uuid="GPU-1", name="T", utilization_percent=util),)))
+        hub.collector.fold()
+
+    task = asyncio.get_running_loop().create_task(read())
+    try:
+        await until(lambda h: h.name == "here", "the snapshot")
+        answer(10)
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 10, "an update")
+        hub.events.close_all()
+        await until(lambda h: h.error is not None and h.error.kind == "unreachable",
+                    "the hub's error")
+        answer(50)  # while the reader is away
+        await until(lambda h: h.gpus and h.gpus[0].utilization_percent == 50, "the resume")
+        assert poller.error is None and poller.connects == 1  # resumed, not a new snapshot
+        restored = [h for h in got if h.error is None and h.gpus
+                    and h.gpus[0].utilization_percent == 10]
+        assert len(restored) == 2  # the update, and again right after the resume
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await poller.aclose()
+
+
+def test_a_loopback_hub_answers_to_loopback_names_only(tmp_path: Path) -> None:
+    """DNS rebinding: a page on evil.example whose name now points at 127.0.0.1 sends
+    ``Host: evil.example``; a hub on loopback refuses it (421), whatever the route."""
+    hub = HubProcess(local_config(tmp_path), {**__import__("os").environ}).start(
+        wait_ready=None)
+    try:
+        for host in ("evil.example", "evil.example:80", "10.0.0.1", ""):
+            for path in ("", "api/v1/snapshot", "metrics", "-/healthy"):
+                status, headers, _ = get(hub.url + path, {"Host": host})
+                assert status == 421, (host, path, status)
+                assert headers["Content-Security-Policy"]
+        for host in (f"127.0.0.1:{hub.port}", "localhost", f"localhost:{hub.port}",
+                     "[::1]:1", "127.9.9.9"):
+            assert get(hub.url + "api/v1/snapshot", {"Host": host})[0] == 200, host
     finally:
         hub.stop()

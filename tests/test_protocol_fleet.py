@@ -351,6 +351,9 @@ async def test_host_key_and_auth_messages_name_the_host_and_the_fix(fleet_home: 
     assert "ssh-keygen -R '[127.0.0.9]:" in changed.error.message
     me = pwd.getpwuid(os.geteuid()).pw_name
     assert auth.error.message.startswith(f"authentication refused for user '{me}' on auth ")
+    # ...and what to do next, as for a host key (a newcomer's first failing host).
+    assert auth.error.message.endswith(": `ssh auth` must log in without a prompt (a key in "
+                                       "ssh-agent or an IdentityFile in ~/.ssh/config)")
 
 
 def test_login_name_comes_from_the_real_uid_not_the_environment(

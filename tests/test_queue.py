@@ -495,6 +495,9 @@ def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> No
     b = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtbob", tag="b")
     until(lambda: len(team.queue_users()) == 2, what="B queued")
     bid = team.state().waiting()[1].id
+    # Its first words say who is ahead of it, not only its position.
+    until(lambda: "position 2 in the queue; 1 ahead of you (first: gtalice, 1 GPU(s))"
+          in text(b[2]), what="B says who is ahead")
     r = team.run("reservations")
     assert r.returncode == 0
     assert "waiting 1: gtalice for 1 GPU(s)" in r.stdout and f"[id {stale.id}]" in r.stdout
@@ -1013,17 +1016,16 @@ def test_a_gpu_whose_host_did_not_answer_is_claimed_by_its_waiters() -> None:
     mapped elsewhere in a private config): the queue cannot judge the GPU, so anyone waiting
     for GPUs on that host claims it. It was reserved "by index only", past the queue, with
     nothing recorded (found by the hostile review). --skip-queue still does it, recorded."""
-    from gputop.cli.reserve import queue_claim as _queue_claim
-    from gputop.config import Config, HostConfig
     from gputop.reservations.ops import Target
     from gputop.reservations.queue import Request
+    from gputop.reservations.queue import queue_claim as _queue_claim
 
-    config = Config(path=None, hosts=(HostConfig(name="q2"), HostConfig(name="q3")))
-    check = _queue_claim(config, [Target("q2", 0)], {})
+    fleet = ["q2", "q3"]
+    check = _queue_claim([Target("q2", 0)], {}, fleet, "me")
     with pytest.raises(Refused, match="q2 did not answer"):
         check(_queue(Request(1, 0, ("q2",))), utcnow())
     check(_queue(Request(1, 0, ("q3",))), utcnow())  # nobody waits on q2: free to take
-    inst = _queue_claim(config, [Target("q2", 0, None, 3)], {})
+    inst = _queue_claim([Target("q2", 0, None, 3)], {}, fleet, "me")
     with pytest.raises(Refused, match="whole GPUs: --skip-queue reserves the instance"):
         inst(_queue(Request(1)), utcnow())
 

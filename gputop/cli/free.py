@@ -10,26 +10,33 @@ import sys
 from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
-from gputop.cli.targets import poll_hosts, queue_request, reap_ended_jobs, reservation_seconds
+from gputop.cli.targets import (
+    not_answering,
+    open_store,
+    poll_hosts,
+    queue_request,
+    reap_ended_jobs,
+    reservation_seconds,
+)
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
 from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (
-    Store,
     Target,
 )
 from gputop.reservations.flags import free_gpus
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
-from gputop.reservations.queue import (
-    could_use,
-    request_of,
-)
+from gputop.reservations.queue import could_use, queue_claim
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import free_share_cmd
+
+        return free_share_cmd(config, args)
     req = queue_request(config, args, one_host=False)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     if args.wait:  # --wait queues for a reservation: it implies --reserve
         seconds = reservation_seconds(config, args.duration)
@@ -52,8 +59,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.
-    waiters = [request_of(w) for w in state.waiting()]
-    taken = could_use(waiters, hosts, [h.name for h in config.hosts])
+    waiters = [w for w in state.waiting() if w.user != me]
+    fleet = [h.name for h in config.hosts]
+    taken = could_use(waiters, hosts, fleet)
     found = [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
              if req.fits(f) and not taken(f)
              and not (args.whole and f.instance)][: args.count]
@@ -62,17 +70,22 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
             print_free(found, state, utcnow())                   # test for all or nothing
         print(f"gputop: {len(found)} free, {args.count} wanted"
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
-                 " (--wait to queue for them)"), file=sys.stderr)
+                 " (--wait to queue for them)") + not_answering(hosts), file=sys.stderr)
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_REFUSED
     expires: dict[str, str | None] = {}
     if args.reserve:
+        from gputop.jobs.remote import logins
+
         seconds = reservation_seconds(config, args.duration)
+        targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
+                          f.instance.gpu_instance_id if f.instance else None) for f in found]
+        # Checked again under the lock: a waiter who joined meanwhile is served first.
         made = reserve_outcomes(
-            store, [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
-                           f.instance.gpu_instance_id if f.instance else None) for f in found],
-            seconds=seconds, max_seconds=config.reservation_max_s, note=args.note or "")
+            store, targets, seconds=seconds, max_seconds=config.reservation_max_s,
+            note=args.note or "", login=logins(config),
+            check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me))
         print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
         # An instance covered by your whole-GPU reservation: that one's expiry.
         for f in found:
@@ -91,3 +104,4 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     else:
         print_free(found, store.read() if args.reserve else state, utcnow())
     return EXIT_OK
+

@@ -45,7 +45,7 @@ class ReservationsReader:
     def __init__(self, config: Config) -> None:
         from gputop.reservations import Store
 
-        self.store = Store(config.reservations_path)
+        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:
@@ -70,7 +70,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
     # One document: one query per host is cheaper for the hosts than starting streams.
     poller = open_poller(config, sources, one_look=not watch, say=_say)
     reservations = ReservationsReader(config)
-    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
     reaping = _JobReaper(config, reservations.store) if sources is None else None
     observe = tracker.observe
     live = None

@@ -117,7 +117,9 @@ def _check_usage(args: argparse.Namespace) -> None:
     if args.once and args.json:
         raise UsageError("--once and --json are two different outputs: choose one")
     if args.demo and args.command:
-        raise UsageError(f"--demo cannot be used with {args.command}")
+        raise UsageError(f"--demo cannot be used with {args.command}: the simulated fleet "
+                         "is the board (gputop --demo; r reserves, Q queues there), --json "
+                         "or --once; subcommands need your hosts (gputop init-config)")
     if args.record and (args.demo or args.command or args.once
                         or (args.json and not args.watch)):
         raise UsageError("--record goes with the board or --json --watch (to record "

@@ -9,15 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from datetime import datetime
+from collections.abc import Sequence
 from typing import TextIO
 
 from gputop.cli.lifecycle import EXIT_OK
 from gputop.cli.targets import (
     check_hosts,
     host_config,
+    open_store,
     parse_targets,
     reap_ended_jobs,
     reservation_seconds,
@@ -31,17 +30,19 @@ from gputop.reservations import (
     Invalid,
     Refused,
     Reservation,
-    Store,
     Target,
     release,
 )
-from gputop.reservations.flags import FreeGpu
-from gputop.reservations.ops import Outcome, format_duration, local_time, reserve_outcomes, whoami
-from gputop.reservations.queue import (
-    could_use,
-    request_of,
+from gputop.reservations.ops import (
+    Outcome,
+    format_duration,
+    local_time,
+    reserve_outcomes,
+    size_text,
+    whoami,
 )
-from gputop.reservations.store import Job, StoreState
+from gputop.reservations.queue import queue_claim
+from gputop.reservations.store import Job
 from gputop.text import clean, excerpt
 
 
@@ -75,72 +76,26 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     check_hosts(config, targets)
     seconds = reservation_seconds(config, args.duration)
     job = _until_exit(config, targets, args.until_exit) if args.until_exit is not None else None
-    store = Store(config.reservations_path)
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import reserve_share_cmd
+
+        return reserve_share_cmd(config, args, job)
+    store = open_store(config)
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     targets = validate_gpus(config, targets, snaps)
-    check = None if args.skip_queue else queue_claim(config, targets, snaps)
+    from gputop.jobs.remote import logins
+
+    check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami()[0],
+                        skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check,
-                            event="skip-queue" if args.skip_queue else None)
+                            job=job, check=check, event="skip-queue", login=logins(config))
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",
               file=sys.stdout)
     return EXIT_OK
-
-def queue_claim(config: Config, targets: Sequence[Target], snaps: dict[str, HostSnapshot]
-                 ) -> Callable[[StoreState, datetime], None]:
-    """The queue's claim on a direct reservation, checked under the lock: a GPU that a
-    waiter (not you) could use is theirs to wait for (the order rule: ``reserve`` comes
-    after every waiter). The GPU is judged as if empty: reserving a busy GPU would still
-    keep it from the waiter once it frees. A GPU you already hold is yours to extend."""
-    hosts = list(snaps.values())
-    fleet = [h.name for h in config.hosts]
-    me = whoami()[0]
-
-    def gpu_of(t: Target) -> FreeGpu | None:
-        h = snaps.get(t.host)
-        g = next((g for g in h.gpus if g.index == t.gpu), None) if h and h.ok else None
-        if g is None:  # not checked (the host did not answer): the queue cannot judge it
-            return None
-        empty = replace(g, memory_used_mib=0, processes=())
-        return FreeGpu(t.host, empty)
-
-    def check(state: StoreState, now: datetime) -> None:
-        queue = [w for w in state.waiting(now) if w.user != me]
-        if not queue:
-            return
-        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
-        for t in targets:
-            if (t.host, t.gpu) in mine:
-                continue
-            f = gpu_of(t)
-            if f is None:  # not checked (its host did not answer): the queue cannot
-                # judge it, so it is anyone's who waits for GPUs on that host
-                claim = [w for w in queue if request_of(w).accepts(t.host)]
-                unjudged = True
-            else:
-                claim = [w for w in queue if could_use([request_of(w)], hosts, fleet)(f)]
-                unjudged = False
-            if claim:
-                w = claim[0]
-                how = ("the queue hands out whole GPUs: --skip-queue reserves the instance "
-                       "anyway" if t.instance is not None else
-                       f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
-                       "--skip-queue to reserve it anyway")
-                raise Refused(
-                    f"{clean(t.label)} is one the queue waits for"
-                    + (f" ({clean(t.host)} did not answer, so it cannot be checked)"
-                       if unjudged else "")
-                    + f": {len(queue)} waiting, first who could use it: {clean(w.user)} "
-                    f"(since {local_time(w.created)}, for {w.count} GPU(s)"
-                    + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
-                    "recorded in the file with your name" + (")" if t.instance is None
-                                                              else ""))
-
-    return check
 
 def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
     """``--until-exit PID``: the process must exist now, on the one host reserved on."""
@@ -167,7 +122,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
             raise Invalid("give --waiter ID alone (not with HOST:GPU or --mine)")
         from gputop.reservations.queue import remove_waiter
 
-        w = remove_waiter(Store(config.reservations_path), args.waiter, force=args.force)
+        w = remove_waiter(open_store(config), args.waiter, force=args.force)
         print(f"removed waiter {w.id} ({clean(w.user)}, for {w.count} GPU(s)"
               + (f", {excerpt(w.want, 60)}" if w.want else "") + ") from the queue")
         return EXIT_OK
@@ -175,7 +130,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
         now = utcnow()
-        mine = sorted((r for r in Store(config.reservations_path).read().active(now)
+        mine = sorted((r for r in open_store(config).read().active(now)
                        if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu, r.instance or -1))
         held = ("; yours now: " + ", ".join(clean(r.target) for r in mine)
                 if mine else "; you hold no reservations now")
@@ -186,7 +141,7 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     if targets:
         check_hosts(config, targets)
         targets = resolve_mig(config, targets)
-    gone = release(Store(config.reservations_path), targets, force=args.force)
+    gone = release(open_store(config), targets, force=args.force)
     for r in gone:
         print(f"released {clean(r.target)}" + (f" (held by {clean(r.user)})"
                                                      if r.user != whoami()[0] else ""))
@@ -195,26 +150,36 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
-    reap_ended_jobs(config, Store(config.reservations_path))
-    state = Store(config.reservations_path).read()
+    reap_ended_jobs(config, open_store(config))
+    state = open_store(config).read()
     now = utcnow()
     active = sorted(state.active(now), key=lambda r: (r.host, r.gpu, r.instance or -1))
     queue = state.waiting(now)
+    lapsed = state.lapsed(now)
     if args.json:
         write_document({"version": 1, "time": iso(now),
-                        "reservations": [r.to_dict() for r in active],
-                        "queue": [w.to_dict() for w in queue]}, sys.stdout)
+                        "reservations": [r.to_dict() | ({"beyond_max": True}
+                                                        if r.beyond_max else {})
+                                         for r in active],
+                        "queue": [w.to_dict() for w in queue],
+                        "lapsed": [w.to_dict() for w in lapsed]}, sys.stdout)
         return EXIT_OK
     for i, w in enumerate(queue):
         print(f"waiting {i + 1}: {clean(w.user)} for {w.count} GPU(s)"
               + (f" ({excerpt(w.want, 60)})" if w.want else "")
               + f" since {local_time(w.created)} [id {w.id}]")
+    for w in lapsed:  # counts for nobody; the next write drops it
+        print(f"lapsed: {clean(w.user)} for {w.count} GPU(s)"
+              + (f" ({excerpt(w.want, 60)})" if w.want else "")
+              + f", lease {'ended' if w.lease <= now else 'too far ahead'} [id {w.id}]")
     if not active:
         print("no reservations", file=sys.stderr)
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
-        (clean(r.target), clean(r.user), local_time(r.expires),
-         format_duration((r.expires - now).total_seconds()), clean(r.note)[:60])
+        (clean(r.target) + ("" if r.share_mib is None else f" ({size_text(r.share_mib)})"),
+         clean(r.user), local_time(r.expires),
+         format_duration((r.expires - now).total_seconds())
+         + (" (beyond-max)" if r.beyond_max else ""), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     host_config,
+    not_answering,
+    open_store,
     poll_hosts,
     queue_request,
     reap_ended_jobs,
@@ -20,7 +23,6 @@ from gputop.config import Config
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
 )
 from gputop.reservations.queue import (
     unsatisfiable,
@@ -35,12 +37,20 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
+    if getattr(args, "share", None) is not None:
+        from gputop.cli.shares import run_share
+
+        return run_share(config, args, argv)
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
                else config.reservation_max_s)
-    store = Store(config.reservations_path)
+    store = open_store(config)
     reap_ended_jobs(config, store)
-    pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
+    from gputop.jobs.remote import local_start
+
+    # Tied to the job from the start, and to this process until the job's pid is recorded
+    # (a run killed before that is released after the grace: see jobs.reap).
+    pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     got: list[Reservation] = []
     if args.wait:
         code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=pending)
@@ -54,13 +64,15 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         why = unsatisfiable(req, hosts, fleet)
         if why:
             raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
+        from gputop.jobs.remote import logins
+
         made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending, fleet=fleet)
+                           job=lambda h: pending, fleet=fleet, login=logins(config))
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"
                   + (f" that none of the {waiting} waiting could use" if waiting else "")
-                  + "; --wait to queue for them", file=sys.stderr)
+                  + "; --wait to queue for them" + not_answering(hosts), file=sys.stderr)
             return EXIT_REFUSED
         got = made
     from gputop.jobs.run import run_on

@@ -17,6 +17,10 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     if problem:
         print(f"gputop: --listen {problem}", file=sys.stderr)
         return EXIT_ERROR
+    if not config.hosts:
+        print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
+              "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
+        return EXIT_ERROR
     if config.hub_url is not None:
         print("gputop: serve polls the hosts itself: it ignores [hub] url (a hub does not "
               "read another hub)", file=sys.stderr)

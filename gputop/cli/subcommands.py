@@ -104,6 +104,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     p.add_argument("--note", help="what it is for (shown to the team)")
     p.add_argument("--until-exit", type=int, metavar="PID",
                    help="release it once process PID (on that host) has ended")
+    p.add_argument("--share", metavar="SIZE",
+                   help="a share of one GPU's memory, e.g. 16G (several people share a GPU "
+                   "until its memory is committed)")
     p.add_argument("--skip-queue", action="store_true",
                    help="reserve even a GPU that people in the queue wait for (recorded in "
                    "the file with your name)")
@@ -132,6 +135,8 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "--wait waits your turn in the team's queue, then reserves.")
     _queue_options(p)
     p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
+    p.add_argument("--share", metavar="SIZE",
+                   help="a GPU with SIZE to share (best fit: one already shared first)")
     p.add_argument("--reserve", action="store_true", help="reserve what was found, atomically")
     p.add_argument("--wait", action="store_true",
                    help="not enough free: wait your turn in the team's queue, then reserve "
@@ -146,6 +151,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "job's status (255: the SSH connection failed).")
     _queue_options(p)
     p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
+    p.add_argument("--share", metavar="SIZE",
+                   help="run on a share of one GPU's memory, e.g. 16G (exported to the job "
+                   "as GPUTOP_SHARE_MIB and the frameworks' own memory caps)")
     p.add_argument("--for", dest="duration", metavar="DURATION",
                    help="longest the reservation lasts (default: max_duration); it is "
                    "released when the job ends")
@@ -173,12 +181,13 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
                    help="start: 2026-11-01 or 2026-11-01T09:00 (local time unless it says)")
     p.add_argument("--to", dest="end", metavar="DATE", help="end (default: now)")
     p.add_argument("--by", choices=("user", "host", "gpu"), default="user",
-                   help="the table to show (default: user)")
+                   help="the table to show (default: user, then the host table)")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print everything as JSON")
     fmt.add_argument("--csv", action="store_true", help="print the --by table as CSV")
     p.add_argument("--plot", metavar="FILE", help="also draw FILE.png or FILE.svg "
-                   "(needs matplotlib: pip install 'gputop[plot]')")
+                   "(needs matplotlib: pip install '.[plot]' in the checkout, or "
+                   "pipx inject gputop matplotlib)")
     add_serve(sub)
     return sub
 

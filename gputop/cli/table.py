@@ -13,8 +13,16 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot
-from gputop.reservations.flags import IdleTracker, gpu_flags, is_free, reservation_index
+from gputop.reservations.flags import (
+    IdleTracker,
+    gpu_flags,
+    is_free,
+    reservation_index,
+    share_flags,
+    unshared_mib,
+)
 from gputop.reservations.ops import format_duration
+from gputop.reservations.shares import holder_use_mib, share_index, size_text
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 
@@ -88,6 +96,7 @@ Row = tuple[list[str], list[str]]  # (cells, styles)
 def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracker | None,
           now: datetime) -> tuple[list[Row], list[tuple[str, str]]]:
     held = reservation_index(state, now)
+    shared = share_index(state, now)
     rows: list[Row] = []
     errors: list[tuple[str, str]] = []  # placed after the GPU lines' widths are known
     for host in snapshot.hosts:
@@ -102,6 +111,10 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
             errors.append((name, "no GPUs"))
             continue
         for g in host.gpus:
+            sh = shared.get((host.name, g.index)) if shared and g.index is not None else None
+            if sh:
+                rows.extend(_shared_rows(name, host.name, g, sh, tracker, now))
+                continue
             r = held.get((host.name, g.index)) if g.index is not None else None
             idle = tracker.is_idle_holder(host.name, g.index, now) if tracker else False
             unused = (r is not None and tracker is not None
@@ -116,6 +129,27 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
                           flags], ["host", "", "", load, "", "", "reserved" if r else "",
                                    "flag"]))
     return rows, errors
+
+
+def _shared_rows(name: str, host: str, g: GpuInfo, shares: tuple[Reservation, ...],
+                 tracker: IdleTracker | None, now: datetime) -> list[Row]:
+    """A shared GPU: its line (the unshared rest where the reservation goes), then one
+    line per share: holder, what their processes use of the share, time left, flags."""
+    flags, per = share_flags(host, g, shares, tracker, now)
+    util = "?" if g.utilization_percent is None else f"{g.utilization_percent}%"
+    rest = unshared_mib(g, shares)
+    users = ",".join(clean(u) for u in g.users) or "-"
+    idx = "?" if g.index is None else str(g.index)
+    out: list[Row] = [([name, idx, _model(g.name), util, _memory(g), users,
+                        f"shared, {'?' if rest is None else size_text(rest)} unshared",
+                        ",".join(flags)], ["host", "", "", "busy", "", "", "reserved", "flag"])]
+    for r, f in zip(shares, per):
+        used = holder_use_mib(g, r.user)
+        out.append((["", "", "share", "", f"{used / 1024:.1f}/{size_text(r.share_mib or 0)}",
+                     clean(r.user),
+                     f"{clean(r.user)} {format_duration((r.expires - now).total_seconds())}",
+                     ",".join(f)], ["", "", "dim", "", "", "", "reserved", "flag"]))
+    return out
 
 
 def render(snapshot: FleetSnapshot, state: StoreState | None = None, *,

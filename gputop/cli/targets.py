@@ -27,6 +27,7 @@ from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
+from gputop.reservations.shares import parse_size_mib
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
@@ -36,7 +37,6 @@ _SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
 #: A target given by MIG uuid, until ``resolve_mig`` finds its GPU and instance.
 _BY_UUID = -1
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
 def parse_targets(specs: Sequence[str]) -> list[Target]:
     """``HOST:GPU[,GPU...]`` arguments to targets (duplicates dropped, order kept). A GPU
@@ -87,17 +87,6 @@ def resolve_mig(config: Config, targets: list[Target],
         out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
     return out
 
-def parse_size_mib(text: str) -> int:
-    """``20G``, ``512M``, ``1.5T`` to MiB; a bare number is refused (MiB or GiB?)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise Invalid(f"not a memory size: {text!r} (use e.g. 20G or 512M)")
-    if not m.group(2):  # "20" meant as 20 GB would pick a GPU with 20 MiB free
-        raise Invalid(f"memory size {text!r} needs a unit: e.g. {text.strip()}G or "
-                      f"{text.strip()}M")
-    factor = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}[m.group(2).upper()]
-    return int(float(m.group(1)) * factor)
-
 def check_hosts(config: Config, targets: Sequence[Target]) -> None:
     names = [h.name for h in config.hosts]
     for t in targets:
@@ -138,7 +127,9 @@ def validate_gpus(config: Config, targets: list[Target],
     A host that does not answer cannot be checked: say so and keep the index. A GPU that
     someone else is using can be reserved, with a warning naming them. ``snaps`` receives
     the hosts as polled."""
-    me = whoami()[0]
+    from gputop.jobs.remote import logins
+
+    me, login = whoami()[0], logins(config)
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
@@ -165,13 +156,18 @@ def validate_gpus(config: Config, targets: list[Target],
                                   f"{t.gpu}/{i} ({clean(insts[i].profile or '?')})"
                                   for i in sorted(insts)) if insts else "it is not split"))
             g = flags.instance_view(g, insts[t.instance])
-        others = other_users(g, me)
+        others = other_users(g, me, login(t.host))
         if others:
             print(f"gputop: warning: {t.label} is in use by "
                   f"{', '.join(clean(u) for u in others)}; reserving it anyway",
                   file=sys.stderr)
         out.append(Target(t.host, t.gpu, g.uuid, t.instance))
     return out
+
+def open_store(config: Config) -> Store:
+    """The config's reservations file, read with its ``max_duration`` (an expiry further
+    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
+    return Store(config.reservations_path, max_s=config.reservation_max_s)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
@@ -220,3 +216,15 @@ def max_wait_s(text: str | None) -> float | None:
         return parse_duration(text)
     except ValueError:
         raise Invalid(f"--max-wait {text}: not a duration (use e.g. 30m, 2h)") from None
+
+
+def not_answering(hosts: Sequence[HostSnapshot]) -> str:
+    """Why fewer were found may be hosts that did not answer: say which (at most three),
+    so nobody queues behind a typo or a missing key instead of fixing it."""
+    down = [h for h in hosts if h.error is not None]
+    if not down:
+        return ""
+    named = ", ".join(f"{clean(h.name)} ({h.error.kind})" for h in down[:3] if h.error)
+    more = f" and {len(down) - 3} more" if len(down) > 3 else ""
+    return (f"; {len(down)} of {len(hosts)} host(s) did not answer: {named}{more} "
+            "(gputop --once says why)")

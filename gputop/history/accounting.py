@@ -18,23 +18,36 @@ of the GPU (``mig_fraction``: its compute slices out of the GPU's 7, or 4 on an 
 its own users, utilisation and holder (the instance's reservation, else the whole GPU's);
 the slices no instance uses are one more part with nobody on it. The parts add up to the
 GPU: the GPU's time is counted once, and the fleet never counts a GPU and its instances.
+
+A GPU held in memory *shares* (``gputop reserve --share``, history schema 4) carries its
+shares: each holder is *reserved* for the share's fraction of the GPU's memory (a 30G
+share of an 80 GB GPU: 0.37 of the time), and *reserved idle* for that fraction while no
+process of theirs runs on it; both are also counted apart as *shared* and *shared idle*,
+so the report tells shares from whole reservations. A share holder's own use of the GPU is
+not *unreserved*; anyone else's is. Memory that no share holds is nobody's reservation.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from gputop.reservations.flags import IDLE_UTIL_PERCENT
 
 # Indices into the per-GPU and per-user sums (db.GPU_METRICS, db.USER_METRICS).
 DATA, NODATA, BUSY, IDLE, HELD_IDLE, UTIL_SUM, UTIL_SECS = range(7)
 USED, RESERVED, RESERVED_IDLE, UNRESERVED, U_HELD_IDLE, U_UTIL_SUM, U_UTIL_SECS = range(7)
+#: The part of RESERVED (RESERVED_IDLE) that came from memory shares (history schema 4).
+SHARED, SHARED_IDLE = 7, 8
+#: How many per-user sums there are (db.USER_METRICS).
+N_USER = 9
 #: The user id recorded for a process whose owner nobody could tell.
 UNKNOWN_USER = "?"
 
 #: [gpu, util|None, mem|None, [user ids], holder|None, nodata 0/1, (parts)]; parts, on a
 #: MIG GPU with instances (history schema 2): [[GI id, fraction, util|None, [user ids],
-#: holder|None], ...], whose fractions add up to at most 1.
+#: holder|None], ...], whose fractions add up to at most 1; shares (8th item, parts then
+#: null; history schema 4): [[holder user id, fraction of the GPU's memory], ...].
 Entry = list[object]
 
 #: A MIG profile: ``3g.40gb``, ``1g.10gb+me``, ``1g.20gb``, ``1c.3g.40gb`` (a compute
@@ -78,19 +91,30 @@ def account(dt: float, entry: Entry, unknown_uid: int | None,
         if rest > 1e-9:  # slices no instance uses: nobody's, held by the GPU's holder
             _account(dt * rest, None, [], entry[4], 0, unknown_uid, gpu_sums, user_sums)
         return
-    _account(dt, entry[1], entry[3], entry[4], entry[5], unknown_uid, gpu_sums, user_sums)
+    shares = entry[7] if len(entry) > 7 else None
+    _account(dt, entry[1], entry[3], entry[4], entry[5], unknown_uid, gpu_sums, user_sums,
+             shares if isinstance(shares, list) else None)
 
 
 def _account(dt: float, util: object, users: object, holder: object, nodata: object,
              unknown_uid: int | None, gpu_sums: list[float],
-             user_sums: dict[int, list[float]]) -> None:
+             user_sums: dict[int, list[float]], shares: list[Any] | None = None) -> None:
     assert isinstance(users, list)
     if holder is not None:
         assert isinstance(holder, int)
-        h = user_sums.setdefault(holder, [0.0] * 7)
+        h = user_sums.setdefault(holder, [0.0] * N_USER)
         h[RESERVED] += dt
         if not nodata and holder not in users and unknown_uid not in users:
             h[RESERVED_IDLE] += dt
+    sharers: set[int] = set()
+    for uid, frac in shares or ():
+        sharers.add(uid)
+        h = user_sums.setdefault(uid, [0.0] * N_USER)
+        h[RESERVED] += dt * frac
+        h[SHARED] += dt * frac
+        if not nodata and uid not in users and unknown_uid not in users:
+            h[RESERVED_IDLE] += dt * frac
+            h[SHARED_IDLE] += dt * frac
     if nodata:
         gpu_sums[NODATA] += dt
         return
@@ -102,7 +126,7 @@ def _account(dt: float, util: object, users: object, holder: object, nodata: obj
         gpu_sums[UTIL_SECS] += dt
     if (known and not low) or (not known and users):
         gpu_sums[BUSY] += dt
-    elif users or holder is not None:
+    elif users or holder is not None or sharers:
         gpu_sums[HELD_IDLE] += dt
     else:
         gpu_sums[IDLE] += dt
@@ -111,9 +135,9 @@ def _account(dt: float, util: object, users: object, holder: object, nodata: obj
     share = dt / len(users)
     for uid in users:
         assert isinstance(uid, int)
-        u = user_sums.setdefault(uid, [0.0] * 7)
+        u = user_sums.setdefault(uid, [0.0] * N_USER)
         u[USED] += share
-        if uid != holder:
+        if uid != holder and uid not in sharers:
             u[UNRESERVED] += share
         if low:
             u[U_HELD_IDLE] += share

@@ -23,19 +23,24 @@ from urllib.parse import quote
 from gputop.history.names import OTHER_NAMES
 
 #: Bumped for every schema change; each step has a migration below.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: PRAGMA application_id: "GPUT". Tells our file apart from any other SQLite database.
 APPLICATION_ID = 0x47505554
 _MAGIC = b"SQLite format 3\x00"
 
 GPU_METRICS = ("data", "nodata", "busy", "idle", "held_idle", "util_sum", "util_secs")
 USER_METRICS = ("used", "reserved", "reserved_idle", "unreserved", "held_idle", "util_sum",
-                "util_secs")
+                "util_secs", "shared", "shared_idle")
+
+
+#: The per-user sums before schema 4 (which added the memory shares' part).
+USER_METRICS_V1 = USER_METRICS[:7]
+SHARE_METRICS = USER_METRICS[7:]
 
 
 def _rollup_tables(tier: str) -> list[str]:
     g = ", ".join(f"{m} REAL NOT NULL" for m in GPU_METRICS)
-    u = ", ".join(f"{m} REAL NOT NULL" for m in USER_METRICS)
+    u = ", ".join(f"{m} REAL NOT NULL" for m in USER_METRICS_V1)
     return [
         f"CREATE TABLE gpu_{tier} (b INTEGER NOT NULL, gpu INTEGER NOT NULL, {g}, "
         "PRIMARY KEY (b, gpu)) WITHOUT ROWID",
@@ -78,6 +83,12 @@ MIGRATIONS: dict[int, list[str]] = {
     # refuses it that file. '(other names)' holds the time of names not kept.
     3: ["INSERT OR IGNORE INTO meta VALUES ('hour_from', 0)",
         f"INSERT OR IGNORE INTO users (name) VALUES ('{OTHER_NAMES}')"],
+    # 4: memory shares. A raw sample's GPU entry may carry an 8th item, its shares
+    # (``accounting.Entry``), and the per-user sums say which part of reserved (reserved
+    # idle) time came from shares. A version-3 gputop would count a shared GPU as nobody's
+    # reservation: the version refuses it that file.
+    4: [f"ALTER TABLE user_{tier} ADD COLUMN {m} REAL NOT NULL DEFAULT 0"
+        for tier in ("minute", "hour", "day") for m in SHARE_METRICS],
 }
 
 
@@ -225,6 +236,15 @@ class HistoryDB:
                 self.conn.execute("ROLLBACK")
                 raise
             self.conn.execute("COMMIT")
+
+    def user_columns(self) -> list[str]:
+        """The per-user sums as a SELECT list: a database from before schema 4 (read, not
+        migrated) has no shares' columns, which read as 0 then."""
+        with self.errors():
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        if version >= 4:
+            return list(USER_METRICS)
+        return [*USER_METRICS_V1, *(f"0.0 AS {m}" for m in SHARE_METRICS)]
 
     def meta(self, key: str) -> int:
         with self.errors():

@@ -31,7 +31,7 @@ class LiveRecorder:
                                  raw_keep_s=config.history_raw_keep_s,
                                  minute_keep_s=config.history_minute_keep_s,
                                  hour_keep_s=config.history_hour_keep_s)
-        self.store = Store(config.reservations_path)
+        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
         self.interval = config.interval
         self._read_at = -1e18
         self._maintained_at = time.monotonic()

@@ -13,6 +13,9 @@ that arrive. A host that is down before any of its GPUs was seen is recorded as 
 pseudo GPU with key ``""`` (no uuid is empty): the report counts it as the host's time with
 no data and GPUs unknown, not as GPU-hours.
 
+A GPU held in memory shares is recorded with its shares (holder, fraction of its memory;
+see ``accounting``), also while its host is down: a share is reserved either way.
+
 A MIG GPU whose instances are known is recorded with one part per instance (its GI id,
 fraction, users and holder; see ``accounting``), so that each instance counts for its
 fraction. If a process on it cannot be placed on an instance, or an instance's size is
@@ -25,7 +28,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import groupby
 
@@ -55,6 +58,7 @@ class _Revisit:
     held: dict[tuple[str, int], Reservation]
     inst_held: dict[tuple[str, int, int], Reservation]
     waiting: set[str]  # names in it not kept yet
+    shares: dict[tuple[str, int], list[Reservation]] = field(default_factory=dict)
 
 
 def _ms(t: datetime) -> int:
@@ -82,8 +86,10 @@ class Recorder:
         self._last: dict[int, int] = {}
         self._held: dict[tuple[str, int], Reservation] = {}
         self._inst_held: dict[tuple[str, int, int], Reservation] = {}
+        self._shares: dict[tuple[str, int], list[Reservation]] = {}
         self._revisits: list[_Revisit] = []
         self._minute_done = 0
+        self._state: StoreState | None = None
         self._last_commit = clock()
         try:
             with db.transaction() as c:  # the report's chart is no finer than the samples
@@ -144,27 +150,62 @@ class Recorder:
 
     def set_reservations(self, state: StoreState | None) -> None:
         """The reservations file as last read (None: unreadable, so nobody holds anything)."""
+        self._state = state
         rs = () if state is None else state.reservations
-        self._held = {(r.host, r.gpu): r for r in rs if r.instance is None}
+        self._held = {(r.host, r.gpu): r for r in rs
+                      if r.instance is None and r.share_mib is None}
         self._inst_held = {(r.host, r.gpu, r.instance): r for r in rs if r.instance is not None}
+        self._shares = {}
+        for r in rs:
+            if r.share_mib is not None:
+                self._shares.setdefault((r.host, r.gpu), []).append(r)
 
-    def _holder(self, host: str, idx: int | None, at: datetime,
-                instance: int | None = None) -> int | None:
-        """Who holds the GPU (or, with ``instance``, that MIG GPU instance: its own
-        reservation, else the whole GPU's)."""
+    def _reservation(self, host: str, idx: int | None, at: datetime,
+                     instance: int | None = None) -> Reservation | None:
+        """The GPU's reservation (or, with ``instance``, that MIG GPU instance's: its own,
+        else the whole GPU's)."""
         if idx is None:
             return None
         r = None if instance is None else self._inst_held.get((host, idx, instance))
-        if r is None or not r.active(at):
+        if r is None or not self._active(r, at):
             r = self._held.get((host, idx))
-        if r is None or not r.active(at):
+        if r is None or not self._active(r, at):
             return None
-        return self.names.resolve(r.user, _ms(at))
+        return r
 
-    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int) -> list[int]:
+    def _share_parts(self, host: str, idx: int | None, at: datetime, mem: int | None
+                     ) -> list[list[object]] | None:
+        """A shared GPU's shares: [[holder id, fraction of the GPU's memory], ...] (a
+        fraction is its share of ``mem``, the GPU's total; together at most 1). None when
+        the GPU has no active share, or its total is unknown (then nobody holds it)."""
+        if idx is None or not self._shares:
+            return None
+        rs = [r for r in self._shares.get((host, idx), ()) if self._active(r, at)]
+        if not rs or not mem:
+            return None
+        total = sum(r.share_mib or 0 for r in rs)
+        scale = 1.0 if total <= mem else mem / total  # (a file that overcommits it)
+        return [[self.names.resolve(r.user, _ms(at)), (r.share_mib or 0) / mem * scale]
+                for r in rs]
+
+    def _active(self, r: Reservation, at: datetime) -> bool:
+        # An expiry beyond max_duration counts until created + max_duration.
+        return (r.active(at) if self._state is None else self._state.ends(r, at) > at)
+
+    def _holder(self, host: str, idx: int | None, at: datetime,
+                instance: int | None = None) -> int | None:
+        """Who holds the GPU (see ``_reservation``)."""
+        r = self._reservation(host, idx, at, instance)
+        return None if r is None else self.names.resolve(r.user, _ms(at))
+
+    def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int,
+                  r: Reservation | None = None) -> list[int]:
+        """Process owners; the holder's login on the host (``Reservation.login``) counts
+        as the holder, so the holder's own job is credited to the holder."""
         if not procs:
             return []
-        return self.names.user_ids([p.user or UNKNOWN_USER for p in procs], t_ms)
+        return self.names.user_ids([r.user if r is not None and p.user and r.is_holder(p.user)
+                                    else p.user or UNKNOWN_USER for p in procs], t_ms)
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
@@ -179,7 +220,8 @@ class Recorder:
         total = sum(f for f in fracs if f is not None)
         scale = 1.0 if total <= 1.0 else 1.0 / total  # instances that claim more than all
         return [[i.gpu_instance_id, (f or 0.0) * scale, i.utilization_percent,
-                 self._user_ids(i.processes, _ms(at)),
+                 self._user_ids(i.processes, _ms(at),
+                                self._reservation(host, g.index, at, i.gpu_instance_id)),
                  self._holder(host, g.index, at, i.gpu_instance_id)]
                 for i, f in zip(g.instances, fracs)]
 
@@ -205,7 +247,8 @@ class Recorder:
         entries = self._entries(hid, snap)
         if self.names.waiting:  # written as (other names) for now: see _revisit
             self._revisits.append(_Revisit(t, hid, snap, current, self._held,
-                                           self._inst_held, set(self.names.waiting)))
+                                           self._inst_held, set(self.names.waiting),
+                                           self._shares))
             del self._revisits[:-REVISITS_MAX]
         error = None if snap.error is None else snap.error.kind
         self.db.conn.execute(
@@ -218,7 +261,7 @@ class Recorder:
     def _revisit(self, admitted: set[str]) -> None:
         """Names just kept had their first refreshes written as (other names): write those
         samples again with what is known now, while they are not rolled up yet."""
-        live = (self._held, self._inst_held)
+        live = (self._held, self._inst_held, self._shares)
         self.names.replaying = True
         try:
             keep = []
@@ -226,7 +269,7 @@ class Recorder:
                 if r.t < self._minute_done * 1000:
                     continue  # rolled up (or about to be): it stays as it is
                 if r.waiting & admitted:
-                    self._held, self._inst_held = r.held, r.inst_held
+                    self._held, self._inst_held, self._shares = r.held, r.inst_held, r.shares
                     entries = self._entries(r.hid, r.snap, r.current)
                     self.db.conn.execute("UPDATE samples SET gpus = ? WHERE t = ? AND host = ?",
                                          (json.dumps(entries, separators=(",", ":")), r.t,
@@ -237,7 +280,7 @@ class Recorder:
             self._revisits = keep
         finally:
             self.names.replaying = False
-            self._held, self._inst_held = live
+            self._held, self._inst_held, self._shares = live
 
     def _entries(self, hid: int, snap: HostSnapshot, current: list[int] | None = None
                  ) -> list[list[object]]:
@@ -254,12 +297,16 @@ class Recorder:
                 ids.append(gid)
                 util = None if g.lost else g.utilization_percent
                 entry: list[object] = [gid, util, g.memory_used_mib,
-                                       self._user_ids(g.processes, t_ms),
+                                       self._user_ids(g.processes, t_ms, self._reservation(
+                                           snap.name, g.index, snap.time)),
                                        self._holder(snap.name, g.index, snap.time),
                                        int(g.lost)]
                 parts = self._parts(snap.name, g, snap.time)
-                if parts is not None:
+                shares = self._share_parts(snap.name, g.index, snap.time, g.memory_total_mib)
+                if parts is not None or shares is not None:
                     entry.append(parts)
+                if shares is not None:
+                    entry.append(shares)
                 entries.append(entry)
             if current is None and ids != self._current.get(hid):
                 self.db.conn.execute("UPDATE gpus SET current = 0 WHERE host = ?", (hid,))
@@ -270,9 +317,12 @@ class Recorder:
             gids = (self._current.get(hid) if current is None else current) or [
                 self._gpu_id(hid, UNKNOWN_GPUS_KEY, None, None, None)]  # no GPU seen yet
             for gid in gids:
-                idx = self._gpu_meta.get(gid, (None, None, None))[0]
-                entries.append([gid, None, None, [], self._holder(snap.name, idx, snap.time),
-                                1])
+                idx, _name, mem = self._gpu_meta.get(gid, (None, None, None))
+                entry = [gid, None, None, [], self._holder(snap.name, idx, snap.time), 1]
+                shares = self._share_parts(snap.name, idx, snap.time, mem)
+                if shares is not None:  # a share is reserved while its host is down too
+                    entry += [None, shares]
+                entries.append(entry)
         return entries
 
     def flush(self) -> None:
@@ -379,7 +429,7 @@ def rollup_minutes(c: object, done: int, target: int) -> int:
             key = (b, entry[0])
             sums = gpu.get(key)
             if sums is None:
-                sums = gpu[key] = [0.0] * 7
+                sums = gpu[key] = [0.0] * len(GPU_METRICS)
             account(dt / 1000, entry, unknown, sums, user.setdefault(key, {}))
     c.executemany(upsert("gpu_minute", ("b", "gpu"), GPU_METRICS),
                   [(b, g, *s) for (b, g), s in gpu.items()])

@@ -16,8 +16,9 @@ from gputop.text import clean
 
 _BLOCKS = " ▁▂▃▄▅▆▇█"
 BY_COLUMNS = {
-    "user": ("user", "used_hours", "reserved_hours", "reserved_idle_hours", "unreserved_hours",
-             "held_idle_hours", "mean_utilization_used"),
+    "user": ("user", "used_hours", "reserved_hours", "reserved_idle_hours", "shared_hours",
+             "shared_idle_hours", "unreserved_hours", "held_idle_hours",
+             "mean_utilization_used"),
     "host": ("host", "gpus", "gpu_hours", "busy_hours", "idle_hours", "held_idle_hours",
              "no_data_hours", "mean_utilization", "used_hours", "reserved_hours",
              "reserved_idle_hours", "unknown_gpus_hours"),
@@ -28,6 +29,7 @@ BY_COLUMNS = {
 _HEADERS = {"user": "USER", "host": "HOST", "gpus": "GPUS", "index": "GPU", "name": "MODEL",
             "uuid": "UUID", "used_hours": "USED", "reserved_hours": "RESERVED",
             "reserved_idle_hours": "RES. IDLE", "unreserved_hours": "UNRESERVED",
+            "shared_hours": "OF IT SHARED", "shared_idle_hours": "SHARED IDLE",
             "held_idle_hours": "HELD IDLE", "mean_utilization_used": "UTIL WHEN USED",
             "gpu_hours": "GPU-H", "busy_hours": "BUSY", "idle_hours": "IDLE",
             "no_data_hours": "NO DATA", "mean_utilization": "MEAN UTIL"}
@@ -148,7 +150,11 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'gputop[plot]'") from None
+        # Not `pip install 'gputop[plot]'`: gputop is installed from a checkout, and that
+        # name on an index may be someone else's package.
+        raise ValueError("--plot needs matplotlib in gputop's own environment: pipx inject "
+                         "gputop matplotlib, or pip install '.[plot]' in the checkout "
+                         "(uv tool install '.[plot]')") from None
     start = datetime.fromisoformat(doc["series"]["start"].replace("Z", "+00:00"))
     step = doc["series"]["step_s"]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8))

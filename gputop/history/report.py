@@ -26,9 +26,12 @@ from gputop.history.accounting import (
     DATA,
     HELD_IDLE,
     IDLE,
+    N_USER,
     NODATA,
     RESERVED,
     RESERVED_IDLE,
+    SHARED,
+    SHARED_IDLE,
     U_HELD_IDLE,
     U_UTIL_SECS,
     U_UTIL_SUM,
@@ -72,10 +75,12 @@ class History:
         return max(1, math.ceil((self.end - self.origin) / self.step))
 
 
-def _add(table: dict[Any, list[float]], key: Any, sums: Iterable[float], n: int = 7) -> None:
+def _add(table: dict[Any, list[float]], key: Any, sums: Iterable[float],
+         n: int | None = None) -> None:
+    sums = list(sums)
     cur = table.get(key)
     if cur is None:
-        cur = table[key] = [0.0] * n
+        cur = table[key] = [0.0] * (len(sums) if n is None else n)
     for i, v in enumerate(sums):
         cur[i] += v
 
@@ -127,7 +132,7 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
         h.users = {i: n for i, n in c.execute("SELECT id, name FROM users")}
         h.gpus = {i: (host, idx, name, key) for i, host, idx, name, key in c.execute(
             "SELECT id, host, idx, name, key FROM gpus")}
-        _tiers(h, c, [p for p in parts if p[0] != "raw" and p[1] < p[2]])
+        _tiers(h, c, [p for p in parts if p[0] != "raw" and p[1] < p[2]], db.user_columns())
         for tier, a, z in parts:
             if tier == "raw":
                 _raw(h, c, a, z)
@@ -167,7 +172,8 @@ def _cover(parts: list[tuple[str, float, float]], marks: dict[str, int], a: floa
         _cover(parts, marks, a, z, level + 1)
 
 
-def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]]) -> None:
+def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]],
+           user_columns: list[str]) -> None:
     """The rollup rows of every (tier, from, to) part, summed by SQLite: per GPU, per
     chart bucket and host, per user, per GPU of the user sums (few rows come back)."""
     if not parts:
@@ -189,7 +195,7 @@ def _tiers(h: History, c: Any, parts: list[tuple[str, float, float]]) -> None:
             "JOIN gpus AS g ON g.id = u.gpu GROUP BY 1, 2", (h.origin, h.step, *args)):
         _add(h.series, (max(0, min(last, bucket)), host), row, 2)
     usums = ", ".join(f"SUM({m})" for m in USER_METRICS)
-    ucols = ", ".join(USER_METRICS)
+    ucols = ", ".join(user_columns)
     for user, *row in c.execute(
             f"SELECT user, {usums} FROM ({union('user', 'user, ' + ucols)}) GROUP BY user",
             args):
@@ -252,25 +258,28 @@ def summarise(h: History) -> dict[str, Any]:
                 "no_data_hours": _hours(s[NODATA]),
                 "mean_utilization": _mean(s[UTIL_SUM], s[UTIL_SECS]),
                 "used_hours": _hours(u[USED]), "reserved_hours": _hours(u[RESERVED]),
-                "reserved_idle_hours": _hours(u[RESERVED_IDLE])}
+                "reserved_idle_hours": _hours(u[RESERVED_IDLE]),
+                "shared_hours": _hours(u[SHARED]),
+                "shared_idle_hours": _hours(u[SHARED_IDLE])}
 
-    zero = [0.0] * 7
+    zero, uzero = [0.0] * 7, [0.0] * N_USER
     gpus = []
     per_host: dict[int, tuple[list[float], list[float]]] = {}
     unknown: dict[int, float] = {}  # host -> seconds down with its GPUs unknown
     for gpu in sorted(set(per_gpu) | set(gpu_user),
                       key=lambda g: (h.hosts.get(h.gpus[g][0], ""), h.gpus[g][1] or 0)):
         host, idx, name, key = h.gpus[gpu]
-        s, u = per_gpu.get(gpu, zero), gpu_user.get(gpu, zero)
+        s, u = per_gpu.get(gpu, zero), gpu_user.get(gpu, uzero)
         if key == UNKNOWN_GPUS_KEY:  # not a GPU: how many were down is not known
             unknown[host] = unknown.get(host, 0.0) + s[NODATA]
-            per_host.setdefault(host, ([0.0] * 7, [0.0] * 7))
+            per_host.setdefault(host, ([0.0] * 7, [0.0] * N_USER))
             continue
         gpus.append({"host": h.hosts.get(host, "?"), "index": idx, "name": name,
                      "uuid": None if key.startswith("index:") else key} | gpu_row(s, u))
-        hs, hu = per_host.setdefault(host, ([0.0] * 7, [0.0] * 7))
+        hs, hu = per_host.setdefault(host, ([0.0] * 7, [0.0] * N_USER))
         for i in range(7):
             hs[i] += s[i]
+        for i in range(N_USER):
             hu[i] += u[i]
     counts = Counter(h.gpus[g][0] for g in set(per_gpu) | set(gpu_user)
                      if h.gpus[g][3] != UNKNOWN_GPUS_KEY)
@@ -281,6 +290,8 @@ def summarise(h: History) -> dict[str, Any]:
                      "user": h.users.get(uid, "?"), "used_hours": _hours(s[USED]),
                      "reserved_hours": _hours(s[RESERVED]),
                      "reserved_idle_hours": _hours(s[RESERVED_IDLE]),
+                     "shared_hours": _hours(s[SHARED]),
+                     "shared_idle_hours": _hours(s[SHARED_IDLE]),
                      "unreserved_hours": _hours(s[UNRESERVED]),
                      "held_idle_hours": _hours(s[U_HELD_IDLE]),
                      "mean_utilization_used": _mean(s[U_UTIL_SUM], s[U_UTIL_SECS])}

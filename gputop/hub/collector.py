@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ class HostStats:
     answers: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     last_answer: float | None = None  # time.time() of the last answer, any kind
-    answered: bool = False  # a first real answer (not "starting"), or its timeout
+    answered: bool = False  # a first real answer (not "starting") or its timeout, folded
 
 
 class Collector:
@@ -61,6 +62,8 @@ class Collector:
         self._hosts: dict[str, dict[str, Any]] = {}
         self._state: StoreState | None = None
         self._state_key: object = None
+        self._read_sig: tuple[int, int, int] | None = None
+        self._read_result: tuple[StoreState | None, str | None] = (None, None)
         self._other: dict[str, Any] = {}
         self.time = utcnow()
         self._kick = asyncio.Event()
@@ -119,8 +122,6 @@ class Collector:
         st.last_answer = time.time()
         if snap.error is not None:
             st.errors[snap.error.kind] = st.errors.get(snap.error.kind, 0) + 1
-        if snap.error is None or snap.error.kind != "starting":
-            st.answered = True
         self.tracker.observe(snap)
         self._latest[snap.name] = snap
         self._dirty.add(snap.name)
@@ -141,7 +142,11 @@ class Collector:
         for n in self.names:
             if n not in dirty:
                 continue
-            h = annotated_host(self._latest[n], state, self.tracker, now)
+            latest = self._latest[n]
+            if latest.error is None or latest.error.kind != "starting":
+                # Ready counts what the document shows, not what is still to be folded.
+                self.stats[n].answered = True
+            h = annotated_host(latest, state, self.tracker, now)
             if h != self._hosts.get(n):
                 self._hosts[n] = h
                 changed.append(h)
@@ -165,10 +170,23 @@ class Collector:
                        "reservations_error": problem}
 
     def _read_reservations(self) -> tuple[StoreState | None, str | None]:
+        """The shared file, read again only when it changed (its inode, size or mtime:
+        writers rename a new file into place). A fold comes up to ten times a second, and a
+        hostile file of 4 MiB costs a tenth of a second to decode; an unchanged file,
+        broken or not, is not read again."""
         try:
-            return self.store.read(), None
+            st = os.stat(self.store.path, follow_symlinks=False)
+            sig: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            sig = None  # missing (or unreadable): read says which
+        if sig is not None and sig == self._read_sig:
+            return self._read_result
+        try:
+            result: tuple[StoreState | None, str | None] = (self.store.read(), None)
         except StoreError as exc:
-            return None, str(exc)
+            result = (None, str(exc))
+        self._read_sig, self._read_result = sig, result
+        return result
 
     def _state_changed(self, state: StoreState | None) -> bool:
         key = None if state is None else (state.reservations, state.queue)

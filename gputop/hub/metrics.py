@@ -25,9 +25,11 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gputop import __version__
+from gputop.sources.hub_schema import schema
 
-#: Every flag a GPU or instance may carry (the schema's list): one 0/1 series each.
-FLAGS = ("unreserved-use", "idle-reservation", "idle-holder", "lost", "renumbered")
+#: Every flag a GPU or instance may carry (the schema's own list): one 0/1 series each.
+FLAGS: tuple[str, ...] = tuple(
+    schema()["$defs"]["gpu"]["properties"]["flags"]["items"]["enum"])
 MAX_LABEL = 128
 MAX_HOLDERS_PER_GPU = 8
 MIB = 1024 * 1024
@@ -112,11 +114,15 @@ def _gpu(g: _Gauges, host: str, gpu: Mapping[str, Any]) -> None:
     procs = gpu.get("processes", ())
     g.procs.add_metric(labels, float(len(procs)))
     r = gpu.get("reservation")
-    g.reserved.add_metric(labels, 0.0 if r is None else 1.0)
+    shares = gpu.get("shares") or ()
+    g.reserved.add_metric(labels, 0.0 if r is None and not shares else 1.0)
+    for s in shares[:MAX_HOLDERS_PER_GPU]:
+        g.share.add_metric([*labels, _label(s.get("user"))],
+                           float(s.get("share_mib") or 0) * MIB)
     flags = set(gpu.get("flags", ()))
     for f in FLAGS:
         g.flag.add_metric([*labels, f], 1.0 if f in flags else 0.0)
-    _holders(g, labels, [], r, procs)
+    _holders(g, labels, [], r, procs, shares)
     for inst in gpu.get("instances", ()):
         il = [*labels, _label(inst.get("gpu_instance_id")), _label(inst.get("profile"))]
         _put(g.mig_used, il, inst.get("memory_used_mib"), MIB)
@@ -132,12 +138,20 @@ def _gpu(g: _Gauges, host: str, gpu: Mapping[str, Any]) -> None:
 
 
 def _holders(g: _Gauges, labels: list[str], inst: list[str], r: Mapping[str, Any] | None,
-             procs: Iterable[Mapping[str, Any]]) -> None:
-    """``gputop_gpu_holder_info``: the reservation's holder, then each process owner."""
+             procs: Iterable[Mapping[str, Any]],
+             shares: Iterable[Mapping[str, Any]] = ()) -> None:
+    """``gputop_gpu_holder_info``: the reservation's holder (or each share's), then each
+    process owner."""
     instance = inst[0] if inst else ""
     seen: list[tuple[str, str]] = []
     if r is not None:
         seen.append(("reservation", _label(r.get("user"))))
+    for s in shares:
+        if len(seen) >= MAX_HOLDERS_PER_GPU:
+            break
+        who = ("share", _label(s.get("user")))
+        if who not in seen:
+            seen.append(who)
     for p in procs:
         if len(seen) >= MAX_HOLDERS_PER_GPU:
             break
@@ -169,8 +183,11 @@ class _Gauges:
         self.power = G("gputop_gpu_power_watts", "GPU power draw.", labels=GPU_LABELS)
         self.procs = G("gputop_gpu_processes", "Compute processes on the GPU.",
                        labels=GPU_LABELS)
-        self.reserved = G("gputop_gpu_reserved", "1 when a reservation holds the GPU.",
+        self.reserved = G("gputop_gpu_reserved",
+                          "1 when a reservation (or a memory share) holds the GPU.",
                           labels=GPU_LABELS)
+        self.share = G("gputop_gpu_share_bytes", "A memory share of the GPU, by holder.",
+                       labels=[*GPU_LABELS, "holder"])
         self.flag = G("gputop_gpu_flag", "1 when the GPU carries the flag.",
                       labels=[*GPU_LABELS, "flag"])
         self.holder = G("gputop_gpu_holder_info",

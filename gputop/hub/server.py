@@ -128,6 +128,9 @@ class Hub:
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
         self.waste = WasteCache(config.history_path)
+        #: Listening on loopback only: requests must name a loopback host too, so a web
+        #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
+        self.loopback_names_only = False
 
     def _published(self, update: str) -> None:
         self.events.publish(update)
@@ -148,7 +151,8 @@ class Hub:
         app.on_response_prepare.append(_secure)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/v1/snapshot", self.snapshot_route)
-        app.router.add_get("/api/v1/events", self.events_route)
+        # (No HEAD for the stream: it would hold a subscriber's place and send nothing.)
+        app.router.add_get("/api/v1/events", self.events_route, allow_head=False)
         app.router.add_get("/api/v1/waste", self.waste_route)
         app.router.add_get("/-/ready", self.ready)
         app.router.add_get("/-/healthy", self.healthy)
@@ -160,6 +164,8 @@ class Hub:
     async def _guard(self, request: web.Request,
                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                      ) -> web.StreamResponse:
+        if self.loopback_names_only and not _loopback_host(request.headers.get("Host", "")):
+            raise web.HTTPMisdirectedRequest(text="this hub answers to loopback names only\n")
         if self.token is not None and not _open(request.path):
             got = request.headers.get("Authorization", "")
             want = f"Bearer {self.token}"
@@ -270,6 +276,16 @@ class Hub:
                             charset="utf-8" if path.suffix in _TEXT else None)
 
 
+def _loopback_host(header: str) -> bool:
+    """A ``Host`` header naming this machine's loopback (with or without a port)."""
+    name = header.strip()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":")[0]
+    return bool(name) and is_loopback(name)
+
+
 def _open(path: str) -> bool:
     return path in _OPEN or path.startswith("/static/")
 
@@ -326,6 +342,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
+    hub.loopback_names_only = is_loopback(host)
     runner = web.AppRunner(hub.app(), access_log=None, handle_signals=False,
                            max_line_size=8190, max_field_size=8190, max_headers=64)
     await runner.setup()

@@ -25,20 +25,34 @@ from dataclasses import replace
 from datetime import datetime
 
 from gputop.config import Config
-from gputop.jobs.remote import Alive, JobHostError, alive_on
+from gputop.jobs.remote import START_SLACK_S, Alive, JobHostError, alive_on, local_start
 from gputop.model import HostSnapshot, iso
 from gputop.reservations.ops import whoami
-from gputop.reservations.store import Reservation, Store, StoreError, StoreState
+from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
 
 
 def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float,
-             gpus: HostSnapshot | None = None) -> bool:
+             gpus: HostSnapshot | None = None, here: str | None = None) -> bool:
     assert r.job is not None
     if r.job.pid is None:
-        # Not recorded yet: the job may well run (its gputop run stalled: stopped in the
-        # background, a laptop lid closed). Only expiry ends such a reservation.
-        return False
+        # Not recorded yet: while its gputop run lives (stopped in the background, a
+        # laptop lid closed) the job may well run. Once that run is gone (kill -9 before
+        # it recorded the pid), only a process of the holder's on the GPU keeps it.
+        return (here is not None and r.machine == here and runner_gone(r.job)
+                and not uses_gpu(r, gpus))
     return not alive.has(r.job.pid, r.job.session, r.job.start) and not uses_gpu(r, gpus)
+
+
+def runner_gone(job: Job) -> bool:
+    """Whether the local ``gputop run`` that started ``job`` has ended (its pid is gone,
+    or is another process now). Unknown (no runner recorded): not gone."""
+    if job.runner is None:
+        return False
+    start = local_start(job.runner)
+    if start is None:
+        return True
+    return job.runner_start is not None and abs(
+        (start - job.runner_start).total_seconds()) > START_SLACK_S
 
 
 def uses_gpu(r: Reservation, host: HostSnapshot | None) -> bool:
@@ -51,7 +65,7 @@ def uses_gpu(r: Reservation, host: HostSnapshot | None) -> bool:
         if g.index == r.gpu and (r.uuid is None or g.uuid is None or g.uuid == r.uuid):
             procs = g.processes if r.instance is None else tuple(
                 p for p in g.processes if p.gpu_instance_id in (None, r.instance))
-            return any(p.user in (r.user, None) for p in procs)
+            return any(p.user is None or r.is_holder(p.user) for p in procs)
     return False
 
 
@@ -115,10 +129,10 @@ def apply_checks(store: Store, answers: dict[str, Alive | None],
             if r.job is None or alive is None or not r.active(now) or r.user != me:
                 keep.append(r)
                 continue
-            if not job_gone(r, alive, now, grace_s, (gpus or {}).get(r.host)):
+            if not job_gone(r, alive, now, grace_s, (gpus or {}).get(r.host), here):
                 keep.append(replace(r, job=replace(r.job, gone_since=None))
                             if r.job.gone_since else r)
-            elif r.job.gone_since is None and r.job.pid is not None:
+            elif r.job.gone_since is None:
                 keep.append(replace(r, job=replace(r.job, gone_since=now)))
             elif (now - (r.job.gone_since or now)).total_seconds() >= grace_s:
                 released.append(r)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
+import pwd
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -62,6 +63,35 @@ async def connect(config: Config, host: HostConfig,
         opts.host, opts.port, options=opts, tunnel=tunnel, known_hosts=known_hosts_for(opts),
         keepalive_interval=15, keepalive_count_max=3), config.timeout)
     return conn, jumps
+
+
+def login_on(config: Config, host: HostConfig) -> str:
+    """The account this gputop logs in as on ``host``: resolved exactly as ``connect``
+    does (the config's ``user``, else ``~/.ssh/config``'s ``User``, else the real uid's
+    name); the local user for a ``local`` host. Recorded with each reservation there, so
+    that the holder's processes are known by either name."""
+    me = pwd.getpwuid(os.getuid()).pw_name
+    if host.local:
+        return me
+    try:
+        opts = resolve_options(host.address or host.name, ssh_config=config.ssh_config,
+                               port=host.port, user=host.user)
+    except (OSError, ValueError, asyncssh.Error):
+        return me  # connecting would fail the same way: nothing runs there as anyone
+    return str(opts.username or me)
+
+
+def logins(config: Config) -> Callable[[str], str | None]:
+    """``login_on`` by host name (each resolved once), for the reservation commands."""
+    hosts = {h.name: h for h in config.hosts}
+    seen: dict[str, str | None] = {}
+
+    def of(name: str) -> str | None:
+        if name not in seen:
+            seen[name] = login_on(config, hosts[name]) if name in hosts else None
+        return seen[name]
+
+    return of
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shlex
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
@@ -55,17 +56,45 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_REFUSED_SHELL = 2
 
 
-def remote_command(argv: Sequence[str], devices: str) -> str:
-    """The script sent to the remote shell: nothing but quoted words."""
+def remote_command(argv: Sequence[str], devices: str,
+                   env: Mapping[str, str] | None = None) -> str:
+    """The script sent to the remote shell: nothing but quoted words. ``env``: variables
+    to export to the job as well (``share_env``'s fixed names)."""
     if not argv:
         raise ValueError("no command given")
+    exports = "".join(f"{k}={shlex.quote(v)}; export {k}; " for k, v in (env or {}).items()
+                      if _ENV_NAME.fullmatch(k))
     # The marker: the job's pid and when it started (ps lstart, C locale, UTC), so a later
     # process given the same pid is never taken for the job.
     script = ('echo "gputop-job-pid $$ $(LC_ALL=C TZ=UTC0 ps -o lstart= -p $$ 2>/dev/null)"; '
               f"CUDA_VISIBLE_DEVICES={shlex.quote(devices)}; export CUDA_VISIBLE_DEVICES; "
-              "exec " + " ".join(shlex.quote(a) for a in argv))
+              + exports + "exec " + " ".join(shlex.quote(a) for a in argv))
     # Whatever the login shell is, it execs a POSIX sh (same pid: the session's leader).
     return "exec /bin/sh -c " + shlex.quote(script)
+
+
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def share_env(rs: Sequence[Reservation], total_mib: int | None) -> dict[str, str]:
+    """What a job on a memory share is told (``run --share``): ``GPUTOP_SHARE_MIB``, the
+    share as a fraction of the GPU (``GPUTOP_SHARE_FRACTION``, e.g. for PyTorch's
+    ``torch.cuda.set_per_process_memory_fraction``), JAX/XLA's own cap
+    (``XLA_CLIENT_MEM_FRACTION`` and its older name ``XLA_PYTHON_CLIENT_MEM_FRACTION``:
+    the size of its memory pool) and
+    TensorFlow's ``TF_FORCE_GPU_ALLOW_GROWTH`` (not a cap: TensorFlow then takes memory as
+    it needs it instead of nearly all of the GPU at start). Empty for whole GPUs."""
+    share = next((r.share_mib for r in rs if r.share_mib is not None), None)
+    if share is None:
+        return {}
+    env = {"GPUTOP_SHARE_MIB": str(share)}
+    if total_mib:
+        # Rounded down: a cap a little under the share, never over it.
+        frac = f"{max(1, min(1000, share * 1000 // total_mib)) / 1000:g}"
+        env |= {"GPUTOP_SHARE_FRACTION": frac, "XLA_CLIENT_MEM_FRACTION": frac,
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": frac}
+    env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
+    return env
 
 
 #: Login shells that read a single-quoted word as POSIX sh does (sshd hands the command to
@@ -120,13 +149,15 @@ class JobResult:
 
 
 async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Reservation],
-                 argv: Sequence[str], say: Callable[[str], None]) -> int:
-    """Run the job, then release its reservations if it is known to have ended."""
+                 argv: Sequence[str], say: Callable[[str], None],
+                 env: Mapping[str, str] | None = None) -> int:
+    """Run the job, then release its reservations if it is known to have ended. ``env``:
+    more variables for the job (``share_env``)."""
     devices = devices_of(rs)
     if host.local:
-        result = await _run_local(store, rs, argv, devices, config.job_grace_s)
+        result = await _run_local(store, rs, argv, devices, config.job_grace_s, env)
     else:
-        result = await _run_remote(config, host, store, rs, argv, devices, say)
+        result = await _run_remote(config, host, store, rs, argv, devices, say, env)
     if result.ended and result.started:
         # A child that left the job's session (setsid, a daemon) is the job while it uses
         # the job's GPUs.
@@ -204,9 +235,10 @@ async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bo
 
 
 async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
-                     devices: str, job_grace_s: float) -> JobResult:
+                     devices: str, job_grace_s: float,
+                     more_env: Mapping[str, str] | None = None) -> JobResult:
     tty = sys.stdin.isatty()
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices) | dict(more_env or {})
     try:
         proc = await asyncio.create_subprocess_exec(*argv, env=env,
                                                     start_new_session=not tty)
@@ -250,7 +282,8 @@ def _say_err(msg: str) -> None:
 
 async def _run_remote(config: Config, host: HostConfig, store: Store,
                       rs: Sequence[Reservation], argv: Sequence[str], devices: str,
-                      say: Callable[[str], None]) -> JobResult:
+                      say: Callable[[str], None],
+                      env: Mapping[str, str] | None = None) -> JobResult:
     try:
         conn, jumps = await connect(config, host)
     except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
@@ -266,7 +299,7 @@ async def _run_remote(config: Config, host: HostConfig, store: Store,
             size = os.get_terminal_size(0)
             kw = {"term_type": os.environ.get("TERM", "xterm"),
                   "term_size": (size.columns, size.lines)}
-        command = remote_command(argv, devices)
+        command = remote_command(argv, devices, env)
         if not portable(command):
             probe = await asyncio.wait_for(conn.run(LOGIN_SHELL_PROBE, check=False), 30)
             shell = str(probe.stdout or "").strip().splitlines()[-1:] or ["unknown"]

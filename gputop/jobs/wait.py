@@ -25,6 +25,7 @@ from gputop.reservations.queue import (
     LeftQueue,
     Queue,
     Request,
+    capacity,
     grantable,
     removed_by,
     unsatisfiable,
@@ -64,7 +65,8 @@ class Progress:
 
 
 def describe_request(req: Request) -> str:
-    what = f"{req.count} GPU{'s' if req.count != 1 else ''}"
+    what = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
+            f"{req.count} GPU{'s' if req.count != 1 else ''}")
     if req.min_free_mib:
         what += f" with {req.min_free_mib / 1024:g}G free"
     if req.want:
@@ -97,7 +99,9 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         # staying silent for 1.5 intervals, and a waiter wants that moment (issue 11's
         # bound: one interval plus one store write). A waiter is temporary; a board is not.
         poller = open_poller(config, one_look=True, say=say)
-    q = Queue(store, req, lease_s=lease_s)
+    from gputop.jobs.remote import logins
+
+    q = Queue(store, req, lease_s=lease_s, login=logins(config))
     started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
     feeder: asyncio.Task[None] | None = None
@@ -107,10 +111,18 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
         if why:
             raise Invalid(f"not joining the queue: {why}; ask for fewer GPUs or less memory "
                           "(or name other hosts)")
+        sight = Sight(req, fleet, say)
+        q.sees = sight.look(list(snap.hosts))
         pos = await asyncio.to_thread(q.join)
-        say(f"waiting for {describe_request(req)}: position {pos} in the queue")
+        ahead = ""
+        if pos > 1:  # who is ahead, as the docs promise (not only once the place changes)
+            joined, now = await asyncio.to_thread(store.read), utcnow()
+            if any(w.id == q.id for w in joined.waiting(now)):
+                ahead = f"; {_ahead(joined, q, now)}"
+        say(f"waiting for {describe_request(req)}: position {pos} in the queue{ahead}")
         renewing: set[str] = set()
-        keeper = asyncio.create_task(keep_lease(q, say, renewing))
+        poke = asyncio.Event()  # what it sees changed: renew (and record it) now
+        keeper = asyncio.create_task(keep_lease(q, say, renewing, poke))
         # Each host's answers as they come (one loop per host): a hung host delays
         # nothing but itself; its last answer stands until its query times out.
         latest = {h.name: h for h in snap.hosts}
@@ -128,6 +140,13 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if reaper is not None:
                 reaper()
             hosts = list(latest.values())
+            sees = sight.look(hosts)
+            if sees != q.sees:
+                q.sees = sees
+                poke.set()
+            if sight.blind_for() >= BLIND_GIVE_UP_S:
+                raise CannotReach(f"left the queue: no host you wait on answered for "
+                                  f"{BLIND_GIVE_UP_S:g}s ({sight.why})")
             sig = _signature(store)  # before the read: a change in between is seen below
             state = store.read()
             now = utcnow()
@@ -171,6 +190,8 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                     raise RuntimeError("host polling stopped")
                 if max_wait is not None and time.monotonic() - started >= max_wait:
                     break
+                if sight.blind_for() >= BLIND_GIVE_UP_S:
+                    break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(changed.wait(), WATCH_S)
             changed.clear()
@@ -191,6 +212,55 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
 #: For how many refresh intervals a request must look unsatisfiable before its waiter
 #: gives up.
 GIVE_UP_AFTER = 3
+#: A waiter that reaches none of the hosts it accepts leaves the queue after this long
+#: (exit 1, naming each host's error): it blocks nobody meanwhile (it sees no host), and
+#: a broken set-up should not wait unnoticed for hours.
+BLIND_GIVE_UP_S = 120.0
+
+
+class CannotReach(WaitedTooLong):
+    """No host the waiter accepts answered for BLIND_GIVE_UP_S (exit code 1)."""
+
+
+class Sight:
+    """What a waiter sees of the hosts it accepts: where it can be granted (recorded in
+    its place, see ``grantable_on``), and which hosts it cannot reach, said on stderr at
+    once and again whenever that changes."""
+
+    def __init__(self, req: Request, fleet: list[str], say: Callable[[str], None]) -> None:
+        self.req, self.fleet, self.say = req, fleet, say
+        self.accepted = set(req.hosts) if req.hosts else set(fleet)
+        self.said: frozenset[str] | None = None
+        self.why = ""
+        self.blind_since: float | None = None
+
+    def look(self, hosts: list[HostSnapshot]) -> tuple[str, ...]:
+        mine = [h for h in hosts if h.name in self.accepted]
+        down = [h for h in mine if not h.ok]
+        self.why = "; ".join(
+            f"{clean(h.name)}: {h.error.kind}: {excerpt(h.error.message, 120)}"
+            for h in down[:8] if h.error is not None) + ("; ..." if len(down) > 8 else "")
+        names = frozenset(h.name for h in down)
+        if names != self.said:
+            if down and len(down) == len(mine):
+                self.say(f"cannot reach any host you wait on ({self.why}); you block "
+                         f"nobody meanwhile, and leave the queue after {BLIND_GIVE_UP_S:g}s "
+                         "unless one answers")
+            elif down:
+                self.say(f"cannot reach {len(down)} of the {len(mine)} hosts you wait on "
+                         f"({self.why}): waiting for GPUs on the others only")
+            elif self.said:
+                self.say("every host you wait on answers again")
+            self.said = names
+        if mine and len(down) == len(mine):
+            if self.blind_since is None:
+                self.blind_since = time.monotonic()
+        else:
+            self.blind_since = None
+        return tuple(sorted(capacity(self.req, hosts, self.fleet, known_only=True)[0]))
+
+    def blind_for(self) -> float:
+        return 0.0 if self.blind_since is None else time.monotonic() - self.blind_since
 
 
 async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,
@@ -208,15 +278,22 @@ async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: 
         return None
 
 
-async def keep_lease(q: Queue, say: Callable[[str], None], renewing: set[str]) -> None:
-    """Renew the lease every half lease, for as long as the wait lasts. A renewal started
-    in time waits for the lock past the lease's end and takes the place back (see
+async def keep_lease(q: Queue, say: Callable[[str], None], renewing: set[str],
+                     poke: asyncio.Event | None = None) -> None:
+    """Renew the lease every half lease, for as long as the wait lasts, and at once when
+    ``poke`` is set (what the waiter sees changed: the renewal records it). A renewal
+    started in time waits for the lock past the lease's end and takes the place back (see
     ``Queue.renew``), so a writer that stalls the file for less than the lease (or longer,
     if no other write dropped the place) never costs this waiter its place."""
     while True:
         until = q.lease_until
         due = 0.0 if until is None else (until - utcnow()).total_seconds() - q.lease_s / 2
-        await asyncio.sleep(max(due, WATCH_S))
+        if poke is None:
+            await asyncio.sleep(max(due, WATCH_S))
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(poke.wait(), max(due, WATCH_S))
+            poke.clear()
         if not q.id or q.lease_until is None:
             continue
         left = (q.lease_until - utcnow()).total_seconds()
@@ -249,4 +326,6 @@ def _ahead(state: StoreState, q: Queue, now: object) -> str:
     if at == 0:
         return "you are next; waiting for enough GPUs to be free"
     head = queue[0]
-    return f"{at} ahead of you (first: {clean(head.user)}, {head.count} GPU(s))"
+    what = (f"a {head.share_mib / 1024:g}G share" if head.share_mib
+            else f"{head.count} GPU(s)")
+    return f"{at} ahead of you (first: {clean(head.user)}, {what})"

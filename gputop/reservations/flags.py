@@ -19,6 +19,15 @@ from gputop.model import (
     iso,
     utcnow,
 )
+from gputop.reservations.shares import (
+    ShareFit,
+    best_fit,
+    holder_use_mib,
+    mig_mode,
+    room_mib,
+    share_dict,
+    share_index,
+)
 from gputop.reservations.store import Reservation, StoreState
 
 #: Utilisation at or below this, with memory held, counts as "idle holder".
@@ -27,6 +36,8 @@ IDLE_UTIL_PERCENT = 2
 FREE_MEMORY_SLACK_MIB = 512
 #: ``idle-reservation`` only after this long without a process of the holder on the GPU.
 IDLE_GRACE_S = 15 * 60.0
+#: ``over-share`` only after a holder's processes used more than their share this long.
+SHARE_GRACE_S = 5 * 60.0
 
 
 def holds_memory_idle(g: GpuInfo) -> bool:
@@ -34,26 +45,32 @@ def holds_memory_idle(g: GpuInfo) -> bool:
             and g.utilization_percent <= IDLE_UTIL_PERCENT)
 
 
-def other_users(g: GpuInfo, me: str) -> list[str]:
+def other_users(g: GpuInfo, me: str, login: str | None = None) -> list[str]:
     """Who else runs processes on this GPU (sorted; ``"?"`` for an owner nobody could tell):
-    reserving it is allowed but deserves a warning, in the CLI and on the board alike."""
-    return sorted({p.user or "?" for p in g.processes if p.user != me})
+    reserving it is allowed but deserves a warning, in the CLI and on the board alike.
+    ``login``: the account you log in as on its host (your processes there are its)."""
+    mine = {me} if login is None else {me, login}
+    return sorted({p.user or "?" for p in g.processes if p.user is None or p.user not in mine})
 
 
-def _holder_present(g: GpuInfo, user: str) -> bool:
+def _holder_present(g: GpuInfo, r: Reservation) -> bool:
     # A process whose owner is unknown may be the holder's: never call that idle.
-    return any(p.user == user or p.user is None for p in g.processes)
+    return any(p.user is None or r.is_holder(p.user) for p in g.processes)
 
 
 class IdleTracker:
     """Remembers since when each GPU has held memory at ~0 % utilisation, and when each
     user's processes were last seen on it (for the idle-reservation grace period)."""
 
-    def __init__(self, after_s: float, grace_s: float = IDLE_GRACE_S) -> None:
+    def __init__(self, after_s: float, grace_s: float = IDLE_GRACE_S,
+                 share_grace_s: float = SHARE_GRACE_S) -> None:
         self.after_s = after_s
         self.grace_s = grace_s
+        self.share_grace_s = share_grace_s
         self._since: dict[tuple[str, int | None], datetime] = {}
         self._seen: dict[tuple[str, int | None], dict[str | None, datetime]] = {}
+        #: Since when each share's holder has used more than the share, by (host, gpu, user).
+        self._over: dict[tuple[str, int | None, str], datetime] = {}
 
     def observe(self, host: HostSnapshot) -> None:
         if not host.ok:
@@ -78,11 +95,21 @@ class IdleTracker:
     def reservation_idle(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
         """True once no process of the holder was seen on the GPU for ``grace_s``: since the
         reservation was made, or since one was last seen, whichever is later."""
-        if g.lost or _holder_present(g, r.user):
+        if g.lost or _holder_present(g, r):
             return False
         seen = self._seen.get((host, g.index), {})
-        last = max([r.created, *(t for u, t in seen.items() if u == r.user or u is None)])
+        last = max([r.created, *(t for u, t in seen.items() if u is None or r.is_holder(u))])
         return (now - last).total_seconds() >= self.grace_s
+
+    def over_share(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:
+        """True once the share's holder has used more than the share for
+        ``share_grace_s`` (as seen by the calls here: every refresh asks)."""
+        key = (host, g.index, r.user)
+        if g.lost or r.share_mib is None or holder_use_mib(g, r.user) <= r.share_mib:
+            self._over.pop(key, None)
+            return False
+        since = self._over.setdefault(key, now)
+        return (now - since).total_seconds() >= self.share_grace_s
 
     def idle_for(self, host: str, gpu: int | None, now: datetime) -> float:
         since = self._since.get((host, gpu))
@@ -107,12 +134,14 @@ def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
     if g.lost:
         flags.append("lost")
     if r is not None:
-        if any(p.user and p.user != r.user for p in g.processes):
+        if any(p.user and not r.is_holder(p.user) for p in g.processes):
             flags.append("unreserved-use")
         if reservation_idle:
             flags.append("idle-reservation")
         if r.uuid and g.uuid and r.uuid != g.uuid:
             flags.append("renumbered")
+        if r.beyond_max:
+            flags.append("beyond-max")
     if idle_holder:
         flags.append("idle-holder")
     return flags
@@ -120,10 +149,11 @@ def gpu_flags(g: GpuInfo, r: Reservation | None, idle_holder: bool,
 
 def reservation_index(state: StoreState | None, now: datetime
                       ) -> dict[tuple[str, int], Reservation]:
-    """Whole-GPU reservations by (host, gpu)."""
+    """Whole-GPU reservations by (host, gpu) (shares: ``shares.share_index``)."""
     if state is None:
         return {}
-    return {(r.host, r.gpu): r for r in state.active(now) if r.instance is None}
+    return {(r.host, r.gpu): r for r in state.active(now)
+            if r.instance is None and r.share_mib is None}
 
 
 def instance_index(state: StoreState | None, now: datetime
@@ -176,22 +206,67 @@ def gpu_annotation(host: str, g: GpuInfo, held: dict[tuple[str, int], Reservatio
     return r, gpu_flags(g, r, idle, unused), tuple(insts)
 
 
+def share_flags(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
+                tracker: IdleTracker | None, now: datetime
+                ) -> tuple[list[str], list[list[str]]]:
+    """A shared GPU's flags, and each share's: ``unreserved-use`` (a process of someone
+    who holds no share of it), ``over-share`` (a holder's processes used more than the
+    share for the grace), ``idle-reservation`` (no process of the holder for
+    ``idle_grace``), ``renumbered``, ``lost``."""
+    holders = {r.user for r in shares}
+    per: list[list[str]] = []
+    for r in shares:
+        f: list[str] = []
+        if tracker is not None and tracker.over_share(host, g, r, now):
+            f.append("over-share")
+        if tracker is not None and tracker.reservation_idle(host, g, r, now):
+            f.append("idle-reservation")
+        if r.uuid and g.uuid and r.uuid != g.uuid:
+            f.append("renumbered")
+        per.append(f)
+    flags = ["lost"] if g.lost else []
+    if any(p.user and p.user not in holders for p in g.processes):
+        flags.append("unreserved-use")
+    flags.extend(dict.fromkeys(x for f in per for x in f))
+    return flags, per
+
+
+def unshared_mib(g: GpuInfo, shares: tuple[Reservation, ...]) -> int | None:
+    """The shared GPU's memory no share holds (None: its total is unknown)."""
+    return None if g.memory_total_mib is None else room_mib(g.memory_total_mib, shares)
+
+
 def annotated_gpu(g: GpuInfo, ann: Annotation) -> dict[str, Any]:
     """A GPU's ``--json`` object: ``to_dict`` plus its annotation."""
     r, flags, insts = ann
     gdoc = g.to_dict()
     gdoc["reservation"] = r.to_dict() if r else None
     gdoc["flags"] = flags
+    gdoc["shares"] = []
+    gdoc["unshared_mib"] = None
     for (ir, iflags), idoc in zip(insts, gdoc["instances"]):
         idoc["reservation"] = ir.to_dict() if ir else None
         idoc["flags"] = iflags
     return gdoc
 
 
+def annotated_shared_gpu(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
+                         tracker: IdleTracker | None, now: datetime) -> dict[str, Any]:
+    """A shared GPU's ``--json`` object: its shares (holder, size, what the holder's
+    processes use now, time left, flags), the unshared rest and the GPU's flags."""
+    flags, per = share_flags(host, g, shares, tracker, now)
+    idle = tracker.is_idle_holder(host, g.index, now) if tracker else False
+    gdoc = annotated_gpu(g, (None, flags + (["idle-holder"] if idle else []), ()))
+    gdoc["shares"] = [share_dict(r, g, now) | {"flags": f} for r, f in zip(shares, per)]
+    gdoc["unshared_mib"] = unshared_mib(g, shares)
+    return gdoc
+
+
 def annotate(snapshot: FleetSnapshot, state: StoreState | None,
              tracker: IdleTracker | None = None) -> dict[str, Any]:
-    """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags, and
-    (version 3) the wait queue, in order, when the reservations file could be read."""
+    """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags (and
+    a shared GPU's shares), and the wait queue, in order, when the reservations file could
+    be read."""
     now = snapshot.time
     doc: dict[str, Any] = {"version": SCHEMA_VERSION, "time": iso(snapshot.time),
            "hosts": [annotated_host(host, state, tracker, now) for host in snapshot.hosts]}
@@ -206,8 +281,11 @@ def annotated_host(host: HostSnapshot, state: StoreState | None,
     answered anew)."""
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
+    shared = share_index(state, now)
     return host.head_dict() | {"gpus": [
-        annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
+        annotated_shared_gpu(host.name, g, sh, tracker, now)
+        if shared and g.index is not None and (sh := shared.get((host.name, g.index)))
+        else annotated_gpu(g, gpu_annotation(host.name, g, held, inst_held, tracker, now))
         for g in host.gpus]}
 
 
@@ -252,11 +330,14 @@ def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
     now = now or utcnow()
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
+    shared = share_index(state, now)
     out = []
     for h in hosts:
         if not h.ok:
             continue
         for g in h.gpus:
+            if shared and (h.name, g.index) in shared:
+                continue  # shared: not whole (anyone's, yours too: see ``share_fits``)
             if g.index is not None and not g.lost:
                 # A MIG GPU's free instances: unused, and held by nobody else (neither the
                 # instance nor its whole GPU).
@@ -283,3 +364,34 @@ def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
                             f.gpu.index or 0,
                             f.instance.gpu_instance_id or 0 if f.instance else -1))
     return out
+
+
+def share_fits(hosts: Iterable[HostSnapshot], state: StoreState | None, share_mib: int,
+               now: datetime | None = None, user: str | None = None) -> list[ShareFit]:
+    """The GPUs a share of ``share_mib`` fits on now, best fit first (``shares.best_fit``):
+    a shared GPU with that much room left unshared and free on the GPU itself (not MIG,
+    no whole reservation, no share of yours: that one you resize with ``reserve``), else an
+    untouched GPU (free and held by nobody)."""
+    now = now or utcnow()
+    held = reservation_index(state, now)
+    inst_held = instance_index(state, now)
+    shared = share_index(state, now)
+    out: list[ShareFit] = []
+    for h in hosts:
+        if not h.ok:
+            continue
+        for g in h.gpus:
+            if (g.index is None or g.lost or g.memory_total_mib is None or mig_mode(g)
+                    or (h.name, g.index) in held
+                    or any((hh, gi) == (h.name, g.index) for hh, gi, _ in inst_held)):
+                continue
+            sh = shared.get((h.name, g.index), ())
+            if any(r.user == user for r in sh):
+                continue
+            room = room_mib(g.memory_total_mib, sh)
+            if sh:
+                if room >= share_mib and g.memory_free_mib >= share_mib:
+                    out.append(ShareFit(h.name, g, room, sh))
+            elif is_free(g) and room >= share_mib:
+                out.append(ShareFit(h.name, g, room))
+    return best_fit(out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import pwd
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
@@ -59,9 +59,23 @@ def local_time(t: datetime) -> str:
 def describe(r: Reservation, now: datetime) -> str:
     left = max(0, int((r.expires - now).total_seconds()))
     note = f' ("{clean(r.note)}")' if r.note else ""
+    if r.share_mib is not None:
+        return (f"{clean(r.target)}: a {size_text(r.share_mib)} share of it is held by "
+                f"{clean(r.user)} until {local_time(r.expires)} ({format_duration(left)} "
+                f"left){note}")
     what = "instance" if r.instance is not None else ""
     return (f"{clean(r.target)} {what + ' ' if what else ''}is reserved by {clean(r.user)} until "
             f"{local_time(r.expires)} ({format_duration(left)} left){note}")
+
+
+def size_text(mib: int) -> str:
+    """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
+    down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100
+    holds 81559 MiB, 79.6G), never in e-notation."""
+    tenths = mib * 10 // 1024
+    if mib < 1024:
+        return f"{mib}M"
+    return f"{tenths // 10}G" if tenths % 10 == 0 else f"{tenths // 10}.{tenths % 10}G"
 
 
 def format_duration(seconds: float) -> str:
@@ -118,13 +132,17 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
 def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                      max_seconds: float, note: str = "", user: str | None = None,
                      machine: str | None = None, job: Job | None = None,
-                     check: Callable[[StoreState, datetime], None] | None = None,
-                     event: str | None = None) -> list[Outcome]:
+                     check: Callable[[StoreState, datetime], Collection[str] | None]
+                     | None = None,
+                     event: str | None = None,
+                     login: Callable[[str], str | None] | None = None) -> list[Outcome]:
     """Reserve every target or none. Your own reservations are extended (note replaced if
     given) or kept when they already last longer; anyone else's unexpired one refuses the
     whole request. ``job`` ties every one of them to that job (``--until-exit``).
-    ``check`` may refuse under the lock (the queue's claim); ``event`` records each new
-    reservation in the file's audit trail under that action."""
+    ``check`` may refuse under the lock (the queue's claim); the targets (labels) it
+    returns are recorded in the file's audit trail under ``event`` when newly reserved
+    (``--skip-queue``: only a GPU that actually skipped someone). ``login(host)``: the
+    account this gputop logs in as there, recorded with each new reservation."""
     if seconds <= 0 or seconds > max_seconds:
         raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
     check_note(note)
@@ -136,12 +154,13 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
-        if check is not None:
-            check(state, now)
-        # A whole-GPU reservation covers its instances, and an instance's blocks its GPU.
+        record = set((check(state, now) or ()) if check is not None else ())
+        # A whole-GPU reservation covers its instances, and an instance's blocks its GPU;
+        # any share (yours too: a share and a whole reservation exclude each other) blocks
+        # the whole GPU.
         conflicts = list({h.id: h for t in targets
                           for h in state.overlapping(t.host, t.gpu, t.instance, now)
-                          if h.user != user}.values())
+                          if h.user != user or h.share_mib is not None}.values())
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
         try:
@@ -150,14 +169,16 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
             raise Invalid(f"duration too long: {seconds:g} seconds") from None
         keep = list(state.reservations)
         ids = {r.id for r in keep}
+        said: set[str] = set()
         for t in targets:
             own = state.holder(t.host, t.gpu, now, t.instance)
             if own is None and t.instance is not None:  # your whole GPU covers it
                 own = state.holder(t.host, t.gpu, now)
             if own is not None:
                 at = next(i for i, r in enumerate(keep) if r.id == own.id)
-                if keep[at] is not own:  # two targets on one reservation: said once
+                if own.id in said:  # two targets on one reservation: said once
                     continue
+                said.add(own.id)
                 if job is None and own.job is not None:
                     # Asked for by hand: it is now yours for the time asked, no longer
                     # released when the job (a `run`, an --until-exit pid) ends.
@@ -177,13 +198,14 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
                     new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
                                           note, t.instance)
                 ids.add(new.id)
-                new = replace(new, job=job)
+                new = replace(new, job=job, login=login(t.host) if login else None)
                 keep.append(new)
                 made.append(Outcome("reserved", new))
         events = state.events + tuple(
             {"time": iso(now), "action": event, "by": user, "machine": machine,
              "reservation": o.reservation.to_dict()}
-            for o in made if event and o.action == "reserved")
+            for o in made if event and o.action == "reserved"
+            and o.reservation.target in record)
         return replace(state, reservations=tuple(keep), events=events)
 
     store.update(change)
@@ -207,6 +229,13 @@ def release(store: Store, targets: Sequence[Target] | None, *, force: bool = Fal
             others: list[Reservation] = []
             for t in targets:
                 r = state.holder(t.host, t.gpu, now, t.instance)
+                if r is None and t.instance is None:  # the GPU's shares, if it has any:
+                    # your own; with --force (none of yours) everyone's, each recorded
+                    shares = [s for s in state.active(now) if s.share_mib is not None
+                              and (s.host, s.gpu) == (t.host, t.gpu)]
+                    mine = [s for s in shares if s.user == user]
+                    (gone if mine or force else others).extend(mine or shares)
+                    continue
                 if r is None:
                     continue
                 (gone if r.user == user or force else others).append(r)

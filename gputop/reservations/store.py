@@ -1,6 +1,7 @@
 """The shared reservations file: never lost, never corrupt, always current.
 
-Writers take an exclusive POSIX lock on a separate, permanent lock file, re-read the file
+Writers take an exclusive POSIX lock on a separate, permanent lock file (``filelock``: it
+stays a lock when that file is removed or replaced), re-read the file
 under the lock, write a temp file in the same directory, fsync it, ``os.replace`` it over the
 old one and fsync the directory. Readers need no lock: they see the old file or the new one,
 whole. A ``kill -9`` at any instant leaves one of the two. A file that does not validate is
@@ -10,15 +11,12 @@ reported and left byte-for-byte untouched; nothing here ever "repairs" it.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
 import secrets
 import stat
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -27,32 +25,50 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import iso, utcnow
+from gputop.reservations.filelock import (
+    FILE_MODE,
+    WriterLock,
+    make_group_writable,
+    os_message,
+)
+from gputop.reservations.filelock import StoreError as StoreError  # (re-exported)
+from gputop.reservations.filelock import nfs_lock_problem as nfs_lock_problem
 from gputop.text import clean
 
-#: Version 2 adds the wait queue and job-tied reservations. Rule: gputop reads versions 1
-#: and 2; it writes version 1 whenever the file uses neither (so an older gputop on the
-#: team keeps working until someone queues or runs a job), version 2 otherwise (an older
-#: gputop then refuses the file with "upgrade gputop" and leaves it untouched).
-FILE_VERSION = 2
-READ_VERSIONS = (1, 2)
+#: Version 2 adds the wait queue and job-tied reservations; version 3 memory shares of a
+#: GPU (``share_mib``: several reservations of one GPU). Rule: gputop reads versions 1-3
+#: and writes the lowest one that holds what the file uses: version 1 while it uses none
+#: of these (so an older gputop on the team keeps working until someone queues, runs a job
+#: or takes a share), else 2, else 3 (an older gputop then refuses the file with "upgrade
+#: gputop" and leaves it untouched: a gputop that knows nothing of shares would read two
+#: shares of one GPU as a broken file, or a share as a whole reservation).
+FILE_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+#: The version a file with shares needs.
+SHARES_VERSION = 3
+#: The largest share (MiB): 1 PiB, far beyond any GPU; a bigger number is hostile.
+MAX_SHARE_MIB = 2**30
 MAX_WAITERS = 1_000
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
+#: The audit trail's bound, per kind: force-releases, skip-queues and queue removals each
+#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``), so that cheap
+#: actions repeated in a loop can never push out the record of a forced one.
 MAX_EVENTS = 200
+KEPT_APART = ("force-release", "skip-queue", "queue-remove")
 MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
 LOCK_TIMEOUT = 15.0
+#: Reservations are bounded when read by the reader's max_duration, but never by less than
+#: this (the default max_duration): a teammate whose config allows less must not cut short,
+#: or prune on a write, what the team's rule allowed someone else.
+MIN_BOUND_S = 7 * 86400.0
 #: The longest lease a queue waiter may hold (it renews every half lease).
 MAX_LEASE_S = 300.0
 #: A lapsed waiter stays in the file (counting for nobody) this long before a write drops
 #: it, so that one whose renewal waited out another writer's lock can still take its place
 #: back (see ``Queue.renew``).
 LAPSED_KEEP_S = 60.0
-FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
-
-
-class StoreError(Exception):
-    """The store cannot be used as it is: bad file, permissions, lock. Exit code 2."""
 
 
 #: Limits on every string in the file: long enough for any real name, short enough that a
@@ -137,29 +153,43 @@ class Job:
     session: bool = False
     gone_since: datetime | None = None
     start: datetime | None = None
+    #: While ``pid`` is None: the ``gputop run`` process starting the job, on the
+    #: reservation's ``machine`` (its pid and start time). Once it is gone and the pid was
+    #: never recorded, the job is released after the grace (see ``gputop.jobs.reap``).
+    runner: int | None = None
+    runner_start: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"pid": self.pid, "session": self.session,
-             "gone_since": None if self.gone_since is None else iso(self.gone_since)}
+        d: dict[str, Any] = {
+            "pid": self.pid, "session": self.session,
+            "gone_since": None if self.gone_since is None else iso(self.gone_since)}
         if self.start is not None:
             d["start"] = iso(self.start)
+        if self.runner is not None:
+            d["runner"] = self.runner
+            if self.runner_start is not None:
+                d["runner_start"] = iso(self.runner_start)
         return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Job:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
-        if set(d) - {"start"} != {"pid", "session", "gone_since"}:
+        if set(d) - {"start", "runner", "runner_start"} != {"pid", "session", "gone_since"}:
             raise ValueError(f"{where}: expected the fields gone_since, pid, session "
-                             "(and start)")
+                             "(and start, runner, runner_start)")
         pid = None if d["pid"] is None else _int(d["pid"], f"{where}.pid", 1, MAX_PID)
         if not isinstance(d["session"], bool):
             raise ValueError(f"{where}.session: expected a boolean, not {_jtype(d['session'])}")
         gone = d["gone_since"]
         start = d.get("start")
+        runner = d.get("runner")
+        rstart = d.get("runner_start")
         return cls(pid, d["session"],
                    None if gone is None else parse_time(gone, f"{where}.gone_since"),
-                   None if start is None else parse_time(start, f"{where}.start"))
+                   None if start is None else parse_time(start, f"{where}.start"),
+                   None if runner is None else _int(runner, f"{where}.runner", 1, MAX_PID),
+                   None if rstart is None else parse_time(rstart, f"{where}.runner_start"))
 
 
 @dataclass(frozen=True)
@@ -178,9 +208,28 @@ class Reservation:
     #: A MIG GPU instance id: the reservation covers that instance only. None: the whole
     #: GPU, which covers all of its instances.
     instance: int | None = None
+    #: A memory share of the GPU (MiB): several people may hold shares of one GPU until
+    #: its memory is committed (``gputop.reservations.shares``). None: the whole GPU.
+    share_mib: int | None = None
+    #: The account the holder's gputop logs in as on ``host`` (its SSH user; the local user
+    #: for a ``local`` host), where it is not ``user``: a process of either is the holder's.
+    #: Written only when it differs, so files without it stay readable by older gputops.
+    login: str | None = None
+    #: Not in the file: its expiry was further ahead than ``max_duration`` when read, so
+    #: ``expires`` here is created + max_duration (see ``StoreState.active``).
+    beyond_max: bool = field(default=False, compare=False)
+
+    def is_holder(self, user: str | None) -> bool:
+        """Whether ``user`` (a process owner on the host, or a local user) is the holder:
+        the name the reservation was made under or the account it logs in as there."""
+        return user is not None and (user == self.user or user == self.login)
 
     def active(self, now: datetime) -> bool:
         return self.expires > now
+
+    @property
+    def is_share(self) -> bool:
+        return self.share_mib is not None
 
     @property
     def target(self) -> str:
@@ -202,6 +251,11 @@ class Reservation:
             d["job"] = self.job.to_dict()
         if self.instance is None:  # files without instances stay readable by older gputops
             del d["instance"]
+        if self.share_mib is None:  # (the same for shares)
+            del d["share_mib"]
+        if self.login is None or self.login == self.user:
+            del d["login"]
+        del d["beyond_max"]
         return d
 
     @classmethod
@@ -209,7 +263,7 @@ class Reservation:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         extra = set(d) - {"id", "host", "gpu", "user", "machine", "created", "expires", "uuid",
-                          "note", "job", "instance"}
+                          "note", "job", "instance", "share_mib", "login"}
         if extra:
             raise ValueError(f"{where}: unknown field {sorted(extra)[0][:40]!r}")
         gpu = d.get("gpu")
@@ -222,8 +276,16 @@ class Reservation:
             raise ValueError(f"{where}.instance: expected an integer, not {_jtype(inst)}")
         if inst is not None and not 0 <= inst <= MAX_INSTANCE:
             raise ValueError(f"{where}.instance: out of range (0-{MAX_INSTANCE})")
+        if inst is not None and "share_mib" in d:
+            raise ValueError(f"{where}: a share of a MIG instance (MIG GPUs are shared by "
+                             "their instances)")
+        share = d.get("share_mib")
         uuid = d.get("uuid")
+        login = d.get("login")
         return cls(instance=inst,
+                   share_mib=None if "share_mib" not in d else _int(
+                       share, f"{where}.share_mib", 1, MAX_SHARE_MIB),
+                   login=None if login is None else _text(login, f"{where}.login"),
                    id=_text(d.get("id"), f"{where}.id"), host=_text(d.get("host"), f"{where}.host"),
                    gpu=gpu, user=_text(d.get("user"), f"{where}.user"),
                    machine=_text(d.get("machine"), f"{where}.machine", empty=True),
@@ -253,12 +315,23 @@ class Waiter:
     want: str = ""
     #: All GPUs on one host (``gputop run``: one job runs on one host).
     one_host: bool = False
+    #: Waits for a memory share of this size (version 3), not for whole GPUs.
+    share_mib: int = 0
+    #: The hosts it can be granted on as its own gputop sees them now (they answer it and
+    #: could meet the request), renewed with the lease; others give way only for GPUs on
+    #: these. None: not recorded (an older gputop's waiter; judged by the reader's hosts).
+    sees: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
-                "created": iso(self.created), "lease": iso(self.lease),
-                "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
-                "one_host": self.one_host}
+        d = {"id": self.id, "user": self.user, "machine": self.machine, "count": self.count,
+             "created": iso(self.created), "lease": iso(self.lease),
+             "min_free_mib": self.min_free_mib, "hosts": list(self.hosts), "want": self.want,
+             "one_host": self.one_host}
+        if self.share_mib:  # a file without share waiters stays readable by older gputops
+            d["share_mib"] = self.share_mib
+        if self.sees is not None:
+            d["sees"] = list(self.sees)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Waiter:
@@ -266,8 +339,12 @@ class Waiter:
             raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
         keys = {"id", "user", "machine", "count", "created", "lease", "min_free_mib", "hosts",
                 "want", "one_host"}
-        if set(d) != keys:
-            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))}")
+        if set(d) - {"share_mib", "sees"} != keys:
+            raise ValueError(f"{where}: expected the fields {', '.join(sorted(keys))} "
+                             "(and share_mib, sees)")
+        sees = d.get("sees")
+        if sees is not None and (not isinstance(sees, list) or len(sees) > 1000):
+            raise ValueError(f"{where}.sees: expected an array of at most 1000 host names")
         hosts = d["hosts"]
         if not isinstance(d["one_host"], bool):
             raise ValueError(f"{where}.one_host: expected a boolean")
@@ -282,7 +359,11 @@ class Waiter:
                    hosts=tuple(_text(h, f"{where}.hosts[{i}]") for i, h in enumerate(hosts)),
                    want=_text(d["want"], f"{where}.want", limit=MAX_NOTE, empty=True,
                               name=False),
-                   one_host=d["one_host"])
+                   one_host=d["one_host"],
+                   share_mib=_int(d["share_mib"], f"{where}.share_mib", 1, MAX_SHARE_MIB)
+                   if "share_mib" in d else 0,
+                   sees=None if sees is None else tuple(
+                       _text(h, f"{where}.sees[{i}]") for i, h in enumerate(sees)))
 
 
 _EVENT_KEYS = {"time", "action", "by", "machine", "reservation"}
@@ -316,21 +397,52 @@ class StoreState:
     events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     #: The wait queue, first come first served (version 2).
     queue: tuple[Waiter, ...] = ()
+    #: The reader's ``max_duration``: an expiry further ahead than that is bounded when
+    #: read (None: as written). Not in the file.
+    max_s: float | None = field(default=None, compare=False)
+
+    def ends(self, r: Reservation, now: datetime | None = None) -> datetime:
+        """When ``r`` ends for this reader: its expiry, or, when that is further ahead
+        than ``max_duration`` from now, its creation (at the latest now) + max_duration."""
+        if self.max_s is None:
+            return r.expires
+        now = now or utcnow()
+        limit = timedelta(seconds=self.max_s)
+        if r.expires <= now + limit:
+            return r.expires
+        return min(r.expires, min(r.created, now) + limit)
 
     def active(self, now: datetime | None = None) -> list[Reservation]:
+        """Unexpired reservations; one whose expiry was beyond ``max_duration`` comes with
+        ``expires`` bounded and ``beyond_max`` set (what every reader then goes by)."""
         now = now or utcnow()
-        return [r for r in self.reservations if r.active(now)]
+        if self.max_s is None:
+            return [r for r in self.reservations if r.active(now)]
+        out = []
+        for r in self.reservations:
+            end = self.ends(r, now)
+            if end > now:
+                out.append(r if end == r.expires else replace(r, expires=end, beyond_max=True))
+        return out
 
     def holder(self, host: str, gpu: int, now: datetime | None = None,
                instance: int | None = None) -> Reservation | None:
-        """The reservation of exactly this GPU (``instance`` None) or this instance."""
+        """The reservation of exactly this GPU (``instance`` None) or this instance; never
+        a share (a GPU may have several: ``shares.shares_of``)."""
         return next((r for r in self.active(now) if r.host == host and r.gpu == gpu
-                     and r.instance == instance), None)
+                     and r.instance == instance and r.share_mib is None), None)
 
     def overlapping(self, host: str, gpu: int, instance: int | None,
                     now: datetime | None = None) -> list[Reservation]:
         """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
         return [r for r in self.active(now) if r.covers(host, gpu, instance)]
+
+    def lapsed(self, now: datetime | None = None) -> list[Waiter]:
+        """Places still in the file that count for nobody (their lease ended, or lies
+        further ahead than any live waiter writes): listed so that they can be removed."""
+        now = now or utcnow()
+        live = {w.id for w in self.waiting(now)}
+        return [w for w in self.queue if w.id not in live]
 
     def waiting(self, now: datetime | None = None) -> list[Waiter]:
         """Waiters whose lease runs. A lease further ahead than MAX_LEASE_S was never
@@ -341,9 +453,18 @@ class StoreState:
         return [w for w in self.queue if now < w.lease <= latest]
 
     def to_json(self) -> str:
-        new = (bool(self.queue) or any(r.job is not None for r in self.reservations)
+        shares = (any(r.share_mib is not None for r in self.reservations)
+                  or any(w.share_mib for w in self.queue)
+                  or any("share_mib" in e.get("reservation", e.get("waiter", {}))
+                         for e in self.events))
+        # Fields an older gputop reads as a broken record: version 3 makes it say "upgrade
+        # gputop" instead (and leave the file untouched, as it does either way).
+        shares = shares or any(r.login is not None for r in self.reservations) or any(
+            w.sees is not None for w in self.queue) or any(
+            r.job is not None and r.job.runner is not None for r in self.reservations)
+        new = (shares or bool(self.queue) or any(r.job is not None for r in self.reservations)
                or any("waiter" in e or "job" in e["reservation"] for e in self.events))
-        doc: dict[str, Any] = {"version": FILE_VERSION if new else 1,
+        doc: dict[str, Any] = {"version": SHARES_VERSION if shares else 2 if new else 1,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
         if new:
@@ -352,14 +473,22 @@ class StoreState:
 
 
 def check_consistent(rs: tuple[Reservation, ...]) -> None:
-    """One record per id and per GPU: otherwise "release by id" and "who holds it" are
-    ambiguous, and a release could take away someone else's reservation."""
+    """One record per id and per GPU (a share: per GPU and holder): otherwise "release by
+    id" and "who holds it" are ambiguous, and a release could take away someone else's
+    reservation."""
     ids: set[str] = set()
     gpus: dict[tuple[str, int, int | None], int] = {}
+    shares: dict[tuple[str, int, str], int] = {}
     for i, r in enumerate(rs):
         if r.id in ids:
             raise ValueError(f"reservations[{i}].id: duplicate id {r.id[:40]!r}")
         ids.add(r.id)
+        if r.share_mib is not None:
+            j = shares.setdefault((r.host, r.gpu, r.user), i)
+            if j != i:
+                raise ValueError(f"reservations[{i}]: a second share of {r.host[:40]!r}:"
+                                 f"{r.gpu} for {r.user[:40]!r} (reservations[{j}] holds it)")
+            continue
         j = gpus.setdefault((r.host, r.gpu, r.instance), i)
         if j != i:
             raise ValueError(f"reservations[{i}]: a second reservation of "
@@ -436,6 +565,11 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
         check_consistent(rs)
         evs = tuple(check_event(e, f"events[{i}]") for i, e in enumerate(events))
         ws = tuple(Waiter.from_dict(w, f"queue[{i}]") for i, w in enumerate(queue))
+        if version < SHARES_VERSION and (
+                any(r.share_mib is not None for r in rs) or any(w.share_mib for w in ws)
+                or any("share_mib" in e.get("reservation", e.get("waiter", {}))
+                       for e in evs)):
+            raise ValueError(f"reservations: 'share_mib' needs version {SHARES_VERSION}")
         if len({w.id for w in ws}) != len(ws):
             raise ValueError("queue: duplicate waiter id")
     except ValueError as exc:
@@ -472,14 +606,36 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
-_THREAD_LOCKS: dict[str, threading.Lock] = {}
-_THREAD_LOCKS_GUARD = threading.Lock()
+def bounded_events(events: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
+    """The last MAX_EVENTS of each kind in KEPT_APART and of the rest, in file order."""
+    counts: dict[str, int] = {}
+    keep: list[dict[str, Any]] = []
+    for e in reversed(events):
+        kind = e.get("action") if e.get("action") in KEPT_APART else ""
+        n = counts.get(str(kind), 0)
+        if n < MAX_EVENTS:
+            counts[str(kind)] = n + 1
+            keep.append(e)
+    return tuple(reversed(keep)) if len(keep) != len(events) else events
+
+
+def kept(w: Waiter, now: datetime) -> bool:
+    """Whether a write keeps this waiter: a lapsed one for LAPSED_KEEP_S (its renewal may
+    take it back), a lease further ahead than MAX_LEASE_S (never written by a live waiter)
+    not at all."""
+    return now - timedelta(seconds=LAPSED_KEEP_S) < w.lease <= now + timedelta(
+        seconds=MAX_LEASE_S)
 
 
 class Store:
-    def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None,
+                 max_s: float | None = None) -> None:
         self.path = Path(path)
+        #: The reader's max_duration (at least MIN_BOUND_S): expiries further ahead are
+        #: bounded when read.
+        self.max_s = None if max_s is None else max(max_s, MIN_BOUND_S)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock = WriterLock(self.lock_path)
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
 
@@ -490,9 +646,9 @@ class Store:
             # O_NONBLOCK: a FIFO planted at the path must not hang every reader.
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
-            return StoreState()
+            return StoreState(max_s=self.max_s)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read it")) from None
+            raise StoreError(os_message(exc, self.path, "read it")) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -501,10 +657,11 @@ class Store:
             with os.fdopen(fd, "rb", closefd=False) as f:
                 raw = f.read(MAX_FILE_BYTES + 1)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, self.path, "read it")) from None
+            raise StoreError(os_message(exc, self.path, "read it")) from None
         finally:
             os.close(fd)
-        return decode(raw, self.path, st.st_size)
+        state = decode(raw, self.path, st.st_size)
+        return state if self.max_s is None else replace(state, max_s=self.max_s)
 
     # -- writing (under the lock) ----------------------------------------------------------
 
@@ -516,69 +673,43 @@ class Store:
         pruned on every write. ``timeout``: how long to wait for another writer's lock
         (default LOCK_TIMEOUT; a waiter renewing its lease waits up to the lease's end).
         """
-        with self._locked(LOCK_TIMEOUT if timeout is None else timeout):
-            state = self.read()
-            now = utcnow()
-            new = change(state, now)
-            new = replace(new, reservations=tuple(r for r in new.reservations if r.active(now)),
-                          events=new.events[-MAX_EVENTS:],
-                          queue=tuple(w for w in new.queue
-                                      if w.lease > now - timedelta(seconds=LAPSED_KEEP_S)))
-            if new != state:
-                self._write(encode(new, self.path))
-            return new
+        wait = LOCK_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            with self._locked(max(deadline - time.monotonic(), 0.0)) as held:
+                state = self.read()
+                now = utcnow()
+                new = change(state, now)
+                new = replace(new, reservations=tuple(r for r in new.reservations
+                                                      if new.ends(r, now) > now),
+                              events=bounded_events(new.events),
+                              queue=tuple(w for w in new.queue if kept(w, now)))
+                if new == state:
+                    return new
+                data = encode(new, self.path)
+                # Stalled inside the change (^Z, an NFS stall) while someone removed or
+                # replaced the lock file: another writer may have locked the new file and
+                # written meanwhile. Start again from the file as it is now.
+                if held():
+                    self._write(data)
+                    return new
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{wait:.3g}s; nothing was changed")
 
     @contextlib.contextmanager
-    def _locked(self, timeout: float) -> Iterator[None]:
+    def _locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        """Hold the writers' lock (see ``filelock.WriterLock``); yields whether it is still
+        the lock."""
         d = self.path.parent
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "create it")) from None
+            raise StoreError(os_message(exc, d, "create it")) from None
         self._check_nfs_once()
-        # POSIX record locks belong to the process, not the thread: two threads of one
-        # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
-        # One thread lock per lock file serialises them first.
-        with _THREAD_LOCKS_GUARD:
-            tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
-        if not tlock.acquire(timeout=max(timeout, 0.001)):
-            raise StoreError(f"{self.lock_path}: still locked by another writer "
-                             f"after {timeout:.3g}s")
-        try:
-            with self._file_locked(timeout):
-                yield
-        finally:
-            tlock.release()
-
-    @contextlib.contextmanager
-    def _file_locked(self, timeout: float) -> Iterator[None]:
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise StoreError(self._os_message(exc, self.lock_path, "open it")) from None
-        try:
-            self._make_group_writable(fd)
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno == errno.ENOLCK:
-                        raise StoreError(
-                            f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
-                            "concurrent writers could lose updates. Mount with locking "
-                            "enabled (no 'nolock') or use another path.") from None
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise StoreError(self._os_message(exc, self.lock_path, "lock it")) from None
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {timeout:.3g}s") from None
-                    time.sleep(0.005)
+        with self._lock.held(timeout) as held:
             self._remove_stale_temps()
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+            yield held
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent
@@ -586,10 +717,10 @@ class Store:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise StoreError(self._os_message(exc, d, "write a file in it")) from None
+            raise StoreError(os_message(exc, d, "write a file in it")) from None
         try:
             try:
-                self._make_group_writable(fd)
+                make_group_writable(fd)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -600,7 +731,7 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise StoreError(self._os_message(exc, self.path, "write it")) from None
+            raise StoreError(os_message(exc, self.path, "write it")) from None
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -617,16 +748,6 @@ class Store:
                     with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
-    @staticmethod
-    def _make_group_writable(fd: int) -> None:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            # A hard link planted at our path would make us chmod someone's own file.
-            return
-        if st.st_uid == os.geteuid() and (st.st_mode & 0o060) != 0o060:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o060)
-
     def _check_nfs_once(self) -> None:
         if self._nfs_checked:
             return
@@ -635,48 +756,9 @@ class Store:
         if problem:
             self._warn(problem)
 
-    @staticmethod
-    def _os_message(exc: OSError, path: Path, what: str) -> str:
-        if exc.errno in (errno.EACCES, errno.EPERM):
-            return (f"{path}: permission denied trying to {what}. Ask the owner to make it "
-                    "group-writable (chmod g+w) for your team's group, or set "
-                    "[reservations] path to a place you can write.")
-        if exc.errno == errno.ELOOP:
-            return f"{path}: is a symbolic link; gputop does not follow links for its files"
-        if exc.errno == errno.EROFS:
-            return f"{path}: read-only filesystem; set [reservations] path elsewhere"
-        return f"{path}: cannot {what}: {exc.strerror}"
-
-
-def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | None:
-    """A loud warning if ``directory`` is on an NFS mount whose locks are local-only."""
-    try:
-        lines = Path(mounts).read_text().splitlines()
-    except OSError:
-        return None
-    target = str(directory.resolve())
-    best: tuple[int, str, str] | None = None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and (
-                best is None or len(mnt) > best[0]):
-            best = (len(mnt), parts[2], parts[3])
-    if best is None or not best[1].startswith("nfs"):
-        return None
-    opts = best[2].split(",")
-    if "nolock" in opts or "local_lock=all" in opts or "local_lock=posix" in opts:
-        return (f"{directory} is on an NFS mount with local-only locking ({best[2]}): "
-                "writers on different machines can overwrite each other's reservations. "
-                "Remount without 'nolock'/'local_lock', or keep the file elsewhere.")
-    return None
-
-
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
                     seconds: float, uuid: str | None, note: str,
-                    instance: int | None = None) -> Reservation:
+                    instance: int | None = None, share_mib: int | None = None) -> Reservation:
     return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
                        created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note, instance=instance)
+                       note=note, instance=instance, share_mib=share_mib)

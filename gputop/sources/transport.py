@@ -504,5 +504,7 @@ class HostLink:
             return HostError("host-key", f"host key of {where} is {state}: {fix}")
         if err.kind == "auth" and isinstance(exc, asyncssh.PermissionDenied):
             return HostError("auth", f"authentication refused for user {opts.username!r} "
-                                     f"on {where}")
+                                     f"on {where}: `ssh {self.name}` must log in without a "
+                                     "prompt (a key in ssh-agent or an IdentityFile in "
+                                     "~/.ssh/config)")
         return err

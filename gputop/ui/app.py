@@ -33,8 +33,9 @@ from textual.worker import Worker
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release
 from gputop.reservations.ops import whoami
+from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.text import clean, excerpt
@@ -46,6 +47,7 @@ from gputop.ui.board_model import (
     host_of,
     short_model,
     split_instance,
+    split_share,
 )
 from gputop.ui.cells import Palette, time_left
 from gputop.ui.feed import BoardSource, FeedThread
@@ -139,8 +141,10 @@ class GputopApp(App[int]):
         self.me = user or whoami()[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
-                                idle_grace_s=config.idle_grace_s, clock=clock, me=self.me)
-        self.store = Store(config.reservations_path, warn=self._warn)
+                                idle_grace_s=config.idle_grace_s,
+                                share_grace_s=config.share_grace_s, clock=clock, me=self.me)
+        self.store = Store(config.reservations_path, warn=self._warn,
+                           max_s=config.reservation_max_s)
         self._store_sig: tuple[int, int, int] | None = None
         self._state: StoreState | None = None
         self._waiting: Worker[None] | None = None
@@ -588,6 +592,9 @@ class GputopApp(App[int]):
         if not isinstance(row, GpuRow) or row.gpu.index is None:
             self.notify("select a GPU row to reserve", severity="warning")
             return
+        if row.shares or row.share is not None:  # a shared GPU: `r` offers a share of it
+            self._ask_share(row)
+            return
         holder = row.reservation
         if holder is not None and holder.user != self.me:
             note = f" ({clean(holder.note)})" if holder.note else ""
@@ -602,11 +609,18 @@ class GputopApp(App[int]):
             if req is not None:
                 self._reserve_checked(key, label, req)
 
+        shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
+
         def ask() -> None:
             self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about), done)
+                                           self.config.reservation_max_s, about,
+                                           "optional" if shareable else None), done)
 
-        others = [p for p in row.gpu.processes if clean(p.user) != self.me]
+        from gputop.jobs.remote import login_on
+
+        host = next((h for h in self.config.hosts if h.name == row.host), None)
+        mine = {self.me} | ({login_on(self.config, host)} if host is not None else set())
+        others = [p for p in row.gpu.processes if clean(p.user) not in mine]
         if not others:
             ask()
             return
@@ -620,6 +634,25 @@ class GputopApp(App[int]):
         q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
         self.push_screen(ConfirmScreen(q, "Reserve anyway"),
                          lambda yes: ask() if yes else None)
+
+    def _ask_share(self, row: GpuRow) -> None:
+        """`r` on a shared GPU (or one of its shares): a share of it, or yours resized."""
+        g = row.gpu
+        shares = row.shares or next((r.shares for r in self.model.rows()
+                                     if isinstance(r, GpuRow)
+                                     and r.key == split_share(row.key)[0]), ())
+        rest = "?" if g.memory_total_mib is None else size_text(
+            room_mib(g.memory_total_mib, shares, but=self.me))
+        key, label = split_share(row.key)[0], f"{clean(row.host)}:{g.index}"
+        about = f"{short_model(g.name)}  {clean(g.uuid) or 'no uuid'}"
+
+        def done(req: ReserveRequest | None) -> None:
+            if req is not None:
+                self._reserve_checked(key, label, req)
+
+        self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
+                                       self.config.reservation_max_s, about, "required",
+                                       rest), done)
 
     def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
         """The dialog was open a while: reserve only if the latest data still shows the GPU
@@ -638,27 +671,61 @@ class GputopApp(App[int]):
             problem = f"{label} is gone from {clean(host)}"
         elif now_label != label:
             problem = f"{label} is now {now_label} (renumbered)"
+        elif req.share_mib is not None and gpu.memory_total_mib is None:
+            problem = f"{label} does not report its memory"
         else:
-            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req)
+            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req, gpu.memory_total_mib)
             return
         self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
     @work(group="store")
-    async def _reserve(self, target: Target, req: ReserveRequest) -> None:
+    async def _reserve(self, target: Target, req: ReserveRequest,
+                       total_mib: int | None = None) -> None:
+        from gputop.jobs.remote import logins
+        from gputop.reservations.ops import reserve_outcomes
+        from gputop.reservations.queue import queue_claim
+
         try:
-            await asyncio.to_thread(
-                reserve, self.store, [target], seconds=req.seconds,
-                max_seconds=self.config.reservation_max_s, note=req.note, user=self.me)
+            if req.share_mib is not None:
+                # The queue's order rule for shares, as for `gputop reserve --share`.
+                from gputop.reservations.queue import share_claim
+
+                claim = share_claim([h.name for h in self.config.hosts],
+                                    [h for _, h in self.model.snapshots.items()],
+                                    req.share_mib, self.me, target)
+                await asyncio.to_thread(
+                    reserve_share, self.store, target, req.share_mib, total_mib or 0,
+                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
+                    note=req.note, user=self.me, check=claim)
+            else:
+                # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use
+                # is theirs to wait for (refused, naming them).
+                check = queue_claim([target], dict(self.model.snapshots),
+                                    [h.name for h in self.config.hosts], self.me)
+                await asyncio.to_thread(
+                    reserve_outcomes, self.store, [target], seconds=req.seconds,
+                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
+                    check=check, login=logins(self.config))
         except Refused as exc:
             self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
         except (Invalid, StoreError) as exc:
             self.notify(str(exc), severity="error", markup=False, timeout=6)
             return
-        self._store_changed(f"reserved {clean(target.label)}")
+        self._store_changed(f"reserved {clean(target.label)}" + (
+            "" if req.share_mib is None else f" (a {size_text(req.share_mib)} share)"))
 
     def action_release(self) -> None:
         row = self._selected()
+        if isinstance(row, GpuRow) and row.gpu.index is not None and (
+                row.shares or row.share is not None):  # a shared GPU: your share of it
+            shares = row.shares or ((row.share,) if row.share else ())
+            if not any(r.user == self.me for r in shares) and (
+                    row.share is None or row.share.user != self.me):
+                self.notify("you hold no share of the selected GPU", severity="warning")
+                return
+            self._release(Target(row.host, row.gpu.index))
+            return
         if not isinstance(row, GpuRow) or row.reservation is None:
             self.notify("no reservation on the selected GPU", severity="warning")
             return

@@ -21,6 +21,7 @@ from typing import Literal
 from gputop.model import GpuInfo, HostSnapshot, MigInstance, utcnow
 from gputop.reservations.flags import (
     IDLE_GRACE_S,
+    SHARE_GRACE_S,
     IdleTracker,
     gpu_flags,
     instance_index,
@@ -28,7 +29,9 @@ from gputop.reservations.flags import (
     instance_view,
     is_free,
     reservation_index,
+    share_flags,
 )
+from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 
@@ -81,6 +84,16 @@ def host_of(key: str) -> str:
 INSTANCE_SEP = "\x00/"
 
 
+#: A share row's key is its GPU's key, this, and the share's holder.
+SHARE_SEP = "\x00~"
+
+
+def split_share(key: str) -> tuple[str, str | None]:
+    """(the GPU's key, the share's holder) of a row key; None for any other row."""
+    gpu, sep, user = key.rpartition(SHARE_SEP)
+    return (gpu, user) if sep else (key, None)
+
+
 def split_instance(key: str) -> tuple[str, int | None]:
     """(the GPU's key, GPU instance id) of a row key; None for a GPU row."""
     gpu, sep, gi = key.rpartition(INSTANCE_SEP)
@@ -103,6 +116,10 @@ class GpuRow:
     #: A MIG instance row: ``gpu`` is then the instance seen as a GPU (its processes and
     #: memory, no utilisation), right under its GPU's row.
     instance: MigInstance | None = None
+    #: A shared GPU's row: its shares (the rows under it show one each).
+    shares: tuple[Reservation, ...] = ()
+    #: A share row (``gpu`` is its GPU): one holder's share, under its GPU's row.
+    share: Reservation | None = None
 
     @property
     def label(self) -> str:
@@ -224,6 +241,9 @@ class _HostRows:
                 words = [r.gpu.name or "", *r.users]
                 if r.reservation:
                     words.append(r.reservation.user)
+                words += [s.user for s in r.shares]
+                if r.share is not None:
+                    words.append(r.share.user)
                 hays.append(SEP.join(w.lower() for w in words))
             hays.append(SEP.join(hays))
             self._hays = hays
@@ -244,9 +264,11 @@ class _HostRows:
                 if row.instance is not None:  # MIG: its GPU counts, once
                     c.instances += 1
                     continue
+                if row.share is not None:  # a share: its GPU counts, once
+                    continue
                 g = row.gpu
                 c.gpus += 1
-                if row.reservation is not None:
+                if row.reservation is not None or row.shares:
                     c.reserved += 1
                 elif row.free:
                     c.free += 1
@@ -270,6 +292,7 @@ class BoardModel:
     interval: float = 2.0
     idle_holder_s: float = 1800.0
     idle_grace_s: float = IDLE_GRACE_S
+    share_grace_s: float = SHARE_GRACE_S
     clock: Callable[[], datetime] = utcnow
     me: str = ""
     snapshots: dict[str, HostSnapshot] = field(default_factory=dict)
@@ -286,7 +309,9 @@ class BoardModel:
     collapsed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.tracker = IdleTracker(self.idle_holder_s, self.idle_grace_s)
+        self.tracker = IdleTracker(self.idle_holder_s, self.idle_grace_s, self.share_grace_s)
+        self._shared: tuple[object, dict[tuple[str, int], tuple[Reservation, ...]]] = (
+            None, {})
         #: Bumped on every change a row's look depends on, so the table can skip rows whose
         #: inputs did not change (most of them: hosts answer one at a time).
         self.host_version: dict[str, int] = {}
@@ -395,7 +420,12 @@ class BoardModel:
         rows = []
         tracker = self.tracker
         idle_since = tracker.idle_since  # (most GPUs are not in it: no call for them)
+        shared = self._share_index(now)
         for g, gkey in zip(snap.gpus, keys[1]):
+            sh = shared.get((host, g.index)) if shared and g.index is not None else None
+            if sh:
+                rows.extend(self._shared_rows(host, g, gkey, sh, stale, now))
+                continue
             r = held.get((host, g.index)) if held and g.index is not None else None
             idle = ((host, g.index) in idle_since
                     and tracker.is_idle_holder(host, g.index, now))
@@ -416,6 +446,27 @@ class BoardModel:
         if self.filter_text.strip():  # while filtering, the words are worked out here (as
             out.hays()  # the host answers: see warm), not in the next keystroke
         return out
+
+    def _share_index(self, now: datetime) -> dict[tuple[str, int], tuple[Reservation, ...]]:
+        """The shares by GPU, worked out once per state and second (not per host)."""
+        key = (self.state_version, id(self.state), int(now.timestamp()))
+        if self._shared[0] != key:
+            self._shared = (key, share_index(self.state, now))
+        return self._shared[1]
+
+    def _shared_rows(self, host: str, g: GpuInfo, gkey: str,
+                     shares: tuple[Reservation, ...], stale: bool, now: datetime
+                     ) -> list[GpuRow]:
+        """A shared GPU's row (its flags; never free: it is not whole), then one row per
+        share: its holder, size, what the holder's processes use, time left, flags."""
+        flags, per = share_flags(host, g, shares, self.tracker, now)
+        if (host, g.index) in self.tracker.idle_since and self.tracker.is_idle_holder(
+                host, g.index, now):
+            flags.append("idle-holder")
+        rows = [GpuRow(host, gkey, g, None, flags, stale, False, shares=shares)]
+        rows += [GpuRow(host, f"{gkey}{SHARE_SEP}{r.user}", g, None, f, stale, False,
+                        share=r) for r, f in zip(shares, per)]
+        return rows
 
     def _words(self, host: str, row: GpuRow | None) -> list[str]:
         snap = self.snapshots.get(host)

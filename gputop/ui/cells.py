@@ -14,6 +14,7 @@ from rich.text import Text
 
 from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration
+from gputop.reservations.shares import holder_use_mib, room_mib, size_text
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import GpuRow, HostRow, Row, short_model
 
@@ -58,6 +59,7 @@ SHORT_FLAG_LABELS = {
     "idle-holder": "◔ idle hold",
     "lost": "✖ lost",
     "renumbered": "⚠ new index",
+    "over-share": "▲ over share",
 }
 FLAG_LABELS = {
     "unreserved-use": "⚠ unreserved use",
@@ -65,6 +67,7 @@ FLAG_LABELS = {
     "idle-holder": "◔ idle holder",
     "lost": "✖ lost",
     "renumbered": "⚠ renumbered",
+    "over-share": "▲ over its share",
 }
 
 
@@ -140,10 +143,39 @@ def time_left(r_expires: datetime, now: datetime) -> str:
     return format_duration(max(0.0, (r_expires - now).total_seconds()))
 
 
+def share_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
+                ) -> tuple[Text, ...]:
+    """A share row, under its GPU: "share 30G", what the holder's processes use of it,
+    the holder, the time left, the share's own flags."""
+    r = row.share
+    assert r is not None
+    size = r.share_mib or 0
+    used = holder_use_mib(row.gpu, r.user)
+    label = Text("   ↳ ", style="bold")
+    label.append(f"share {size_text(size)}", style=p.reserved)
+    frac = used / size if size else None
+    mem = bar(frac, 2 if narrow else 5, p.error if used > size else p.busy)
+    mem.append(f" {gib(used)}/{gib(size)}G")
+    labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS
+    flags = Text(" ".join(labels.get(f, f) for f in row.flags),
+                 style=p.error if row.flags else "")
+    left = time_left(r.expires, now)  # the user gives way, not the time
+    room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
+    cells: tuple[Text, ...] = (label, Text(""), mem, Text(clean(r.user)),
+                               Text(f"{fit(clean(r.user), room)} {left}", style=p.reserved))
+    cells += (flags,) if narrow else (Text(""), Text(""), flags)
+    if row.stale:
+        for c in cells:
+            c.stylize("dim")
+    return cells
+
+
 def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
               ) -> tuple[Text, ...]:
+    if row.share is not None:
+        return share_cells(row, now, p, narrow)
     g = row.gpu
-    if row.reservation is not None:
+    if row.reservation is not None or row.shares:
         label_style = p.reserved
     elif row.free:
         label_style = p.free
@@ -175,6 +207,10 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
         left = time_left(row.reservation.expires, now)  # the user gives way, not the time
         room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
         resv = Text(f"{fit(clean(row.reservation.user), room)} {left}", style=p.reserved)
+    elif row.shares:  # the rows under it say who holds what; here: the unshared rest
+        rest = (None if g.memory_total_mib is None else
+                room_mib(g.memory_total_mib, row.shares))
+        resv = Text(f"{'?' if rest is None else size_text(rest)} left", style=p.reserved)
     temp = Text("" if g.temperature_c is None or inst else f"{g.temperature_c}°")
     power = Text("" if inst else power_text(g))
     labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS

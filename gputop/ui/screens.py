@@ -15,6 +15,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from gputop.config import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.store import Waiter
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import UserLoad
@@ -44,26 +45,47 @@ class Dialog(ModalScreen[ResultT]):
 class ReserveRequest:
     seconds: float
     note: str
+    #: A memory share of the GPU (MiB); None: the whole GPU.
+    share_mib: int | None = None
 
 
 class ReserveScreen(Dialog[ReserveRequest | None]):
-    """Duration and note for a reservation of one GPU."""
+    """Duration and note for a reservation of one GPU, and (``share``) the size of a
+    memory share of it: ``"optional"`` (empty: the whole GPU), ``"required"`` (the GPU is
+    shared already; ``share_room`` says what is left), None (a MIG GPU or instance)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, target: str, default_s: float, max_s: float, about: str = "") -> None:
+    def __init__(self, target: str, default_s: float, max_s: float, about: str = "",
+                 share: str | None = None, share_room: str = "") -> None:
         super().__init__()
         self.target, self.default_s, self.max_s, self.about = target, default_s, max_s, about
+        self.share, self.share_room = share, share_room
 
     def compose(self) -> ComposeResult:
         with Vertical(id="reserve-dialog"):
-            yield Label(Text(f"Reserve {self.target}"), id="reserve-title")
+            title = (f"A share of {self.target} ({self.share_room} left unshared)"
+                     if self.share == "required" else f"Reserve {self.target}")
+            yield Label(Text(title), id="reserve-title")
             if self.about:  # which GPU exactly: model and uuid, as the board last saw it
                 yield Label(Text(self.about), id="reserve-about")
-            yield Label(Text(f"For how long? (e.g. 90m, 2h, 1d; at most "
-                             f"{format_duration(self.max_s)})"))
-            yield Input(value=format_duration(self.default_s).replace("h00m", "h"),
-                        id="reserve-duration")
+            how_long = (f"For how long? (e.g. 90m, 2h, 1d; at most "
+                        f"{format_duration(self.max_s)})")
+            duration = Input(value=format_duration(self.default_s).replace("h00m", "h"),
+                             id="reserve-duration")
+            if self.share is None:
+                yield Label(Text(how_long))
+                yield duration
+            else:  # side by side: the dialog is no taller (it fits 80x24)
+                with Horizontal(id="reserve-row"):
+                    with Vertical():
+                        yield Label(Text(f"How long? (at most {format_duration(self.max_s)})"))
+                        yield duration
+                    with Vertical():
+                        yield Label(Text("Share of its memory"))
+                        yield Input(placeholder="e.g. 16G" if self.share == "required"
+                                    else "whole GPU; e.g. 16G", id="reserve-share",
+                                    max_length=20)
             yield Label("Note for your team (optional)")
             yield Input(placeholder="what it is for", id="reserve-note", max_length=500)
             yield Static("", id="reserve-error")
@@ -87,10 +109,15 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
             if seconds > self.max_s:
                 raise Invalid(f"at most {format_duration(self.max_s)}")
             note = check_note(self.query_one("#reserve-note", Input).value.strip())
+            share = None
+            if self.share is not None:
+                text = self.query_one("#reserve-share", Input).value.strip()
+                if text or self.share == "required":
+                    share = parse_size_mib(text or "?")
         except ValueError as exc:
             error.update(Text(str(exc)))
             return
-        self.dismiss(ReserveRequest(seconds, note))
+        self.dismiss(ReserveRequest(seconds, note, share))
 
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -122,7 +149,8 @@ gputop: every GPU on your team's servers, live.
 Colours: free · busy · reserved · error. Dim rows are stale: the
 host has not answered for a few refreshes. Flags: ⚠ unreserved use
 (someone else runs on a reserved GPU), ◌ idle reservation (reserved,
-nothing running), ◔ idle holder (memory held at ~0% load for long).
+nothing running), ◔ idle holder (memory held at ~0% load for long),
+▲ over its share (a holder of a memory share of it uses more).
 c reconnects the selected host at once, skipping its retry wait;
 w: per person, the GPUs they run on or reserved, and what runs.
 

@@ -15,6 +15,7 @@ from textual.widgets import Static
 
 from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration, local_time
+from gputop.reservations.shares import holder_use_mib, room_mib, size_text
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel, GpuRow, HostRow, Row, Summary, short_model
 from gputop.ui.cells import FLAG_LABELS, Palette, gib, gpu_count_text, power_text
@@ -203,6 +204,8 @@ class DetailPane(Vertical):
                      f"{local_time(r.expires)}, {left} left")
             if r.note:
                 t.append(f"\nnote: {clean(r.note)}")
+        elif row.shares or row.share is not None:
+            t.append(share_text(row, now))
         else:
             t.append("\nnot reserved")
         if row.flags:
@@ -285,3 +288,22 @@ class DetailPane(Vertical):
             t.append(f"\n⚠ {clean(w)}", style="bold")
         t.append("\nSelect one of its GPUs for processes and history; enter folds the host.")
         return t
+
+
+def share_text(row: GpuRow, now: datetime) -> Text:
+    """A shared GPU's shares in the details: holder, size, what the holder's processes use
+    now, time left, note; then the unshared rest."""
+    g = row.gpu
+    shares = row.shares or ((row.share,) if row.share is not None else ())
+    t = Text()
+    for r in shares:
+        left = format_duration((r.expires - now).total_seconds())
+        used = holder_use_mib(g, r.user)
+        t.append(f"\nshare {size_text(r.share_mib or 0)}: {clean(r.user)} (from "
+                 f"{clean(r.machine)}) uses {size_text(used) if used else 'nothing'}, until "
+                 f"{local_time(r.expires)}, {left} left"
+                 + (f"; note: {clean(r.note)}" if r.note else ""))
+    if row.shares and g.memory_total_mib is not None:
+        t.append(f"\nunshared: {size_text(room_mib(g.memory_total_mib, row.shares))} of "
+                 f"{size_text(g.memory_total_mib)} (r takes a share of it)")
+    return t

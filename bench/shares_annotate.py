@@ -1,0 +1,76 @@
+"""What memory shares cost ``--json --watch``'s document: ``dumps(annotate(...))`` of N
+simulated hosts x G GPUs, with a reservations file of a few whole reservations (the common
+case: no share) or with S shared GPUs. ``--watch`` builds this document every interval.
+Point ``--src`` at another checkout (one without shares) to compare; run the two
+alternately. Prints one JSON line: the best of ``--runs``, per document.
+
+    python bench/shares_annotate.py --hosts 200 --gpus 4 [--shares 20] [--src ../main]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=200)
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--shares", type=int, default=0, help="shared GPUs (3 shares each)")
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--docs", type=int, default=20, help="documents per run")
+    ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
+                    help="the checkout whose gputop to time")
+    args = ap.parse_args()
+    sys.path.insert(0, args.src)
+
+    from gputop.config import Config, HostConfig
+    from gputop.model import FleetSnapshot, utcnow
+    from gputop.output import dumps
+    from gputop.poller import Poller
+    from gputop.reservations.flags import IdleTracker, annotate
+    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.sources.demo import DemoSource
+
+    names = [f"node{i:04d}" for i in range(args.hosts)]
+    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
+                 timeout=5.0, reservations_path=Path("/nonexistent/reservations.json"))
+    poller = Poller(cfg, sources)
+
+    async def answers() -> FleetSnapshot:
+        return FleetSnapshot(tuple([await poller.poll_host(s) for s in sources]))
+
+    snap = asyncio.run(answers())
+    now = utcnow()
+    rs = [new_reservation(names[i], 0, f"user{i}", "m", now, 3600, None, "")
+          for i in range(0, args.hosts, 10)]
+    for i in range(args.shares):
+        for k in range(3):
+            rs.append(new_reservation(names[(i * 7 + 3) % args.hosts], 1, f"sharer{k}", "m",
+                                      now, 3600, None, "", share_mib=16384))
+    state = StoreState(tuple(rs))
+    tracker = IdleTracker(1800, 900)
+    for h in snap.hosts:
+        tracker.observe(h)
+    best = []
+    gc.disable()
+    for _ in range(args.runs):
+        gc.collect()
+        start = time.perf_counter()
+        for _ in range(args.docs):
+            dumps(annotate(snap, state, tracker))
+        best.append((time.perf_counter() - start) / args.docs)
+    print(json.dumps({"src": args.src, "hosts": args.hosts, "gpus": args.gpus,
+                      "shares": args.shares, "doc_ms_best": round(min(best) * 1000, 3),
+                      "doc_ms_median": round(sorted(best)[len(best) // 2] * 1000, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The shared file's writers' lock and what its filesystem says: a POSIX lock on a separate,
+permanent lock file (a thread lock per file first: POSIX locks belong to the process), which
+stays a lock when its file is removed or replaced (the locked file must be the one at the
+lock path, checked after locking and again before a write lands); permission, link and
+NFS messages that say what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
+
+
+class StoreError(Exception):
+    """The store cannot be used as it is: bad file, permissions, lock. Exit code 2."""
+
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+class WriterLock:
+    """The lock at ``path`` (``reservations.json.lock``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock_path = path
+
+    @contextlib.contextmanager
+    def held(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        """Hold the writers' lock; yields a check that it is still the lock (the locked
+        file is still the one at the lock path)."""
+        # POSIX record locks belong to the process, not the thread: two threads of one
+        # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
+        # One thread lock per lock file serialises them first.
+        with _THREAD_LOCKS_GUARD:
+            tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
+        if not tlock.acquire(timeout=max(timeout, 0.001)):
+            raise StoreError(f"{self.lock_path}: still locked by another writer "
+                             f"after {timeout:.3g}s")
+        try:
+            with self._file_locked(timeout) as held:
+                yield held
+        finally:
+            tlock.release()
+
+    @contextlib.contextmanager
+    def _file_locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._lock_fd(deadline, timeout)
+            if self._same_file(fd):
+                break
+            # The file we locked was removed (or replaced) meanwhile: a writer that opens
+            # the path now locks another file, so this lock excludes nobody. Again.
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{timeout:.3g}s; nothing was changed")
+            time.sleep(0.005)
+        try:
+            yield lambda: self._same_file(fd)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            path = os.stat(self.lock_path, follow_symlinks=False)
+        except OSError:
+            return False
+        st = os.fstat(fd)
+        return (path.st_dev, path.st_ino) == (st.st_dev, st.st_ino)
+
+    def _lock_fd(self, deadline: float, timeout: float) -> int:
+        """The lock file, open and locked (waiting until ``deadline``)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        try:
+            make_group_writable(fd)
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    if exc.errno == errno.ENOLCK:
+                        raise StoreError(
+                            f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
+                            "concurrent writers could lose updates. Mount with locking "
+                            "enabled (no 'nolock') or use another path.") from None
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.lock_path}: still locked by another writer "
+                                         f"after {timeout:.3g}s") from None
+                    time.sleep(0.005)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def make_group_writable(fd: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        # A hard link planted at our path would make us chmod someone's own file.
+        return
+    if st.st_uid == os.geteuid() and (st.st_mode & 0o060) != 0o060:
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o060)
+
+
+def os_message(exc: OSError, path: Path, what: str) -> str:
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"{path}: permission denied trying to {what}. Ask the owner to make it "
+                "group-writable (chmod g+w) for your team's group, or set "
+                "[reservations] path to a place you can write.")
+    if exc.errno == errno.ELOOP:
+        return f"{path}: is a symbolic link; gputop does not follow links for its files"
+    if exc.errno == errno.EROFS:
+        return f"{path}: read-only filesystem; set [reservations] path elsewhere"
+    return f"{path}: cannot {what}: {exc.strerror}"
+
+
+def nfs_lock_problem(directory: Path, mounts: str = "/proc/mounts") -> str | None:
+    """A loud warning if ``directory`` is on an NFS mount whose locks are local-only."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    target = str(directory.resolve())
+    best: tuple[int, str, str] | None = None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and (
+                best is None or len(mnt) > best[0]):
+            best = (len(mnt), parts[2], parts[3])
+    if best is None or not best[1].startswith("nfs"):
+        return None
+    opts = best[2].split(",")
+    if "nolock" in opts or "local_lock=all" in opts or "local_lock=posix" in opts:
+        return (f"{directory} is on an NFS mount with local-only locking ({best[2]}): "
+                "writers on different machines can overwrite each other's reservations. "
+                "Remount without 'nolock'/'local_lock', or keep the file elsewhere.")
+    return None
