@@ -234,38 +234,6 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
                               "using": 0}, {"user": "u", "held": [], "using": 1}]
 
 
-def test_sorted_views_move_only_rows_out_of_place(page: Any) -> None:
-    """view.js's reorder: any new order (rows added, dropped, moved) comes out exact, and a
-    row moved from the end to the front is one move, not a rebuild."""
-    got = page.execute_async_script("""
-        const done = arguments[arguments.length - 1];
-        import('/static/view.js').then(({reorder}) => {
-          const box = document.createElement('div');
-          let seed = 7;
-          const rnd = (n) => (seed = (seed * 1103515245 + 12345) % 2147483648) % n;
-          const pool = Array.from({length: 60}, (_, i) => {
-            const e = document.createElement('p'); e.id = 'r' + i; return e; });
-          let bad = 0;
-          for (let t = 0; t < 200; t++) {
-            const want = pool.filter(() => rnd(4) > 0);
-            for (let i = want.length - 1; i > 0; i--) {
-              if (rnd(3) === 0) { const j = rnd(i + 1); [want[i], want[j]] = [want[j], want[i]]; }
-            }
-            reorder(box, want);
-            const now = [...box.children];
-            if (now.length !== want.length || now.some((c, i) => c !== want[i])) bad++;
-          }
-          reorder(box, pool);
-          let moves = 0;
-          new MutationObserver((m) => { for (const r of m) moves += r.addedNodes.length; })
-            .observe(box, {childList: true});
-          reorder(box, [pool[59], ...pool.slice(0, 59)]);
-          setTimeout(() => done({bad, moves, first: box.firstChild.id}), 0);
-        }, (e) => done(String(e)));
-    """)
-    assert got == {"bad": 0, "moves": 1, "first": "r59"}
-
-
 def test_hostile_strings_are_literal_text(page: Any, hub: Hub) -> None:
     from selenium.common.exceptions import NoAlertPresentException
 
@@ -470,6 +438,43 @@ def test_memory_holds_over_many_updates(big: tuple[DocHub, Any, dict[str, Any]])
     assert heap2 <= heap1 * 1.10 + 2e6
     assert nodes2 <= nodes1 * 1.02 + 200
     assert objs2 <= objs1 * 1.01 + 100
+
+
+def test_sorted_views_keep_their_order_without_moving_rows(tmp_path: Path) -> None:
+    """Sorted by utilisation: the rows as the screen shows them (top to bottom) are in
+    order after every update, and updates move no row in the document (CSS order)."""
+    import random
+
+    _need_chromium()
+    doc = fleet_doc(12, 4, seed=5)
+    h = DocHub(doc, tmp_path)
+    b = browser(1400, 900)
+    rnd = random.Random(3)
+    try:
+        b.get(h.url + "?sort=utilization")
+        wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live")
+        b.execute_script("""window.moved = 0; new MutationObserver((m) => {
+            for (const r of m) window.moved += r.addedNodes.length + r.removedNodes.length; })
+            .observe(document.getElementById('flat'), {childList: true});""")
+        seen = b.execute_script("return window.gputopBoard.updates")
+        for i in range(8):
+            h.publish(churn(doc, rnd, 6))
+            wait(b, "return window.gputopBoard.updates >= arguments[0]", "update", 10,
+                 seen + i + 1)
+            shown = b.execute_script("""return [...document.querySelectorAll('#flat > .gpu')]
+                .filter((g) => !g.hidden)
+                .map((g) => [g.getBoundingClientRect().top,
+                             g.querySelector('.hostcell').textContent,
+                             g.querySelector('.idx').textContent])
+                .sort((x, y) => x[0] - y[0]).map((x) => x[1] + ':' + x[2]);""")
+            util = {f"{x['name']}:{g['index']}": g["utilization_percent"]
+                    for x in doc["hosts"] for g in x["gpus"]}
+            want = sorted(util, key=lambda k: (-util[k], k.split(":")[0], int(k.split(":")[1])))
+            assert shown == want
+        assert b.execute_script("return window.moved") == 0
+    finally:
+        b.quit()
+        h.stop()
 
 
 def test_a_hub_with_a_token_asks_for_it_once(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import {
   terms, writeState,
 } from "./data.js";
 import { renderPeople, renderQueue, renderWaste } from "./panels.js";
-import { HostView, reorder } from "./view.js";
+import { HostView } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
 const WATCHDOG_S = 30; // no event for this long: ask /-/healthy whether the hub still lives
@@ -278,7 +278,9 @@ function applyView(names, placed) {
   drawConn();
 }
 
-/** The sorted views: every kept row in one list, in sort order (moved only on change). */
+/** The sorted views: every kept row in one list, in sort order. The list is a flex column
+ * and each row's place is its CSS ``order``: a new order writes the places that changed,
+ * and no row is moved in the document (moving 1,600 rows costs 40 ms; this, a few). */
 function placeFlat() {
   const rows = [];
   for (const n of board.order) {
@@ -288,10 +290,18 @@ function placeFlat() {
   }
   rows.sort(compareRows(state.sort));
   const key = rows.map((x) => `${x.host}\0${x.index}`).join("\n");
-  const box = $("flat");
-  if (key !== board.flatKey || box.children.length !== rows.length) {
+  if (key !== board.flatKey) {
     board.flatKey = key;
-    reorder(box, rows.map((x) => x.r.el));
+    const box = $("flat");
+    const add = [];
+    rows.forEach((x, i) => {
+      if (x.r.el.parentNode !== box) add.push(x.r.el);
+      if (x.r.place !== i) {
+        x.r.place = i;
+        x.r.el.style.order = String(i);
+      }
+    });
+    if (add.length) box.append(...add);
   }
   return rows.length > 0;
 }

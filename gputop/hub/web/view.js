@@ -204,6 +204,7 @@ export class GpuView {
     this.freeMib = -1;
     this.index = 0;
     this.look = "";
+    this.place = -1; // its CSS order in the sorted views
     this.seen = false;
     this.drawn = false;
     this.pending = null;
@@ -426,44 +427,6 @@ export class HostView {
         : `last answered ${clock(this.lastOk)} (${duration((now - this.lastOk) / 1000)} ago)`);
     }
     for (const r of this.rows.values()) r.tick(now);
-  }
-}
-
-/** Indexes into ``pos`` of a longest increasing run of its values (-1: none), in order. */
-function longestRun(pos) {
-  const tails = []; // tails[k]: index in pos of the smallest tail of a run of length k+1
-  const prev = new Array(pos.length).fill(-1);
-  for (let i = 0; i < pos.length; i++) {
-    const v = pos[i];
-    if (v < 0) continue;
-    let lo = 0, hi = tails.length;
-    while (lo < hi) {
-      const mid = (lo + hi) >> 1;
-      if (pos[tails[mid]] < v) lo = mid + 1;
-      else hi = mid;
-    }
-    if (lo > 0) prev[i] = tails[lo - 1];
-    tails[lo] = i;
-  }
-  const keep = new Set();
-  for (let i = tails.length ? tails[tails.length - 1] : -1; i >= 0; i = prev[i]) keep.add(i);
-  return keep;
-}
-
-/** ``box``'s children made ``els``, in order, with the fewest moves: the longest run
- * already in order stays put, only the others are moved (a sorted view whose order
- * changed in a few places moves a few rows, not all of them). */
-export function reorder(box, els) {
-  const want = new Set(els);
-  for (const c of [...box.children]) if (!want.has(c)) c.remove();
-  const old = new Map();
-  let n = 0;
-  for (const c of box.children) old.set(c, n++);
-  const keep = longestRun(els.map((e) => old.get(e) ?? -1));
-  let next = null;
-  for (let k = els.length - 1; k >= 0; k--) {
-    if (!keep.has(k)) box.insertBefore(els[k], next);
-    next = els[k];
   }
 }
 
