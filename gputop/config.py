@@ -108,6 +108,10 @@ class Config:
     reservations_path: Path = field(
         default_factory=lambda: Path(platformdirs.user_data_dir(APP)) / "reservations.json"
     )
+    #: ``[reservations] path = "HOST:/abs/path"``: the file lives on ``HOST`` (an SSH
+    #: destination, or a configured host's name) and is read and written over SSH; then
+    #: ``reservations_path`` is that absolute path on ``HOST``.
+    reservations_host: str | None = None
     reservation_default_s: float = 4 * 3600.0
     reservation_max_s: float = 7 * 86400.0
     #: How long a GPU must hold memory at ~0 % utilisation to be flagged ``idle-holder``.
@@ -176,10 +180,15 @@ NO_CONFIG_HINT = (
 def load_config(cli_path: str | None = None) -> Config:
     path = find_config(cli_path)
     if path is None:
+        remote = split_remote(os.environ.get(ENV_RESERVATIONS) or "")
+        problem = remote_problem(*remote) if remote else None
+        if problem:
+            raise ConfigError(f"${ENV_RESERVATIONS}", None, problem)
         return Config(
             path=None,
             hosts=(HostConfig(name="localhost", local=True),),
             reservations_path=_reservations_path(None, None),
+            reservations_host=_reservations_host(None, None),
             implicit=True,
         )
     try:
@@ -261,7 +270,38 @@ def _names(types: type | tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(words.get(t, t.__name__) for t in ts))
 
 
+#: scp's rule: a colon before the first slash makes ``HOST:/path`` remote.
+_REMOTE = re.compile(r"^(?P<host>[^/:]+):(?P<path>.*)$")
+
+
+def split_remote(value: str) -> tuple[str, str] | None:
+    """``(HOST, /path)`` for an scp-style ``HOST:/path``; None for a local path."""
+    m = _REMOTE.match(value)
+    return (m.group("host"), m.group("path")) if m else None
+
+
+def remote_problem(host: str, rpath: str) -> str | None:
+    """What is wrong with ``HOST:/path`` as a reservations file, or None."""
+    if not _NAME.match(host) or host_problem(host):
+        return f"{host!r} is not a host name (letters, digits, '.', '-', '_', '@' only)"
+    if not rpath.startswith("/"):
+        return f"the path on {host} must be absolute (HOST:/abs/path), not {rpath!r}"
+    if rpath.endswith("/") or any(c in rpath for c in "\0\n\r"):
+        return f"{rpath!r} is not a file path"
+    return None
+
+
+def _reservations_host(value: str | None, base: Path | None) -> str | None:
+    if not value:
+        value = os.environ.get(ENV_RESERVATIONS)
+    remote = split_remote(value) if value else None
+    return remote[0] if remote else None
+
+
 def _reservations_path(value: str | None, base: Path | None) -> Path:
+    remote = split_remote(value or os.environ.get(ENV_RESERVATIONS) or "")
+    if remote:
+        return Path(remote[1])
     if value:
         p = Path(value).expanduser()
         return p if p.is_absolute() or base is None else base.parent / p
@@ -333,7 +373,15 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     d.done()
 
     r = _Table(path, "reservations", top.get("reservations", dict, {}))
-    rpath = _reservations_path(r.get("path", str), path)
+    rvalue = r.get("path", str)
+    remote = split_remote(rvalue or os.environ.get(ENV_RESERVATIONS) or "")
+    if remote:
+        problem = remote_problem(*remote)
+        if problem:
+            raise ConfigError(path, "reservations.path" if rvalue else ENV_RESERVATIONS,
+                              problem)
+    rpath = _reservations_path(rvalue, path)
+    rhost = _reservations_host(rvalue, path)
     rdefault = r.duration("default_duration", 4 * 3600.0)
     rmax = r.duration("max_duration", 7 * 86400.0)
     if rdefault > rmax:
@@ -407,6 +455,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         ssh_config=ssh_paths,
         theme=theme,
         reservations_path=rpath,
+        reservations_host=rhost,
         reservation_default_s=rdefault,
         reservation_max_s=rmax,
         idle_holder_s=idle_holder_s,

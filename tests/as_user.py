@@ -37,14 +37,15 @@ def shared_tmp() -> Iterator[Path]:
 
 
 def team_dir(root: Path) -> Path:
-    """A directory both test users may write, like a team's shared one (the lock file is
+    """A directory both test users may write, like a team's shared one (the lock files are
     made writable for both: a real team shares a group instead)."""
     team = root / "team"
     team.mkdir()
     team.chmod(0o777)
-    lock = team / "reservations.json.lock"
-    lock.touch()
-    lock.chmod(0o666)
+    for name in ("reservations.json.lock", "reservations.json.flock"):
+        lock = team / name
+        lock.touch()
+        lock.chmod(0o666)
     return team
 
 

@@ -148,6 +148,52 @@ def ensure_test_users() -> list[str]:
     return users
 
 
+#: Users that log in over SSH (they have a shell, unlike TEST_USERS, whose accounts only
+#: own processes), all in one team group, as a team sharing a reservations file would be.
+LOGIN_USERS = ("gtcarol", "gtdave", "gterin", "gtfrank")
+TEAM_GROUP = "gtteam"
+
+
+def ensure_login_users(names: Iterable[str] = LOGIN_USERS) -> list[str]:
+    """Create the SSH login users (and their team group) if we may (root); return the
+    ones that exist and can log in."""
+    import grp
+
+    if is_root():
+        try:
+            grp.getgrnam(TEAM_GROUP)
+        except KeyError:
+            subprocess.run(["groupadd", TEAM_GROUP], capture_output=True)
+    users = []
+    for u in names:
+        try:
+            pwd.getpwnam(u)
+        except KeyError:
+            if not is_root():
+                continue
+            # Password "*": no password, yet not "locked" ("!"), which sshd refuses even
+            # for key logins.
+            subprocess.run(["useradd", "-M", "-s", "/bin/sh", "-G", TEAM_GROUP, "-p", "*", u],
+                           capture_output=True)
+        try:
+            if pwd.getpwnam(u).pw_shell.endswith("nologin"):
+                continue
+        except KeyError:
+            continue
+        if is_root() and _locked_password(u):  # made by an older helper: unlock it
+            subprocess.run(["usermod", "-p", "*", u], capture_output=True)
+        users.append(u)
+    return users
+
+
+def _locked_password(user: str) -> bool:
+    try:
+        lines = Path("/etc/shadow").read_text().splitlines()
+    except OSError:
+        return False
+    return any(ln.startswith(f"{user}:!") for ln in lines)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -55,7 +55,10 @@ def test_a_writer_stalled_while_the_lock_file_is_removed_loses_nobodys_update(
     a = threading.Thread(target=store.update, args=(change,))
     a.start()
     assert inside.wait(30)
-    store.lock_path.unlink()  # a careless `rm`, or a cleanup script
+    # A careless `rm`, or a cleanup script: the lock files (the record lock's and the
+    # flock writers over SSH share, which would still hold B back on its own).
+    store.lock_path.unlink()
+    store.flock_path.unlink()
     b = subprocess.run([sys.executable, "-c", _SECOND_WRITER, str(path)],
                        capture_output=True, text=True, timeout=60)
     assert b.returncode == 0, b.stderr  # B was not blocked: A's lock is on a removed file

@@ -300,6 +300,8 @@ def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg = local_config(tmp_path)
     r = serve("--config", str(cfg), "--listen", "nowhere")
     assert r.returncode == 2 and "HOST:PORT" in r.stderr
+    r = serve("--config", str(cfg), "--max-subscribers", "0")
+    assert r.returncode == 2 and "--max-subscribers" in r.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -311,9 +313,9 @@ def test_serve_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
 
 def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
         tmp_path: Path) -> None:
-    """The collector's folds (up to ten a second) read the shared file only when it
-    changed; a broken one is ``reservations_error`` (and ``set`` in an update), and its
-    mending clears it. No poller runs: the host is its placeholder until it answers."""
+    """The collector reads the shared file (off its loop) only when it changed, never in
+    a fold (up to ten a second); a broken one is ``reservations_error`` (and ``set`` in an
+    update), and its mending clears it. No poller runs: the host is its placeholder."""
     from gputop.hub.collector import Collector
     from gputop.hub.metrics import HubCounts, families, render
 
@@ -332,6 +334,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     c.store.read = counted  # type: ignore[method-assign]
     path = config.reservations_path
     path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
+    assert c.refresh_store()
     c.fold()
     assert "reservations_error" in c.document() and "queue" not in c.document()
     assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
@@ -339,9 +342,11 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
     assert b"gputop_reservations_file_ok 0.0" in text
     for _ in range(5):
+        assert not c.refresh_store()
         c.fold()
-    assert reads == 1  # unchanged: not read again
+    assert reads == 1  # unchanged: not read again (and a fold reads nothing)
     path.write_text('{"version": 1, "reservations": [], "events": []}')
+    assert c.refresh_store()
     c.fold()
     assert reads == 2 and "reservations_error" not in c.document()
     assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
@@ -414,3 +419,27 @@ def test_a_loopback_hub_answers_to_loopback_names_only(tmp_path: Path) -> None:
             assert get(hub.url + "api/v1/snapshot", {"Host": host})[0] == 200, host
     finally:
         hub.stop()
+
+
+def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
+    """The document's queue is ``Waiter.to_dict``: a field added there (as ``sees`` and
+    ``share_mib`` were) must be added to the schema's closed ``waiter``, or every hub
+    reader refuses the document as ``parse``. A waiter with every field set checks out."""
+    import dataclasses
+    from datetime import timedelta
+
+    import jsonschema
+
+    from gputop.model import utcnow
+    from gputop.reservations.store import Waiter
+
+    now = utcnow()
+    w = Waiter("w1", "ann", "laptop", 2, now, now + timedelta(seconds=60), min_free_mib=1,
+               hosts=("a",), want="--host a", one_host=True, share_mib=1024, sees=("a",))
+    unset = [f.name for f in dataclasses.fields(Waiter)
+             if getattr(w, f.name) == f.default and f.default is not None]
+    assert not unset, f"set these in the test too: {unset}"
+    doc = _doc()
+    doc["queue"] = [w.to_dict()]
+    jsonschema.validate(doc, schema)
+    assert check_document(doc)["queue"] == [w.to_dict()]

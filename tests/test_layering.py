@@ -17,6 +17,8 @@ DATA_LAYER = [
     "gputop.cli.free", "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets",
     "gputop.cli.lifecycle", "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit",
     "gputop.sources.hub", "gputop.hub.server", "gputop.cli.serve",
+    "gputop.reservations.remote", "gputop.reservations.remote_scripts",
+    "gputop.sources.shared_file",
 ]
 
 

@@ -210,7 +210,7 @@ def test_files_are_created_group_writable(tmp_path: Path) -> None:
         make(Store(tmp_path / "r.json"), "h", 0, "ann")
     finally:
         os.umask(old)
-    for name in ("r.json", "r.json.lock"):
+    for name in ("r.json", "r.json.lock", "r.json.flock"):
         assert (tmp_path / name).stat().st_mode & 0o060 == 0o060, name
 
 
@@ -228,7 +228,7 @@ def test_setgid_team_directory_gives_files_the_team_group(tmp_path: Path) -> Non
     os.chown(team, -1, gid)
     team.chmod(0o2775)  # setgid: new files take the directory's group
     make(Store(team / "r.json"), "h", 0, "ann")
-    for name in ("r.json", "r.json.lock"):
+    for name in ("r.json", "r.json.lock", "r.json.flock"):
         st = (team / name).stat()
         assert st.st_gid == gid and st.st_mode & 0o060 == 0o060, name
 

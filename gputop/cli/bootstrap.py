@@ -90,7 +90,8 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
     if kind == "hosts":
         return names
     out = [f"{n}:" for n in names]
-    if kind == "mine":  # release: your reservations, whole
+    # release: your reservations, whole (over SSH: not a connection per Tab)
+    if kind == "mine" and config.reservations_host is None:
         out += _reserved(config.reservations_path, set(names), mine=True)
     return out
 

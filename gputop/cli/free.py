@@ -55,7 +55,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                 print(f"{g.host}:{g.gpu}")
         return EXIT_OK
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
     # GPUs that no waiter could use.

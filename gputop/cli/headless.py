@@ -43,9 +43,9 @@ class ReservationsReader:
     """The shared file, read once per document; a broken file is reported once per change."""
 
     def __init__(self, config: Config) -> None:
-        from gputop.reservations import Store
+        from gputop.sources.shared_file import open_store
 
-        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
+        self.store = open_store(config)
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:

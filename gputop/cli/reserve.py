@@ -86,7 +86,7 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     targets = validate_gpus(config, targets, snaps)
     from gputop.jobs.remote import logins
 
-    check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami()[0],
+    check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
@@ -130,8 +130,10 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
         raise Invalid("give HOST:GPU arguments or --mine, not both")
     if not args.mine and not args.targets:
         now = utcnow()
-        mine = sorted((r for r in open_store(config).read().active(now)
-                       if r.user == whoami()[0]), key=lambda r: (r.host, r.gpu, r.instance or -1))
+        store = open_store(config)
+        me = whoami(store)[0]
+        mine = sorted((r for r in store.read().active(now) if r.user == me),
+                      key=lambda r: (r.host, r.gpu, r.instance or -1))
         held = ("; yours now: " + ", ".join(clean(r.target) for r in mine)
                 if mine else "; you hold no reservations now")
         raise Invalid("say what to release: gputop release HOST:GPU[,GPU...] (e.g. "
@@ -141,10 +143,12 @@ def cmd_release(config: Config, args: argparse.Namespace) -> int:
     if targets:
         check_hosts(config, targets)
         targets = resolve_mig(config, targets)
-    gone = release(open_store(config), targets, force=args.force)
+    store = open_store(config)
+    gone = release(store, targets, force=args.force)
+    me = whoami(store)[0]
     for r in gone:
         print(f"released {clean(r.target)}" + (f" (held by {clean(r.user)})"
-                                                     if r.user != whoami()[0] else ""))
+                                                     if r.user != me else ""))
     if not gone:
         print("nothing to release", file=sys.stderr)
     return EXIT_OK

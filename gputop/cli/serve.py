@@ -17,6 +17,9 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     if problem:
         print(f"gputop: --listen {problem}", file=sys.stderr)
         return EXIT_ERROR
+    if not 1 <= args.max_subscribers <= 10_000:
+        print("gputop: --max-subscribers must be between 1 and 10000", file=sys.stderr)
+        return EXIT_ERROR
     if not config.hosts:
         print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
               "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)

@@ -26,7 +26,7 @@ from gputop.cli.targets import (
 from gputop.config import Config
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import Invalid, Refused, Reservation, Store, Target
+from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target
 from gputop.reservations.flags import share_fits
 from gputop.reservations.ops import format_duration, local_time, whoami
 from gputop.reservations.queue import share_claim, share_taken
@@ -108,7 +108,7 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     t = validate_gpus(config, targets, snaps)[0]
     g = _gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     check = (None if args.skip_queue else
              share_claim(_fleet(config), list(snaps.values()), share, me, t))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
@@ -123,14 +123,14 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     return EXIT_OK
 
 
-def _fits_now(config: Config, store: Store, args: argparse.Namespace, share: int
+def _fits_now(config: Config, store: ReservationStore, args: argparse.Namespace, share: int
               ) -> tuple[list[HostSnapshot], list[ShareFit]]:
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
     state = store.read()
     now = utcnow()
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     fleet = [h.name for h in config.hosts]
     queue = [w for w in state.waiting(now) if w.user != me]
     fits = [f for f in share_fits(hosts, state, share, now, user=me)
@@ -177,7 +177,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
                 print(f.label)
         return EXIT_OK
     seconds = reservation_seconds(config, args.duration)
-    me = whoami()[0]
+    me = whoami(open_store(config))[0]
     for f in fits:  # best first; one taken meanwhile: the next
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
@@ -213,7 +213,7 @@ def _print_found(args: argparse.Namespace,
             print(f"{h}:{gpu}")
 
 
-def wait_for_share(config: Config, store: Store, args: argparse.Namespace, share: int,
+def wait_for_share(config: Config, store: ReservationStore, args: argparse.Namespace, share: int,
                    job: Job | None) -> tuple[Reservation, int] | None:
     """Wait in the queue for a share (the order rule as for whole GPUs): the share and its
     GPU's total memory, or None (timed out or interrupted)."""
@@ -252,7 +252,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
         r, total = got
     else:
         hosts, fits = _fits_now(config, store, args, share)
-        me = whoami()[0]
+        me = whoami(open_store(config))[0]
         for f in fits:
             assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
             t = Target(f.host, f.gpu.index, f.gpu.uuid)

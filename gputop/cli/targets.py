@@ -17,7 +17,7 @@ from gputop.poller import open_poller
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
+    ReservationStore,
     StoreError,
     Target,
     flags,
@@ -28,6 +28,7 @@ from gputop.reservations.queue import (
     Request,
 )
 from gputop.reservations.shares import parse_size_mib
+from gputop.sources import shared_file
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
@@ -129,7 +130,7 @@ def validate_gpus(config: Config, targets: list[Target],
     the hosts as polled."""
     from gputop.jobs.remote import logins
 
-    me, login = whoami()[0], logins(config)
+    me, login = whoami(open_store(config))[0], logins(config)
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
@@ -164,15 +165,16 @@ def validate_gpus(config: Config, targets: list[Target],
         out.append(Target(t.host, t.gpu, g.uuid, t.instance))
     return out
 
-def open_store(config: Config) -> Store:
-    """The config's reservations file, read with its ``max_duration`` (an expiry further
-    ahead counts as created + max_duration and is flagged ``beyond-max``)."""
-    return Store(config.reservations_path, max_s=config.reservation_max_s)
+def open_store(config: Config) -> ReservationStore:
+    """The config's reservations file (a path, or ``HOST:/path`` over SSH), read with its
+    ``max_duration`` (an expiry further ahead counts as created + max_duration and is
+    flagged ``beyond-max``): :func:`gputop.sources.shared_file.open_store`."""
+    return shared_file.open_store(config)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)
 
-def reap_ended_jobs(config: Config, store: Store) -> None:
+def reap_ended_jobs(config: Config, store: ReservationStore) -> None:
     """Release job-tied reservations whose job has ended (see gputop.jobs.reap)."""
     if not any(r.job is not None for r in read_quietly(store)):
         return
@@ -182,7 +184,7 @@ def reap_ended_jobs(config: Config, store: Store) -> None:
         print(f"gputop: released {clean(r.host)}:{r.gpu} of {clean(r.user)}: its job has "
               "ended", file=sys.stderr)
 
-def read_quietly(store: Store) -> tuple[Reservation, ...]:
+def read_quietly(store: ReservationStore) -> tuple[Reservation, ...]:
     try:
         return store.read().reservations
     except StoreError:

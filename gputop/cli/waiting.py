@@ -15,7 +15,7 @@ from gputop.config import Config
 from gputop.reservations import (
     Invalid,
     Reservation,
-    Store,
+    ReservationStore,
 )
 from gputop.reservations.queue import (
     DEFAULT_LEASE_S,
@@ -24,7 +24,8 @@ from gputop.reservations.queue import (
 from gputop.reservations.store import MAX_LEASE_S, Job
 
 
-def wait_in_queue(config: Config, store: Store, req: Request, args: argparse.Namespace, *,
+def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: argparse.Namespace,
+                  *,
           seconds: float, job: Job | None = None) -> tuple[int, list[Reservation]]:
     """Wait in the queue (Ctrl-C, SIGTERM, SIGHUP leave it at once): (exit code, grant)."""
     from gputop.cli.lifecycle import run_until_signal

@@ -17,7 +17,8 @@ from gputop.config import Config
 from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.model import HostSnapshot
-from gputop.reservations.store import Store, StoreError, StoreState
+from gputop.reservations.store import StoreError, StoreState
+from gputop.sources.shared_file import open_store
 
 #: Minutes are rolled up this often, so a report reads few raw samples.
 MAINTAIN_EVERY_S = 20.0
@@ -31,7 +32,7 @@ class LiveRecorder:
                                  raw_keep_s=config.history_raw_keep_s,
                                  minute_keep_s=config.history_minute_keep_s,
                                  hour_keep_s=config.history_hour_keep_s)
-        self.store = Store(config.reservations_path, max_s=config.reservation_max_s)
+        self.store = open_store(config)
         self.interval = config.interval
         self._read_at = -1e18
         self._maintained_at = time.monotonic()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +22,10 @@ from gputop.config import Config
 from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
-from gputop.reservations import Store, StoreError
+from gputop.reservations import StoreError
 from gputop.reservations.flags import IdleTracker, annotated_host, queue_document
 from gputop.reservations.store import StoreState
+from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
 OTHER_KEYS = ("queue", "reservations_error")
@@ -50,7 +50,9 @@ class Collector:
         self.poller = poller if poller is not None else Poller(config)
         self.names = [s.name for s in self.poller.sources]
         self.coalesce_s = coalesce_s if coalesce_s is not None else min(0.1, config.interval / 4)
-        self.store = Store(config.reservations_path)
+        self.store = open_store(config)
+        #: How often the shared file's signature is looked at (a stat, or one round trip).
+        self.store_every_s = min(2.0, max(0.25, config.interval / 2))
         self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
         self.stats = {n: HostStats() for n in self.names}
         self.refreshes = 0  # folds that changed something
@@ -62,8 +64,11 @@ class Collector:
         self._hosts: dict[str, dict[str, Any]] = {}
         self._state: StoreState | None = None
         self._state_key: object = None
-        self._read_sig: tuple[int, int, int] | None = None
-        self._read_result: tuple[StoreState | None, str | None] = (None, None)
+        self._read_sig: object = None
+        self._read_result: tuple[StoreState | None, str | None] = (
+            None, "the reservations file has not been read yet")
+        if not self.store.remote:  # (over SSH: the first read is the watcher's, not here)
+            self.refresh_store()
         self._other: dict[str, Any] = {}
         self.time = utcnow()
         self._kick = asyncio.Event()
@@ -96,19 +101,23 @@ class Collector:
     async def run(self) -> None:
         """Poll until cancelled; the poller's connections are closed on the way out."""
         feed = asyncio.create_task(self._consume())
+        store = asyncio.create_task(self._watch_store())
         try:
             while True:
                 await self._kick.wait()
                 await asyncio.sleep(self.coalesce_s)  # answers that come together fold once
                 self._kick.clear()
-                if feed.done():
-                    feed.result()  # the feed failed: say why
+                for task in (feed, store):
+                    if task.done():
+                        task.result()  # the feed (or the store's watcher) failed: say why
                 self.fold()
         finally:
-            feed.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await feed
+            for task in (feed, store):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.poller.aclose()
+            self.store.close()
 
     async def _consume(self) -> None:
         async for snap in self.poller.updates():
@@ -169,24 +178,34 @@ class Collector:
         self._other = {"queue": queue_document(state, now) if state is not None else None,
                        "reservations_error": problem}
 
-    def _read_reservations(self) -> tuple[StoreState | None, str | None]:
-        """The shared file, read again only when it changed (its inode, size or mtime:
-        writers rename a new file into place). A fold comes up to ten times a second, and a
-        hostile file of 4 MiB costs a tenth of a second to decode; an unchanged file,
-        broken or not, is not read again."""
+    def refresh_store(self) -> bool:
+        """Read the shared file again if it changed (its signature: inode, size and mtime
+        here; a checksum over SSH for a ``HOST:/path`` store); True when it was read.
+        Blocking: the hub calls it on a worker thread, never in a fold (folds come up to
+        ten times a second, a hostile 4 MiB file costs a tenth of a second to decode, and
+        a store host that hangs must not stop the hub). An unchanged file, broken or not,
+        is not read again."""
         try:
-            st = os.stat(self.store.path, follow_symlinks=False)
-            sig: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
-        except OSError:
-            sig = None  # missing (or unreadable): read says which
+            sig = self.store.signature()
+        except Exception:  # (a remote store's host may be down: read says why)
+            sig = None
         if sig is not None and sig == self._read_sig:
-            return self._read_result
+            return False
         try:
             result: tuple[StoreState | None, str | None] = (self.store.read(), None)
         except StoreError as exc:
             result = (None, str(exc))
         self._read_sig, self._read_result = sig, result
-        return result
+        return True
+
+    async def _watch_store(self) -> None:
+        while True:
+            if await asyncio.to_thread(self.refresh_store):
+                self._kick.set()
+            await asyncio.sleep(self.store_every_s)
+
+    def _read_reservations(self) -> tuple[StoreState | None, str | None]:
+        return self._read_result
 
     def _state_changed(self, state: StoreState | None) -> bool:
         key = None if state is None else (state.reservations, state.queue)

@@ -28,7 +28,13 @@ from gputop.config import Config
 from gputop.jobs.remote import START_SLACK_S, Alive, JobHostError, alive_on, local_start
 from gputop.model import HostSnapshot, iso
 from gputop.reservations.ops import whoami
-from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
+from gputop.reservations.store import (
+    Job,
+    Reservation,
+    ReservationStore,
+    StoreError,
+    StoreState,
+)
 
 
 def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float,
@@ -83,7 +89,7 @@ async def gpus_on(config: Config, names: Sequence[str]) -> dict[str, HostSnapsho
         await poller.aclose()
 
 
-async def check_jobs(config: Config, store: Store) -> list[Reservation]:
+async def check_jobs(config: Config, store: ReservationStore) -> list[Reservation]:
     """Check the hosts of job-tied reservations once; returns the ones released."""
     try:
         state = store.read()
@@ -91,7 +97,7 @@ async def check_jobs(config: Config, store: Store) -> list[Reservation]:
         return []
     # Only the holder's own gputop decides (apply_checks): ask only the hosts of your own
     # jobs (a teammate's job on a hung host made everyone's commands wait its timeout).
-    me = whoami()[0]
+    me = whoami(store)[0]
     jobs = [r for r in state.active() if r.job is not None and r.user == me]
     if not jobs:
         return []
@@ -110,12 +116,12 @@ async def check_jobs(config: Config, store: Store) -> list[Reservation]:
                                    config.job_grace_s, gpus)
 
 
-def apply_checks(store: Store, answers: dict[str, Alive | None],
+def apply_checks(store: ReservationStore, answers: dict[str, Alive | None],
                  grace_s: float, gpus: dict[str, HostSnapshot] | None = None
                  ) -> list[Reservation]:
     """Record what the hosts said, under the lock, against the file as it is now."""
     released: list[Reservation] = []
-    me, here = whoami()
+    me, here = whoami(store)
 
     def change(state: StoreState, now: datetime) -> StoreState:
         released.clear()
@@ -149,7 +155,7 @@ def apply_checks(store: Store, answers: dict[str, Alive | None],
     return list(released)
 
 
-def release_ids(store: Store, ids: set[str]) -> list[Reservation]:
+def release_ids(store: ReservationStore, ids: set[str]) -> list[Reservation]:
     """``run``'s own release when its job ended: exactly its reservations, by id."""
     gone: list[Reservation] = []
 

@@ -45,7 +45,13 @@ from gputop.jobs.remote import (
     local_start,
     parse_lstart,
 )
-from gputop.reservations.store import Job, Reservation, Store, StoreError, StoreState
+from gputop.reservations.store import (
+    Job,
+    Reservation,
+    ReservationStore,
+    StoreError,
+    StoreState,
+)
 from gputop.text import clean
 
 MARKER = b"gputop-job-pid "
@@ -127,7 +133,7 @@ def exit_code(status: int | None, sig: str | None) -> int:
     return EXIT_SSH if status is None else status
 
 
-def record_pid(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+def record_pid(store: ReservationStore, rs: Sequence[Reservation], pid: int, session: bool,
                start: datetime | None = None) -> None:
     ids = {r.id for r in rs}
 
@@ -148,7 +154,8 @@ class JobResult:
     started: bool = True
 
 
-async def run_on(config: Config, host: HostConfig, store: Store, rs: Sequence[Reservation],
+async def run_on(config: Config, host: HostConfig, store: ReservationStore,
+                 rs: Sequence[Reservation],
                  argv: Sequence[str], say: Callable[[str], None],
                  env: Mapping[str, str] | None = None) -> int:
     """Run the job, then release its reservations if it is known to have ended. ``env``:
@@ -221,7 +228,7 @@ async def _recorded(recording: list[asyncio.Task[None]]) -> None:
         await asyncio.wait(recording, timeout=60)
 
 
-async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bool,
+async def _record(store: ReservationStore, rs: Sequence[Reservation], pid: int, session: bool,
                   say: Callable[[str], None], start: datetime | None = None) -> None:
     """Record the job's pid, waiting out a locked file (tried again until it is written or
     the job ends): the job and its output never wait for the file."""
@@ -234,7 +241,7 @@ async def _record(store: Store, rs: Sequence[Reservation], pid: int, session: bo
             await asyncio.sleep(1.0)
 
 
-async def _run_local(store: Store, rs: Sequence[Reservation], argv: Sequence[str],
+async def _run_local(store: ReservationStore, rs: Sequence[Reservation], argv: Sequence[str],
                      devices: str, job_grace_s: float,
                      more_env: Mapping[str, str] | None = None) -> JobResult:
     tty = sys.stdin.isatty()
@@ -280,7 +287,7 @@ def _say_err(msg: str) -> None:
     print(f"gputop: {msg}", file=sys.stderr, flush=True)
 
 
-async def _run_remote(config: Config, host: HostConfig, store: Store,
+async def _run_remote(config: Config, host: HostConfig, store: ReservationStore,
                       rs: Sequence[Reservation], argv: Sequence[str], devices: str,
                       say: Callable[[str], None],
                       env: Mapping[str, str] | None = None) -> JobResult:
@@ -393,7 +400,7 @@ async def _signal_remote(conn: asyncssh.SSHClientConnection, pid: int, sig: int)
         await asyncio.wait_for(conn.run(cmd), 10)
 
 
-async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: Store,
+async def _pump_out(stream: asyncssh.SSHReader[bytes], fd: int, store: ReservationStore,
                     rs: Sequence[Reservation], pid: list[int],
                     recording: list[asyncio.Task[None]], say: Callable[[str], None],
                     starts: list[datetime | None]) -> None:
@@ -488,6 +495,6 @@ def _raw_terminal() -> Iterator[None]:
         termios.tcsetattr(0, termios.TCSADRAIN, saved)
 
 
-async def reap_quietly(config: Config, store: Store) -> None:
+async def reap_quietly(config: Config, store: ReservationStore) -> None:
     with contextlib.suppress(Exception):
         await check_jobs(config, store)

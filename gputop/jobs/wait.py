@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -34,7 +33,7 @@ from gputop.reservations.store import (
     LAPSED_KEEP_S,
     Job,
     Reservation,
-    Store,
+    ReservationStore,
     StoreError,
     StoreState,
 )
@@ -44,12 +43,20 @@ from gputop.text import clean, excerpt
 WATCH_S = 0.2
 
 
-def _signature(store: Store) -> tuple[int, int, int] | None:
+def _signature(store: ReservationStore) -> object:
+    """Changes whenever the file does (a stat here; a checksum on the kept channel for a
+    store over SSH). A store that cannot be asked: a fresh object, so the waiter reads."""
     try:
-        st = os.stat(store.path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+        return store.signature()
+    except StoreError:
+        return object()
+
+
+async def _signature_now(store: ReservationStore) -> object:
+    """``_signature`` without blocking the loop on a round trip to a remote store's host."""
+    if store.remote:
+        return await asyncio.to_thread(_signature, store)
+    return _signature(store)
 
 
 class WaitedTooLong(Exception):
@@ -76,7 +83,7 @@ def describe_request(req: Request) -> str:
     return what
 
 
-async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: float,
+async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *, seconds: float,
                         note: str = "", lease_s: float, max_wait: float | None,
                         say: Callable[[str], None],
                         job: Callable[[str], Job | None] | None = None,
@@ -147,7 +154,7 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
             if sight.blind_for() >= BLIND_GIVE_UP_S:
                 raise CannotReach(f"left the queue: no host you wait on answered for "
                                   f"{BLIND_GIVE_UP_S:g}s ({sight.why})")
-            sig = _signature(store)  # before the read: a change in between is seen below
+            sig = await _signature_now(store)  # before the read: a change in between is seen below
             state = store.read()
             now = utcnow()
             why = unsatisfiable(req, hosts, fleet)
@@ -184,7 +191,7 @@ async def wait_for_gpus(config: Config, store: Store, req: Request, *, seconds: 
                                     f"position {pos_now} in the queue (left it)")
             # Until a host answers again or the file changes (a release there is acted on
             # within WATCH_S), nothing can change the answer.
-            while not changed.is_set() and _signature(store) == sig:
+            while not changed.is_set() and await _signature_now(store) == sig:
                 if feeder.done():
                     feeder.result()  # the poller failed: say why
                     raise RuntimeError("host polling stopped")

@@ -10,7 +10,13 @@ from gputop.reservations.ops import (
     reserve_outcomes,
     whoami,
 )
-from gputop.reservations.store import Reservation, Store, StoreError, StoreState
+from gputop.reservations.store import (
+    Reservation,
+    ReservationStore,
+    Store,
+    StoreError,
+    StoreState,
+)
 
-__all__ = ["Invalid", "Outcome", "Refused", "Reservation", "Store", "StoreError", "StoreState",
-           "Target", "release", "reserve", "reserve_outcomes", "whoami"]
+__all__ = ["Invalid", "Outcome", "Refused", "Reservation", "ReservationStore", "Store",
+           "StoreError", "StoreState", "Target", "release", "reserve", "reserve_outcomes", "whoami"]

@@ -108,6 +108,65 @@ class WriterLock:
             raise
 
 
+class SshWritersLock:
+    """The ``flock(2)`` on ``reservations.json.flock``: what a writer over SSH takes with
+    ``flock(1)`` on the file's host (:mod:`gputop.reservations.remote`). A local writer takes
+    it too, after the record lock: POSIX record locks and flocks do not see each other on a
+    local filesystem. A second file: on NFS a flock is a record lock, and one process's
+    flock and record lock on the same file would refuse each other. Like the record lock,
+    it counts only on the file still at its path."""
+
+    def __init__(self, path: Path) -> None:
+        self.lock_path = path
+
+    @contextlib.contextmanager
+    def held(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._lock_fd(deadline, timeout)
+            if _same_file(self.lock_path, fd):
+                break
+            os.close(fd)  # removed or replaced meanwhile: this lock excludes nobody
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{timeout:.3g}s; nothing was changed")
+        try:
+            yield lambda: _same_file(self.lock_path, fd)
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _lock_fd(self, deadline: float, timeout: float) -> int:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        try:
+            make_group_writable(fd)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.lock_path}: still locked by another writer "
+                                         f"(over SSH?) after {timeout:.3g}s") from None
+                    time.sleep(0.005)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def make_group_writable(fd: int) -> None:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:

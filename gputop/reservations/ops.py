@@ -5,9 +5,6 @@ Used by the CLI commands and by the board alike, so both refuse and extend the s
 
 from __future__ import annotations
 
-import os
-import pwd
-import socket
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -18,8 +15,9 @@ from gputop.reservations.store import (
     MAX_NOTE,
     Job,
     Reservation,
-    Store,
+    ReservationStore,
     StoreState,
+    local_identity,
     new_reservation,
 )
 from gputop.text import clean
@@ -37,18 +35,15 @@ class Invalid(ValueError):
     """The request itself is wrong: bad note, duration, host or GPU (exit code 2)."""
 
 
-def whoami() -> tuple[str, str]:
+def whoami(store: ReservationStore | None = None) -> tuple[str, str]:
     """(user, machine) recorded in each reservation and used for every "is it mine" check.
 
     The user comes from the real uid, never from ``$USER``/``$LOGNAME``: anyone can set
-    those, and then release a teammate's reservation without ``--force`` or a record.
+    those, and then release a teammate's reservation without ``--force`` or a record. For
+    a store over SSH it is the account that the store's host authenticated (a laptop's
+    own login name may not exist on the cluster): ``store.whoami()``.
     """
-    uid = os.getuid()
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:  # a uid without a passwd entry (containers): still a stable identity
-        user = f"uid{uid}"
-    return user, socket.gethostname()
+    return local_identity() if store is None else store.whoami()
 
 
 def local_time(t: datetime) -> str:
@@ -120,7 +115,8 @@ class Outcome:
     previous: Reservation | None = None
 
 
-def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seconds: float,
+def reserve(store: ReservationStore, targets: Sequence[Target], *, seconds: float,
+            max_seconds: float,
             note: str = "", user: str | None = None, machine: str | None = None
             ) -> list[Reservation]:
     """Reserve every target or none (see ``reserve_outcomes``)."""
@@ -129,7 +125,7 @@ def reserve(store: Store, targets: Sequence[Target], *, seconds: float, max_seco
         machine=machine)]
 
 
-def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
+def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], *, seconds: float,
                      max_seconds: float, note: str = "", user: str | None = None,
                      machine: str | None = None, job: Job | None = None,
                      check: Callable[[StoreState, datetime], Collection[str] | None]
@@ -148,7 +144,7 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
     check_note(note)
     if not targets:
         raise Invalid("no GPU given")
-    me, here = whoami()
+    me, here = whoami(store)
     user, machine = user or me, machine or here
     made: list[Outcome] = []
 
@@ -212,11 +208,11 @@ def reserve_outcomes(store: Store, targets: Sequence[Target], *, seconds: float,
     return list(made)
 
 
-def release(store: Store, targets: Sequence[Target] | None, *, force: bool = False,
+def release(store: ReservationStore, targets: Sequence[Target] | None, *, force: bool = False,
             user: str | None = None) -> list[Reservation]:
     """Release the given GPUs (``None``: all of mine). Someone else's needs ``force``, and a
     forced release is recorded with who forced it."""
-    me, here = whoami()
+    me, here = whoami(store)
     user = user or me
     released: list[Reservation] = []
 

@@ -50,7 +50,7 @@ from gputop.reservations.store import (
     LAPSED_KEEP_S,
     Job,
     Reservation,
-    Store,
+    ReservationStore,
     StoreState,
     Waiter,
     kept,
@@ -359,13 +359,13 @@ def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
 REMOVED = "queue-remove"
 
 
-def remove_waiter(store: Store, wid: str, *, force: bool = False,
+def remove_waiter(store: ReservationStore, wid: str, *, force: bool = False,
                   user: str | None = None) -> Waiter:
     """Take waiter ``wid`` out of the queue (``release --waiter``): your own place (a stale
     one from a closed laptop, say), or with ``force`` anyone's. Either way a
     ``queue-remove`` event is recorded, so that a waiter still running learns who removed
     it and stops instead of joining again."""
-    me, here = whoami()
+    me, here = whoami(store)
     me = user or me
     gone: list[Waiter] = []
 
@@ -400,7 +400,7 @@ class LeftQueue(Exception):
 class Queue:
     """One waiter's view of the queue in ``store``."""
 
-    def __init__(self, store: Store, req: Request, *, lease_s: float = DEFAULT_LEASE_S,
+    def __init__(self, store: ReservationStore, req: Request, *, lease_s: float = DEFAULT_LEASE_S,
                  user: str | None = None, machine: str | None = None,
                  login: Callable[[str], str | None] | None = None) -> None:
         if req.count < 1:
@@ -408,7 +408,7 @@ class Queue:
         self.store = store
         self.req = req
         self.lease_s = lease_s
-        me, here = whoami()
+        me, here = whoami(store)
         self.user, self.machine = user or me, machine or here
         self.id = ""
         self.lease_until: datetime | None = None
@@ -501,18 +501,20 @@ class Queue:
         return made
 
 
-def reserve_now(store: Store, req: Request, hosts: Sequence[HostSnapshot], *, seconds: float,
+def reserve_now(store: ReservationStore, req: Request, hosts: Sequence[HostSnapshot], *,
+                seconds: float,
                 note: str = "", job: Callable[[str], Job | None] | None = None,
                 fleet: Collection[str] | None = None,
                 login: Callable[[str], str | None] | None = None) -> list[Reservation] | None:
     """Reserve ``req`` at once without queueing, behind every waiter (the order rule): None
     if not enough GPUs are free that no waiter could use."""
-    me, here = whoami()
+    me, here = whoami(store)
     return _grant(store, None, req, hosts, seconds=seconds, note=note, job=job, user=me,
                   machine=here, fleet=fleet, login=login)
 
 
-def _grant(store: Store, waiter_id: str | None, req: Request, hosts: Sequence[HostSnapshot],
+def _grant(store: ReservationStore, waiter_id: str | None, req: Request,
+           hosts: Sequence[HostSnapshot],
            *, seconds: float, note: str, job: Callable[[str], Job | None] | None, user: str,
            machine: str, check: Callable[[StoreState, datetime], None] | None = None,
            fleet: Collection[str] | None = None,

@@ -38,7 +38,7 @@ from gputop.reservations.store import (
     MAX_SHARE_MIB,
     Job,
     Reservation,
-    Store,
+    ReservationStore,
     StoreState,
     new_reservation,
 )
@@ -142,7 +142,7 @@ def check_share(state: StoreState, t: Target, share_mib: int, total_mib: int, us
                       f"{size_text(share_mib)})", others)
 
 
-def reserve_share(store: Store, t: Target, share_mib: int, total_mib: int, *,
+def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib: int, *,
                   seconds: float, max_seconds: float, note: str = "",
                   user: str | None = None, machine: str | None = None,
                   job: Job | None = None,
@@ -161,7 +161,7 @@ def reserve_share(store: Store, t: Target, share_mib: int, total_mib: int, *,
     if seconds <= 0 or seconds > max_seconds:
         raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
     check_note(note)
-    me, here = whoami()
+    me, here = whoami(store)
     user, machine = user or me, machine or here
     made: list[ShareOutcome] = []
 

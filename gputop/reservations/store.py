@@ -1,11 +1,13 @@
 """The shared reservations file: never lost, never corrupt, always current.
 
 Writers take an exclusive POSIX lock on a separate, permanent lock file (``filelock``: it
-stays a lock when that file is removed or replaced), re-read the file
-under the lock, write a temp file in the same directory, fsync it, ``os.replace`` it over the
-old one and fsync the directory. Readers need no lock: they see the old file or the new one,
-whole. A ``kill -9`` at any instant leaves one of the two. A file that does not validate is
-reported and left byte-for-byte untouched; nothing here ever "repairs" it.
+stays a lock when that file is removed or replaced), and a ``flock`` on a second one (the
+lock a writer over SSH takes on the file's host, :mod:`gputop.reservations.remote`),
+re-read the file under the lock, write a temp file in the same directory, fsync it,
+``os.replace`` it over the old one and fsync the directory. Readers need no lock: they see
+the old file or the new one, whole. A ``kill -9`` at any instant leaves one of the two. A
+file that does not validate is reported and left byte-for-byte untouched; nothing here
+ever "repairs" it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import secrets
+import socket
 import stat
 import sys
 import time
@@ -22,11 +26,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gputop.model import iso, utcnow
 from gputop.reservations.filelock import (
     FILE_MODE,
+    SshWritersLock,
     WriterLock,
     make_group_writable,
     os_message,
@@ -627,7 +632,51 @@ def kept(w: Waiter, now: datetime) -> bool:
         seconds=MAX_LEASE_S)
 
 
+def settle(new: StoreState, now: datetime) -> StoreState:
+    """What every write prunes: ended reservations, old events, long-lapsed waiters."""
+    return replace(new, reservations=tuple(r for r in new.reservations
+                                           if new.ends(r, now) > now),
+                   events=bounded_events(new.events),
+                   queue=tuple(w for w in new.queue if kept(w, now)))
+
+
+def local_identity() -> tuple[str, str]:
+    """(user, machine) of this process: the user from the real uid, never ``$USER``."""
+    uid = os.getuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:  # a uid without a passwd entry (containers): still a stable identity
+        user = f"uid{uid}"
+    return user, socket.gethostname()
+
+
+class ReservationStore(Protocol):
+    """What every user of the shared file needs, wherever the file is: :class:`Store` (a
+    path here) and :class:`gputop.reservations.remote.RemoteStore` (``HOST:/path``)."""
+
+    remote: bool
+
+    @property
+    def label(self) -> str: ...
+
+    def read(self) -> StoreState: ...
+
+    def update(self, change: Callable[[StoreState, datetime], StoreState], *,
+               timeout: float | None = None) -> StoreState: ...
+
+    def whoami(self) -> tuple[str, str]: ...
+
+    def signature(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 class Store:
+    """The file on a path of this machine (a local disk or an NFS mount)."""
+
+    #: Whether a read costs a round trip to another host (see RemoteStore).
+    remote = False
+
     def __init__(self, path: Path, *, warn: Callable[[str], None] | None = None,
                  max_s: float | None = None) -> None:
         self.path = Path(path)
@@ -636,8 +685,30 @@ class Store:
         self.max_s = None if max_s is None else max(max_s, MIN_BOUND_S)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock = WriterLock(self.lock_path)
+        self.flock_path = self.path.with_name(self.path.name + ".flock")
+        self._flock = SshWritersLock(self.flock_path)
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
+
+    @property
+    def label(self) -> str:
+        """The file as people name it in messages."""
+        return str(self.path)
+
+    def whoami(self) -> tuple[str, str]:
+        """Who "me" is for this store: the account running gputop here."""
+        return local_identity()
+
+    def signature(self) -> tuple[int, int, int] | None:
+        """Changes whenever the file is replaced (no read, no lock): inode, mtime, size."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def close(self) -> None:
+        """Nothing held between calls (a RemoteStore's connection is)."""
 
     # -- reading (no lock) -----------------------------------------------------------------
 
@@ -679,11 +750,7 @@ class Store:
             with self._locked(max(deadline - time.monotonic(), 0.0)) as held:
                 state = self.read()
                 now = utcnow()
-                new = change(state, now)
-                new = replace(new, reservations=tuple(r for r in new.reservations
-                                                      if new.ends(r, now) > now),
-                              events=bounded_events(new.events),
-                              queue=tuple(w for w in new.queue if kept(w, now)))
+                new = settle(change(state, now), now)
                 if new == state:
                     return new
                 data = encode(new, self.path)
@@ -707,9 +774,11 @@ class Store:
         except OSError as exc:
             raise StoreError(os_message(exc, d, "create it")) from None
         self._check_nfs_once()
-        with self._lock.held(timeout) as held:
+        started = time.monotonic()
+        with self._lock.held(timeout) as held, \
+                self._flock.held(max(timeout - (time.monotonic() - started), 0.0)) as fheld:
             self._remove_stale_temps()
-            yield held
+            yield lambda: held() and fheld()
 
     def _write(self, data: bytes) -> None:
         d = self.path.parent

@@ -139,20 +139,24 @@ def _time(text: str | None) -> datetime | None:
 
 _TIMES: dict[str, datetime] = {}
 _PROCESS_DEFAULTS = {"elapsed_s": None, "gpu_instance_id": None, "compute_instance_id": None}
+#: What the schema lets a GPU object hold that is not a GpuInfo field (its annotations).
+_GPU_ANNOTATIONS = tuple(set(schema()["$defs"]["gpu"]["properties"])
+                         - set(GpuInfo.__dataclass_fields__))
+assert set(schema()["$defs"]["process"]["properties"]) <= set(ProcessInfo.__dataclass_fields__)
 
 
 def _process(p: dict[str, Any]) -> ProcessInfo:
     # (Built without the dataclass's __init__: a 200-host document has thousands.)
     q = object.__new__(ProcessInfo)
     q.__dict__.update(_PROCESS_DEFAULTS)
-    q.__dict__.update(p)
+    q.__dict__.update(p)  # (the schema's process keys are ProcessInfo's fields)
     return q
 
 
 def _gpu(g: dict[str, Any]) -> GpuInfo:
     fields = dict(g)
-    fields.pop("reservation", None)
-    fields.pop("flags", None)
+    for k in _GPU_ANNOTATIONS:  # (the schema allows nothing else that is not a field)
+        fields.pop(k, None)
     fields["processes"] = tuple(_process(p) for p in g["processes"])
     fields["instances"] = tuple(MigInstance(
         gpu_instance_id=i["gpu_instance_id"], compute_instance_id=i["compute_instance_id"],

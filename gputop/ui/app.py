@@ -33,11 +33,12 @@ from textual.worker import Worker
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release
+from gputop.reservations import Invalid, Refused, StoreError, Target, release
 from gputop.reservations.ops import whoami
 from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
+from gputop.sources.shared_file import open_store
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import (
     BoardModel,
@@ -138,14 +139,16 @@ class GputopApp(App[int]):
         self._sources = sources
         self._feed = feed
         self.clock = clock
-        self.me = user or whoami()[0]
+        self.store = open_store(config, warn=self._warn)
+        #: For a store over SSH, "me" is the account its host authenticated: learnt with
+        #: the first answer (until then, and if it never answers, this machine's account).
+        self._me_given = user is not None
+        self.me = user or whoami(None if self.store.remote else self.store)[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
                                 idle_grace_s=config.idle_grace_s,
                                 share_grace_s=config.share_grace_s, clock=clock, me=self.me)
-        self.store = Store(config.reservations_path, warn=self._warn,
-                           max_s=config.reservation_max_s)
-        self._store_sig: tuple[int, int, int] | None = None
+        self._store_sig: object = None
         self._state: StoreState | None = None
         self._waiting: Worker[None] | None = None
         self._store_problem: str | None = None
@@ -328,15 +331,14 @@ class GputopApp(App[int]):
         self.model.ingest(snap)
         self._dirty = True
 
-    def _store_stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.store.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    def _store_stat(self) -> object:
+        return self.store.signature()
 
     def reload_store(self) -> None:
         """Re-read the shared file now (after our own write, or when asked)."""
+        if self.store.remote:
+            self._read_remote_store()
+            return
         sig = self._store_stat()
         try:
             result: StoreState | StoreError = self.store.read()
@@ -349,6 +351,9 @@ class GputopApp(App[int]):
         on a worker thread. A large or hostile file (up to 4 MiB, 10,000 records) costs
         that thread a tenth of a second, never the screen; an unchanged file, broken or not,
         is not read again."""
+        if self.store.remote:
+            self._read_remote_store()
+            return
         sig = self._store_stat()
         if sig == self._store_sig or self._store_reading:
             return
@@ -363,7 +368,36 @@ class GputopApp(App[int]):
 
         self.run_worker(read, thread=True, group="store", exit_on_error=False)
 
-    def _apply_store(self, sig: tuple[int, int, int] | None,
+    def _read_remote_store(self) -> None:
+        """A store over SSH, always on a worker thread: one short round trip when the file
+        did not change (its checksum), the file only when it did; a host that is down
+        costs that thread its timeout, never the screen."""
+        if self._store_reading:
+            return
+        self._store_reading = True
+
+        def read() -> None:
+            me = None
+            try:
+                result: StoreState | StoreError = self.store.read()
+                me = self.store.whoami()[0]
+            except StoreError as exc:
+                result = exc
+            self.call_from_thread(self._apply_remote_store, result, me)
+
+        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+
+    def _apply_remote_store(self, result: StoreState | StoreError, me: str | None) -> None:
+        if me is not None and not self._me_given and me != self.me:
+            self.me = self.model.me = me
+            self.model.state_version += 1  # every row's "is it mine" may change
+            self._dirty = True
+        if result is self._state and self._store_problem is None:
+            self._store_reading = False  # unchanged: nothing to redo
+            return
+        self._apply_store(None, result)
+
+    def _apply_store(self, sig: object,
                      result: StoreState | StoreError) -> None:
         self._store_reading = False
         self._store_sig = sig
