@@ -402,6 +402,8 @@ class Host:
     delay: float = 0.0  # seconds each stand-in nvidia-smi call takes
     #: --query-compute-apps names a MIG process's MIG device uuid (some drivers), not its GPU's
     apps_by_mig: bool = False
+    #: GPU names that replace the captures' (no comma: nvidia-smi's CSV has none there).
+    gpu_names: tuple[str, ...] = ()
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
@@ -568,6 +570,8 @@ class Fleet:
                 cells[ROW_FIELDS.index("uuid")] = gpu_uuid(h.name, i)  # distinct UUID
                 if scenario == "hostile-names":
                     cells[ROW_FIELDS.index("name")] = HOSTILE_GPU_NAME
+                elif i < len(h.gpu_names) and h.gpu_names[i]:
+                    cells[ROW_FIELDS.index("name")] = h.gpu_names[i]
                 rows.append(", ".join(cells) + "\n")
             # process_name only where gputop still asks for it (as nvidia-smi would): it is
             # argv[0], whatever its owner put there, newlines included.

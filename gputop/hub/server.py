@@ -10,7 +10,8 @@ inline script, no other origin) and ``X-Content-Type-Options: nosniff``. Request
 bounded: request line and header sizes, header count, no bodies (``client_max_size``),
 at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams. With a
 token file, every route but ``/-/healthy``, ``/-/ready`` and the web page's own files
-needs ``Authorization: Bearer <token>``.
+needs ``Authorization: Bearer <token>`` (or, from the web board, the ``gputop_token``
+cookie holding it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -34,6 +36,7 @@ from gputop.config import Config
 from gputop.hub.collector import Collector
 from gputop.hub.events import KEEPALIVE, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
+from gputop.hub.waste import WasteCache
 from gputop.output import dumps
 from gputop.text import excerpt
 
@@ -59,6 +62,8 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
+#: The cookie the web board keeps the token in (set by the page when a hub asks for one).
+TOKEN_COOKIE = "gputop_token"  # noqa: S105 - a cookie name, not a secret
 #: Routes anyone may ask without the token: liveness, readiness and the page's own files.
 _OPEN = ("/-/healthy", "/-/ready", "/", "/static/")
 
@@ -122,6 +127,7 @@ class Hub:
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
+        self.waste = WasteCache(config.history_path)
         #: Listening on loopback only: requests must name a loopback host too, so a web
         #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
         self.loopback_names_only = False
@@ -147,6 +153,7 @@ class Hub:
         app.router.add_get("/api/v1/snapshot", self.snapshot_route)
         # (No HEAD for the stream: it would hold a subscriber's place and send nothing.)
         app.router.add_get("/api/v1/events", self.events_route, allow_head=False)
+        app.router.add_get("/api/v1/waste", self.waste_route)
         app.router.add_get("/-/ready", self.ready)
         app.router.add_get("/-/healthy", self.healthy)
         app.router.add_get("/", self.index)
@@ -162,7 +169,11 @@ class Hub:
         if self.token is not None and not _open(request.path):
             got = request.headers.get("Authorization", "")
             want = f"Bearer {self.token}"
-            if not hmac.compare_digest(got.encode(), want.encode()):
+            # The web board's EventSource cannot send a header: the page keeps the token
+            # in a SameSite=Strict cookie that only this hub's own pages send.
+            cookie = unquote(request.cookies.get(TOKEN_COOKIE, ""))
+            if not (hmac.compare_digest(got.encode(), want.encode())
+                    or hmac.compare_digest(cookie.encode(), self.token.encode())):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead
@@ -191,6 +202,11 @@ class Hub:
     async def snapshot_route(self, request: web.Request) -> web.Response:
         body, _ = self.snapshot()
         return web.Response(body=body, content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+
+    async def waste_route(self, request: web.Request) -> web.Response:
+        """The last day's waste from the history database, for the web board's panel."""
+        return web.Response(text=dumps(await self.waste.get()), content_type="application/json",
                             headers={"Cache-Control": "no-store"})
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:

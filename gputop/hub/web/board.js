@@ -1,0 +1,442 @@
+// The web board: the hub's event stream (a snapshot, then updates of the hosts that
+// changed) kept as one document, drawn by view.js, filtered and sorted as the terminal
+// board is, with the view in the URL. While the stream is down the page says so, greys
+// the data and never calls it current; a restarted hub's snapshot replaces everything.
+
+import {
+  clock, compareRows, duration, hostName, list, obj, parseTime, readState, str, summary,
+  terms, writeState,
+} from "./data.js";
+import { renderPeople, renderQueue, renderWaste } from "./panels.js";
+import { HostView } from "./view.js";
+
+const $ = (id) => document.getElementById(id);
+const WATCHDOG_S = 30; // no event for this long: ask /-/healthy whether the hub still lives
+const WASTE_EVERY_S = 300;
+
+const state = readState(location.search);
+const board = {
+  hosts: new Map(), // name -> the host object, as the hub sent it
+  order: [],
+  views: new Map(), // name -> HostView
+  queue: null,
+  resError: null,
+  conn: "connecting",
+  since: null, // when the current connection state began (ms)
+  lastEvent: 0, // when the last event came (shown as "updated")
+  lastHeard: 0, // ... or the hub last answered /-/healthy (the watchdog's clock)
+  snapshots: 0,
+  updates: 0,
+  epoch: null,
+  flatKey: "",
+  page: 0,
+};
+window.gputopBoard = board; // what the browser tests read: counters and the state
+
+const panes = {};
+for (const id of ["queue", "people", "waste"]) {
+  const sec = $(id);
+  panes[id] = { el: sec, count: sec.querySelector(".count") || sec, list: sec.querySelector(".list") };
+}
+
+// --- the stream --------------------------------------------------------------------------
+
+let source = null;
+let liveTimer = null;
+
+function setConn(conn) {
+  if (board.conn === conn) return;
+  board.conn = conn;
+  board.since = Date.now();
+  drawConn();
+}
+
+function drawConn() {
+  const pill = $("conn");
+  const stale = board.conn !== "live";
+  pill.className = `conn ${board.conn}`;
+  pill.textContent = board.conn === "live" ? "live" : board.snapshots ? "stale" : "connecting";
+  document.body.classList.toggle("stale", stale && board.snapshots > 0);
+  document.title = stale && board.snapshots ? "gputop (stale)" : "gputop";
+  const banner = $("banner");
+  banner.hidden = !stale || !board.snapshots;
+  if (!banner.hidden) {
+    banner.textContent = `Not connected to the hub since ${clock(board.since)} ` +
+      `(${duration((Date.now() - board.since) / 1000)}): what you see is as it was then ` +
+      "and may be out of date. Reconnecting\u2026";
+  }
+}
+
+function connect() {
+  clearTimeout(liveTimer);
+  if (source) source.close();
+  const es = (source = new EventSource("/api/v1/events"));
+  es.onopen = () => {
+    // A restarted hub's snapshot (or a resumed stream's missed updates) comes at once;
+    // a resumed stream that missed nothing sends nothing: current, then, after a moment.
+    clearTimeout(liveTimer);
+    liveTimer = setTimeout(() => {
+      if (source === es && es.readyState === EventSource.OPEN && board.snapshots) setConn("live");
+    }, 1500);
+  };
+  es.addEventListener("snapshot", (e) => measured("gputop-snapshot", () => {
+    const doc = parse(e.data);
+    if (doc === null) return;
+    board.epoch = String(e.lastEventId).split("-")[0];
+    applySnapshot(doc);
+    heard();
+  }));
+  es.addEventListener("update", (e) => measured("gputop-update", () => {
+    const up = parse(e.data);
+    if (up === null || !board.snapshots) return;
+    applyUpdate(up);
+    heard();
+  }));
+  es.onerror = () => {
+    setConn("stale");
+    if (es.readyState === EventSource.CLOSED) {
+      // A refusal (503: too many streams, 401) ends an EventSource for good: start anew,
+      // unless the hub wants a token this page does not have yet.
+      refused(es);
+    }
+  };
+}
+
+async function refused(es) {
+  let status = 0;
+  try {
+    status = (await fetch("/-/healthy", { cache: "no-store" })).ok
+      ? (await fetch("/api/v1/snapshot", { cache: "no-store", method: "HEAD" })).status : 0;
+  } catch {
+    status = 0;
+  }
+  if (source !== es) return;
+  if (status === 401) {
+    $("tokenform").hidden = false;
+    return;
+  }
+  setTimeout(() => { if (source === es) connect(); }, 5000);
+}
+
+function useToken(e) {
+  e.preventDefault();
+  const token = $("token").value.trim();
+  if (!token) return;
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = `gputop_token=${encodeURIComponent(token)}; path=/; max-age=31536000; ` +
+    `SameSite=Strict${secure}`;
+  $("token").value = "";
+  $("tokenform").hidden = true;
+  connect();
+  loadWaste();
+}
+
+function heard() {
+  board.lastEvent = board.lastHeard = Date.now();
+  clearTimeout(liveTimer);
+  setConn("live");
+}
+
+function parse(text) {
+  try {
+    return obj(JSON.parse(text));
+  } catch {
+    return null;
+  }
+}
+
+let measures = 0;
+
+/** ``fn`` timed with the performance API (what the browser tests read); the timeline is
+ * cleared now and then, so a page left open for days does not keep every entry. */
+function measured(name, fn) {
+  const t0 = performance.now();
+  fn();
+  performance.measure(name, { start: t0 });
+  if (++measures >= 5000) {
+    measures = 0;
+    performance.clearMeasures();
+  }
+}
+
+/** A quiet fleet sends no events and keepalives are invisible to EventSource: after
+ * ``WATCHDOG_S`` without one, a hub that does not answer /-/healthy is a lost stream. */
+async function watchdog() {
+  if (board.conn !== "live" || Date.now() - board.lastHeard < WATCHDOG_S * 1000) return;
+  const ctl = new AbortController();
+  const timer = setTimeout(() => ctl.abort(), 5000);
+  try {
+    const r = await fetch("/-/healthy", { cache: "no-store", signal: ctl.signal });
+    if (r.ok) {
+      board.lastHeard = Date.now();
+      return;
+    }
+  } catch {
+    // down or hung: below
+  } finally {
+    clearTimeout(timer);
+  }
+  setConn("stale");
+  connect();
+}
+
+// --- the document ------------------------------------------------------------------------
+
+function applySnapshot(doc) {
+  board.snapshots += 1;
+  const hosts = list(doc.hosts).map(obj).filter((h) => h && hostName(h));
+  const names = new Set();
+  board.hosts = new Map();
+  for (const h of hosts) {
+    const n = hostName(h);
+    if (names.has(n)) continue;
+    names.add(n);
+    board.hosts.set(n, h);
+  }
+  board.order = [...names];
+  for (const [n, v] of board.views) {
+    if (!names.has(n)) {
+      v.drop();
+      board.views.delete(n);
+    }
+  }
+  board.queue = doc.queue ?? null;
+  board.resError = typeof doc.reservations_error === "string" ? doc.reservations_error : null;
+  $("loading").hidden = true;
+  refresh(board.order, true);
+  if (state.tv) setTimeout(() => turnPage(0), 0);
+}
+
+function applyUpdate(up) {
+  board.updates += 1;
+  const changed = [];
+  for (const h of list(up.hosts).map(obj)) {
+    const n = h && hostName(h);
+    if (!n) continue;
+    if (!board.hosts.has(n)) board.order.push(n);
+    board.hosts.set(n, h);
+    changed.push(n);
+  }
+  let reorder = false;
+  for (const n of list(up.removed)) {
+    if (typeof n !== "string" || !board.hosts.has(n)) continue;
+    board.hosts.delete(n);
+    board.order = board.order.filter((x) => x !== n);
+    board.views.get(n)?.drop();
+    board.views.delete(n);
+    reorder = true;
+  }
+  const set = obj(up.set) || {};
+  if ("queue" in set) board.queue = set.queue;
+  if ("reservations_error" in set) {
+    board.resError = typeof set.reservations_error === "string" ? set.reservations_error : null;
+  }
+  refresh(changed, reorder);
+}
+
+// --- drawing -----------------------------------------------------------------------------
+
+/** Update the views of ``names``; place them; filter; redraw the summary and panels. */
+function refresh(names, all) {
+  const hostsBox = $("hosts");
+  let placed = all;
+  for (const n of names) {
+    let v = board.views.get(n);
+    if (!v) {
+      v = new HostView(n);
+      board.views.set(n, v);
+      placed = true;
+    }
+    if (v.update(board.hosts.get(n))) placed = true;
+  }
+  if (placed) {
+    const want = board.order.map((n) => board.views.get(n).el);
+    if (want.some((e, i) => hostsBox.children[i] !== e) || hostsBox.children.length !== want.length) {
+      hostsBox.replaceChildren(...want);
+    }
+  }
+  applyView(all ? board.order : names, placed);
+}
+
+function applyView(names, placed) {
+  const ts = terms(state.q);
+  const flat = state.sort !== "host";
+  document.body.classList.toggle("flatview", flat);
+  $("flat").hidden = !flat;
+  let any = false;
+  for (const n of names) {
+    const v = board.views.get(n);
+    const on = v.filter(ts, state.free);
+    v.el.hidden = !on || (flat && !v.failed);
+    if (!flat && placed) v.adopt();
+  }
+  for (const v of board.views.values()) any = any || !v.el.hidden;
+  if (flat) any = placeFlat() || any;
+  $("nomatch").hidden = any || !board.snapshots;
+  drawSummary();
+  drawPanels();
+  drawConn();
+}
+
+/** The sorted views: every kept row in one list, in sort order. The list is a flex column
+ * and each row's place is its CSS ``order``: a new order writes the places that changed,
+ * and no row is moved in the document (moving 1,600 rows costs 40 ms; this, a few). */
+function placeFlat() {
+  const rows = [];
+  for (const n of board.order) {
+    for (const r of board.views.get(n).gpuRows()) {
+      if (r.shown) rows.push({ host: n, index: r.index, util: r.util_, freeMib: r.freeMib, r });
+    }
+  }
+  rows.sort(compareRows(state.sort));
+  const key = rows.map((x) => `${x.host}\0${x.index}`).join("\n");
+  if (key !== board.flatKey) {
+    board.flatKey = key;
+    const box = $("flat");
+    const add = [];
+    rows.forEach((x, i) => {
+      if (x.r.el.parentNode !== box) add.push(x.r.el);
+      if (x.r.place !== i) {
+        x.r.place = i;
+        x.r.el.style.order = String(i);
+      }
+    });
+    if (add.length) box.append(...add);
+  }
+  return rows.length > 0;
+}
+
+function drawSummary() {
+  const hosts = board.order.map((n) => board.hosts.get(n));
+  const s = summary(hosts);
+  const util = s.utilN ? ` \u00b7 ${Math.round(s.util / s.utilN)}% mean load` : "";
+  $("summary").textContent = `${s.hosts} hosts${s.down ? ` (${s.down} failing)` : ""} \u00b7 ` +
+    `${s.gpus} GPUs \u00b7 ${s.free} free \u00b7 ${s.busy} in use \u00b7 ${s.reserved} reserved${util}`;
+  $("asof").textContent = board.lastEvent ? `updated ${clock(board.lastEvent)}` : "";
+  const rp = $("resproblem");
+  rp.hidden = board.resError === null;
+  if (board.resError !== null) rp.textContent = `reservations file: ${str(board.resError, 400)}`;
+}
+
+let panelsAt = 0;
+let panelsTimer = null;
+
+/** The panels at most once a second: an update of one host need not rebuild them each time. */
+function drawPanels() {
+  const wait = 1000 - (Date.now() - panelsAt);
+  if (wait > 0) {
+    if (!panelsTimer) panelsTimer = setTimeout(() => { panelsTimer = null; drawPanels(); }, wait);
+    return;
+  }
+  panelsAt = Date.now();
+  const now = Date.now();
+  renderQueue(panes.queue, board.queue, now);
+  renderPeople(panes.people, board.order.map((n) => board.hosts.get(n)), now);
+}
+
+async function loadWaste() {
+  try {
+    const r = await fetch("/api/v1/waste", { cache: "no-store" });
+    renderWaste(panes.waste, r.ok ? await r.json() : null);
+  } catch {
+    // the hub is away: the stream says so; the panel keeps what it had
+  }
+}
+
+// --- controls and the URL ----------------------------------------------------------------
+
+function pushState() {
+  history.replaceState(null, "", location.pathname + writeState(state));
+}
+
+function controls() {
+  const filter = $("filter"), free = $("freeonly"), sort = $("sort");
+  filter.value = state.q;
+  free.checked = state.free;
+  sort.value = state.sort;
+  let timer = null;
+  filter.addEventListener("input", () => {
+    clearTimeout(timer);
+    timer = setTimeout(() => {
+      state.q = filter.value.slice(0, 200);
+      pushState();
+      applyView(board.order, true);
+    }, 120);
+  });
+  free.addEventListener("change", () => {
+    state.free = free.checked;
+    pushState();
+    applyView(board.order, true);
+  });
+  sort.addEventListener("change", () => {
+    state.sort = sort.value;
+    board.flatKey = "";
+    pushState();
+    applyView(board.order, true);
+  });
+  $("controls").addEventListener("submit", (e) => e.preventDefault());
+  $("tokenform").addEventListener("submit", useToken);
+}
+
+// --- wall-screen mode: large type, pages through the fleet ---------------------------------
+
+function pages() {
+  const box = $("board");
+  const height = box.clientHeight;
+  const items = [];
+  for (const parent of [$("flat"), $("hosts")]) {
+    if (parent.hidden) continue;
+    for (const e of parent.children) {
+      if (!e.hidden) items.push({ e, top: e.offsetTop, bottom: e.offsetTop + e.offsetHeight });
+    }
+  }
+  items.sort((a, b) => a.top - b.top);
+  const starts = [items.length ? items[0].top : 0];
+  for (;;) {
+    const start = starts[starts.length - 1];
+    const next = items.find((it) => it.top > start && it.bottom > start + height);
+    if (!next || starts.length > 100) break;
+    starts.push(next.top);
+  }
+  return { box, height, items, starts };
+}
+
+function turnPage(step) {
+  const { box, height, items, starts } = pages();
+  board.page = (board.page + step) % starts.length;
+  const top = starts[board.page];
+  box.scrollTop = top;
+  for (const it of items) {
+    const off = it.top < top || it.bottom > top + height + 1;
+    it.e.classList.toggle("offpage", off);
+    if (!off) {
+      const v = board.views.get(it.e.dataset.host) ?? null;
+      if (v && v.el === it.e) v.flush(); // this page is drawn before it shows, not after
+    }
+  }
+  if (state.sort !== "host") for (const v of board.views.values()) v.flush();
+  $("tvpage").textContent = starts.length > 1
+    ? `page ${board.page + 1} of ${starts.length} \u00b7 next in ${state.every} s` : "";
+}
+
+// --- start -------------------------------------------------------------------------------
+
+controls();
+if (state.tv) {
+  document.documentElement.classList.add("tv");
+  document.body.classList.add("tv");
+  $("tvbar").hidden = false;
+  setInterval(() => turnPage(1), state.every * 1000);
+  addEventListener("resize", () => turnPage(0));
+  setTimeout(() => turnPage(0), 1000);
+}
+setInterval(() => {
+  const now = Date.now();
+  for (const v of board.views.values()) v.tick(now);
+  drawConn();
+  watchdog();
+}, 5000);
+setInterval(loadWaste, WASTE_EVERY_S * 1000);
+loadWaste();
+connect();
+export { board, parseTime };

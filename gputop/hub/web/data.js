@@ -1,0 +1,228 @@
+// What the web board shows, worked out without the DOM: values read defensively from the
+// hub's document (every field may be missing, of the wrong type or hostile), the board's
+// filter, free-only and sort rules (gputop/ui/board_model.py), the URL state, the people.
+
+export const SORTS = ["host", "utilization", "free-memory"];
+export const FREE_MEMORY_SLACK_MIB = 512; // gputop.reservations.flags.FREE_MEMORY_SLACK_MIB
+export const MAX_TEXT = 300; // longer strings are cut: a 1 MiB command line is not a row
+
+/** A finite number, or null (the document says null where a GPU reported nothing). */
+export function num(x) {
+  return typeof x === "number" && Number.isFinite(x) ? x : null;
+}
+
+/** A string, cut to ``max``; anything else is "". Only ever set as text, never as markup. */
+export function str(x, max = MAX_TEXT) {
+  if (typeof x !== "string") return "";
+  return x.length > max ? x.slice(0, max) + "\u2026" : x;
+}
+
+export function list(x) {
+  return Array.isArray(x) ? x : [];
+}
+
+export function obj(x) {
+  return x !== null && typeof x === "object" && !Array.isArray(x) ? x : null;
+}
+
+/** Milliseconds since 1970 of the document's "2026-12-01T17:00:00Z", or null. */
+export function parseTime(x) {
+  if (typeof x !== "string" || !/^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$/.test(x)) return null;
+  const t = Date.parse(x);
+  return Number.isFinite(t) ? t : null;
+}
+
+/** "3h 12m", "45m", "20s", "2d 4h". */
+export function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s}s`;
+  const m = Math.floor(s / 60);
+  if (m < 60) return `${m}m`;
+  const h = Math.floor(m / 60);
+  if (h < 48) return `${h}h ${String(m % 60).padStart(2, "0")}m`;
+  return `${Math.floor(h / 24)}d ${h % 24}h`;
+}
+
+export function clock(ms) {
+  if (ms === null) return "never";
+  const d = new Date(ms);
+  return [d.getHours(), d.getMinutes(), d.getSeconds()]
+    .map((v) => String(v).padStart(2, "0")).join(":");
+}
+
+export function gib(mib) {
+  const v = num(mib);
+  if (v === null) return "n/a";
+  return v >= 1024 ? `${(v / 1024).toFixed(v >= 10240 ? 0 : 1)} GiB` : `${Math.round(v)} MiB`;
+}
+
+export function hostName(h) {
+  return str(obj(h)?.name, 200);
+}
+
+/** The board's key of a GPU within its host: uuid, else index, else bus id, else place. */
+export function gpuKey(g, i) {
+  return str(g.uuid, 100) || (num(g.index) !== null ? `#${g.index}` : "") ||
+    str(g.bus_id, 100) || `@${i}`;
+}
+
+export function processes(x) {
+  return list(x).map(obj).filter((p) => p !== null);
+}
+
+/** Nobody uses it and nobody holds it: no processes, next to no memory, no load. */
+export function isFree(g) {
+  if (g.lost === true || num(g.index) === null || list(g.processes).length) return false;
+  if (obj(g.reservation)) return false;
+  const used = num(g.memory_used_mib);
+  if (used === null || used > FREE_MEMORY_SLACK_MIB) return false;
+  const util = num(g.utilization_percent);
+  return util === null || util <= 10;
+}
+
+export function instanceFree(inst) {
+  if (list(inst.processes).length || obj(inst.reservation)) return false;
+  const used = num(inst.memory_used_mib);
+  return used !== null && used <= FREE_MEMORY_SLACK_MIB;
+}
+
+/** A GPU is free, or (MIG) one of its instances is. */
+export function anyFree(g) {
+  const inst = list(g.instances).map(obj).filter(Boolean);
+  if (inst.length) return g.lost !== true && inst.some(instanceFree);
+  return isFree(g);
+}
+
+export function freeMib(g) {
+  const used = num(g.memory_used_mib);
+  const total = num(g.memory_total_mib);
+  return used === null || total === null ? -1 : total - used;
+}
+
+export function users(g) {
+  const out = [];
+  for (const p of list(g.processes)) {
+    const u = str(obj(p)?.user, 64);
+    if (u && !out.includes(u)) out.push(u);
+  }
+  return out;
+}
+
+/** The words a filter term may match: the host's (name, tags) and the GPU's (model,
+ * users, holder), lowered. */
+export function hostWords(h) {
+  return [hostName(h), ...list(h.tags).map((t) => str(t, 64))].map((w) => w.toLowerCase());
+}
+
+export function gpuWords(g) {
+  const w = [str(g.name, 200), ...users(g)];
+  const r = obj(g.reservation);
+  if (r) w.push(str(r.user, 64));
+  for (const inst of list(g.instances)) {
+    const ir = obj(obj(inst)?.reservation);
+    if (ir) w.push(str(ir.user, 64));
+  }
+  return w.map((x) => x.toLowerCase());
+}
+
+export function terms(text) {
+  return text.trim().toLowerCase().split(/\s+/).filter(Boolean);
+}
+
+/** Every term is in one of the words. */
+export function matches(ts, words) {
+  return ts.every((t) => words.some((w) => w.includes(t)));
+}
+
+/** The view the URL asks for: ?q=&free=1&sort=&tv=1&every=SECONDS. */
+export function readState(search) {
+  const p = new URLSearchParams(search);
+  const sort = p.get("sort");
+  const every = Number(p.get("every"));
+  return {
+    q: (p.get("q") || "").slice(0, 200),
+    free: p.get("free") === "1",
+    sort: SORTS.includes(sort) ? sort : "host",
+    tv: p.get("tv") === "1",
+    every: Number.isFinite(every) && every >= 3 && every <= 600 ? every : 12,
+  };
+}
+
+export function writeState(state) {
+  const p = new URLSearchParams();
+  if (state.q) p.set("q", state.q);
+  if (state.free) p.set("free", "1");
+  if (state.sort !== "host") p.set("sort", state.sort);
+  if (state.tv) p.set("tv", "1");
+  if (state.tv && state.every !== 12) p.set("every", String(state.every));
+  const s = p.toString();
+  return s ? `?${s}` : "";
+}
+
+/** Flat order for the sorted views (as the board): utilisation high first with unknown
+ * last, or free memory high first; then host, then index. */
+export function compareRows(sort) {
+  const tie = (a, b) => (a.host < b.host ? -1 : a.host > b.host ? 1 : a.index - b.index);
+  if (sort === "utilization") {
+    return (a, b) => {
+      const ua = a.util === null, ub = b.util === null;
+      if (ua !== ub) return ua ? 1 : -1;
+      return (b.util ?? 0) - (a.util ?? 0) || tie(a, b);
+    };
+  }
+  return (a, b) => b.freeMib - a.freeMib || tie(a, b);
+}
+
+/** Who holds what: per user, the reservations held and the GPUs their processes are on. */
+export function people(hosts, now) {
+  const by = new Map();
+  const get = (u) => {
+    let e = by.get(u);
+    if (!e) by.set(u, (e = { user: u, held: [], using: 0 }));
+    return e;
+  };
+  for (const h of hosts) {
+    const name = hostName(h);
+    for (const g of list(h.gpus).map(obj).filter(Boolean)) {
+      const label = `${name}:${num(g.index) ?? "?"}`;
+      const seen = new Set();
+      const hold = (r, what) => {
+        const u = str(r.user, 64);
+        if (!u || seen.has(`r${u}${what}`)) return;
+        seen.add(`r${u}${what}`);
+        const exp = parseTime(r.expires);
+        get(u).held.push({ label: what, left: exp === null ? null : (exp - now) / 1000 });
+      };
+      const r = obj(g.reservation);
+      if (r) hold(r, label);
+      for (const inst of list(g.instances).map(obj).filter(Boolean)) {
+        const ir = obj(inst.reservation);
+        if (ir && num(ir.instance) !== null) hold(ir, `${label}:${ir.instance}`);
+      }
+      for (const u of users(g)) get(u).using += 1;
+    }
+  }
+  return [...by.values()].sort((a, b) =>
+    b.held.length + b.using - (a.held.length + a.using) || (a.user < b.user ? -1 : 1));
+}
+
+/** Counts for the summary line. */
+export function summary(hosts) {
+  const s = { hosts: 0, down: 0, gpus: 0, free: 0, reserved: 0, busy: 0, util: 0, utilN: 0 };
+  for (const h of hosts) {
+    s.hosts += 1;
+    if (h.status !== "ok") s.down += 1;
+    for (const g of list(h.gpus).map(obj).filter(Boolean)) {
+      s.gpus += 1;
+      if (anyFree(g)) s.free += 1;
+      if (obj(g.reservation)) s.reserved += 1;
+      if (list(g.processes).length) s.busy += 1;
+      const u = num(g.utilization_percent);
+      if (u !== null) {
+        s.util += u;
+        s.utilN += 1;
+      }
+    }
+  }
+  return s;
+}
