@@ -1,0 +1,158 @@
+"""Attacks as a careless teammate on memory shares (issue 19's fixes, checked for shares),
+against real sshd hosts with the real users gtalice and gtbob.
+
+The fleet's ssh config logs every test user in as the fleet's own user (root): like a
+laptop user `maria` who is `mgarcia` on the cluster, gtalice's jobs there are root's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import _need_sshd, _world_readable
+from fleet import Fleet, GpuProcess, Host
+from test_queue import Team, text, until
+
+
+@pytest.fixture(scope="module")
+def hfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three idle 8 GB GPUs: two on q1, one on q2 (the names the Team's config uses)."""
+    _need_sshd()
+    f = Fleet(_world_readable(tmp_path_factory.mktemp("hfleet")), [
+        Host("q1", "127.0.27.2", gpus=("rtx2080", "rtx2080")),
+        Host("q2", "127.0.27.3", gpus=("rtx2080",)),
+    ]).start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture
+def team(hfleet: Fleet) -> Iterator[Team]:
+    from as_user import need_test_users, shared_tmp
+
+    need_test_users()
+    with shared_tmp() as tmp:
+        t = Team(hfleet, tmp)
+        try:
+            yield t
+        finally:
+            t.stop()
+
+
+@contextlib.contextmanager
+def _on_gpu(team: Team, host: str, user: str | None, gpu: int = 0,
+            mem_mib: int = 1024) -> Iterator[GpuProcess]:
+    """A real process of ``user`` (None: the fleet's own, root) that the host's driver
+    lists on GPU ``gpu``, using ``mem_mib``."""
+    h = team.fleet.hosts[host]
+    p = GpuProcess(user, "python notebook.py", gpu=gpu, mem_mib=mem_mib)
+    team.fleet.start_process(p)
+    h.processes.append(p)
+    team.fleet.set_scenario(h, h.scenario)
+    try:
+        yield p
+    finally:
+        h.processes.remove(p)
+        assert p.popen is not None
+        p.popen.kill()
+        p.popen.wait()
+        team.fleet.set_scenario(h, h.scenario)
+
+
+def _gpu_doc(team: Team, reader: str, label: str) -> dict[str, object]:
+    r = team.run("--json", user=reader)
+    assert r.returncode == 0, r.stderr
+    docs = {f"{h['name']}:{g['index']}": g
+            for h in json.loads(r.stdout)["hosts"] for g in h.get("gpus", [])}
+    return docs[label]
+
+
+def test_a_share_is_known_by_the_account_its_holder_logs_in_as(team: Team) -> None:
+    """gtalice logs in to the hosts as root. Her share of q1:0 records that login (a
+    whole reservation did; a share did not), so her own root process on the GPU is hers
+    for every reader: the GPU is not flagged `unreserved-use`, and her share's `used_mib`
+    is what that process uses (it said 0: her use was compared with her local name).
+    gtbob's process there, holding no share, is still flagged."""
+    r = team.run("reserve", "q1:0", "--share", "2G")
+    assert r.returncode == 0, r.stderr
+    (res,) = team.state().active()
+    assert res.share_mib == 2048
+    assert res.login == "root", res
+    with _on_gpu(team, "q1", None, 0, mem_mib=1500):
+        for reader in ("gtalice", "gtbob"):
+            doc = _gpu_doc(team, reader, "q1:0")
+            assert "unreserved-use" not in doc["flags"], (reader, doc["flags"])
+            shares = doc["shares"]
+            assert isinstance(shares, list) and len(shares) == 1
+            assert shares[0]["used_mib"] == 1500, (reader, shares)
+        with _on_gpu(team, "q1", "gtbob", 0, mem_mib=300):
+            doc = _gpu_doc(team, "gtalice", "q1:0")
+            assert "unreserved-use" in doc["flags"], doc["flags"]
+
+
+def test_free_share_reserve_and_the_queue_record_the_login(team: Team) -> None:
+    """Every way to take a share records the login: `free --share --reserve` and a
+    share granted by the queue (`free --share --wait`)."""
+    r = team.run("free", "--share", "2G", "--reserve")
+    assert r.returncode == 0, r.stderr
+    r = team.run("free", "--share", "2G", "--wait", "--lease", "5", "--max-wait", "20s",
+                 user="gtbob")
+    assert r.returncode == 0, r.stderr
+    logins = {(x.user, x.login) for x in team.state().active()}
+    assert logins == {("gtalice", "root"), ("gtbob", "root")}, logins
+
+
+def test_run_share_keeps_the_share_while_the_holders_login_uses_it(team: Team) -> None:
+    """A `run --share` job's `setsid` child, owned by the account gtalice logs in as
+    (root), still uses the GPU when the command exits: the share stays, as a whole
+    reservation's does (it was released: the child's owner was compared with her local
+    name, as the share recorded no login)."""
+    from as_user import wait_as
+
+    flag = team.tmp / "go"
+    pid, out, err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
+                               f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
+                               user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    with _on_gpu(team, "q2", None, 0):
+        flag.touch()
+        assert wait_as(pid, 20) == 0, text(err)
+        assert "still use q2:0" in text(err) and "released" not in text(err), text(err)
+        assert team.held() == {"q2:0": "gtalice"}
+
+
+def test_a_run_share_killed_before_its_pid_was_recorded_is_released(team: Team) -> None:
+    """`gputop run --share` SIGKILLed before it recorded its job's pid (the file locked by
+    another writer meanwhile) left a share tied to a job that never got a pid and to no
+    run process: it was never taken for gone and stayed for max_duration (7 days). Like a
+    whole GPU's `run`, its holder's next commands release it a job_grace later."""
+    from as_user import wait_as
+    from test_queue import _file_locked
+
+    pid, out, _err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
+                                "echo up; sleep 1", user="gtalice", tag="run")
+    deadline = time.monotonic() + 30
+    while not team.held() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    with _file_locked(team):
+        job = team.state().active()[0].job
+        if job is None or job.pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            wait_as(pid, 10)
+            pytest.skip("the pid was recorded before the lock was taken (a slow machine)")
+        assert job.runner is not None, job  # tied to the run process
+        until(lambda: "up" in text(out), what="job started")
+        os.kill(pid, signal.SIGKILL)
+        assert wait_as(pid, 10) == -signal.SIGKILL
+    job = team.state().active()[0].job
+    assert job is not None and job.pid is None
+    team.run("reservations")
+    time.sleep(1.2)
+    r = team.run("reservations")
+    assert "released q2:0 of gtalice: its job has ended" in r.stderr, r.stderr
+    assert team.held() == {}
