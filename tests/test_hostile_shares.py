@@ -12,6 +12,9 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from conftest import _need_sshd, _world_readable
@@ -156,3 +159,37 @@ def test_a_run_share_killed_before_its_pid_was_recorded_is_released(team: Team) 
     r = team.run("reservations")
     assert "released q2:0 of gtalice: its job has ended" in r.stderr, r.stderr
     assert team.held() == {}
+
+
+def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: Path) -> None:
+    """History: maria's share of a:0 records that she is mgarcia on host a; mgarcia's
+    process on that GPU is her use of her share (it was mgarcia's "unreserved" use and
+    her share "idle"), as it is for a whole reservation."""
+    from gputop.history.db import HistoryDB
+    from gputop.history.recorder import Recorder
+    from gputop.history.report import collect, summarise
+    from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, utcnow
+    from gputop.reservations.store import StoreState, new_reservation
+
+    t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
+    share = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, "",
+                                    share_mib=40960), login="mgarcia")
+    db = tmp_path / "h.sqlite3"
+    rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
+                   clock=lambda: 0.0)
+    rec.set_reservations(StoreState(reservations=(share,)))
+    for i in range(60):
+        t = t0 + timedelta(seconds=10 * (i + 1))
+        rec.record(HostSnapshot(name="a", time=t, gpus=(
+            GpuInfo(index=0, uuid="GPU-0", utilization_percent=90, memory_used_mib=1000,
+                    memory_total_mib=81920,
+                    processes=(ProcessInfo(pid=100, user="mgarcia"),)),)))
+    rec.flush()
+    rec.db.close()
+    with HistoryDB(db) as h:
+        doc = summarise(collect(h, t0.timestamp(), (t0 + timedelta(seconds=605)).timestamp()))
+    users = {u["user"]: u for u in doc["users"]}
+    assert "mgarcia" not in users or (users["mgarcia"]["used_hours"] == 0
+                                      and users["mgarcia"]["unreserved_hours"] == 0), users
+    assert users["maria"]["used_hours"] > 0, users
+    assert users["maria"]["reserved_idle_hours"] == 0, users

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -94,7 +95,7 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
              share_claim(_fleet(config), list(snaps.values()), share, me, t))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
                       max_seconds=config.reservation_max_s, note=args.note or "", job=job,
-                      check=check)
+                      check=check, login=login_on_host(config, t.host))
     print_share(o, g.memory_total_mib, store.read(), sys.stdout)
     if g.memory_free_mib < share:
         print(f"gputop: warning: {clean(t.label)} has {size_text(max(0, g.memory_free_mib))}"
@@ -158,7 +159,8 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         try:
             o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                               max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=share_claim(_fleet(config), hosts, share, me, t))
+                              check=share_claim(_fleet(config), hosts, share, me, t),
+                              login=login_on_host(config, t.host))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -214,7 +216,11 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
         raise Invalid("--share runs on one share of one GPU (--count 1)")
     store = open_store(config)
     reap_ended_jobs(config, store)
-    pending = Job(None, session=True)  # tied to the job from the start (see jobs.reap)
+    from gputop.jobs.remote import local_start
+
+    # Tied to the job from the start, and to this process until the job's pid is recorded
+    # (a run killed before that is released after the grace: see jobs.reap).
+    pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     seconds = (reservation_seconds(config, args.duration) if args.duration
                else config.reservation_max_s)
     r: Reservation | None = None
@@ -234,7 +240,8 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
                 o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
                                   max_seconds=config.reservation_max_s,
                                   note=args.note or "", job=pending,
-                                  check=share_claim(_fleet(config), hosts, share, me, t))
+                                  check=share_claim(_fleet(config), hosts, share, me, t),
+                                  login=login_on_host(config, t.host))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
@@ -254,6 +261,13 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
 
     return asyncio.run(run_on(config, host_config(config, r.host), store, [r], argv, say,
                               env))
+
+
+def login_on_host(config: Config, host: str) -> str | None:
+    """The account this gputop logs in as on ``host`` (``jobs.remote.login_on``)."""
+    from gputop.jobs.remote import logins
+
+    return logins(config)(host)
 
 
 def _fleet(config: Config) -> list[str]:

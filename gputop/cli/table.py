@@ -144,7 +144,7 @@ def _shared_rows(name: str, host: str, g: GpuInfo, shares: tuple[Reservation, ..
                         f"shared, {'?' if rest is None else size_text(rest)} unshared",
                         ",".join(flags)], ["host", "", "", "busy", "", "", "reserved", "flag"])]
     for r, f in zip(shares, per):
-        used = holder_use_mib(g, r.user)
+        used = holder_use_mib(g, r)
         out.append((["", "", "share", "", f"{used / 1024:.1f}/{size_text(r.share_mib or 0)}",
                      clean(r.user),
                      f"{clean(r.user)} {format_duration((r.expires - now).total_seconds())}",

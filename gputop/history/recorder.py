@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import groupby
@@ -199,13 +199,23 @@ class Recorder:
         return None if r is None else self.names.resolve(r.user, _ms(at))
 
     def _user_ids(self, procs: tuple[ProcessInfo, ...], t_ms: int,
-                  r: Reservation | None = None) -> list[int]:
+                  r: Reservation | None = None,
+                  shares: Sequence[Reservation] = ()) -> list[int]:
         """Process owners; the holder's login on the host (``Reservation.login``) counts
-        as the holder, so the holder's own job is credited to the holder."""
+        as the holder, so the holder's own job is credited to the holder (on a shared
+        GPU: the share whose holder it is)."""
         if not procs:
             return []
-        return self.names.user_ids([r.user if r is not None and p.user and r.is_holder(p.user)
-                                    else p.user or UNKNOWN_USER for p in procs], t_ms)
+        holders = ((r,) if r is not None else ()) + tuple(shares)
+        return self.names.user_ids([
+            next((h.user for h in holders if p.user and h.is_holder(p.user)), None)
+            or p.user or UNKNOWN_USER for p in procs], t_ms)
+
+    def _active_shares(self, host: str, idx: int | None, at: datetime
+                       ) -> tuple[Reservation, ...]:
+        if idx is None or not self._shares:
+            return ()
+        return tuple(r for r in self._shares.get((host, idx), ()) if self._active(r, at))
 
     def _parts(self, host: str, g: GpuInfo, at: datetime) -> list[list[object]] | None:
         """One part per MIG instance, or None to record the GPU whole (see the module)."""
@@ -298,7 +308,9 @@ class Recorder:
                 util = None if g.lost else g.utilization_percent
                 entry: list[object] = [gid, util, g.memory_used_mib,
                                        self._user_ids(g.processes, t_ms, self._reservation(
-                                           snap.name, g.index, snap.time)),
+                                           snap.name, g.index, snap.time),
+                                           self._active_shares(snap.name, g.index,
+                                                               snap.time)),
                                        self._holder(snap.name, g.index, snap.time),
                                        int(g.lost)]
                 parts = self._parts(snap.name, g, snap.time)

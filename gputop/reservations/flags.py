@@ -105,7 +105,7 @@ class IdleTracker:
         """True once the share's holder has used more than the share for
         ``share_grace_s`` (as seen by the calls here: every refresh asks)."""
         key = (host, g.index, r.user)
-        if g.lost or r.share_mib is None or holder_use_mib(g, r.user) <= r.share_mib:
+        if g.lost or r.share_mib is None or holder_use_mib(g, r) <= r.share_mib:
             self._over.pop(key, None)
             return False
         since = self._over.setdefault(key, now)
@@ -213,7 +213,6 @@ def share_flags(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
     who holds no share of it), ``over-share`` (a holder's processes used more than the
     share for the grace), ``idle-reservation`` (no process of the holder for
     ``idle_grace``), ``renumbered``, ``lost``."""
-    holders = {r.user for r in shares}
     per: list[list[str]] = []
     for r in shares:
         f: list[str] = []
@@ -225,7 +224,8 @@ def share_flags(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
             f.append("renumbered")
         per.append(f)
     flags = ["lost"] if g.lost else []
-    if any(p.user and p.user not in holders for p in g.processes):
+    # A holder's processes are known by either name (``Reservation.is_holder``).
+    if any(p.user and not any(r.is_holder(p.user) for r in shares) for p in g.processes):
         flags.append("unreserved-use")
     flags.extend(dict.fromkeys(x for f in per for x in f))
     return flags, per

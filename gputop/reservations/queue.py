@@ -570,7 +570,8 @@ def _grant(store: ReservationStore, waiter_id: str | None, req: Request,
             while r.id in ids:
                 r = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
                                     note, share_mib=share)
-            made.append(replace(r, job=job(f.host) if job else None))
+            made.append(replace(r, job=job(f.host) if job else None,
+                                login=login(f.host) if login else None))
             return replace(state, reservations=state.reservations + tuple(made),
                            queue=tuple(w for w in state.queue if w.id != waiter_id))
         for f in got:

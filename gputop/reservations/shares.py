@@ -94,9 +94,10 @@ def room_mib(total_mib: int, shares: Iterable[Reservation], but: str | None = No
     return max(0, total_mib - committed_mib(shares, but))
 
 
-def holder_use_mib(g: GpuInfo, user: str) -> int:
-    """What ``user``'s processes on the GPU use now (MiB; unknown counts 0)."""
-    return sum(p.gpu_memory_mib or 0 for p in g.processes if p.user == user)
+def holder_use_mib(g: GpuInfo, r: Reservation) -> int:
+    """What the share's holder's processes on the GPU use now (MiB; unknown counts 0):
+    those of the name it was taken under or of the account its holder logs in as there."""
+    return sum(p.gpu_memory_mib or 0 for p in g.processes if r.is_holder(p.user))
 
 
 def mig_mode(g: GpuInfo) -> bool:
@@ -146,10 +147,12 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
                   seconds: float, max_seconds: float, note: str = "",
                   user: str | None = None, machine: str | None = None,
                   job: Job | None = None,
-                  check: Callable[[StoreState, datetime], None] | None = None
-                  ) -> ShareOutcome:
+                  check: Callable[[StoreState, datetime], None] | None = None,
+                  login: str | None = None) -> ShareOutcome:
     """Take a share of ``share_mib`` of GPU ``t`` (whose memory is ``total_mib``), or
-    resize and extend your own; ``Refused`` if it does not fit (see ``check_share``)."""
+    resize and extend your own; ``Refused`` if it does not fit (see ``check_share``).
+    ``login``: the account this gputop logs in as on ``t``'s host, recorded with the share
+    (as with a whole reservation: the holder's processes there are known by either name)."""
     if t.instance is not None:
         raise Invalid(f"{clean(t.label)}: a MIG instance is not shared (the instances are "
                       "the shares of a MIG GPU): reserve the instance itself")
@@ -182,12 +185,12 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
             while new.id in ids:  # ids stay unique: release goes by id
                 new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
                                       note, share_mib=share_mib)
-            new = replace(new, job=job)
+            new = replace(new, job=job, login=login)
             made.append(ShareOutcome("reserved", new))
             return replace(state, reservations=(*state.reservations, new))
         new = replace(own, share_mib=share_mib, expires=max(own.expires, until),
                       note=note or own.note, uuid=t.uuid or own.uuid,
-                      job=job if job is not None else own.job)
+                      job=job if job is not None else own.job, login=login or own.login)
         action: Literal["resized", "extended", "kept"] = (
             "resized" if share_mib != own.share_mib else
             "extended" if until > own.expires else "kept")
@@ -241,6 +244,6 @@ def best_fit(fits: Sequence[ShareFit]) -> list[ShareFit]:
 def share_dict(r: Reservation, g: GpuInfo | None, now: datetime) -> dict[str, object]:
     """A share in ``--json``: the reservation's fields plus what its holder uses now."""
     return r.to_dict() | {
-        "used_mib": None if g is None else holder_use_mib(g, r.user),
+        "used_mib": None if g is None else holder_use_mib(g, r),
         "seconds_left": max(0, int((r.expires - now).total_seconds())),
         "expires": iso(r.expires)}

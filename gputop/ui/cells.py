@@ -150,7 +150,7 @@ def share_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     r = row.share
     assert r is not None
     size = r.share_mib or 0
-    used = holder_use_mib(row.gpu, r.user)
+    used = holder_use_mib(row.gpu, r)
     label = Text("   ↳ ", style="bold")
     label.append(f"share {size_text(size)}", style=p.reserved)
     frac = used / size if size else None

@@ -298,7 +298,7 @@ def share_text(row: GpuRow, now: datetime) -> Text:
     t = Text()
     for r in shares:
         left = format_duration((r.expires - now).total_seconds())
-        used = holder_use_mib(g, r.user)
+        used = holder_use_mib(g, r)
         t.append(f"\nshare {size_text(r.share_mib or 0)}: {clean(r.user)} (from "
                  f"{clean(r.machine)}) uses {size_text(used) if used else 'nothing'}, until "
                  f"{local_time(r.expires)}, {left} left"
