@@ -193,3 +193,29 @@ def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: 
                                       and users["mgarcia"]["unreserved_hours"] == 0), users
     assert users["maria"]["used_hours"] > 0, users
     assert users["maria"]["reserved_idle_hours"] == 0, users
+
+
+def test_a_share_that_skips_the_queue_is_recorded(team: Team) -> None:
+    """`reserve HOST:GPU --share SIZE --skip-queue` past a waiter who could use the GPU
+    took the share and recorded nothing (the refusal says "that is recorded in the file
+    with your name"; a whole GPU's skip is): the audit trail now names gtbob. A
+    --skip-queue share that skipped nobody records nothing."""
+    from as_user import wait_as
+
+    team.block("q1:1", user="gtcarol")
+    # gtalice waits for both of q1's GPUs: q1:0 is free, one she could use.
+    a = team.start("free", "--wait", "--count", "2", "--host", "q1", "--lease", "5",
+                   user="gtalice", tag="a")
+    until(lambda: team.queue_users() == ["gtalice"], what="A queued")
+    r = team.run("reserve", "q2:0", "--share", "1G", "--skip-queue", user="gtbob")
+    assert r.returncode == 0, r.stderr  # she waits on q1 only: nobody skipped
+    assert [e for e in team.state().events if e["action"] == "skip-queue"] == []
+    r = team.run("reserve", "q1:0", "--share", "1G", user="gtbob")
+    assert r.returncode == 1 and "first who could use it: gtalice" in r.stderr, r.stderr
+    r = team.run("reserve", "q1:0", "--share", "1G", "--skip-queue", user="gtbob")
+    assert r.returncode == 0, r.stderr
+    skips = [e for e in team.state().events if e["action"] == "skip-queue"]
+    assert [(e["by"], e["reservation"]["host"], e["reservation"]["gpu"],
+             e["reservation"].get("share_mib")) for e in skips] == [("gtbob", "q1", 0, 1024)]
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130
