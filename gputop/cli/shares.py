@@ -91,8 +91,8 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     g = share_gpu(snaps.get(t.host), t)
     assert g.memory_total_mib is not None
     me = whoami(open_store(config))[0]
-    check = (None if args.skip_queue else
-             share_claim(_fleet(config), list(snaps.values()), share, me, t))
+    check = share_claim(_fleet(config), list(snaps.values()), share, me, t,
+                        skip=bool(args.skip_queue))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
                       max_seconds=config.reservation_max_s, note=args.note or "", job=job,
                       check=check, login=login_on_host(config, t.host))

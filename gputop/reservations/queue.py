@@ -250,18 +250,22 @@ def request_of(w: Waiter) -> Request:
 
 
 def share_claim(fleet: Collection[str] | None, hosts: Sequence[HostSnapshot], share_mib: int,
-                me: str, t: Target) -> Callable[[StoreState, datetime], None]:
+                me: str, t: Target, *, skip: bool = False
+                ) -> Callable[[StoreState, datetime], list[str]]:
     """The order rule for a share taken by hand (``reserve --share``, the board's ``r``),
     checked under the lock: a share that would keep a waiter ahead (not you) waiting
-    longer is refused, naming them."""
+    longer is refused, naming them; with ``skip`` (``--skip-queue``) it is taken anyway and
+    the check returns its target, to be recorded (empty when it skipped nobody)."""
 
-    def check(state: StoreState, now: datetime) -> None:
+    def check(state: StoreState, now: datetime) -> list[str]:
         queue = [w for w in state.waiting(now) if w.user != me]
         if not queue:
-            return
+            return []
         w = share_taken(state, queue, hosts, fleet, t.host, t.gpu, share_mib, now)
         if w is None:
-            return
+            return []
+        if skip:
+            return [t.label]
         raise Refused(
             f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, first who "
             f"could use it: {clean(w.user)} (since {local_time(w.created)}, for "

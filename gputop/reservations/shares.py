@@ -18,7 +18,7 @@ whose processes use more than their share is flagged ``over-share``.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
@@ -147,12 +147,16 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
                   seconds: float, max_seconds: float, note: str = "",
                   user: str | None = None, machine: str | None = None,
                   job: Job | None = None,
-                  check: Callable[[StoreState, datetime], None] | None = None,
+                  check: Callable[[StoreState, datetime], Collection[str] | None]
+                  | None = None,
                   login: str | None = None) -> ShareOutcome:
     """Take a share of ``share_mib`` of GPU ``t`` (whose memory is ``total_mib``), or
     resize and extend your own; ``Refused`` if it does not fit (see ``check_share``).
     ``login``: the account this gputop logs in as on ``t``'s host, recorded with the share
-    (as with a whole reservation: the holder's processes there are known by either name)."""
+    (as with a whole reservation: the holder's processes there are known by either name).
+    ``check`` may refuse under the lock (the queue's order rule); what it returns (with
+    ``--skip-queue``: the target, when it skipped someone) is recorded as a ``skip-queue``
+    event with the share taken or resized."""
     if t.instance is not None:
         raise Invalid(f"{clean(t.label)}: a MIG instance is not shared (the instances are "
                       "the shares of a MIG GPU): reserve the instance itself")
@@ -170,8 +174,7 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
-        if check is not None:
-            check(state, now)
+        skipped = bool(check(state, now)) if check is not None else False
         check_share(state, t, share_mib, total_mib, user, now)
         try:
             until = now + timedelta(seconds=seconds)
@@ -187,7 +190,8 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
                                       note, share_mib=share_mib)
             new = replace(new, job=job, login=login)
             made.append(ShareOutcome("reserved", new))
-            return replace(state, reservations=(*state.reservations, new))
+            return replace(state, reservations=(*state.reservations, new),
+                           events=state.events + _skipped(skipped, new, user, machine, now))
         new = replace(own, share_mib=share_mib, expires=max(own.expires, until),
                       note=note or own.note, uuid=t.uuid or own.uuid,
                       job=job if job is not None else own.job, login=login or own.login)
@@ -195,8 +199,11 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
             "resized" if share_mib != own.share_mib else
             "extended" if until > own.expires else "kept")
         made.append(ShareOutcome(action, new, own))
+        grew = (new.share_mib or 0) > (own.share_mib or 0)
         return replace(state, reservations=tuple(new if r.id == own.id else r
-                                                 for r in state.reservations))
+                                                 for r in state.reservations),
+                       events=state.events + _skipped(skipped and grew, new, user, machine,
+                                                      now))
 
     store.update(change)
     return made[0]
@@ -218,6 +225,15 @@ def share_gpu(h: HostSnapshot | None, t: Target) -> GpuInfo:
         raise Refused(f"cannot take a share of {clean(t.label)}: it does not report its "
                       "memory")
     return g
+
+
+def _skipped(skipped: bool, r: Reservation, user: str, machine: str, now: datetime
+             ) -> tuple[dict[str, object], ...]:
+    """The ``skip-queue`` event of a share that skipped someone (none otherwise)."""
+    if not skipped:
+        return ()
+    return ({"time": iso(now), "action": "skip-queue", "by": user, "machine": machine,
+             "reservation": r.to_dict()},)
 
 
 @dataclass(frozen=True)
