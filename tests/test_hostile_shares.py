@@ -219,3 +219,27 @@ def test_a_share_that_skips_the_queue_is_recorded(team: Team) -> None:
              e["reservation"].get("share_mib")) for e in skips] == [("gtbob", "q1", 0, 1024)]
     os.kill(a[0], signal.SIGINT)
     assert wait_as(a[0], 20) == 130
+
+
+def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
+    """A careless config: gtalice copied gtbob's hosts file, which logs in to q1 as gtbob.
+    She cannot (his keys are not hers): q1 does not answer her, and `reserve q1:0`
+    reserves by index with a warning. Her reservation recorded gtbob as her login there
+    all the same, so gtbob's own job on her GPU was hers for everyone: not flagged
+    `unreserved-use`, and credited to her. A login is recorded only for a host that
+    answered under it."""
+    cfg = team.tmp / "alice.toml"
+    cfg.write_text(team.config.read_text().replace(
+        'name = "q1"\n', 'name = "q1"\nuser = "gtbob"\n'))
+    cfg.chmod(0o644)
+    from as_user import run_as
+
+    r = run_as("gtalice", ["--config", str(cfg), "reserve", "q1:0"], team.env("gtalice"),
+               team.tmp, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "could not check q1:0" in r.stderr, r.stderr
+    (res,) = team.state().active()
+    assert res.user == "gtalice" and res.login is None, res
+    with _on_gpu(team, "q1", "gtbob", 0):
+        doc = _gpu_doc(team, "gtbob", "q1:0")
+        assert "unreserved-use" in doc["flags"], doc["flags"]
