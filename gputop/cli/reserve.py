@@ -84,13 +84,14 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     reap_ended_jobs(config, store)
     snaps: dict[str, HostSnapshot] = {}
     targets = validate_gpus(config, targets, snaps)
-    from gputop.jobs.remote import logins
+    from gputop.jobs.remote import answered_logins
 
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check, event="skip-queue", login=logins(config))
+                            job=job, check=check, event="skip-queue",
+                            login=answered_logins(config, snaps))
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",

@@ -15,6 +15,7 @@ from typing import Any
 import asyncssh
 
 from gputop.config import Config, HostConfig
+from gputop.model import HostSnapshot
 from gputop.sources.transport import JumpPool, known_hosts_for, resolve_options
 
 #: ``ps`` prints only numbers, a state and a start time here (C locale, UTC): nothing a
@@ -92,6 +93,20 @@ def logins(config: Config) -> Callable[[str], str | None]:
         return seen[name]
 
     return of
+
+
+def answered_logins(config: Config, snaps: Mapping[str, HostSnapshot]
+                    ) -> Callable[[str], str | None]:
+    """``logins``, for the hosts that answered under that login (``snaps``: as polled);
+    None for a host that did not: a login that never logged in (a copied config's
+    ``user``, keys that are not yours) must not make someone else's processes yours."""
+    of = logins(config)
+
+    def answered(name: str) -> str | None:
+        h = snaps.get(name)
+        return of(name) if h is not None and h.ok else None
+
+    return answered
 
 
 @dataclass(frozen=True)

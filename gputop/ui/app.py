@@ -715,7 +715,7 @@ class GputopApp(App[int]):
     @work(group="store")
     async def _reserve(self, target: Target, req: ReserveRequest,
                        total_mib: int | None = None) -> None:
-        from gputop.jobs.remote import logins
+        from gputop.jobs.remote import answered_logins
         from gputop.reservations.ops import reserve_outcomes
         from gputop.reservations.queue import queue_claim
 
@@ -730,7 +730,8 @@ class GputopApp(App[int]):
                 await asyncio.to_thread(
                     reserve_share, self.store, target, req.share_mib, total_mib or 0,
                     seconds=req.seconds, max_seconds=self.config.reservation_max_s,
-                    note=req.note, user=self.me, check=claim)
+                    note=req.note, user=self.me, check=claim,
+                    login=answered_logins(self.config, self.model.snapshots)(target.host))
             else:
                 # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use
                 # is theirs to wait for (refused, naming them).
@@ -739,7 +740,7 @@ class GputopApp(App[int]):
                 await asyncio.to_thread(
                     reserve_outcomes, self.store, [target], seconds=req.seconds,
                     max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
-                    check=check, login=logins(self.config))
+                    check=check, login=answered_logins(self.config, self.model.snapshots))
         except Refused as exc:
             self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
