@@ -243,3 +243,40 @@ def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
     with _on_gpu(team, "q1", "gtbob", 0):
         doc = _gpu_doc(team, "gtbob", "q1:0")
         assert "unreserved-use" in doc["flags"], doc["flags"]
+
+
+def test_a_flood_of_forged_shares_does_not_grow_history(tmp_path: Path) -> None:
+    """A hand-written file (valid JSON, 10,000 reservations: within its bounds) holds
+    10,000 1 MiB shares of one real GPU under 10,000 names. The recorder wrote every
+    share into every sample of that GPU (400 KB a sample, 7 GB a day at a 5 s refresh,
+    in a directory that is not the forger's). Now a sample holds one part per name it
+    keeps (at most 16 besides "(other names)"), and the GPU's reserved time is still
+    exact: the shares' whole fraction of its memory."""
+    import sqlite3
+
+    from gputop.history.db import HistoryDB
+    from gputop.history.recorder import Recorder
+    from gputop.history.report import collect, summarise
+    from gputop.model import GpuInfo, HostSnapshot, utcnow
+    from gputop.reservations.store import StoreState, new_reservation
+
+    t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
+    rs = tuple(new_reservation("a", 0, f"u{i}", "m", t0, 86400, None, "", share_mib=1)
+               for i in range(10_000))
+    db = tmp_path / "h.sqlite3"
+    rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
+                   clock=lambda: 0.0)
+    rec.set_reservations(StoreState(reservations=rs))
+    for i in range(30):
+        rec.record(HostSnapshot(name="a", time=t0 + timedelta(seconds=10 * (i + 1)), gpus=(
+            GpuInfo(index=0, uuid="GPU-0", utilization_percent=0, memory_used_mib=0,
+                    memory_total_mib=81920),)))
+    rec.flush()
+    rec.db.close()
+    with sqlite3.connect(db) as c:
+        biggest = c.execute("SELECT MAX(LENGTH(gpus)) FROM samples").fetchone()[0]
+    assert biggest < 2000, biggest
+    with HistoryDB(db) as h:
+        doc = summarise(collect(h, t0.timestamp(), (t0 + timedelta(seconds=305)).timestamp()))
+    reserved = sum(u["reserved_hours"] for u in doc["users"])
+    assert reserved == pytest.approx(300 / 3600 * 10_000 / 81920, rel=1e-6), doc["users"]
