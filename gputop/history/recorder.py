@@ -34,7 +34,7 @@ from itertools import groupby
 
 from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
-from gputop.history.names import OTHER_NAMES, NameGate, fold
+from gputop.history.names import MAX_NAMED, OTHER_NAMES, NameGate, fold
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Reservation, StoreState
 
@@ -185,8 +185,15 @@ class Recorder:
             return None
         total = sum(r.share_mib or 0 for r in rs)
         scale = 1.0 if total <= mem else mem / total  # (a file that overcommits it)
-        return [[self.names.resolve(r.user, _ms(at)), (r.share_mib or 0) / mem * scale]
-                for r in rs]
+        # One part per name kept, the MAX_NAMED largest shares by name and the rest as
+        # (other names): a hand-written file with thousands of shares of one GPU must not
+        # make every sample of it that large (the GPU's reserved time stays exact).
+        rs = sorted(rs, key=lambda r: -(r.share_mib or 0))
+        parts: dict[int, float] = {}
+        for n, r in enumerate(rs):
+            uid = self.names.resolve(r.user, _ms(at)) if n < MAX_NAMED else self.names.others()
+            parts[uid] = parts.get(uid, 0.0) + (r.share_mib or 0) / mem * scale
+        return [[uid, frac] for uid, frac in parts.items()]
 
     def _active(self, r: Reservation, at: datetime) -> bool:
         # An expiry beyond max_duration counts until created + max_duration.
