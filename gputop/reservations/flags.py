@@ -213,6 +213,8 @@ def share_flags(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
     who holds no share of it), ``over-share`` (a holder's processes used more than the
     share for the grace), ``idle-reservation`` (no process of the holder for
     ``idle_grace``), ``renumbered``, ``lost``."""
+    # A holder's processes are known by either name (``Reservation.is_holder``).
+    holders = {r.user for r in shares} | {r.login for r in shares if r.login}
     per: list[list[str]] = []
     for r in shares:
         f: list[str] = []
@@ -224,8 +226,7 @@ def share_flags(host: str, g: GpuInfo, shares: tuple[Reservation, ...],
             f.append("renumbered")
         per.append(f)
     flags = ["lost"] if g.lost else []
-    # A holder's processes are known by either name (``Reservation.is_holder``).
-    if any(p.user and not any(r.is_holder(p.user) for r in shares) for p in g.processes):
+    if any(p.user and p.user not in holders for p in g.processes):
         flags.append("unreserved-use")
     flags.extend(dict.fromkeys(x for f in per for x in f))
     return flags, per
