@@ -58,7 +58,7 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
 #: The audit trail's bound, per kind: force-releases, skip-queues and queue removals each
-#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``), so that cheap
+#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``, a waiter removing its own place), so that cheap
 #: actions repeated in a loop can never push out the record of a forced one.
 MAX_EVENTS = 200
 KEPT_APART = ("force-release", "skip-queue", "queue-remove")
@@ -611,12 +611,27 @@ def encode(state: StoreState, path: Path) -> bytes:
     return data
 
 
+def event_kind(e: dict[str, Any]) -> str:
+    """The bound an event counts toward: its action if kept apart, else routine (""). A
+    waiter's own removal of its place (``release --waiter`` without ``--force``) is
+    routine: only someone else's place taken out is a forced action, and repeating one's
+    own cheap removals must not push that record out."""
+    action = e.get("action")
+    if action not in KEPT_APART:
+        return ""
+    waiter = e.get("waiter")
+    if action == "queue-remove" and isinstance(waiter, dict) and waiter.get("user") == e.get(
+            "by"):
+        return ""
+    return str(action)
+
+
 def bounded_events(events: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
-    """The last MAX_EVENTS of each kind in KEPT_APART and of the rest, in file order."""
+    """The last MAX_EVENTS of each kind (``event_kind``), in file order."""
     counts: dict[str, int] = {}
     keep: list[dict[str, Any]] = []
     for e in reversed(events):
-        kind = e.get("action") if e.get("action") in KEPT_APART else ""
+        kind = event_kind(e)
         n = counts.get(str(kind), 0)
         if n < MAX_EVENTS:
             counts[str(kind)] = n + 1
