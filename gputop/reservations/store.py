@@ -58,8 +58,9 @@ MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
 #: The audit trail's bound, per kind: force-releases, skip-queues and queue removals each
-#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``, a waiter removing its own place), so that cheap
-#: actions repeated in a loop can never push out the record of a forced one.
+#: keep their own last MAX_EVENTS, apart from routine events (``job-ended``, a waiter
+#: removing its own place), so that cheap actions repeated in a loop can never push out
+#: the record of a forced one.
 MAX_EVENTS = 200
 KEPT_APART = ("force-release", "skip-queue", "queue-remove")
 MAX_INSTANCE = 255  # MIG GPU instance ids are small (0-14 on an H100)
