@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -303,3 +304,33 @@ def test_a_run_whose_holder_never_comes_back_is_released_by_a_teammate(team: Tea
     time.sleep(1.2)  # job_grace
     team.run("reservations", user="gtbob")
     assert team.held() == {}
+
+
+def test_one_gpu_under_two_host_names_is_not_reserved_twice(team: Team) -> None:
+    """A careless config: gtalice's hosts file calls q1 "q1b" (same machine). gtbob
+    reserved q1:0; her `reserve q1b:0` succeeded: two people held one GPU, each told it
+    was theirs. The reservation records the GPU's uuid: a GPU reserved under another
+    host name is refused (naming the holder) and is not free for `free --reserve`."""
+    from as_user import run_as
+
+    cfg = team.tmp / "alice.toml"
+    cfg.write_text(team.config.read_text() + '\n[[hosts]]\nname = "q1b"\naddress = "q1"\n')
+    cfg.chmod(0o644)
+
+    def alice(*args: str) -> subprocess.CompletedProcess[str]:
+        return run_as("gtalice", ["--config", str(cfg), *args], team.env("gtalice"),
+                      team.tmp, timeout=60)
+
+    r = team.run("reserve", "q1:0", user="gtbob")
+    assert r.returncode == 0, r.stderr
+    r = alice("reserve", "q1b:0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "gtbob" in r.stderr and "q1:0" in r.stderr, r.stderr
+    r = alice("free", "--count", "2", "--host", "q1b", "--reserve")
+    assert r.returncode == 1, r.stdout + r.stderr
+    r = alice("free", "--count", "1", "--host", "q1b", "--reserve")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["q1b:1"], r.stdout
+    r = alice("reserve", "q1b:0", "--share", "1G")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert team.held() == {"q1:0": "gtbob", "q1b:1": "gtalice"}
