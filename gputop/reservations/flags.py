@@ -164,6 +164,19 @@ def instance_index(state: StoreState | None, now: datetime
     return {(r.host, r.gpu, r.instance): r for r in state.active(now) if r.instance is not None}
 
 
+def uuid_index(state: StoreState | None, now: datetime
+               ) -> dict[str, list[tuple[str, int | None]]]:
+    """Where each reserved GPU uuid is reserved: [(host name, instance or None)], so that
+    a GPU a teammate's config calls by another host name is not free under this one."""
+    out: dict[str, list[tuple[str, int | None]]] = {}
+    if state is None:
+        return out
+    for r in state.active(now):
+        if r.uuid:
+            out.setdefault(r.uuid, []).append((r.host, r.instance))
+    return out
+
+
 def instance_view(g: GpuInfo, inst: MigInstance) -> GpuInfo:
     """A MIG instance as a GPU of its own, for the rules that judge a GPU (flags, free):
     its processes and memory, no utilisation (NVML has none per instance)."""
@@ -332,6 +345,7 @@ def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
     shared = share_index(state, now)
+    aliases = uuid_index(state, now)
     out = []
     for h in hosts:
         if not h.ok:
@@ -339,18 +353,22 @@ def free_gpus(hosts: Iterable[HostSnapshot], state: StoreState | None,
         for g in h.gpus:
             if shared and (h.name, g.index) in shared:
                 continue  # shared: not whole (anyone's, yours too: see ``share_fits``)
+            alias = [i for host, i in aliases.get(g.uuid or "", ()) if host != h.name]
+            if None in alias:
+                continue  # reserved whole, or shared, under another host name
             if g.index is not None and not g.lost:
                 # A MIG GPU's free instances: unused, and held by nobody else (neither the
                 # instance nor its whole GPU).
                 for inst in g.instances:
                     r = instance_reservation(held, inst_held, h.name, g, inst)
                     if (inst.gpu_instance_id is None or not is_free(instance_view(g, inst))
-                            or (r is not None and r.user != user)):
+                            or (r is not None and r.user != user)
+                            or inst.gpu_instance_id in alias):
                         continue
                     f = FreeGpu(h.name, g, inst)
                     if f.free_mib >= min_free_mib:
                         out.append(f)
-            if not is_free(g):
+            if not is_free(g) or alias:
                 continue
             r = held.get((h.name, g.index)) if g.index is not None else None
             if r is not None and r.user != user:
@@ -377,6 +395,7 @@ def share_fits(hosts: Iterable[HostSnapshot], state: StoreState | None, share_mi
     held = reservation_index(state, now)
     inst_held = instance_index(state, now)
     shared = share_index(state, now)
+    aliases = uuid_index(state, now)
     out: list[ShareFit] = []
     for h in hosts:
         if not h.ok:
@@ -384,7 +403,8 @@ def share_fits(hosts: Iterable[HostSnapshot], state: StoreState | None, share_mi
         for g in h.gpus:
             if (g.index is None or g.lost or g.memory_total_mib is None or mig_mode(g)
                     or (h.name, g.index) in held
-                    or any((hh, gi) == (h.name, g.index) for hh, gi, _ in inst_held)):
+                    or any((hh, gi) == (h.name, g.index) for hh, gi, _ in inst_held)
+                    or any(host != h.name for host, _ in aliases.get(g.uuid or "", ()))):
                 continue
             sh = shared.get((h.name, g.index), ())
             if any(r.user == user for r in sh):

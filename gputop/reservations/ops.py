@@ -157,6 +157,9 @@ def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], *, seco
         conflicts = list({h.id: h for t in targets
                           for h in state.overlapping(t.host, t.gpu, t.instance, now)
                           if h.user != user or h.share_mib is not None}.values())
+        # The same GPU under another host name (its uuid): anyone's, yours too.
+        conflicts += list({h.id: h for t in targets
+                           for h in state.aliased(t.host, t.uuid, t.instance, now)}.values())
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
         try:

@@ -579,7 +579,8 @@ def _grant(store: ReservationStore, waiter_id: str | None, req: Request,
             return replace(state, reservations=state.reservations + tuple(made),
                            queue=tuple(w for w in state.queue if w.id != waiter_id))
         for f in got:
-            if state.overlapping(f.host, f.gpu.index or 0, None, now):
+            if state.overlapping(f.host, f.gpu.index or 0, None, now) or state.aliased(
+                    f.host, f.gpu.uuid, None, now):
                 raise Refused(f"{f.host}:{f.gpu.index} was reserved meanwhile")
             r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
                                 f.gpu.uuid, note)

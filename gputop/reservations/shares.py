@@ -124,6 +124,9 @@ def check_share(state: StoreState, t: Target, share_mib: int, total_mib: int, us
                 now: datetime) -> None:
     """Refuse (``Refused``) a share that does not fit ``t`` now: a whole or instance
     reservation of the GPU (anyone's, yours too), or not enough room left unshared."""
+    alias = state.aliased(t.host, t.uuid, None, now)  # this GPU under another host name
+    if alias:
+        raise Refused("; ".join(describe(r, now) for r in alias), alias)
     whole = _whole_holders(state, t.host, t.gpu, now)
     if whole:
         mine = [r for r in whole if r.user == user]

@@ -443,6 +443,16 @@ class StoreState:
         """Every reservation that overlaps ``host:gpu[/instance]`` (see Reservation.covers)."""
         return [r for r in self.active(now) if r.covers(host, gpu, instance)]
 
+    def aliased(self, host: str, uuid: str | None, instance: int | None,
+                now: datetime | None = None) -> list[Reservation]:
+        """Reservations of the GPU with this ``uuid`` made under another host name (a
+        teammate's config may call one machine by another name): the same GPU, so they
+        overlap as ``overlapping`` would (a share, a whole GPU, or the same instance)."""
+        if not uuid:
+            return []
+        return [r for r in self.active(now) if r.uuid == uuid and r.host != host
+                and (r.instance is None or instance is None or r.instance == instance)]
+
     def lapsed(self, now: datetime | None = None) -> list[Waiter]:
         """Places still in the file that count for nobody (their lease ended, or lies
         further ahead than any live waiter writes): listed so that they can be removed."""
