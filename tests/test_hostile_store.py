@@ -35,3 +35,33 @@ def test_removing_ones_own_places_cannot_push_out_a_forced_removal(tmp_path: Pat
     forced = [e for e in store.read().events
               if e["action"] == "queue-remove" and e["waiter"]["user"] != e["by"]]
     assert [(e["by"], e["waiter"]["id"]) for e in forced] == [("bob", "a1")]
+
+
+def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: Path) -> None:
+    """alice's reservations carry 500-emoji notes (6 KB each in the file); every event
+    copies the reservation, note and all: 200 job-ended (reserve --until-exit rounds),
+    200 skip-queue and 200 force-release events of hers took 3.8 MB of the file's 4 MiB,
+    after which a few reservations of her own made every teammate's write fail
+    ("refusing to write ... bytes"). An event keeps the start of a note only."""
+    from gputop.reservations.store import MAX_FILE_BYTES, new_reservation
+
+    store = Store(tmp_path / "reservations.json")
+    note = "\U0001f600" * 500
+
+    def flood(state: StoreState, now: datetime) -> StoreState:
+        evs = []
+        for action in ("job-ended", "skip-queue", "force-release"):
+            for i in range(MAX_EVENTS):
+                r = new_reservation(f"host-{i:03d}", 0, "alice", "laptop", now, 3600, None,
+                                    note)
+                evs.append({"time": "2026-01-01T00:00:00Z", "action": action,
+                            "by": "alice" if action != "force-release" else "bob",
+                            "machine": "laptop", "reservation": r.to_dict()})
+        return replace(state, events=tuple(evs))
+    store.update(flood)
+    size = (tmp_path / "reservations.json").stat().st_size
+    assert size < MAX_FILE_BYTES // 8, size
+    evs = store.read().events
+    assert len(evs) == 3 * MAX_EVENTS
+    assert evs[0]["reservation"]["note"].startswith("\U0001f600")
+    assert {e["by"] for e in evs} == {"alice", "bob"}
