@@ -637,8 +637,24 @@ def event_kind(e: dict[str, Any]) -> str:
     return str(action)
 
 
+#: An audit event keeps this much of the note (or a waiter's ``want``) it copies: who did
+#: what to which GPU, when, is the record; 800 events with a 500-emoji note each (6 KB in
+#: the file) would otherwise take most of MAX_FILE_BYTES, and then nobody could write.
+EVENT_TEXT = 40
+
+
+def _short_event(e: dict[str, Any]) -> dict[str, Any]:
+    for key, text in (("reservation", "note"), ("waiter", "want")):
+        rec = e.get(key)
+        if isinstance(rec, dict) and isinstance(rec.get(text), str) and len(
+                rec[text]) > EVENT_TEXT:
+            return e | {key: rec | {text: rec[text][:EVENT_TEXT - 1] + "\u2026"}}
+    return e
+
+
 def bounded_events(events: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], ...]:
-    """The last MAX_EVENTS of each kind (``event_kind``), in file order."""
+    """The last MAX_EVENTS of each kind (``event_kind``), in file order, each copied note
+    cut to EVENT_TEXT characters."""
     counts: dict[str, int] = {}
     keep: list[dict[str, Any]] = []
     for e in reversed(events):
@@ -646,8 +662,10 @@ def bounded_events(events: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], 
         n = counts.get(str(kind), 0)
         if n < MAX_EVENTS:
             counts[str(kind)] = n + 1
-            keep.append(e)
-    return tuple(reversed(keep)) if len(keep) != len(events) else events
+            keep.append(_short_event(e))
+    if len(keep) == len(events) and all(a is b for a, b in zip(reversed(keep), events)):
+        return events
+    return tuple(reversed(keep))
 
 
 def kept(w: Waiter, now: datetime) -> bool:
