@@ -37,7 +37,7 @@ from gputop.agents.views import (
 )
 from gputop.config import Config, parse_duration
 from gputop.jobs.reap import check_jobs
-from gputop.jobs.remote import logins
+from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller
@@ -378,7 +378,7 @@ class FleetTools:
         check = queue_claim(targets, snaps, self.fleet, self.me)
         made = await self._queued(lambda: reserve_outcomes(
             self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
-            note=note, check=check, login=self.login))
+            note=note, check=check, login=answered_logins(self.config, snaps)))
         now = utcnow()
         done = [reservation_doc(o.reservation, now, self.me) | {"action": o.action}
                 for o in made]
@@ -416,7 +416,8 @@ class FleetTools:
             try:
                 o = await self._queued(partial(
                     reserve_share, self.store, t, share, total, seconds=seconds,
-                    max_seconds=self.config.reservation_max_s, note=note, check=check))
+                    max_seconds=self.config.reservation_max_s, note=note, check=check,
+                    login=self.login(t.host)))
             except ToolFailure as exc:
                 failure = exc
                 if len(targets) == 1 or exc.kind != "refused":
