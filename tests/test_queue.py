@@ -237,12 +237,20 @@ def test_run_refuses_without_wait_and_keeps_the_queue(team: Team) -> None:
     assert set(team.held()) == {"q1:0", "q1:1"}
 
 
+def _job_pid(team: Team) -> int | None:
+    """The pid of the one job-tied reservation's job, once ``run`` has recorded it."""
+    active = team.state().active()
+    job = active[0].job if active else None
+    return job.pid if job is not None else None
+
+
 def test_run_forwards_sigterm_and_releases(team: Team) -> None:
     pid, out, err = team.start(
         "run", "--host", "q2", "--", "sh", "-c",
         'trap "echo got-term; exit 42" TERM; echo ready; while :; do sleep 0.1; done',
         user="gtbob", tag="run")
     until(lambda: "ready" in text(out), what="job started")
+    until(lambda: _job_pid(team), what="the job's pid recorded")  # (written after it starts)
     r = team.state().active()[0]
     assert r.user == "gtbob" and r.job is not None and r.job.pid and r.job.session
     os.kill(pid, signal.SIGTERM)
@@ -255,6 +263,7 @@ def test_run_sigkilled_is_released_when_the_job_ends(team: Team) -> None:
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 2",
                                user="gtalice", tag="run")
     until(lambda: "up" in text(out), what="job started")
+    until(lambda: _job_pid(team), what="the job's pid recorded")  # killed after it is
     os.kill(pid, signal.SIGKILL)
     wait_as(pid, 10)
     job = team.state().active()[0].job
