@@ -529,9 +529,9 @@ def test_refuses_to_write_more_bytes_than_a_reader_accepts(tmp_path: Path) -> No
 
 def test_refuses_to_write_more_reservations_than_a_reader_accepts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gputop.reservations.store as store_mod
+    import gputop.reservations.state as state_mod  # where the file is encoded and decoded
 
-    monkeypatch.setattr(store_mod, "MAX_RESERVATIONS", 5)
+    monkeypatch.setattr(state_mod, "MAX_RESERVATIONS", 5)
     store = Store(tmp_path / "r.json")
     reserve(store, [Target("h", i) for i in range(5)], seconds=H, max_seconds=86400,
             user="ann")
