@@ -40,8 +40,8 @@ from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.sources.shared_file import open_store
 from gputop.text import clean, excerpt
-from gputop.ui.board_model import (
-    BoardModel,
+from gputop.ui.board_model import BoardModel
+from gputop.ui.board_rows import (
     GpuRow,
     HostRow,
     gpu_keys,
