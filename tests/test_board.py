@@ -18,7 +18,7 @@ from rich.text import Text
 from gputop.model import HostSnapshot
 from gputop.reservations import Store
 from gputop.ui.app import GputopApp
-from gputop.ui.board_model import GpuRow, HostRow
+from gputop.ui.board_rows import GpuRow, HostRow
 from gputop.ui.widgets import BoardTable, DetailPane
 
 
@@ -236,7 +236,7 @@ async def test_a_row_redrawn_alone_after_an_animated_scroll_lines_up(tmp_path: P
     animation (... 12.99, 13.0): the screen stayed a row off, and once only changed lines
     were redrawn, one update showed a GPU twice with two different loads."""
     from gputop.model import GpuInfo
-    from gputop.ui.board_model import gpu_keys
+    from gputop.ui.board_rows import gpu_keys
 
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 16)) as pilot:
@@ -1089,7 +1089,8 @@ def test_row_keys_follow_the_index_when_a_uuid_is_listed_twice() -> None:
     a uuid listed twice falls back to its index, so when that index changed the row kept
     the old key (reserving it from the board said the GPU was gone)."""
     from gputop.model import GpuInfo
-    from gputop.ui.board_model import BoardModel, gpu_keys
+    from gputop.ui.board_model import BoardModel
+    from gputop.ui.board_rows import gpu_keys
 
     model = BoardModel(host_order=["h"], clock=lambda: NOW)
 

@@ -229,7 +229,7 @@ def test_a_pid_seen_again_is_one_process() -> None:
 
 
 def test_w_cuts_a_long_command_with_an_ellipsis() -> None:
-    from gputop.ui.board_model import UserLoad
+    from gputop.ui.board_rows import UserLoad
     from gputop.ui.screens import users_text
 
     cmd = "python train.py " + " ".join(f"--option-{i} value" for i in range(20))
@@ -288,7 +288,7 @@ async def test_a_key_typed_before_a_dialog_is_drawn_does_not_answer_it(tmp_path:
 
 def test_a_lost_gpus_row_names_its_bus_whole_at_80_columns() -> None:
     from gputop.model import GpuInfo
-    from gputop.ui.board_model import GpuRow
+    from gputop.ui.board_rows import GpuRow
     from gputop.ui.cells import NARROW, Palette, gpu_cells
 
     g = GpuInfo(index=None, bus_id="00000000:07:00.0", lost=True)

@@ -23,7 +23,8 @@ from gputop.sources.demo import DemoSource
 from gputop.ui import app as app_module
 from gputop.ui import feed as feed_module
 from gputop.ui.app import GputopApp
-from gputop.ui.board_model import BoardModel, GpuRow, HostRow, SortMode
+from gputop.ui.board_model import BoardModel, SortMode
+from gputop.ui.board_rows import GpuRow, HostRow
 
 MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S")
 

@@ -13,7 +13,7 @@ from test_board import K, cell, fk, goto, keys
 
 from gputop.reservations import Store
 from gputop.ui.app import GputopApp
-from gputop.ui.board_model import GpuRow
+from gputop.ui.board_rows import GpuRow
 from gputop.ui.widgets import BoardTable
 
 

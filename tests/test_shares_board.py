@@ -10,7 +10,7 @@ from test_board import cell, gk, goto, load, make_app
 from gputop.model import utcnow
 from gputop.reservations import Store, Target
 from gputop.reservations.shares import reserve_share
-from gputop.ui.board_model import SHARE_SEP
+from gputop.ui.board_rows import SHARE_SEP
 
 TOTAL = 81559
 G = 1024

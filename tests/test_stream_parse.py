@@ -7,7 +7,8 @@ from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
 from gputop.sources.protocol import LineReader, OutputTooLarge, ParseError
-from gputop.sources.stream import AppsBatches, GpuSampler, parse_timestamp, session_command
+from gputop.sources.stream import session_command
+from gputop.sources.stream_samples import AppsBatches, GpuSampler, parse_timestamp
 
 TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
 LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
@@ -182,7 +183,7 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
 
 
 def test_session_apps_rows_carry_the_start_time() -> None:
-    from gputop.sources.stream import parse_session_apps_row
+    from gputop.sources.stream_samples import parse_session_apps_row
 
     row = parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100, 1553884")
     assert (row.pid, row.used_memory_mib, row.start) == (42, 100, "1553884")

@@ -361,9 +361,9 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
 
     from gputop import output
     from gputop.model import GpuInfo, ProcessInfo, iso
-    from gputop.sources import stream
-    from gputop.sources.protocol import LineReader
-    from gputop.sources.stream import ParseError, parse_timestamp
+    from gputop.sources import stream_samples
+    from gputop.sources.protocol import LineReader, ParseError
+    from gputop.sources.stream_samples import parse_timestamp
 
     rnd = random.Random(4)
     names = [f.name for f in dataclasses.fields(GpuInfo)]
@@ -400,7 +400,7 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
                                                       if u.microsecond else "")
             assert parse_timestamp(text) == u.timestamp(), text
         t += timedelta(days=1)
-    assert len(stream._DAYS) <= 64
+    assert len(stream_samples._DAYS) <= 64
     for bad in ("2023/02/29 00:00:00", "2024/02/30 00:00:00", "2024/13/01 00:00:00",
                 "2024/01/01 24:00:00", "2024/01/01 23:60:00", "2024/01/01 23:00:60"):
         with pytest.raises(ParseError):
@@ -522,8 +522,7 @@ async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_rais
     sys.path.insert(0, str(Path(__file__).parent))
     from test_stream_parse import row
 
-    from gputop.sources.protocol import MARK
-    from gputop.sources.stream import ParseError
+    from gputop.sources.protocol import MARK, ParseError
 
     def g(i: int) -> bytes:
         return f"g {row(i, 2)}\n".encode()

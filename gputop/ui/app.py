@@ -1,16 +1,14 @@
 """The Textual app: one live board of every GPU, fed by the poller as hosts answer.
 
-About 700 lines, over the ~600 rule: every key's action shares the app's state (the
-selection, the store, the feed). The reservation and queue keys are the part that could
-move to a module of their own; that waits for the queue work on the board's ``r`` (issue
-19's order rule) to land, so the two changes do not collide.
+This module holds the board's composition, its feed (the poller's thread, the drain, the
+frames) and its keys for looking around; reading the shared file and the keys that write
+it (reserve, release, the queue) are in :mod:`gputop.ui.store_actions`, a base class.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import os
 import queue
@@ -22,9 +20,8 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from rich.text import Text
 from textual import events, work
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.widgets import Footer, Input
@@ -33,32 +30,20 @@ from textual.worker import Worker
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
-from gputop.reservations import Invalid, Refused, StoreError, Target, release
 from gputop.reservations.ops import whoami
-from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.sources.shared_file import open_store
-from gputop.text import clean, excerpt
-from gputop.ui.board_model import (
-    BoardModel,
-    GpuRow,
-    HostRow,
-    gpu_keys,
-    host_of,
-    short_model,
-    split_instance,
-    split_share,
-)
-from gputop.ui.cells import Palette, time_left
-from gputop.ui.feed import BoardSource, FeedThread
+from gputop.text import clean
+from gputop.ui.board_model import BoardModel
+from gputop.ui.board_rows import GpuRow, HostRow
+from gputop.ui.cells import Palette
+from gputop.ui.feed import FeedThread
 from gputop.ui.screens import (
-    ConfirmScreen,
     HelpScreen,
-    ReserveRequest,
-    ReserveScreen,
     UsersScreen,
 )
+from gputop.ui.store_actions import StoreActions
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
@@ -95,7 +80,7 @@ KEY_DRAIN_MAX_S = 0.3
 GC_PERIOD = 0.5
 
 
-class GputopApp(App[int]):
+class GputopApp(StoreActions):
     CSS_PATH = "gputop.tcss"
     TITLE = "gputop"
     NOTIFICATION_TIMEOUT = 3  # toasts cover rows: short, and problems that last go in the bar
@@ -331,89 +316,6 @@ class GputopApp(App[int]):
         self.model.ingest(snap)
         self._dirty = True
 
-    def _store_stat(self) -> object:
-        return self.store.signature()
-
-    def reload_store(self) -> None:
-        """Re-read the shared file now (after our own write, or when asked)."""
-        if self.store.remote:
-            self._read_remote_store()
-            return
-        sig = self._store_stat()
-        try:
-            result: StoreState | StoreError = self.store.read()
-        except StoreError as exc:
-            result = exc
-        self._apply_store(sig, result)
-
-    def _reload_store_if_changed(self) -> None:
-        """Every interval: when the file changed (a teammate reserved something), read it
-        on a worker thread. A large or hostile file (up to 4 MiB, 10,000 records) costs
-        that thread a tenth of a second, never the screen; an unchanged file, broken or not,
-        is not read again."""
-        if self.store.remote:
-            self._read_remote_store()
-            return
-        sig = self._store_stat()
-        if sig == self._store_sig or self._store_reading:
-            return
-        self._store_reading = True
-
-        def read() -> None:
-            try:
-                result: StoreState | StoreError = self.store.read()
-            except StoreError as exc:
-                result = exc
-            self.call_from_thread(self._apply_store, sig, result)
-
-        self.run_worker(read, thread=True, group="store", exit_on_error=False)
-
-    def _read_remote_store(self) -> None:
-        """A store over SSH, always on a worker thread: one short round trip when the file
-        did not change (its checksum), the file only when it did; a host that is down
-        costs that thread its timeout, never the screen."""
-        if self._store_reading:
-            return
-        self._store_reading = True
-
-        def read() -> None:
-            me = None
-            try:
-                result: StoreState | StoreError = self.store.read()
-                me = self.store.whoami()[0]
-            except StoreError as exc:
-                result = exc
-            self.call_from_thread(self._apply_remote_store, result, me)
-
-        self.run_worker(read, thread=True, group="store", exit_on_error=False)
-
-    def _apply_remote_store(self, result: StoreState | StoreError, me: str | None) -> None:
-        if me is not None and not self._me_given and me != self.me:
-            self.me = self.model.me = me
-            self.model.state_version += 1  # every row's "is it mine" may change
-            self._dirty = True
-        if result is self._state and self._store_problem is None:
-            self._store_reading = False  # unchanged: nothing to redo
-            return
-        self._apply_store(None, result)
-
-    def _apply_store(self, sig: object,
-                     result: StoreState | StoreError) -> None:
-        self._store_reading = False
-        self._store_sig = sig
-        if isinstance(result, StoreError):
-            if str(result) != self._store_problem:  # stays in the summary bar until fixed
-                self._store_problem = str(result)
-                self.notify(str(result), title="reservations", severity="error",
-                            markup=False, timeout=6)
-                self._dirty = True
-            return
-        if self._store_problem is not None:
-            self._store_problem = None
-        self._state = result
-        self.model.set_state(result)
-        self._dirty = True
-
     def _warn(self, message: str) -> None:
         self.notify(message, severity="warning", markup=False, timeout=8)
 
@@ -519,47 +421,6 @@ class GputopApp(App[int]):
     def action_users(self) -> None:
         self.push_screen(UsersScreen(self.model.users()))
 
-    def action_queue(self) -> None:
-        from gputop.ui.screens import QueueScreen
-
-        waiting = self._state.waiting(self.clock()) if self._state is not None else []
-        self.push_screen(QueueScreen(waiting, self.clock(), self.me), self._join_queue)
-
-    def _join_queue(self, count: int | None) -> None:
-        if count is None:
-            return
-        if self._waiting is not None and not self._waiting.is_finished:
-            self.notify("you are already waiting in the queue", severity="warning")
-            return
-        self._waiting = self._wait(count)
-
-    @work(group="queue", exclusive=True)
-    async def _wait(self, count: int) -> None:
-        """Wait in the queue like ``free --wait``; quitting the board leaves the queue."""
-        from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
-        from gputop.reservations.queue import DEFAULT_LEASE_S, Request
-
-        def say(msg: str) -> None:
-            self.notify(msg, title="queue", markup=False, timeout=6)
-            self._store_sig = None
-
-        poller = None
-        if self._sources is not None:  # the demo (or given sources): what the board shows,
-            poller = Poller(dataclasses.replace(self.config, collection="query"), [
-                BoardSource(s.name, self.model.snapshots.get) for s in self._sources])
-        try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
-            got = await wait_for_gpus(self.config, self.store, Request(count), note="",
-                                      seconds=self.config.reservation_default_s,
-                                      lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
-                                      poller=poller)
-        except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
-            return
-        finally:
-            if poller is not None:
-                await poller.aclose()
-        self.bell()
-        self._store_changed("granted: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in got))
     def action_history(self) -> None:
         from gputop.ui.history_screen import FleetHistoryScreen
 
@@ -618,174 +479,6 @@ class GputopApp(App[int]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
-
-    def action_reserve(self) -> None:
-        """Reserve the selected GPU: refuse at once if someone else holds it, ask first if
-        someone else runs on it, and check again on submit that it is still that GPU."""
-        row = self._selected()
-        if not isinstance(row, GpuRow) or row.gpu.index is None:
-            self.notify("select a GPU row to reserve", severity="warning")
-            return
-        if row.shares or row.share is not None:  # a shared GPU: `r` offers a share of it
-            self._ask_share(row)
-            return
-        holder = row.reservation
-        if holder is not None and holder.user != self.me:
-            note = f" ({clean(holder.note)})" if holder.note else ""
-            self.notify(f"{row.label} is reserved by {clean(holder.user)} for "
-                        f"{time_left(holder.expires, self.clock())} more{note}",
-                        severity="warning", markup=False, timeout=6)
-            return
-        key, label = row.key, row.label
-        about = f"{short_model(row.gpu.name)}  {clean(row.gpu.uuid) or 'no uuid'}"
-
-        def done(req: ReserveRequest | None) -> None:
-            if req is not None:
-                self._reserve_checked(key, label, req)
-
-        shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
-
-        def ask() -> None:
-            self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about,
-                                           "optional" if shareable else None), done)
-
-        from gputop.jobs.remote import login_on
-
-        host = next((h for h in self.config.hosts if h.name == row.host), None)
-        mine = {self.me} | ({login_on(self.config, host)} if host is not None else set())
-        others = [p for p in row.gpu.processes if clean(p.user) not in mine]
-        if not others:
-            ask()
-            return
-        who = ", ".join(sorted({clean(p.user) or "?" for p in others}))
-        q = Text()
-        q.append(f"{label} is in use by {who}:\n", style="bold")
-        for p in others[:5]:
-            q.append(f"  {p.pid} {clean(p.user) or '?'}  {excerpt(p.command or '', 50)}\n")
-        if len(others) > 5:
-            q.append(f"  … and {len(others) - 5} more\n")
-        q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
-        self.push_screen(ConfirmScreen(q, "Reserve anyway"),
-                         lambda yes: ask() if yes else None)
-
-    def _ask_share(self, row: GpuRow) -> None:
-        """`r` on a shared GPU (or one of its shares): a share of it, or yours resized."""
-        g = row.gpu
-        shares = row.shares or next((r.shares for r in self.model.rows()
-                                     if isinstance(r, GpuRow)
-                                     and r.key == split_share(row.key)[0]), ())
-        rest = "?" if g.memory_total_mib is None else size_text(
-            room_mib(g.memory_total_mib, shares, but=self.me))
-        key, label = split_share(row.key)[0], f"{clean(row.host)}:{g.index}"
-        about = f"{short_model(g.name)}  {clean(g.uuid) or 'no uuid'}"
-
-        def done(req: ReserveRequest | None) -> None:
-            if req is not None:
-                self._reserve_checked(key, label, req)
-
-        self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                       self.config.reservation_max_s, about, "required",
-                                       rest), done)
-
-    def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
-        """The dialog was open a while: reserve only if the latest data still shows the GPU
-        the user chose, at the same index, on a host that answers."""
-        host = host_of(key)
-        gpu_key, gi = split_instance(key)  # gi: a MIG instance row's GPU instance id
-        snap = self.model.snapshots.get(host)
-        gpu = None if snap is None or not snap.ok else next(
-            (g for g, k in zip(snap.gpus, gpu_keys(host, snap.gpus)) if k == gpu_key), None)
-        now_label = None if gpu is None else (
-            f"{clean(host)}:{gpu.index}" + ("" if gi is None else f"/{gi}"))
-        if snap is None or not snap.ok:
-            problem = f"{clean(host)} is down now"
-        elif gpu is None or gpu.index is None or (
-                gi is not None and gi not in {i.gpu_instance_id for i in gpu.instances}):
-            problem = f"{label} is gone from {clean(host)}"
-        elif now_label != label:
-            problem = f"{label} is now {now_label} (renumbered)"
-        elif req.share_mib is not None and gpu.memory_total_mib is None:
-            problem = f"{label} does not report its memory"
-        else:
-            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req, gpu.memory_total_mib)
-            return
-        self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
-
-    @work(group="store")
-    async def _reserve(self, target: Target, req: ReserveRequest,
-                       total_mib: int | None = None) -> None:
-        from gputop.jobs.remote import answered_logins
-        from gputop.reservations.ops import reserve_outcomes
-        from gputop.reservations.queue import queue_claim
-
-        try:
-            if req.share_mib is not None:
-                # The queue's order rule for shares, as for `gputop reserve --share`.
-                from gputop.reservations.queue import share_claim
-
-                claim = share_claim([h.name for h in self.config.hosts],
-                                    [h for _, h in self.model.snapshots.items()],
-                                    req.share_mib, self.me, target)
-                await asyncio.to_thread(
-                    reserve_share, self.store, target, req.share_mib, total_mib or 0,
-                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
-                    note=req.note, user=self.me, check=claim,
-                    login=answered_logins(self.config, self.model.snapshots)(target.host))
-            else:
-                # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use
-                # is theirs to wait for (refused, naming them).
-                check = queue_claim([target], dict(self.model.snapshots),
-                                    [h.name for h in self.config.hosts], self.me)
-                await asyncio.to_thread(
-                    reserve_outcomes, self.store, [target], seconds=req.seconds,
-                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
-                    check=check, login=answered_logins(self.config, self.model.snapshots))
-        except Refused as exc:
-            self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
-            return
-        except (Invalid, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
-            return
-        self._store_changed(f"reserved {clean(target.label)}" + (
-            "" if req.share_mib is None else f" (a {size_text(req.share_mib)} share)"))
-
-    def action_release(self) -> None:
-        row = self._selected()
-        if isinstance(row, GpuRow) and row.gpu.index is not None and (
-                row.shares or row.share is not None):  # a shared GPU: your share of it
-            shares = row.shares or ((row.share,) if row.share else ())
-            if not any(r.user == self.me for r in shares) and (
-                    row.share is None or row.share.user != self.me):
-                self.notify("you hold no share of the selected GPU", severity="warning")
-                return
-            self._release(Target(row.host, row.gpu.index))
-            return
-        if not isinstance(row, GpuRow) or row.reservation is None:
-            self.notify("no reservation on the selected GPU", severity="warning")
-            return
-        if row.reservation.user != self.me:
-            self.notify(f"reserved by {clean(row.reservation.user)}, not you; use "
-                        "`gputop release --force` to take it back", severity="warning",
-                        markup=False)
-            return
-        self._release(Target(row.host, row.reservation.gpu, instance=row.reservation.instance))
-
-    @work(group="store")
-    async def _release(self, target: Target) -> None:
-        try:
-            await asyncio.to_thread(release, self.store, [target], user=self.me)
-        except (Refused, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
-            return
-        self._store_changed(f"released {clean(target.label)}")
-
-    def _store_changed(self, message: str) -> None:
-        """We wrote the shared file: show it now rather than at the next re-read."""
-        self.notify(message, markup=False)
-        self._store_sig = None
-        self.reload_store()
-        self.render_board()
 
 
 def tune_gc() -> None:

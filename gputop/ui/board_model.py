@@ -1,8 +1,8 @@
 """What the board shows, computed without Textual: rows, order, filter, summary, history.
 
-About 650 lines, over the ~600 rule: the row cache, the filter's memo and the summary's
-counts share one pass over the fleet per frame (bench/results/board-scale.md); split into
-modules they would be the same code with calls between them.
+The rows themselves and their keys are in :mod:`gputop.ui.board_rows`. The row cache, the
+filter's memo and the summary's counts stay together here: they share one pass over the
+fleet per frame (bench/results/board-scale.md).
 
 The app feeds host snapshots and reservation state in, and asks for rows out. Keeping this
 free of widgets makes it cheap to test and lets the table update only the rows that changed.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Literal
 
-from gputop.model import GpuInfo, HostSnapshot, MigInstance, utcnow
+from gputop.model import GpuInfo, HostSnapshot, utcnow
 from gputop.reservations.flags import (
     IDLE_GRACE_S,
     SHARE_GRACE_S,
@@ -34,164 +34,22 @@ from gputop.reservations.flags import (
 from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
+from gputop.ui.board_rows import (
+    INSTANCE_SEP,
+    SHARE_SEP,
+    GpuRow,
+    HostRow,
+    Row,
+    Summary,
+    UserLoad,
+    gpu_keys,
+)
 
 SortMode = Literal["host", "utilization", "free-memory"]
 SORT_MODES: tuple[SortMode, ...] = ("host", "utilization", "free-memory")
 HISTORY = 120  # samples kept per GPU for the sparklines (one per refresh)
 STALE_AFTER_INTERVALS = 3
 
-
-def short_model(name: str | None) -> str:
-    """"NVIDIA GeForce RTX 2080 SUPER" -> "RTX 2080 SUPER": the part people say aloud."""
-    if not name:
-        return "?"
-    n = clean(name)
-    for prefix in ("NVIDIA ", "GeForce ", "Tesla ", "Quadro "):
-        if n.startswith(prefix):
-            n = n[len(prefix):]
-    return n
-
-
-def gpu_key(host: str, g: GpuInfo) -> str:
-    """A GPU's identity on the board: host + uuid, else host + index (else bus id). The
-    selection, the history and the reserve dialog follow this, never a row position."""
-    if g.uuid:
-        return f"{host}\x00{g.uuid}"
-    if g.index is not None:
-        return f"{host}\x00#{g.index}"
-    return f"{host}\x00@{g.bus_id}"
-
-
-def gpu_keys(host: str, gpus: Iterable[GpuInfo]) -> list[str]:
-    """``gpu_key`` of each GPU, made unique: a uuid (or index) listed twice, as broken or
-    hostile output may, falls back to index, then position, and never merges two rows."""
-    keys: list[str] = []
-    for pos, g in enumerate(gpus):
-        key = gpu_key(host, g)
-        if key in keys:
-            key = f"{host}\x00#{g.index}" if g.index is not None else key
-        if key in keys:
-            key = f"{host}\x00%{pos}"
-        keys.append(key)
-    return keys
-
-
-def host_of(key: str) -> str:
-    return key.split("\x00", 1)[0]
-
-
-#: An instance row's key is its GPU's key, this, and its GPU instance id.
-INSTANCE_SEP = "\x00/"
-
-
-#: A share row's key is its GPU's key, this, and the share's holder.
-SHARE_SEP = "\x00~"
-
-
-def split_share(key: str) -> tuple[str, str | None]:
-    """(the GPU's key, the share's holder) of a row key; None for any other row."""
-    gpu, sep, user = key.rpartition(SHARE_SEP)
-    return (gpu, user) if sep else (key, None)
-
-
-def split_instance(key: str) -> tuple[str, int | None]:
-    """(the GPU's key, GPU instance id) of a row key; None for a GPU row."""
-    gpu, sep, gi = key.rpartition(INSTANCE_SEP)
-    return (gpu, int(gi)) if sep and gi.isdigit() else (key, None)
-
-
-@dataclass
-class GpuRow:
-    """One GPU as the board sees it right now."""
-
-    host: str
-    key: str  # see gpu_keys
-    gpu: GpuInfo
-    reservation: Reservation | None
-    flags: list[str]
-    stale: bool
-    free: bool
-    #: No host header above it (sorted views): the row names its host itself.
-    show_host: bool = False
-    #: A MIG instance row: ``gpu`` is then the instance seen as a GPU (its processes and
-    #: memory, no utilisation), right under its GPU's row.
-    instance: MigInstance | None = None
-    #: A shared GPU's row: its shares (the rows under it show one each).
-    shares: tuple[Reservation, ...] = ()
-    #: A share row (``gpu`` is its GPU): one holder's share, under its GPU's row.
-    share: Reservation | None = None
-
-    @property
-    def label(self) -> str:
-        """``host:index`` (``host:index/instance``), the name people and ``gputop reserve``
-        use."""
-        gi = self.instance.gpu_instance_id if self.instance is not None else None
-        return (f"{clean(self.host)}:{'?' if self.gpu.index is None else self.gpu.index}"
-                + ("" if gi is None else f"/{gi}"))
-
-    @property
-    def users(self) -> tuple[str, ...]:
-        return tuple(clean(u) for u in self.gpu.users)
-
-    @property
-    def free_mib(self) -> int:
-        return self.gpu.memory_free_mib
-
-
-@dataclass
-class HostRow:
-    """A host header (collapsible), or a host in error when ``error`` is set."""
-
-    host: str
-    snapshot: HostSnapshot | None
-    gpu_count: int
-    collapsed: bool
-    stale: bool
-    last_seen: datetime | None
-    #: MIG instance rows under its GPUs (``gpu_count`` counts the GPUs only).
-    instance_count: int = 0
-
-    @property
-    def key(self) -> str:
-        return self.host
-
-    @property
-    def error(self) -> bool:
-        return self.snapshot is not None and not self.snapshot.ok
-
-
-Row = GpuRow | HostRow
-
-
-@dataclass
-class Summary:
-    hosts_up: int = 0
-    hosts_down: int = 0
-    hosts_waiting: int = 0
-    gpus: int = 0
-    free: int = 0
-    busy: int = 0
-    reserved: int = 0
-    util_percent: float | None = None
-    mem_used_mib: int = 0
-    mem_total_mib: int = 0
-
-
-@dataclass
-class UserLoad:
-    """One person's share of the fleet, for the per-user view."""
-
-    user: str
-    running: list[str] = field(default_factory=list)  # "host:index" with their processes
-    reserved: list[str] = field(default_factory=list)  # "host:index" they reserved
-    processes: int = 0
-    memory_mib: int = 0
-    commands: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def gpus(self) -> int:
-        """GPUs held: running on or reserved (a reserved GPU they run on counts once)."""
-        return len(set(self.running) | set(self.reserved))
 
 
 #: Seconds a host's rows are reused when it did not answer again: the time-driven flags

@@ -16,7 +16,7 @@ from gputop.model import GpuInfo
 from gputop.reservations.ops import format_duration
 from gputop.reservations.shares import holder_use_mib, room_mib, size_text
 from gputop.text import clean, excerpt
-from gputop.ui.board_model import GpuRow, HostRow, Row, short_model
+from gputop.ui.board_rows import GpuRow, HostRow, Row, short_model
 
 Columns = tuple[tuple[str, str, int | None], ...]
 #: key, label, fixed width (None: as wide as its content). Wide terminals get everything.

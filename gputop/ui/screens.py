@@ -18,7 +18,7 @@ from gputop.reservations.ops import Invalid, check_note, format_duration
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.store import Waiter
 from gputop.text import clean, excerpt
-from gputop.ui.board_model import UserLoad
+from gputop.ui.board_rows import UserLoad
 from gputop.ui.cells import gib
 
 ResultT = TypeVar("ResultT")

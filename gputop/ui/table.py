@@ -35,7 +35,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import DataTable
 
-from gputop.ui.board_model import Row, host_of
+from gputop.ui.board_rows import Row, host_of
 from gputop.ui.cells import COLUMNS, Columns, Palette, columns_for, row_cells
 
 Signature = Callable[[Row, datetime], tuple[object, ...]]
