@@ -72,3 +72,36 @@ def test_words_are_escaped_for_systemd() -> None:
     with pytest.raises(ValueError, match="control character"):
         exec_word("/tmp/x\nExecStartPre=/bin/evil")
     assert exec_start(unit_text(["/x/gputop", "record"])) == "/x/gputop record"
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="no gputop console script in this venv")
+def test_the_hub_unit_runs_the_gputop_that_printed_it(tmp_path: Path) -> None:
+    """``gputop serve --print-unit``: the shipped hub unit once said to copy it out with a
+    ``python3 -c 'import gputop.hub'`` (which a pipx or venv install cannot) and ran
+    ``gputop serve`` with no ``--config`` (a unit reads no ``~/.bashrc``: the team's
+    ``$GPUTOP_CONFIG`` never reached it)."""
+    odd = tmp_path / "my tools %h $HOME"
+    odd.mkdir()
+    shutil.copy2(SCRIPT, odd / "gputop")
+    cfg = odd / "team hosts.toml"
+    cfg.write_text('hosts = ["gpu-01"]\n')
+    unit = print_unit(["gputop", "serve", "--print-unit", "--config", cfg.name,
+                       "--listen", "127.0.0.1:9911"], cwd=odd, path=str(odd))
+    assert exec_start(unit) == (f'"{odd}/gputop"'.replace("%", "%%") + " serve --config "
+                                + f'"{cfg}"'.replace("%", "%%").replace("$", "$$")
+                                + " --listen 127.0.0.1:9911")
+    assert "gputop serve --print-unit > ~/.config/systemd/user/gputop-hub.service" in unit
+    assert "python3 -c" not in unit and "Written by `gputop serve --print-unit`" in unit
+    assert "RestartPreventExitStatus=2" in unit and "WantedBy=default.target" in unit
+    if shutil.which("systemd-analyze"):
+        (tmp_path / "gputop-hub.service").write_text(unit)
+        r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "gputop-hub.service")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    env = {**os.environ, "GPUTOP_CONFIG": str(cfg)}  # what ~/.bashrc exports, absolute
+    r = subprocess.run([str(odd / "gputop"), "serve", "--print-unit"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and " serve --config " in exec_start(r.stdout), r.stderr
+    r = subprocess.run([str(odd / "gputop"), "serve", "--print-unit", "--listen", "x"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and not r.stdout and "--listen" in r.stderr

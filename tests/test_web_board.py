@@ -194,6 +194,12 @@ def test_every_host_and_gpu_of_the_snapshot(page: Any, hub: Hub) -> None:
     assert "beta:1" in free
     text = page.find_element("css selector", "#hosts").text
     assert [f for f in free if f"gputop reserve {f}" in text] == free
+    # A free MIG instance is named as reserve takes it: HOST:GPU/INSTANCE, not HOST:GI.
+    mig = doc["hosts"][2]
+    insts = [f"{mig['name']}:{mig['gpus'][0]['index']}/{i['gpu_instance_id']}"
+             for i in mig["gpus"][0]["instances"] if not i["processes"]]
+    hints = re.findall(r"gputop reserve (migs:\S+)", text)
+    assert hints and set(hints) <= set(insts)
     people = page.find_element("id", "people").text
     assert "beta:0" in people
 

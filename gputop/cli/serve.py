@@ -9,6 +9,26 @@ from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
 from gputop.config import Config, listen_problem
 
 
+def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
+    """``gputop serve`` as its service runs it: this very gputop and the options this run
+    was given, the hosts file as an absolute path (a unit reads no ``~/.bashrc``, so
+    ``$GPUTOP_CONFIG`` would not reach it)."""
+    from gputop.history.unit import this_gputop
+
+    cmd = this_gputop("serve")
+    if config.path is not None:
+        cmd += ["--config", str(config.path.expanduser().absolute())]
+    if args.listen:
+        cmd += ["--listen", args.listen]
+    if args.interval is not None:
+        cmd += ["--interval", f"{args.interval:g}"]
+    if args.timeout is not None:
+        cmd += ["--timeout", f"{args.timeout:g}"]
+    if args.max_subscribers != 64:
+        cmd += ["--max-subscribers", str(args.max_subscribers)]
+    return cmd
+
+
 def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
 
@@ -20,6 +40,15 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     if not 1 <= args.max_subscribers <= 10_000:
         print("gputop: --max-subscribers must be between 1 and 10000", file=sys.stderr)
         return EXIT_ERROR
+    if args.print_unit:
+        from pathlib import Path
+
+        import gputop
+        from gputop.history.unit import unit_text
+
+        unit = Path(gputop.__file__).resolve().parent / "hub" / "deploy" / "gputop-hub.service"
+        sys.stdout.write(unit_text(hub_command(config, args), unit))
+        return EXIT_OK
     if not config.hosts:
         print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
               "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
@@ -66,3 +95,6 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    "beyond loopback only when told)")
     p.add_argument("--max-subscribers", type=int, default=64, metavar="N",
                    help="event streams open at once (default 64); one more is refused")
+    p.add_argument("--print-unit", action="store_true",
+                   help="print a systemd user unit that runs this gputop's hub (with this "
+                   "--config, --listen, --interval, --timeout) and exit")

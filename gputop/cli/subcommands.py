@@ -27,14 +27,11 @@ from gputop.sources import HubError
 def recorder_command(config: Config, args: argparse.Namespace) -> list[str]:
     """``gputop record`` as a service runs it: this very gputop (the script on PATH, else
     this interpreter with ``-m gputop``) and what this run read, all absolute."""
-    import os
     from pathlib import Path
 
-    script = sys.argv[0] if sys.argv else ""
-    if os.path.basename(script) == "gputop" and os.access(script, os.X_OK):
-        cmd = [os.path.abspath(script), "record"]  # unresolved: pipx's ~/.local/bin link
-    else:
-        cmd = [sys.executable, "-m", "gputop", "record"]
+    from gputop.history.unit import this_gputop
+
+    cmd = this_gputop("record")
     if config.path is not None:
         cmd += ["--config", str(config.path.expanduser().absolute())]
     if args.db:

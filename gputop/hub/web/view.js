@@ -156,7 +156,7 @@ class InstanceView {
 
   /** ``whole``: the GPU's own reservation, which covers every instance (shown once, on
    * the GPU's line, not again on each instance). */
-  update(inst, hostLabel, whole) {
+  update(inst, gpuLabel, whole) {
     const gi = num(inst.gpu_instance_id);
     setText(this.prof, `${str(inst.profile, 32) || "MIG"} (GI ${gi ?? "?"})`);
     const used = num(inst.memory_used_mib), total = num(inst.memory_total_mib);
@@ -168,7 +168,7 @@ class InstanceView {
     if (key !== this.procKey) {
       this.procKey = key;
       this.procs.replaceChildren(procs.length ? procList(procs) : el("span", "hint",
-        instanceFree(inst) ? `free \u00b7 gputop reserve ${hostLabel}:${gi ?? "?"}` : ""));
+        instanceFree(inst) ? `free \u00b7 gputop reserve ${gpuLabel}/${gi ?? "?"}` : ""));
     }
     this.el.classList.toggle("free", instanceFree(inst));
   }
@@ -288,14 +288,15 @@ export class GpuView {
       this.el.classList.toggle("lost", g.lost === true);
       this.el.classList.toggle("flagged", flags.length > 0);
     }
-    this.updateMig(insts, r);
+    this.updateMig(insts, r, `${this.host}:${index ?? "?"}`);
   }
 
-  updateMig(insts, whole) {
+  /** ``gpuLabel``: ``HOST:GPU``, which an instance's ``HOST:GPU/INSTANCE`` extends. */
+  updateMig(insts, whole, gpuLabel) {
     show(this.mig, insts.length > 0);
     while (this.insts.length > insts.length) this.insts.pop().el.remove();
     while (this.insts.length < insts.length) this.insts.push(new InstanceView(this.mig));
-    insts.forEach((inst, i) => this.insts[i].update(inst, this.host, whole));
+    insts.forEach((inst, i) => this.insts[i].update(inst, gpuLabel, whole));
   }
 
   tick(now) {
