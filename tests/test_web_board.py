@@ -221,11 +221,20 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
                            processes: 'x'}),
                  d.isFree({index: 0, memory_used_mib: '0', processes: []}),
                  d.isFree({index: 0, memory_used_mib: 0, processes: [],
-                           reservation: {user: 'a'}})],
+                           reservation: {user: 'a'}}),
+                 d.isFree({index: 0, memory_used_mib: 0, utilization_percent: 0,
+                           processes: [], shares: [{user: 'a', share_mib: 16384}]})],
           match: [d.matches(d.terms(' GPU-0  alice '), ['gpu-01', 'alice']),
                   d.matches(d.terms('bob'), ['alice'])],
           people: d.people([{name: 'h', gpus: [{index: 0, processes: [{user: 'u'}, 7, null],
                              reservation: {user: 'r', expires: 'soon'}}]}], 0),
+          // A share holds part of a GPU; a MIG instance is HOST:GPU/INSTANCE, as reserve
+          // takes it.
+          held: d.people([{name: 'h', gpus: [
+            {index: 1, shares: [{user: 's', share_mib: 16384, expires: 'x'}, 'junk']},
+            {index: 2, instances: [{reservation: {user: 'm', instance: 3}}]}]}], 0),
+          summary: d.summary([{name: 'h', status: 'ok', gpus: [
+            {index: 1, memory_used_mib: 0, processes: [], shares: [{user: 's'}]}]}]),
         }), (e) => done(String(e)));
     """)
     assert got["num"] == [None, None, None, None, 3.5]
@@ -234,10 +243,14 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
     assert got["state"] == {"q": "a" * 200, "free": False, "sort": "host", "tv": True,
                             "every": 12}
     assert got["back"] == "?q=a+b&free=1&sort=utilization"
-    assert got["free"] == [True, True, False, False]
+    assert got["free"] == [True, True, False, False, False]
     assert got["match"] == [True, False]
     assert got["people"] == [{"user": "r", "held": [{"label": "h:0", "left": None}],
                               "using": 0}, {"user": "u", "held": [], "using": 1}]
+    assert got["held"] == [
+        {"user": "m", "held": [{"label": "h:2/3", "left": None}], "using": 0},
+        {"user": "s", "held": [{"label": "h:1 (16 GiB share)", "left": None}], "using": 0}]
+    assert got["summary"]["free"] == 0 and got["summary"]["reserved"] == 1
 
 
 def test_hostile_strings_are_literal_text(page: Any, hub: Hub) -> None:

@@ -71,9 +71,14 @@ export function processes(x) {
 }
 
 /** Nobody uses it and nobody holds it: no processes, next to no memory, no load. */
+/** A GPU's memory shares (docs/shares.md): each a reservation with ``share_mib``. */
+export function shares(g) {
+  return list(g.shares).map(obj).filter(Boolean);
+}
+
 export function isFree(g) {
   if (g.lost === true || num(g.index) === null || list(g.processes).length) return false;
-  if (obj(g.reservation)) return false;
+  if (obj(g.reservation) || shares(g).length) return false;  // a shared GPU is not whole
   const used = num(g.memory_used_mib);
   if (used === null || used > FREE_MEMORY_SLACK_MIB) return false;
   const util = num(g.utilization_percent);
@@ -118,6 +123,7 @@ export function gpuWords(g) {
   const w = [str(g.name, 200), ...users(g)];
   const r = obj(g.reservation);
   if (r) w.push(str(r.user, 64));
+  for (const s of shares(g)) w.push(str(s.user, 64));
   for (const inst of list(g.instances)) {
     const ir = obj(obj(inst)?.reservation);
     if (ir) w.push(str(ir.user, 64));
@@ -195,9 +201,10 @@ export function people(hosts, now) {
       };
       const r = obj(g.reservation);
       if (r) hold(r, label);
+      for (const s of shares(g)) hold(s, `${label} (${gib(s.share_mib)} share)`);
       for (const inst of list(g.instances).map(obj).filter(Boolean)) {
         const ir = obj(inst.reservation);
-        if (ir && num(ir.instance) !== null) hold(ir, `${label}:${ir.instance}`);
+        if (ir && num(ir.instance) !== null) hold(ir, `${label}/${num(ir.instance)}`);
       }
       for (const u of users(g)) get(u).using += 1;
     }
@@ -215,7 +222,7 @@ export function summary(hosts) {
     for (const g of list(h.gpus).map(obj).filter(Boolean)) {
       s.gpus += 1;
       if (anyFree(g)) s.free += 1;
-      if (obj(g.reservation)) s.reserved += 1;
+      if (obj(g.reservation) || shares(g).length) s.reserved += 1;  // as gputop_gpu_reserved
       if (list(g.processes).length) s.busy += 1;
       const u = num(g.utilization_percent);
       if (u !== null) {

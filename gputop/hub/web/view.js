@@ -4,7 +4,7 @@
 
 import {
   anyFree, clock, duration, freeMib, gib, gpuKey, gpuWords, hostName, hostWords, instanceFree,
-  list, matches, num, obj, parseTime, processes, str,
+  list, matches, num, obj, parseTime, processes, shares, str,
 } from "./data.js";
 
 /** An element with a class and, optionally, text (as text). */
@@ -278,8 +278,11 @@ export class GpuView {
         return chip;
       }));
     }
+    const sh = shares(g);
     setText(this.hint, this.free && !insts.length
-      ? `free \u00b7 gputop reserve ${this.host}:${index ?? "?"}` : "");
+      ? `free \u00b7 gputop reserve ${this.host}:${index ?? "?"}`
+      : sh.length ? `shared: ${sh.map((s) => `${str(s.user, 64) || "?"} ${gib(s.share_mib)}`)
+        .join(", ")} \u00b7 ${gib(g.unshared_mib)} left unshared` : "");
     const look = `${+this.free}${+(r !== null)}${+(g.lost === true)}${+(flags.length > 0)}`;
     if (look !== this.look) {
       this.look = look;
