@@ -112,6 +112,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
     feeder: asyncio.Task[None] | None = None
+    joining: asyncio.Future[int] | None = None
     try:
         snap = await poller.snapshot()
         why = unsatisfiable(req, list(snap.hosts), fleet)
@@ -120,7 +121,10 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                           "(or name other hosts)")
         sight = Sight(req, fleet, say)
         q.sees = sight.look(list(snap.hosts))
-        pos = await asyncio.to_thread(q.join)
+        # Shielded: a cancel while the join's write is under way (it cannot be stopped on
+        # its thread) must not let the leave below run before the place is in the file.
+        joining = asyncio.ensure_future(asyncio.to_thread(q.join))
+        pos = await asyncio.shield(joining)
         ahead = ""
         if pos > 1:  # who is ahead, as the docs promise (not only once the place changes)
             joined, now = await asyncio.to_thread(store.read), utcnow()
@@ -209,6 +213,9 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
         if feeder is not None:  # its host loops end before the poller closes
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await feeder
+        if joining is not None and not joining.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(joining)  # the place is in the file: now it can go
         try:
             await asyncio.shield(asyncio.to_thread(_leave, q, say))
         finally:

@@ -477,8 +477,14 @@ class Queue:
             pos[0] = len(state.waiting(now)) + 1
             return replace(state, queue=(*state.queue, w))
 
-        self.store.update(change)
+        # Known before the write lands: a leave that runs while this write is still under
+        # way (a cancelled waiter's cleanup, on another thread) then finds the place.
         self.id = wid
+        try:
+            self.store.update(change)
+        except BaseException:
+            self.id = ""
+            raise
         return pos[0]
 
     def position(self, state: StoreState, now: datetime) -> int | None:
