@@ -9,8 +9,9 @@ checked by kind from tables, a dict copied only where a string needed cleaning. 
 strict as the schema (``tests/test_hub_check.py`` runs it against ``jsonschema`` on random
 and hostile documents) and strict in the same ways on top as the compiled check: strings
 bounded and cleaned, integers within 64 bits, numbers finite, open objects' extra values
-plain JSON of bounded depth (their keys short printable text); and times must be ASCII ``YYYY-MM-DDTHH:MM:SSZ`` exactly (the
-schema's ``\\d`` and ``$`` also let other digits and a trailing newline through).
+plain JSON of bounded depth (their keys short printable text); and times must be ASCII
+``YYYY-MM-DDTHH:MM:SSZ`` exactly (the schema's ``\\d`` and ``$`` also let other digits
+and a trailing newline through).
 A failure is ``Invalid`` naming where, as the compiled check's do.
 """
 
@@ -58,9 +59,10 @@ def _integer(v: Any) -> int:
 
 def _at_least(low: int) -> Any:
     def check(v: Any) -> int:
-        if _integer(v) < low:
+        n = _integer(v)
+        if n < low:
             raise Invalid(f"less than {low}")
-        return v
+        return n
     return check
 
 
@@ -234,7 +236,7 @@ _reservation = _object(_RESERVATION_FIELDS, _RESERVATION_REQUIRED, closed=False,
 _share = _object(
     {**_RESERVATION_FIELDS, "share_mib": _at_least(1), "seconds_left": _at_least(0),
      "flags": _array(_enum("over-share", "idle-reservation", "renumbered"))},
-    _RESERVATION_REQUIRED + ("share_mib", "used_mib", "seconds_left", "flags"),
+    (*_RESERVATION_REQUIRED, "share_mib", "used_mib", "seconds_left", "flags"),
     closed=False, ints=("used_mib",), strs=("uuid",))
 _process = _object(
     {"pid": _integer}, ("pid", "user", "command", "gpu_memory_mib"),
