@@ -228,3 +228,22 @@ def test_documents_and_updates_go_through_it() -> None:
         check_update({"time": T, "hosts": broken, "removed": [], "set": {}})
     with pytest.raises(Invalid, match="missing 'hosts'"):
         check_document({"version": 3, "time": T})
+
+
+@pytest.mark.parametrize("where,key,value", [("share", "share_mib", 0),
+                                             ("share", "seconds_left", -1),
+                                             ("share", "gpu", "0"),
+                                             ("reservation", "share_mib", 0),
+                                             ("reservation", "expires", T + "\n")])
+def test_a_share_is_a_reservation_with_minima(where: str, key: str, value: Any) -> None:
+    """The schema's share is ``allOf`` a reservation with its ``minimum``s (the compiled
+    check skips both): refused here as by the schema."""
+    g = _gpu(random.Random(5))
+    if where == "share":
+        g["shares"] = [{**_reservation(random.Random(6), share=True), key: value}]
+    else:
+        g["reservation"] = {**_reservation(random.Random(6)), key: value}
+    hosts = [{"name": "h", "status": "ok", "error": None, "gpus": [g]}]
+    assert _schema_takes(hosts) == (where == "reservation" and key == "expires")
+    with pytest.raises(Invalid, match=rf"\.{where if where == 'reservation' else 'shares'}"):
+        check_hosts(hosts, "$.hosts")
