@@ -157,7 +157,7 @@ def _break(r: random.Random, hosts: list[Any]) -> tuple[list[Any], bool, str]:
 
 
 def _schema_takes(hosts: list[Any]) -> bool:
-    return VALIDATOR.is_valid({"version": 3, "time": T, "hosts": hosts})
+    return bool(VALIDATOR.is_valid({"version": 3, "time": T, "hosts": hosts}))
 
 
 def _ours(hosts: list[Any]) -> Any:
