@@ -31,6 +31,7 @@ class SummaryBar(Static):
     not fit ends in ``…``, never cut silently."""
 
     _last: tuple[Summary, Palette, str, str | None, str | None] | None = None
+    _shown: Text | None = None
 
     def show(self, s: Summary, palette: Palette, note: str = "",
              problem: str | None = None, hub_problem: str | None = None) -> None:
@@ -41,7 +42,12 @@ class SummaryBar(Static):
             t = self._line(s, palette, note, problem, hub_problem, short=True)
             if t.cell_len > width:
                 t.truncate(width, overflow="ellipsis")
-        self.update(t)
+        if t == self._shown:
+            return
+        self._shown = t
+        # No layout: the bar is one line (gputop.tcss) as wide as the screen whatever it
+        # says; a layout of the whole screen per refresh was a third of the board's drawing.
+        self.update(t, layout=False)
 
     def on_resize(self) -> None:
         if self._last is not None:
