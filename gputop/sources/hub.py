@@ -3,9 +3,10 @@
 A hub is another machine's process: everything it sends is checked like any host's
 output. A body or an event line larger than ``MAX_DOCUMENT_BYTES`` is cut off while it is
 read; the JSON must parse (no ``NaN``, bounded nesting) and match the shipped snapshot
-schema (``gputop/schema/snapshot.schema.json``, checked here by a small validator of the
-subset it uses: ``gputop.sources.hub_schema``), and every string is cleaned again, as if
-it came straight from a host.
+schema (``gputop/schema/snapshot.schema.json``: its host objects, most of every
+document, by a hand-written check, ``gputop.sources.hub_hosts``; the rest by a small
+validator of the subset it uses, ``gputop.sources.hub_schema``), and every string is
+cleaned again, as if it came straight from a host.
 What fails is one :class:`HubError` with a classified kind (``unreachable``, ``timeout``,
 ``auth``, ``parse``, ``error``) and the hub's URL, never a hang: every read has a timeout.
 
