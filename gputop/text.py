@@ -1,7 +1,8 @@
 """Untrusted text made safe to show: process names, user names, notes, GPU names, errors.
 
 They come from other people's machines. Terminal control sequences (C0, C1, ESC, DEL) and
-bidirectional overrides are dropped, so a hostile name can neither retitle the terminal nor
+bidirectional overrides are dropped (and lone surrogates, which JSON can carry and no
+UTF-8 output can write), so a hostile name can neither retitle the terminal nor
 reorder what is shown next to it. Markup safety is the renderer's job: the UI builds
 ``rich.text.Text`` objects from these strings and never parses them as markup.
 """
@@ -12,7 +13,8 @@ import re
 
 _UNSAFE = re.compile(
     "[\x00-\x08\x0b-\x1f\x7f-\x9f"  # C0 (but \t, \n), DEL, C1
-    "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"  # bidi marks, embeddings, isolates
+    "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"  # bidi marks, embeddings, isolates
+    "\ud800-\udfff]"  # lone surrogates (JSON's \\ud800): no UTF-8 terminal can take one
 )
 _ESC_SEQ = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
 

@@ -16,10 +16,10 @@ This module knows the document, not the server: ``gputop.hub`` is never imported
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sys
-import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -283,14 +283,29 @@ class HubClient:
 
     def _get(self, path: str) -> bytes:
         """One GET (blocking): status checked, the body bounded while it is read, the
-        whole exchange within ``timeout``."""
+        whole exchange within ``timeout``. The socket's own timeout bounds each read
+        only: a hub that drips its status line or headers a byte at a time would hold
+        ``http.client`` for hours (and the interpreter's exit with it), so a timer
+        shuts the socket down when the whole exchange is out of time."""
         import http.client
+        import threading
         from urllib.parse import urlsplit
 
-        deadline = time.monotonic() + self.timeout
         u = urlsplit(self.url)
         cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         conn = cls(u.hostname or "", u.port, timeout=self.timeout)
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
         try:
             conn.request("GET", (u.path or "/") + path, headers=self.headers)
             resp = conn.getresponse()
@@ -303,10 +318,17 @@ class HubClient:
                 body += chunk
                 if len(body) > MAX_DOCUMENT_BYTES:
                     raise _Invalid(f"larger than {MAX_DOCUMENT_BYTES} bytes")
-                if time.monotonic() > deadline:
+                if expired.is_set():
                     raise TimeoutError
+            if expired.is_set():
+                raise TimeoutError
             return bytes(body)
+        except Exception:
+            if expired.is_set():
+                raise TimeoutError from None
+            raise
         finally:
+            timer.cancel()
             conn.close()
 
     async def stream(self, last_event_id: str | None = None
@@ -340,6 +362,8 @@ async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
     buf = bytearray()
     seen = 0  # how much of buf is known to hold no newline (a 1 MB line comes in chunks)
     event, eid, data = "message", None, cast(list[str], [])
+    size = 0  # the characters in data (kept as it grows: an event of a million short
+    # data lines is then read in one pass, not summed again at each line)
     while True:
         chunk = await content.readany()
         if not chunk:
@@ -358,7 +382,7 @@ async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
             if not line:
                 if data:
                     yield event, eid, "\n".join(data)
-                event, data = "message", []
+                event, data, size = "message", [], 0
                 continue
             if line.startswith(":"):
                 continue
@@ -368,7 +392,8 @@ async def _sse(content: Any) -> AsyncIterator[tuple[str, str | None, str]]:
                 event = value
             elif name == "data":
                 data.append(value)
-                if sum(len(d) for d in data) > MAX_DOCUMENT_BYTES:
+                size += len(value) + 1
+                if size > MAX_DOCUMENT_BYTES:
                     raise _Invalid(f"an event larger than {MAX_DOCUMENT_BYTES} bytes")
             elif name == "id":
                 eid = value if len(value) <= 64 else None

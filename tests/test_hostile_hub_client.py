@@ -1,0 +1,177 @@
+"""A hostile hub that a teammate's ``gputop --hub URL`` points at: a listener on loopback
+that sends what it likes. Each answer must end as one classified error or cleaned data,
+never a crash, a hang or a byte the reader's terminal would take for its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gputop.sources.hub import _sse, check_document
+from gputop.text import clean
+
+ADDR = "127.0.24.1"
+Answer = Callable[[socket.socket], None]
+
+
+def _doc(text: str) -> dict[str, object]:
+    gpu = {"index": 0, "uuid": "GPU-1", "name": "H100" + text, "utilization_percent": 5,
+           "memory_used_mib": 1, "memory_total_mib": 2, "temperature_c": None,
+           "power_draw_w": 1.5, "processes": [{"pid": 1, "user": "u" + text,
+                                                "command": "train" + text,
+                                                "gpu_memory_mib": 1}],
+           "instances": [], "reservation": None, "flags": []}
+    return {"version": 3, "time": "2026-01-01T00:00:00Z", "hosts": [
+        {"name": "a" + text, "status": "ok", "error": None, "gpus": [gpu]}], "queue": []}
+
+
+class FakeHub:
+    """A loopback listener that answers every connection with ``answer`` (on a thread)."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.srv = socket.socket()
+        self.srv.bind((ADDR, 0))
+        self.srv.listen(8)
+        self.srv.settimeout(0.2)
+        self.url = f"http://{ADDR}:{self.srv.getsockname()[1]}/"
+        self.stop = threading.Event()
+        self.answer = answer
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        try:
+            c.settimeout(5)
+            c.recv(65536)
+            self.answer(c)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.srv.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
+    for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "TMPDIR", "HOME"):
+        (tmp_path / k).mkdir()
+        e[k] = str(tmp_path / k)
+    e["LANG"] = e["LC_ALL"] = "C.UTF-8"
+    return e
+
+
+def gputop(env: dict[str, str], *args: str, timeout: float = 60
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gputop", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def _body(body: bytes) -> Answer:
+    def send(c: socket.socket) -> None:
+        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    return send
+
+
+@pytest.fixture
+def surrogate_hub() -> Iterator[FakeHub]:
+    # json.dumps writes a lone surrogate as the escape \ud800: valid JSON, which Python
+    # reads back as a str no terminal (UTF-8) can be written.
+    hub = FakeHub(_body(json.dumps(_doc("\udcff\ud800")).encode()))
+    yield hub
+    hub.close()
+
+
+def test_lone_surrogates_from_a_hub_are_dropped_as_they_are_checked() -> None:
+    doc = check_document(json.loads(json.dumps(_doc("\ud800"))))
+    host = doc["hosts"][0]
+    assert host["name"] == "a"
+    assert host["gpus"][0]["name"] == "H100"
+    assert host["gpus"][0]["processes"][0]["command"] == "train"
+    assert clean("x\udcffy") == "xy"
+    json.dumps(doc, ensure_ascii=False).encode()  # every string is writable as UTF-8
+
+
+def test_once_through_a_hub_sending_lone_surrogates_prints_the_table(
+        surrogate_hub: FakeHub, env: dict[str, str]) -> None:
+    """On main: UnicodeEncodeError from sys.stdout.write, a traceback and exit 1."""
+    r = gputop(env, "--once", "--hub", surrogate_hub.url, "--timeout", "5")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "H100" in r.stdout
+    r = gputop(env, "--json", "--hub", surrogate_hub.url, "--timeout", "5")
+    assert r.returncode == 0, r.stderr
+    assert "\\ud800" not in r.stdout and "\\udcff" not in r.stdout
+
+
+def _drip(c: socket.socket) -> None:
+    """A status line, then one header byte every 0.2 s: each read is quick, the
+    answer never ends (http.client takes 100 header lines of 64 KiB)."""
+    c.sendall(b"HTTP/1.1 200 OK\r\n")
+    for _ in range(2000):
+        c.sendall(b"X")
+        time.sleep(0.2)
+
+
+def test_a_hub_dripping_its_headers_is_a_timeout_not_a_hang(env: dict[str, str]) -> None:
+    """On main the per-read socket timeout never fires: ``--json`` hangs (and SIGTERM
+    cannot end it: the worker thread holds the interpreter's exit)."""
+    hub = FakeHub(_drip)
+    try:
+        started = time.monotonic()
+        r = gputop(env, "--json", "--hub", hub.url, "--timeout", "1", timeout=90)
+        took = time.monotonic() - started
+    finally:
+        hub.close()
+    assert r.returncode == 4, (r.returncode, r.stderr)
+    assert ": timeout: " in r.stderr, r.stderr
+    assert took < 60, took  # (a bound for a hang, not a timing: the answer is at ~1 s)
+
+
+class _Content:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def readany(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+def test_an_event_of_many_short_data_lines_is_read_in_one_pass() -> None:
+    """An event of 200,000 ``data:`` lines: on main each line summed every line before it
+    (2 * 10**10 steps: the board's reader spun for hours on one event)."""
+    n = 200_000
+    content = _Content([b"event: update\n" + b"data: x\n" * n + b"\n"])
+
+    async def read() -> list[tuple[str, str | None, str]]:
+        return [item async for item in _sse(content)]
+
+    done: list[list[tuple[str, str | None, str]]] = []
+    t = threading.Thread(target=lambda: done.append(asyncio.run(read())), daemon=True)
+    t.start()
+    t.join(60)  # (a bound for a hang: one pass takes well under a second)
+    assert done, "the reader is still summing the event's lines"
+    [(event, _, data)] = done[0]
+    assert event == "update" and data == "\n".join(["x"] * n)
