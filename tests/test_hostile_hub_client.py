@@ -175,3 +175,64 @@ def test_an_event_of_many_short_data_lines_is_read_in_one_pass() -> None:
     assert done, "the reader is still summing the event's lines"
     [(event, _, data)] = done[0]
     assert event == "update" and data == "\n".join(["x"] * n)
+
+
+# --- the hub's own side: sockets that never finish a request ---------------------------------
+
+
+def test_the_hub_closes_a_socket_that_never_finishes_its_request(tmp_path: Path) -> None:
+    """A request line dripped a byte every 0.2 s, and a socket that sends nothing: the
+    hub closes both after its idle limit (aiohttp's default kept them an hour, so idle
+    sockets from anyone on the machine could use up the hub's file descriptors)."""
+    from aiohttp import web
+
+    from gputop.config import load_config
+    from gputop.hub.server import Hub, make_runner
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+
+    async def attack() -> tuple[bool, bool, bytes]:
+        hub = Hub(load_config(str(cfg)))
+        runner = make_runner(hub, idle_s=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            drip = await asyncio.open_connection("127.0.0.1", port)
+
+            async def dripping() -> bool:
+                for b in b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 300:
+                    try:
+                        drip[1].write(bytes([b]))
+                        await drip[1].drain()
+                    except ConnectionError:
+                        return True
+                    if drip[0].at_eof():
+                        return True
+                    await asyncio.sleep(0.2)
+                return False
+
+            async def closed(r: asyncio.StreamReader) -> bool:
+                return await r.read(1024) == b""
+
+            drip_closed, silent_closed = await asyncio.wait_for(
+                asyncio.gather(dripping(), closed(silent[0])), 30)
+            # A client that finishes its request is still answered.
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /-/healthy HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            answer = await asyncio.wait_for(r.read(), 10)
+            for s in (silent, drip, (r, w)):
+                s[1].close()
+            return drip_closed, silent_closed, answer
+        finally:
+            hub.events.close_all()
+            await runner.cleanup()
+
+    drip_closed, silent_closed, answer = asyncio.run(attack())
+    assert silent_closed
+    assert drip_closed
+    assert answer.startswith(b"HTTP/1.1 200")

@@ -45,6 +45,11 @@ from gputop.text import excerpt
 DEFAULT_LISTEN = "127.0.0.1:9847"
 MAX_REQUESTS = 128
 KEEPALIVE_S = 15.0
+#: A connection with no request under way (idle, or a request line or headers dripping
+#: in a byte at a time) is closed after this. aiohttp's own default is an hour: anyone on
+#: the machine could hold the hub's file descriptors (which its SSH connections and its
+#: history need too) with sockets that never finish a request.
+IDLE_S = 30.0
 #: A subscriber whose socket takes longer than this to take one write is dropped.
 WRITE_TIMEOUT_S = 10.0
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -336,6 +341,13 @@ def _quiet_request_errors() -> None:
     log.propagate = False
 
 
+def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
+    """The hub's app as aiohttp serves it: request sizes bounded, idle sockets closed."""
+    return web.AppRunner(hub.app(), access_log=None, handle_signals=False,
+                         max_line_size=8190, max_field_size=8190, max_headers=64,
+                         keepalive_timeout=idle_s)
+
+
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None, **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
@@ -343,8 +355,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
     hub.loopback_names_only = is_loopback(host)
-    runner = web.AppRunner(hub.app(), access_log=None, handle_signals=False,
-                           max_line_size=8190, max_field_size=8190, max_headers=64)
+    runner = make_runner(hub)
     await runner.setup()
     collecting = asyncio.create_task(hub.collector.run())
     try:
