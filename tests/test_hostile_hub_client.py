@@ -236,3 +236,40 @@ def test_the_hub_closes_a_socket_that_never_finishes_its_request(tmp_path: Path)
     assert silent_closed
     assert drip_closed
     assert answer.startswith(b"HTTP/1.1 200")
+
+
+def test_a_token_or_cookie_that_is_not_utf8_is_refused_not_a_server_error(
+        tmp_path: Path) -> None:
+    """``Authorization: Bearer \\xff`` (and the cookie): 401 like any wrong token. On main
+    the check raised UnicodeEncodeError: a 500 and a log line for each such request."""
+    from aiohttp import web
+
+    from gputop.config import load_config
+    from gputop.hub.server import Hub, make_runner
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+
+    async def ask() -> list[bytes]:
+        hub = Hub(load_config(str(cfg)), token="secret")
+        runner = make_runner(hub)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        out = []
+        try:
+            for header in (b"Authorization: Bearer \xff\xfe", b"Cookie: gputop_token=\xff",
+                           b"Authorization: Bearer secret\xff"):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"GET /api/v1/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\n" + header
+                        + b"\r\nConnection: close\r\n\r\n")
+                out.append((await asyncio.wait_for(r.read(), 10)).split(b"\r\n")[0])
+                w.close()
+        finally:
+            hub.events.close_all()
+            await runner.cleanup()
+        return out
+
+    assert asyncio.run(ask()) == [b"HTTP/1.1 401 Unauthorized"] * 3

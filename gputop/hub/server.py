@@ -177,8 +177,11 @@ class Hub:
             # The web board's EventSource cannot send a header: the page keeps the token
             # in a SameSite=Strict cookie that only this hub's own pages send.
             cookie = unquote(request.cookies.get(TOKEN_COOKIE, ""))
-            if not (hmac.compare_digest(got.encode(), want.encode())
-                    or hmac.compare_digest(cookie.encode(), self.token.encode())):
+            # (aiohttp keeps a header's non-UTF-8 bytes as surrogates: encoded back as
+            # they came, so a forged byte is a refusal, never an encoding error's 500.)
+            if not (hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want.encode())
+                    or hmac.compare_digest(cookie.encode("utf-8", "surrogateescape"),
+                                           self.token.encode())):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead
