@@ -75,6 +75,11 @@ def check_document(doc: Any) -> dict[str, Any]:
     # The hosts (most of it) by the hand-written check; the rest by the schema's.
     rest = cast(dict[str, Any], check({**doc, "hosts": []}))
     rest["hosts"] = check_hosts(doc["hosts"], "$.hosts")
+    names = [h["name"] for h in rest["hosts"]]
+    if len(set(names)) != len(names):
+        # (A reader keeps hosts by name: a second "a" would be left in its order when an
+        # update removes "a", and every later update would fail on it.)
+        raise _Invalid("$.hosts: a host name appears twice")
     return {k: rest[k] for k in doc}
 
 
