@@ -285,3 +285,106 @@ def test_a_snapshot_naming_one_host_twice_is_refused() -> None:
     with pytest.raises(_Invalid, match="twice"):
         check_document(json.loads(json.dumps(d)))
     check_document(json.loads(json.dumps(_doc(""))))
+
+
+def test_a_snapshot_reader_that_never_reads_is_cut_off(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sockets that ask for the snapshot and never read it (a tiny receive buffer): on
+    main the hub held each body in its write buffer for as long as the socket stayed open
+    (no idle limit applies while a response is being written), so anyone on the machine
+    could make it hold a copy of the document per socket. Now a write that takes no bytes
+    for WRITE_TIMEOUT_S ends that connection. (The document is stood in for by 16 MB of
+    JSON: the size of a large fleet's, which this test does not start.)"""
+    from aiohttp import web
+
+    import gputop.hub.server as server
+    from gputop.config import load_config
+    from gputop.hub.server import Hub, make_runner
+
+    monkeypatch.setattr(server, "WRITE_TIMEOUT_S", 1.0)
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+    big = json.dumps({"pad": "x" * (16 << 20)}).encode()
+
+    async def attack() -> tuple[int, int]:
+        hub = Hub(load_config(str(cfg)))
+        hub.snapshot = lambda: (big, b"")  # type: ignore[method-assign]
+        runner = make_runner(hub)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        stuck = []
+        try:
+            for _ in range(3):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"GET /api/v1/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                stuck.append(s)
+            server_side = runner.server
+            assert server_side is not None
+            while len(server_side.connections) < 3:
+                await asyncio.sleep(0.05)
+            for _ in range(300):  # (a bound: the cut comes about a second after the stall)
+                if not server_side.connections:
+                    break
+                await asyncio.sleep(0.05)
+            left = len(server_side.connections)
+
+            def drain(s: socket.socket) -> int:
+                s.settimeout(5)
+                got = 0
+                try:
+                    while chunk := s.recv(1 << 16):
+                        got += len(chunk)
+                except OSError:
+                    pass
+                return got
+            got = max([await asyncio.to_thread(drain, s) for s in stuck])
+            return left, got
+        finally:
+            for s in stuck:
+                s.close()
+            hub.events.close_all()
+            await runner.cleanup()
+
+    left, got = asyncio.run(attack())
+    assert left == 0
+    assert got < len(big)  # cut off, not held until the reader came back for it
+
+
+def test_head_of_the_snapshot_has_its_length_and_no_body(tmp_path: Path) -> None:
+    """The web board asks HEAD /api/v1/snapshot: headers only (a body after them would be
+    read by a kept-alive client as the start of its next answer)."""
+    from aiohttp import web
+
+    from gputop.config import load_config
+    from gputop.hub.server import Hub, make_runner
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+
+    async def ask() -> bytes:
+        hub = Hub(load_config(str(cfg)))
+        runner = make_runner(hub)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"HEAD /api/v1/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Connection: close\r\n\r\n")
+            data = await asyncio.wait_for(r.read(), 10)
+            w.close()
+            return data
+        finally:
+            hub.events.close_all()
+            await runner.cleanup()
+
+    head, _, body = asyncio.run(ask()).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
+    assert body == b""

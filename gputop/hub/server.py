@@ -194,7 +194,7 @@ class Hub:
         finally:
             self._inflight -= 1
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
         c, now = self.collector, time.time()
         hosts = {n: HostCounts(s.answers, dict(s.errors),
                                None if s.last_answer is None else max(0.0, now - s.last_answer))
@@ -205,17 +205,35 @@ class Hub:
                         refused=self.events.refused)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return await self._send(request, body, CONTENT_TYPE_LATEST)
 
-    async def snapshot_route(self, request: web.Request) -> web.Response:
+    async def snapshot_route(self, request: web.Request) -> web.StreamResponse:
         body, _ = self.snapshot()
-        return web.Response(body=body, content_type="application/json",
-                            headers={"Cache-Control": "no-store"})
+        return await self._send(request, body, "application/json")
 
-    async def waste_route(self, request: web.Request) -> web.Response:
+    async def waste_route(self, request: web.Request) -> web.StreamResponse:
         """The last day's waste from the history database, for the web board's panel."""
-        return web.Response(text=dumps(await self.waste.get()), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})
+        return await self._send(request, dumps(await self.waste.get()).encode(),
+                                "application/json")
+
+    async def _send(self, request: web.Request, body: bytes, ctype: str
+                    ) -> web.StreamResponse:
+        """A body written within the handler, each write bounded by ``WRITE_TIMEOUT_S``:
+        a client that stops reading is cut off (and counts toward ``MAX_REQUESTS`` while
+        it is written). A plain Response is written after the handler returns with no
+        bound at all, so a socket that never reads held a copy of the document for as
+        long as it stayed open."""
+        resp = web.StreamResponse(headers={"Content-Type": ctype, "Cache-Control": "no-store"})
+        resp.content_length = len(body)
+        try:
+            await asyncio.wait_for(resp.prepare(request), WRITE_TIMEOUT_S)
+            if request.method != "HEAD":  # (HEAD: the headers, Content-Length, no body)
+                await self._write(resp, body)
+            await asyncio.wait_for(resp.write_eof(), WRITE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()  # (close() would wait to flush the stuck body)
+        return resp
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
         # Nothing awaits between reading the document and subscribing: no update can fall
