@@ -388,3 +388,26 @@ def test_head_of_the_snapshot_has_its_length_and_no_body(tmp_path: Path) -> None
     head, _, body = asyncio.run(ask()).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
     assert body == b""
+
+
+def test_metrics_never_repeat_a_series() -> None:
+    """A host reporting one GPU (and one MIG instance) twice, and two shares of one GPU
+    by one holder (a hand-written file): every series once (on main each came twice:
+    duplicate samples, which Prometheus drops with an error and promtool refuses)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gputop.hub.metrics import HubCounts, families, render
+
+    inst = {"gpu_instance_id": 1, "profile": "1g.10gb", "memory_used_mib": 1,
+            "memory_total_mib": 2, "processes": [], "reservation": None, "flags": []}
+    gpu = {"index": 0, "uuid": "GPU-1", "name": "H100", "processes": [],
+           "instances": [inst, dict(inst)], "reservation": None, "flags": [],
+           "shares": [{"user": "bob", "share_mib": 10}, {"user": "bob", "share_mib": 20}]}
+    doc = {"hosts": [{"name": "a", "status": "ok", "gpus": [gpu, dict(gpu)]}]}
+    text = render(lambda: families(doc, {}, HubCounts(True, 0, 0, 0, 0, 0, 0, 0))).decode()
+    series = [(s.name, tuple(sorted(s.labels.items())))
+              for f in text_string_to_metric_families(text) for s in f.samples]
+    assert len(series) == len(set(series))
+    shares = [s for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "gputop_gpu_share_bytes"]
+    assert [(s.labels["holder"], s.value) for s in shares] == [("bob", 30.0 * 1024 * 1024)]

@@ -73,8 +73,9 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
         name = _label(h.get("name"))
         g.host_up.add_metric([name], 1.0 if h.get("status") == "ok" else 0.0)
         g.host_gpus.add_metric([name], float(len(h.get("gpus", ()))))
+        seen: set[tuple[str, ...]] = set()
         for gpu in h.get("gpus", ()):
-            _gpu(g, name, gpu)
+            _gpu(g, name, gpu, seen)
     for name, c in hosts.items():
         host = _label(name)
         g.answers.add_metric([host], float(c.answers))
@@ -101,8 +102,14 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
     return g.all()
 
 
-def _gpu(g: _Gauges, host: str, gpu: Mapping[str, Any]) -> None:
+def _gpu(g: _Gauges, host: str, gpu: Mapping[str, Any], seen: set[tuple[str, ...]]) -> None:
     labels = [host, _label(gpu.get("index")), _label(gpu.get("uuid")), _label(gpu.get("name"))]
+    if tuple(labels) in seen:
+        # A host that reports one GPU twice (its nvidia-smi is its admin's): a second set
+        # of the same series would be duplicate samples, which Prometheus drops with an
+        # error and promtool refuses. The first report stands.
+        return
+    seen.add(tuple(labels))
     g.info.add_metric(labels, 1.0)
     util = gpu.get("utilization_percent")
     if util is not None:
@@ -116,15 +123,23 @@ def _gpu(g: _Gauges, host: str, gpu: Mapping[str, Any]) -> None:
     r = gpu.get("reservation")
     shares = gpu.get("shares") or ()
     g.reserved.add_metric(labels, 0.0 if r is None and not shares else 1.0)
-    for s in shares[:MAX_HOLDERS_PER_GPU]:
-        g.share.add_metric([*labels, _label(s.get("user"))],
-                           float(s.get("share_mib") or 0) * MIB)
+    by_holder: dict[str, float] = {}  # (one series per holder: two shares of one are summed)
+    for s in shares:
+        who = _label(s.get("user"))
+        if who in by_holder or len(by_holder) < MAX_HOLDERS_PER_GPU:
+            by_holder[who] = by_holder.get(who, 0.0) + float(s.get("share_mib") or 0) * MIB
+    for who, size in by_holder.items():
+        g.share.add_metric([*labels, who], size)
     flags = set(gpu.get("flags", ()))
     for f in FLAGS:
         g.flag.add_metric([*labels, f], 1.0 if f in flags else 0.0)
     _holders(g, labels, [], r, procs, shares)
+    instances: set[tuple[str, ...]] = set()
     for inst in gpu.get("instances", ()):
         il = [*labels, _label(inst.get("gpu_instance_id")), _label(inst.get("profile"))]
+        if tuple(il) in instances:
+            continue
+        instances.add(tuple(il))
         _put(g.mig_used, il, inst.get("memory_used_mib"), MIB)
         _put(g.mig_total, il, inst.get("memory_total_mib"), MIB)
         iprocs = inst.get("processes", ())
