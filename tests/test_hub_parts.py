@@ -183,6 +183,18 @@ def exported_names() -> set[str]:
             | {m.group(1) for m in re.finditer(r"^([a-z_:][a-z0-9_:]*)[{ ]", text, re.M)})
 
 
+def test_no_family_uses_a_label_prometheus_sets_on_the_target() -> None:
+    """`instance` and `job` are the scrape target's: a series carrying its own arrives as
+    `exported_instance` / `exported_job` (a MIG instance's label is `mig_instance`)."""
+    for fam in families(_doc(), {"a": HostCounts(3, {"timeout": 1}, 0.5)},
+                        HubCounts(True, 1.0, 1, 1, 0.1, 0, 0, 0)):
+        for sample in fam.samples:
+            assert not {"instance", "job"} & set(sample.labels), (fam.name, sample.labels)
+    from gputop.hub import metrics
+
+    assert "mig_instance" in metrics.MIG_LABELS and "instance" not in metrics.MIG_LABELS
+
+
 def test_null_is_left_out_never_zero() -> None:
     text = render(lambda: families(_doc(), {}, HubCounts(False, 0, 0, 0, 0, 0, 0, 0))).decode()
     assert "gputop_gpu_temperature_celsius{" not in text  # null: no sample

@@ -34,7 +34,7 @@ MAX_LABEL = 128
 MAX_HOLDERS_PER_GPU = 8
 MIB = 1024 * 1024
 GPU_LABELS = ["host", "gpu", "uuid", "model"]
-MIG_LABELS = [*GPU_LABELS, "instance", "profile"]
+MIG_LABELS = [*GPU_LABELS, "mig_instance", "profile"]
 
 
 def _label(value: Any) -> str:
@@ -208,7 +208,7 @@ class _Gauges:
         self.holder = G("gputop_gpu_holder_info",
                         "Who holds the GPU or MIG instance (value 1): its reservation's "
                         "holder and its processes' owners.",
-                        labels=[*GPU_LABELS, "instance", "kind", "holder"])
+                        labels=[*GPU_LABELS, "mig_instance", "kind", "holder"])
         self.mig_used = G("gputop_mig_memory_used_bytes",
                           "MIG instance memory in use (as of the last MIG inventory).",
                           labels=MIG_LABELS)
