@@ -171,14 +171,24 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     async def go() -> None:
         poller = Poller(load_config(mig_fleet.write_config(timeout=5.0)))
         try:
-            for _ in range(2):
+            recorded = 0
+            for _ in range(20):
                 snap = await poller.snapshot()
                 host = snap.hosts[0]
                 assert host.ok and host.gpus[0].instances, host.error
+                if not all(p.gpu_instance_id is not None for p in host.gpus[0].processes):
+                    # The MIG inventory places processes in instances; until it has
+                    # (a loaded machine), the sample is not the one this test is about.
+                    await asyncio.sleep(0.3)
+                    continue
                 rec.record(host)
+                recorded += 1
+                if recorded == 2:
+                    break
                 # More than half an interval apart: history keeps a name seen in two
                 # refreshes (gputop.history.names), and samples closer are one refresh.
                 await asyncio.sleep(0.6)
+            assert recorded == 2, "the MIG inventory never placed the processes"
         finally:
             await poller.aclose()
 
