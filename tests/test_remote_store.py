@@ -624,6 +624,7 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
 async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
         clean: World) -> None:
     from board_data import NOW, board_config, fixed_snapshots, seed
+    from board_pilot import reserve_row
 
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import BoardTable
@@ -642,12 +643,7 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
         assert app.me == "gtcarol"  # the store host's login, not this process's root
         assert {r.user for r in app.model.state.reservations} == {"bob", "erin"}
         table = app.query_one(BoardTable)
-        table.move_cursor(row=table.get_row_index(f"gpu-h100\x00GPU-{2:08d}-test"))
-        await pilot.press("r")
-        await pilot.pause()
-        await pilot.click("#reserve-ok")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await reserve_row(app, pilot)
         mine = [r for r in Store(clean.path).read().reservations if r.user == "gtcarol"]
         assert [(r.host, r.gpu) for r in mine] == [("gpu-h100", 2)]
         rows = table.row_count
