@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
+from recorder_proc import running, stop_recorder
 
 from gputop.reservations.store import Store, new_reservation
 
@@ -75,7 +76,7 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
         st, reservations=(*st.reservations,
                           new_reservation("beta", 0, "gtbob", "m", now, 3600, None, ""))))
     rec = _record(fleet, cfg)
-    try:
+    with running(rec):
         _wait_for_samples(db, 2, time.monotonic() + 30)
         t0 = time.time()
         time.sleep(PHASE)
@@ -95,12 +96,7 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
         time.sleep(PHASE)
         t3 = time.time()
         time.sleep(1.5)  # the last samples get committed
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(15) == 0, rec.communicate()[1]
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        stop_recorder(rec)
 
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
                         "--from", _iso(t0), "--to", _iso(t3), "--json"],
@@ -210,7 +206,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
     forge(0)
     rec = _record(fleet, cfg)
     forged = 1
-    try:
+    with running(rec):
         _wait_for_samples(db, 1, time.monotonic() + 30)
         t0 = time.time()
         while time.time() - t0 < 8 * INTERVAL:
@@ -219,12 +215,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
             time.sleep(0.05)
         t1 = time.time()
         time.sleep(1.5)  # the last samples get committed
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(15) == 0, rec.communicate()[1]
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        stop_recorder(rec)
     c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     names = [n for (n,) in c.execute("SELECT name FROM users")]
     samples = c.execute("SELECT COUNT(*) FROM samples s JOIN hosts h ON h.id = s.host "
