@@ -47,26 +47,65 @@ class WriterLock:
             raise StoreError(f"{self.lock_path}: still locked by another writer "
                              f"after {timeout:.3g}s")
         try:
-            with _locked_at_path(self.lock_path, timeout, self._try_lock,
-                                 pause=0.005) as held:
+            with self._file_locked(timeout) as held:
                 yield held
         finally:
             tlock.release()
 
-    def _try_lock(self, fd: int) -> bool:
-        """Lock ``fd`` (a record lock) if free; False while another writer holds it."""
+    @contextlib.contextmanager
+    def _file_locked(self, timeout: float) -> Iterator[Callable[[], bool]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._lock_fd(deadline, timeout)
+            if self._same_file(fd):
+                break
+            # The file we locked was removed (or replaced) meanwhile: a writer that opens
+            # the path now locks another file, so this lock excludes nobody. Again.
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{timeout:.3g}s; nothing was changed")
+            time.sleep(0.005)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno == errno.ENOLCK:
-                raise StoreError(
-                    f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
-                    "concurrent writers could lose updates. Mount with locking "
-                    "enabled (no 'nolock') or use another path.") from None
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
+            yield lambda: self._same_file(fd)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            path = os.stat(self.lock_path, follow_symlinks=False)
+        except OSError:
             return False
+        st = os.fstat(fd)
+        return (path.st_dev, path.st_ino) == (st.st_dev, st.st_ino)
+
+    def _lock_fd(self, deadline: float, timeout: float) -> int:
+        """The lock file, open and locked (waiting until ``deadline``)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        try:
+            make_group_writable(fd)
+            while True:
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    if exc.errno == errno.ENOLCK:
+                        raise StoreError(
+                            f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
+                            "concurrent writers could lose updates. Mount with locking "
+                            "enabled (no 'nolock') or use another path.") from None
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.lock_path}: still locked by another writer "
+                                         f"after {timeout:.3g}s") from None
+                    time.sleep(0.005)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 class SshWritersLock:
@@ -82,64 +121,41 @@ class SshWritersLock:
 
     @contextlib.contextmanager
     def held(self, timeout: float) -> Iterator[Callable[[], bool]]:
-        with _locked_at_path(self.lock_path, timeout, self._try_lock, pause=0.0,
-                             held_by=" (over SSH?)") as held:
-            yield held
-
-    def _try_lock(self, fd: int) -> bool:
-        """Lock ``fd`` (a flock) if free; False while another writer holds it."""
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
-            return False
-
-
-@contextlib.contextmanager
-def _locked_at_path(path: Path, timeout: float, try_lock: Callable[[int], bool], *,
-                    pause: float, held_by: str = "") -> Iterator[Callable[[], bool]]:
-    """The lock file at ``path``, open and locked by ``try_lock`` (waiting up to
-    ``timeout``), and still the file at ``path``: the two locks' shared part. Yields a
-    check that it still is; closing the file releases the lock."""
-    deadline = time.monotonic() + timeout
-    while True:
-        fd = _lock_fd(path, deadline, timeout, try_lock, held_by)
-        if _same_file(path, fd):
-            break
-        # The file we locked was removed (or replaced) meanwhile: a writer that opens
-        # the path now locks another file, so this lock excludes nobody. Again.
-        os.close(fd)
-        if time.monotonic() > deadline:
-            raise StoreError(f"{path}: the lock file kept being replaced for "
-                             f"{timeout:.3g}s; nothing was changed")
-        if pause:
-            time.sleep(pause)
-    try:
-        yield lambda: _same_file(path, fd)
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _lock_fd(path: Path, deadline: float, timeout: float, try_lock: Callable[[int], bool],
-             held_by: str) -> int:
-    """The lock file, open and locked (waiting until ``deadline``)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-    except OSError as exc:
-        raise StoreError(os_message(exc, path, "open it")) from None
-    try:
-        make_group_writable(fd)
-        while not try_lock(fd):
+        deadline = time.monotonic() + timeout
+        while True:
+            fd = self._lock_fd(deadline, timeout)
+            if _same_file(self.lock_path, fd):
+                break
+            os.close(fd)  # removed or replaced meanwhile: this lock excludes nobody
             if time.monotonic() > deadline:
-                raise StoreError(f"{path}: still locked by another writer{held_by} "
-                                 f"after {timeout:.3g}s") from None
-            time.sleep(0.005)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
+                                 f"{timeout:.3g}s; nothing was changed")
+        try:
+            yield lambda: _same_file(self.lock_path, fd)
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _lock_fd(self, deadline: float, timeout: float) -> int:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        try:
+            make_group_writable(fd)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return fd
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                        raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"{self.lock_path}: still locked by another writer "
+                                         f"(over SSH?) after {timeout:.3g}s") from None
+                    time.sleep(0.005)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 def _same_file(path: Path, fd: int) -> bool:
