@@ -35,6 +35,8 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from demo_fleet import demo_fleet  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -49,15 +51,10 @@ def p95(xs: list[float]) -> float:
 async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
     from textual import events
 
-    from gputop.config import Config, HostConfig
-    from gputop.sources.demo import DemoSource
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import BoardTable
 
-    names = [f"node{i:04d}" for i in range(hosts)]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
-                 timeout=5.0, reservations_path=Path(tempfile.mkdtemp()) / "r.json")
-    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", gpus, 81559, 700.0) for n in names]
+    cfg, sources = demo_fleet(hosts, gpus, Path(tempfile.mkdtemp()) / "r.json")
     app = GputopApp(cfg, sources=sources, user="bench", long_running=True)  # as run_board
     move: list[float] = []
     typing: list[float] = []

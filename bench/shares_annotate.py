@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from demo_fleet import demo_fleet
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -30,18 +32,14 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.src)
 
-    from gputop.config import Config, HostConfig
     from gputop.model import FleetSnapshot, utcnow
     from gputop.output import dumps
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
     from gputop.reservations.store import StoreState, new_reservation
-    from gputop.sources.demo import DemoSource
 
-    names = [f"node{i:04d}" for i in range(args.hosts)]
-    sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
-                 timeout=5.0, reservations_path=Path("/nonexistent/reservations.json"))
+    cfg, sources = demo_fleet(args.hosts, args.gpus, Path("/nonexistent/reservations.json"))
+    names = [h.name for h in cfg.hosts]
     poller = Poller(cfg, sources)
 
     async def answers() -> FleetSnapshot:

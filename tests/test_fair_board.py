@@ -8,41 +8,23 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from board_data import NOW, board_config, fixed_snapshots
+from board_data import NOW, board_config
+from board_pilot import keep_notices, load_fixed, reserve_row
 
 from gputop.model import utcnow
 from gputop.reservations import Store
 from gputop.reservations.store import Waiter
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
-
-K = "\x00"
 
 
 async def _press_r(tmp_path: Path, seen: list[str]) -> None:
     app = GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
-    orig = app.notify
-
-    def notify(message: str, **kw: Any) -> None:
-        seen.append(str(message))
-        orig(message, **kw)
-
-    app.notify = notify  # type: ignore[method-assign]
+    notices = keep_notices(app)
     async with app.run_test(size=(120, 40)) as pilot:
-        for snap in fixed_snapshots():
-            app.ingest(snap)
-        app.reload_store()
-        app.render_board()
-        await pilot.pause()
-        table = app.query_one(BoardTable)
-        table.move_cursor(row=table.get_row_index(f"gpu-h100{K}GPU-{2:08d}-test"))
-        await pilot.press("r")
-        await pilot.pause()
-        await pilot.click("#reserve-ok")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await load_fixed(app, pilot)
+        await reserve_row(app, pilot)
+    seen.extend(notices)
 
 
 async def test_the_boards_r_does_not_take_a_gpu_a_waiter_waits_for(tmp_path: Path) -> None:

@@ -19,9 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
-from test_queue import Team, text, until
+from fleet import Fleet, GpuProcess
+from queue_team import Team, file_locked, team_on, text, two_host_fleet, until
 
 from gputop.jobs.remote import local_start
 from gputop.reservations.store import Job, StoreState, new_reservation
@@ -30,26 +29,13 @@ from gputop.reservations.store import Job, StoreState, new_reservation
 @pytest.fixture(scope="module")
 def ffleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Three idle GPUs: two on q1, one on q2 (the names the Team's config uses)."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("ffleet")), [
-        Host("q1", "127.0.19.2", gpus=("rtx2080", "rtx2080")),
-        Host("q2", "127.0.19.3", gpus=("rtx2080",)),
-    ]).start()
-    yield f
-    f.stop()
+    yield from two_host_fleet(tmp_path_factory, "ffleet", "127.0.19.2", "127.0.19.3")
 
 
 @pytest.fixture
 def team(ffleet: Fleet) -> Iterator[Team]:
-    from as_user import need_test_users, shared_tmp
-
-    need_test_users()
-    with shared_tmp() as tmp:
-        t = Team(ffleet, tmp)
-        try:
-            yield t
-        finally:
-            t.stop()
+    with team_on(ffleet) as t:
+        yield t
 
 
 def _known_only(team: Team, user: str, *hosts: str) -> None:
@@ -266,14 +252,13 @@ def test_a_real_run_sigkilled_before_it_recorded_the_pid_is_released(team: Team)
     import time
 
     from as_user import wait_as
-    from test_queue import _file_locked
 
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 1",
                                 user="gtalice", tag="run")
     deadline = time.monotonic() + 30
     while not team.held() and time.monotonic() < deadline:
         time.sleep(0.002)
-    with _file_locked(team):
+    with file_locked(team):
         job = team.state().active()[0].job
         if job is None or job.pid is not None:
             os.kill(pid, signal.SIGKILL)

@@ -78,6 +78,14 @@ def hours(seconds: float) -> float:
 # --- the arithmetic --------------------------------------------------------------------
 
 
+def drop_share_sums(c: sqlite3.Connection) -> None:
+    """Take out the rollups' shares' sums (schema version 4): a database an older gputop
+    wrote, for the upgrade tests."""
+    for tier in ("minute", "hour", "day"):
+        for col in ("shared", "shared_idle"):
+            c.execute(f"ALTER TABLE user_{tier} DROP COLUMN {col}")
+
+
 def test_per_user_numbers_shared_gpus_and_a_host_down(tmp_path: Path) -> None:
     """Ten-second samples over 10 minutes with known states; every number by hand."""
     db = tmp_path / "h.sqlite3"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import T0, gpu, hours, open_recorder, report, snap
+from test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 from gputop.history.names import MAX_NAMED, NEW_NAMES_BURST, OTHER_NAMES
 from gputop.history.render import write_text
@@ -254,9 +254,7 @@ def test_a_version_2_database_migrates_and_keeps_its_numbers(
     c = sqlite3.connect(db)
     c.execute("DELETE FROM meta WHERE key = 'hour_from'")
     c.execute("DELETE FROM users WHERE name = ?", (OTHERS,))
-    for tier in ("minute", "hour", "day"):  # nor the shares' sums (version 4)
-        for col in ("shared", "shared_idle"):
-            c.execute(f"ALTER TABLE user_{tier} DROP COLUMN {col}")
+    drop_share_sums(c)  # nor the shares' sums (version 4)
     c.execute("PRAGMA user_version = 2")
     c.commit()
     c.close()

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
+from recorder_proc import running, stop_recorder
 
 from gputop.reservations.store import Store, new_reservation
 
@@ -42,6 +44,17 @@ def history_fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+def _report(cfg: Path, start: float, end: float) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """``gputop report --json`` over [start, end]: the document, its users and its hosts
+    (these two by name)."""
+    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
+                        "--from", _iso(start), "--to", _iso(end), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    return doc, {u["user"]: u for u in doc["users"]}, {h["host"]: h for h in doc["hosts"]}
 
 
 def _wait_for_samples(db: Path, hosts: int, deadline: float) -> None:
@@ -75,7 +88,7 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
         st, reservations=(*st.reservations,
                           new_reservation("beta", 0, "gtbob", "m", now, 3600, None, ""))))
     rec = _record(fleet, cfg)
-    try:
+    with running(rec):
         _wait_for_samples(db, 2, time.monotonic() + 30)
         t0 = time.time()
         time.sleep(PHASE)
@@ -95,20 +108,9 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
         time.sleep(PHASE)
         t3 = time.time()
         time.sleep(1.5)  # the last samples get committed
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(15) == 0, rec.communicate()[1]
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        stop_recorder(rec)
 
-    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
-                        "--from", _iso(t0), "--to", _iso(t3), "--json"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
-    users = {u["user"]: u for u in doc["users"]}
-    hosts = {h["host"]: h for h in doc["hosts"]}
+    _, users, hosts = _report(cfg, t0, t3)
     c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     # one sample interval, as recorded (a loaded machine stretches it a little)
     unit = max(INTERVAL, c.execute("SELECT MAX(dt) FROM samples WHERE t >= ?",
@@ -210,7 +212,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
     forge(0)
     rec = _record(fleet, cfg)
     forged = 1
-    try:
+    with running(rec):
         _wait_for_samples(db, 1, time.monotonic() + 30)
         t0 = time.time()
         while time.time() - t0 < 8 * INTERVAL:
@@ -219,12 +221,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
             time.sleep(0.05)
         t1 = time.time()
         time.sleep(1.5)  # the last samples get committed
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(15) == 0, rec.communicate()[1]
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        stop_recorder(rec)
     c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     names = [n for (n,) in c.execute("SELECT name FROM users")]
     samples = c.execute("SELECT COUNT(*) FROM samples s JOIN hosts h ON h.id = s.host "
@@ -237,13 +234,7 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
     assert len(kept) <= max(2, samples // 4), (kept, samples)  # main: one per read
     assert "gtalice" in names and "(other names)" in names
 
-    r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "report",
-                        "--from", _iso(t0), "--to", _iso(t1), "--json"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
-    users = {u["user"]: u for u in doc["users"]}
-    hosts = {h["host"]: h for h in doc["hosts"]}
+    doc, users, hosts = _report(cfg, t0, t1)
     span = t1 - t0
     slack = 3 * INTERVAL + 0.1  # a sample interval at each end, and a loaded machine's
     held = sum(u["reserved_hours"] for u in users.values()) * 3600

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_history import drop_share_sums
 
 from gputop.history.accounting import mig_fraction
 from gputop.history.db import SCHEMA_VERSION, HistoryDB
@@ -195,9 +196,7 @@ def test_a_version_1_database_migrates_and_keeps_its_numbers(tmp_path: Path) -> 
     rec.db.close()
     c = sqlite3.connect(db)  # what gputop 1 wrote: no mark, version 1
     c.execute("DELETE FROM meta WHERE key = 'mig_parts_from'")
-    for tier in ("minute", "hour", "day"):  # nor the shares' sums (version 4)
-        for col in ("shared", "shared_idle"):
-            c.execute(f"ALTER TABLE user_{tier} DROP COLUMN {col}")
+    drop_share_sums(c)  # nor the shares' sums (version 4)
     c.execute("PRAGMA user_version = 1")
     c.commit()
     c.close()

@@ -18,34 +18,20 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
-from test_queue import Team, text, until
+from fleet import Fleet, GpuProcess
+from queue_team import Team, file_locked, team_on, text, two_host_fleet, until
 
 
 @pytest.fixture(scope="module")
 def hfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Three idle 8 GB GPUs: two on q1, one on q2 (the names the Team's config uses)."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hfleet")), [
-        Host("q1", "127.0.27.2", gpus=("rtx2080", "rtx2080")),
-        Host("q2", "127.0.27.3", gpus=("rtx2080",)),
-    ]).start()
-    yield f
-    f.stop()
+    yield from two_host_fleet(tmp_path_factory, "hfleet", "127.0.27.2", "127.0.27.3")
 
 
 @pytest.fixture
 def team(hfleet: Fleet) -> Iterator[Team]:
-    from as_user import need_test_users, shared_tmp
-
-    need_test_users()
-    with shared_tmp() as tmp:
-        t = Team(hfleet, tmp)
-        try:
-            yield t
-        finally:
-            t.stop()
+    with team_on(hfleet) as t:
+        yield t
 
 
 @contextlib.contextmanager
@@ -136,14 +122,13 @@ def test_a_run_share_killed_before_its_pid_was_recorded_is_released(team: Team) 
     run process: it was never taken for gone and stayed for max_duration (7 days). Like a
     whole GPU's `run`, its holder's next commands release it a job_grace later."""
     from as_user import wait_as
-    from test_queue import _file_locked
 
     pid, out, _err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
                                 "echo up; sleep 1", user="gtalice", tag="run")
     deadline = time.monotonic() + 30
     while not team.held() and time.monotonic() < deadline:
         time.sleep(0.002)
-    with _file_locked(team):
+    with file_locked(team):
         job = team.state().active()[0].job
         if job is None or job.pid is not None:
             os.kill(pid, signal.SIGKILL)

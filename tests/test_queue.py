@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -23,127 +23,35 @@ from typing import Any
 
 import pytest
 from as_user import (
-    need_test_users,
-    run_as,
-    shared_tmp,
-    start_as,
-    team_dir,
-    user_home,
     wait_as,
 )
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host, gpu_uuid
+from fleet import Fleet, gpu_uuid
+from queue_team import (
+    GRACE,
+    INTERVAL,
+    Team,
+    file_locked,
+    team_on,
+    text,
+    two_host_fleet,
+    until,
+)
 
 from gputop.model import utcnow
 from gputop.reservations.ops import Refused
 from gputop.reservations.store import Store, StoreState, decode, new_reservation
 
-INTERVAL = 0.5
-GRACE = 1.0
-
 
 @pytest.fixture(scope="module")
 def qfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Three idle GPUs: two on q1, one on q2 (tagged "small")."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("qfleet")), [
-        Host("q1", "127.0.6.2", gpus=("rtx2080", "rtx2080")),
-        Host("q2", "127.0.6.3", gpus=("rtx2080",)),
-    ]).start()
-    yield f
-    f.stop()
-
-
-class Team:
-    """A shared reservations file, a config and a home per test user."""
-
-    def __init__(self, fleet: Fleet, tmp: Path) -> None:
-        self.fleet, self.tmp = fleet, tmp
-        self.path = team_dir(tmp) / "reservations.json"
-        self.config = tmp / "hosts.toml"
-        self.config.write_text(
-            f"[defaults]\ntimeout = 20.0\ninterval = {INTERVAL}\n\n"
-            f'[reservations]\npath = "{self.path}"\njob_grace = "{GRACE:g}s"\n\n'
-            '[[hosts]]\nname = "q1"\ntags = ["big"]\n\n'
-            '[[hosts]]\nname = "q2"\ntags = ["small"]\n')
-        self.config.chmod(0o644)
-        self.homes = {u: user_home(fleet, tmp, u) for u in ("gtalice", "gtbob")}
-        self.store = Store(self.path)
-        self.started: list[int] = []
-
-    def env(self, user: str) -> dict[str, str]:
-        return self.fleet.env() | {"HOME": str(self.homes[user]), "TZ": "UTC"}
-
-    def run(self, *args: str, user: str = "gtalice",
-            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        return run_as(user, ["--config", str(self.config), *args], self.env(user), self.tmp,
-                      timeout=timeout)
-
-    def start(self, *args: str, user: str, tag: str) -> tuple[int, Path, Path]:
-        started = start_as(user, ["--config", str(self.config), *args], self.env(user),
-                           self.tmp, tag)
-        self.started.append(started[0])
-        return started
-
-    def stop(self) -> None:
-        """Whatever a failed test left running (a waiter still waiting) is killed."""
-        for pid in self.started:
-            with contextlib.suppress(ChildProcessError, ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-
-    def state(self) -> StoreState:
-        return self.store.read()
-
-    def held(self) -> dict[str, str]:
-        """``host:gpu`` -> user, from the file as it is."""
-        return {f"{r.host}:{r.gpu}": r.user for r in self.state().active()}
-
-    def block(self, *gpus: str, user: str = "gtbob") -> None:
-        """Reserve GPUs for someone (as the file would hold them), bypassing the CLI."""
-        def change(state: StoreState, now: Any) -> StoreState:
-            rs = list(state.reservations)
-            for g in gpus:
-                host, i = g.split(":")
-                rs.append(new_reservation(host, int(i), user, "m", now, 3600, None, ""))
-            return replace(state, reservations=tuple(rs))
-        self.store.update(change)
-
-    def free(self, *gpus: str) -> None:
-        self.store.update(lambda s, now: replace(s, reservations=tuple(
-            r for r in s.reservations if f"{r.host}:{r.gpu}" not in gpus)))
-
-    def queue_users(self) -> list[str]:
-        return [w.user for w in self.state().waiting()]
+    yield from two_host_fleet(tmp_path_factory, "qfleet", "127.0.6.2", "127.0.6.3")
 
 
 @pytest.fixture
 def team(qfleet: Fleet) -> Iterator[Team]:
-    need_test_users()
-    with shared_tmp() as tmp:
-        t = Team(qfleet, tmp)
-        try:
-            yield t
-        finally:
-            t.stop()
-
-
-def text(p: Path) -> str:
-    try:
-        return p.read_text()
-    except FileNotFoundError:  # the child has not opened it yet
-        return ""
-
-
-def until(cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        time.sleep(0.05)
+    with team_on(qfleet) as t:
+        yield t
 
 
 def test_race_fifo_order_rule_all_or_nothing(team: Team) -> None:
@@ -820,19 +728,6 @@ def test_direct_reserve_does_not_take_what_a_waiter_waits_for(team: Team) -> Non
     assert wait_as(a[0], 20) == 130
 
 
-@contextlib.contextmanager
-def _file_locked(team: Team) -> Iterator[None]:
-    """Another writer holding the reservations file's lock (this test process)."""
-    import fcntl
-
-    fd = os.open(team.store.lock_path, os.O_RDWR | os.O_CREAT, 0o664)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def test_a_lock_stall_shorter_than_the_lease_keeps_the_waiters_place(
         team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
     """The lock timeout (15 s) is shortened to 0.5 s for the forked gputop processes, so a
@@ -848,7 +743,7 @@ def test_a_lock_stall_shorter_than_the_lease_keeps_the_waiters_place(
     # Settled: its first renewal is in the file; the stall starts just after it.
     until(lambda: team.state().queue[0].lease > first.lease, timeout=10, what="renewed")
     wid = first.id
-    with _file_locked(team):
+    with file_locked(team):
         time.sleep(3.6)
         assert os.waitpid(a[0], os.WNOHANG) == (0, 0), text(a[2])
     until(lambda: [w.id for w in team.state().waiting()] == [wid], timeout=5,
@@ -877,7 +772,7 @@ def test_a_lock_stall_loses_no_output_and_no_exit_status(
     deadline = time.monotonic() + 20
     while not team.held() and time.monotonic() < deadline:
         time.sleep(0.002)
-    with _file_locked(team):
+    with file_locked(team):
         job = team.state().active()[0].job
         caught = job is not None and job.pid is None
         until(lambda: "up" in text(out), what="job started")

@@ -32,18 +32,29 @@ def print_unit(argv: list[str], cwd: Path, path: str | None = None) -> str:
     return r.stdout
 
 
-@pytest.mark.skipif(not SCRIPT.exists(), reason="no gputop console script in this venv")
-def test_the_unit_runs_the_gputop_that_printed_it(tmp_path: Path) -> None:
-    odd = tmp_path / "my tools %h $HOME"  # a space, a specifier, a variable
+def odd_install(tmp_path: Path) -> tuple[Path, Path]:
+    """This venv's gputop copied into a directory whose name holds a space, a systemd
+    specifier and a variable, with a config beside it: (the directory, the config)."""
+    odd = tmp_path / "my tools %h $HOME"
     odd.mkdir()
     shutil.copy2(SCRIPT, odd / "gputop")
     cfg = odd / "team hosts.toml"
     cfg.write_text('hosts = ["gpu-01"]\n')
+    return odd, cfg
+
+
+def expected_exec(odd: Path, cmd: str, cfg: Path, rest: str) -> str:
+    """The ExecStart that runs ``odd``'s gputop ``cmd`` on ``cfg`` (quoted for systemd)."""
+    return (f'"{odd}/gputop"'.replace("%", "%%") + f" {cmd} --config "
+            + f'"{cfg}"'.replace("%", "%%").replace("$", "$$") + f" {rest}")
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="no gputop console script in this venv")
+def test_the_unit_runs_the_gputop_that_printed_it(tmp_path: Path) -> None:
+    odd, cfg = odd_install(tmp_path)
     unit = print_unit(["gputop", "record", "--print-unit", "--config", cfg.name,
                        "--interval", "5"], cwd=odd, path=str(odd))
-    assert exec_start(unit) == (f'"{odd}/gputop"'.replace("%", "%%") + " record --config "
-                                + f'"{cfg}"'.replace("%", "%%").replace("$", "$$")
-                                + " --interval 5")
+    assert exec_start(unit) == expected_exec(odd, "record", cfg, "--interval 5")
     assert "systemctl --user enable --now gputop-record" in unit and "python3 -c" not in unit
     assert "WantedBy=default.target" in unit and "RestartPreventExitStatus=2" in unit
     if shutil.which("systemd-analyze"):
@@ -80,16 +91,10 @@ def test_the_hub_unit_runs_the_gputop_that_printed_it(tmp_path: Path) -> None:
     ``python3 -c 'import gputop.hub'`` (which a pipx or venv install cannot) and ran
     ``gputop serve`` with no ``--config`` (a unit reads no ``~/.bashrc``: the team's
     ``$GPUTOP_CONFIG`` never reached it)."""
-    odd = tmp_path / "my tools %h $HOME"
-    odd.mkdir()
-    shutil.copy2(SCRIPT, odd / "gputop")
-    cfg = odd / "team hosts.toml"
-    cfg.write_text('hosts = ["gpu-01"]\n')
+    odd, cfg = odd_install(tmp_path)
     unit = print_unit(["gputop", "serve", "--print-unit", "--config", cfg.name,
                        "--listen", "127.0.0.1:9911"], cwd=odd, path=str(odd))
-    assert exec_start(unit) == (f'"{odd}/gputop"'.replace("%", "%%") + " serve --config "
-                                + f'"{cfg}"'.replace("%", "%%").replace("$", "$$")
-                                + " --listen 127.0.0.1:9911")
+    assert exec_start(unit) == expected_exec(odd, "serve", cfg, "--listen 127.0.0.1:9911")
     assert "gputop serve --print-unit > ~/.config/systemd/user/gputop-hub.service" in unit
     assert "python3 -c" not in unit and "Written by `gputop serve --print-unit`" in unit
     assert "RestartPreventExitStatus=2" in unit and "WantedBy=default.target" in unit

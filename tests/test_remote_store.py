@@ -421,6 +421,22 @@ def _user_pids(user: str) -> list[int]:
     return out
 
 
+@contextlib.contextmanager
+def _store_host_down(world: World, login: str = "gtcarol") -> Iterator[None]:
+    """The store's host down for the block, then back. Its sessions go too: the login's
+    own "sshd: user@notty" holds the connection, and stop_sshd ends only the listener's
+    children; so ``login``'s processes are killed, by pid (only this test's login user)."""
+    h = world.fleet.hosts["store"]
+    world.fleet.stop_sshd(h)
+    for pid in _user_pids(login):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        yield
+    finally:
+        world.fleet.restart_sshd(h)
+
+
 def _script_pids(user: str, root: Path) -> list[int]:
     """``user``'s writer scripts under this fleet's sshd (found up the parent chain: a
     benchmark running beside the tests has its own)."""
@@ -517,15 +533,7 @@ def test_store_host_down_is_one_error_and_json_still_shows_gpus(clean: World) ->
     st = clean.store("gtcarol")
     reserve(st, [Target("gpu", 0)], seconds=600, max_seconds=3600)
     before = clean.path.read_bytes()
-    h = clean.fleet.hosts["store"]
-    clean.fleet.stop_sshd(h)
-    # The host goes down: its sessions too (the login's own "sshd: user@notty" holds the
-    # connection; stop_sshd ends only the listener's children). Only this test's login
-    # user's processes, by pid.
-    for pid in _user_pids("gtcarol"):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    try:
+    with _store_host_down(clean):
         for attempt in (st.read, lambda: reserve(st, [Target("gpu", 1)], seconds=60,
                                                  max_seconds=3600)):
             with pytest.raises(StoreError) as e:
@@ -541,8 +549,6 @@ def test_store_host_down_is_one_error_and_json_still_shows_gpus(clean: World) ->
         gpu = next(x for x in doc["hosts"] if x["name"] == "gpu")
         assert gpu["gpus"] and "cannot reach" in doc["reservations_error"]
         assert str(clean.path) in doc["reservations_error"]
-    finally:
-        clean.fleet.restart_sshd(h)
     assert clean.path.read_bytes() == before
     # Reconnected on its own (after RETRY_S: a host that was down is not asked at every
     # read).
@@ -624,6 +630,7 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
 async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
         clean: World) -> None:
     from board_data import NOW, board_config, fixed_snapshots, seed
+    from board_pilot import reserve_row
 
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import BoardTable
@@ -642,21 +649,11 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
         assert app.me == "gtcarol"  # the store host's login, not this process's root
         assert {r.user for r in app.model.state.reservations} == {"bob", "erin"}
         table = app.query_one(BoardTable)
-        table.move_cursor(row=table.get_row_index(f"gpu-h100\x00GPU-{2:08d}-test"))
-        await pilot.press("r")
-        await pilot.pause()
-        await pilot.click("#reserve-ok")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await reserve_row(app, pilot)
         mine = [r for r in Store(clean.path).read().reservations if r.user == "gtcarol"]
         assert [(r.host, r.gpu) for r in mine] == [("gpu-h100", 2)]
         rows = table.row_count
-        h = clean.fleet.hosts["store"]
-        clean.fleet.stop_sshd(h)
-        for pid in _user_pids("gtcarol"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        try:
+        with _store_host_down(clean):
             for _ in range(100):
                 await pilot.pause(0.1)
                 if app._store_problem:
@@ -664,8 +661,6 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
             assert app._store_problem and "reservations are unknown" in app._store_problem
             assert "store-as-gtcarol" in app._store_problem
             assert table.row_count == rows and app.is_running  # the GPUs are still shown
-        finally:
-            clean.fleet.restart_sshd(h)
         for _ in range(100):  # back on its own once the host answers again
             await pilot.pause(0.1)
             if not app._store_problem:

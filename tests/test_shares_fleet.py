@@ -33,6 +33,7 @@ from as_user import (
 )
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host, gpu_uuid
+from recorder_proc import running, stop_recorder
 
 HOST = "share-h100"
 CAROL = pwd.getpwuid(os.getuid()).pw_name
@@ -282,7 +283,7 @@ def test_the_report_counts_each_shares_fraction(gputop: Any) -> None:
     rec = subprocess.Popen([sys.executable, "-m", "gputop", "--config", str(gputop.config),
                             "record", "--db", str(db)], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    try:
+    with running(rec):
         deadline = time.monotonic() + 60
         n = 0
         while time.monotonic() < deadline and n < 4:
@@ -297,12 +298,7 @@ def test_the_report_counts_each_shares_fraction(gputop: Any) -> None:
                     pass
             time.sleep(0.1)
         assert n >= 4, "the recorder wrote too few samples"
-        rec.send_signal(signal.SIGTERM)
-        assert rec.wait(15) == 0, rec.communicate()[1]
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
+        stop_recorder(rec)
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(gputop.config),
                         "report", "--db", str(db), "--since", "1h", "--json"], env=env,
                        capture_output=True, text=True, timeout=60)

@@ -10,13 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, fixed_snapshots, seed
+from board_data import NOW, board_config, seed
+from board_pilot import keep_notices, load_fixed, reserve_row
 
 from gputop.reservations import Store
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
-
-K = "\x00"
 
 HOSTILE = {
     "deep-nesting": '{"version": 1, "reservations": ' + "[" * 50_000 + "]" * 50_000 + "}",
@@ -32,31 +30,14 @@ async def test_board_shows_a_hostile_store_and_keeps_running(tmp_path: Path, kin
     path = tmp_path / "reservations.json"
     path.write_text(HOSTILE[kind])
     app = GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
-    seen: list[str] = []
-    orig = app.notify
-
-    def notify(message: str, **kw: Any) -> None:
-        seen.append(str(message))
-        orig(message, **kw)
-
-    app.notify = notify  # type: ignore[method-assign]
+    seen = keep_notices(app)
     async with app.run_test(size=(120, 40)) as pilot:
-        for snap in fixed_snapshots():
-            app.ingest(snap)
-        app.reload_store()
-        app.render_board()
-        await pilot.pause()
-        table = app.query_one(BoardTable)
+        table = await load_fixed(app, pilot)
         assert table.row_count > 5  # the GPUs are shown
         problems = [m for m in seen if str(path) in m]
         assert len(problems) == 1 and "untouched" in problems[0], seen
         # Reserving is refused with the same message; the board goes on.
-        table.move_cursor(row=table.get_row_index(f"gpu-h100{K}GPU-{2:08d}-test"))
-        await pilot.press("r")
-        await pilot.pause()
-        await pilot.click("#reserve-ok")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await reserve_row(app, pilot)
         assert len([m for m in seen if str(path) in m]) == 2, seen
         assert path.read_text() == HOSTILE[kind]
         # Someone fixes the file: the board picks it up at the next re-read.

@@ -18,7 +18,8 @@ processes per GPU and list lengths are capped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import datetime
 from functools import partial
@@ -169,14 +170,8 @@ class FleetTools:
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """A store read or write (file locks) off the event loop, its errors classified."""
-        try:
+        with _classified():
             return await asyncio.to_thread(fn)
-        except Refused as exc:
-            raise ToolFailure("refused", str(exc)) from None
-        except Invalid as exc:
-            raise ToolFailure("invalid", str(exc)) from None
-        except StoreError as exc:
-            raise ToolFailure("store", str(exc)) from None
 
     async def _state(self) -> StoreState:
         return await self._off_loop(self.store.read)
@@ -514,23 +509,33 @@ class FleetTools:
 
         await self._reap()
         try:
-            got = await wait_for_gpus(self.config, self.store, req, seconds=seconds,
-                                      note=note, lease_s=DEFAULT_LEASE_S,
-                                      max_wait=max_wait_s, say=say)
+            with _classified():
+                got = await wait_for_gpus(self.config, self.store, req,
+                                          seconds=seconds,
+                                          note=note, lease_s=DEFAULT_LEASE_S,
+                                          max_wait=max_wait_s, say=say)
         except WaitedTooLong:
             status = await self.queue_status()
             return {"summary": f"not granted within {max_wait_s:g}s, left the queue (nothing "
                                f"reserved): {status['summary']}; call again to wait longer",
                     "granted": False, "messages": said, "queue": status["queue"]}
-        except Refused as exc:
-            raise ToolFailure("refused", str(exc)) from None
-        except Invalid as exc:
-            raise ToolFailure("invalid", str(exc)) from None
-        except StoreError as exc:
-            raise ToolFailure("store", str(exc)) from None
         now = utcnow()
         done = [reservation_doc(r, now, self.me) for r in got]
         return {"summary": f"granted {describe_request(req)}: reserved "
                            f"{', '.join(d['gpu'] for d in done[:10])} for you until "
                            f"{done[0]['until'] if done else '?'}; release them when done",
                 "granted": True, "reserved": done, "messages": said}
+
+
+@contextlib.contextmanager
+def _classified() -> Iterator[None]:
+    """A store operation's refusal, bad input or store error as the tool's classified
+    failure (what the agent is told)."""
+    try:
+        yield
+    except Refused as exc:
+        raise ToolFailure("refused", str(exc)) from None
+    except Invalid as exc:
+        raise ToolFailure("invalid", str(exc)) from None
+    except StoreError as exc:
+        raise ToolFailure("store", str(exc)) from None
