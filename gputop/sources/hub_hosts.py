@@ -21,19 +21,22 @@ import math
 import re
 from typing import Any
 
-from gputop.sources.hub_schema import MAX_INT, MAX_ITEMS, MAX_STRING, Invalid, _plain
-from gputop.text import clean, excerpt
+# The primitives are the document check's own (one definition of a string, an integer, ...)
+from gputop.sources.hub_schema import (
+    MAX_INT,
+    MAX_ITEMS,
+    MAX_STRING,
+    Invalid,
+    _boolean,
+    _integer,
+    _null,
+    _plain,
+    _string,
+)
+from gputop.text import excerpt
 
 _TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", re.ASCII)
 _TIMES: set[str] = set()  # times already seen to be well formed (a document shares a few)
-
-
-def _string(v: Any) -> str:
-    if type(v) is not str:
-        raise Invalid("expected a string")
-    if len(v) > MAX_STRING:
-        raise Invalid(f"longer than {MAX_STRING} characters")
-    return v if v.isprintable() else clean(v)
 
 
 def _time(v: Any) -> str:
@@ -46,14 +49,6 @@ def _time(v: Any) -> str:
     if len(_TIMES) > 4096:
         _TIMES.clear()
     _TIMES.add(v)
-    return v
-
-
-def _integer(v: Any) -> int:
-    if type(v) is not int:
-        raise Invalid("expected an integer")
-    if not -MAX_INT < v < MAX_INT:
-        raise Invalid("an integer out of range")
     return v
 
 
@@ -82,17 +77,6 @@ def _num_or_null(v: Any) -> float | int | None:
 
 def _str_or_null(v: Any) -> str | None:
     return None if v is None else _string(v)
-
-
-def _boolean(v: Any) -> bool:
-    if type(v) is not bool:
-        raise Invalid("expected true or false")
-    return v
-
-
-def _null(v: Any) -> None:
-    if v is not None:
-        raise Invalid("expected null")
 
 
 def _enum(*values: str) -> Any:
