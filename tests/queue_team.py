@@ -6,6 +6,7 @@ each on its own loopback addresses."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from as_user import need_test_users, run_as, shared_tmp, start_as, team_dir, user_home
 from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
+from fleet import Fleet, GpuProcess, Host
 
 from gputop.reservations.store import Store, StoreState, new_reservation
 
@@ -143,3 +144,31 @@ def file_locked(team: Team) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def on_gpu(team: Team, host: str, user: str | None, gpu: int = 0, mem_mib: int = 1024,
+           command: str = "python train.py") -> Iterator[GpuProcess]:
+    """A real process of ``user`` (None: the fleet's own, root) that the host's driver
+    lists on GPU ``gpu``, using ``mem_mib``; gone again when the block ends."""
+    h = team.fleet.hosts[host]
+    p = GpuProcess(user, command, gpu=gpu, mem_mib=mem_mib)
+    team.fleet.start_process(p)
+    h.processes.append(p)
+    team.fleet.set_scenario(h, h.scenario)
+    try:
+        yield p
+    finally:
+        h.processes.remove(p)
+        assert p.popen is not None
+        p.popen.kill()
+        p.popen.wait()
+        team.fleet.set_scenario(h, h.scenario)
+
+
+def gpu_docs(team: Team, reader: str) -> dict[str, dict[str, Any]]:
+    """Each GPU of ``gputop --json`` as ``reader`` sees it, by ``HOST:INDEX``."""
+    r = team.run("--json", user=reader)
+    assert r.returncode == 0, r.stderr
+    return {f"{h['name']}:{g['index']}": g
+            for h in json.loads(r.stdout)["hosts"] for g in h.get("gpus", [])}

@@ -8,8 +8,6 @@ laptop user `maria` who is `mgarcia` on the cluster, gtalice's jobs there are ro
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import socket
@@ -19,8 +17,17 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from fleet import Fleet, GpuProcess
-from queue_team import Team, file_locked, team_on, text, two_host_fleet, until
+from fleet import Fleet
+from queue_team import (
+    Team,
+    file_locked,
+    gpu_docs,
+    on_gpu,
+    team_on,
+    text,
+    two_host_fleet,
+    until,
+)
 
 from gputop.jobs.remote import local_start
 from gputop.reservations.store import Job, StoreState, new_reservation
@@ -146,30 +153,8 @@ def test_naming_a_host_does_not_jump_the_queue(team: Team) -> None:
     assert len([e for e in team.state().events if e["action"] == "skip-queue"]) == 2
 
 
-@contextlib.contextmanager
-def _on_gpu(team: Team, host: str, user: str | None, gpu: int = 0) -> Iterator[GpuProcess]:
-    """A real process of ``user`` (None: the fleet's own, root) that the host's driver
-    lists on GPU ``gpu``."""
-    h = team.fleet.hosts[host]
-    p = GpuProcess(user, "python train.py", gpu=gpu)
-    team.fleet.start_process(p)
-    h.processes.append(p)
-    team.fleet.set_scenario(h, h.scenario)
-    try:
-        yield p
-    finally:
-        h.processes.remove(p)
-        assert p.popen is not None
-        p.popen.kill()
-        p.popen.wait()
-        team.fleet.set_scenario(h, h.scenario)
-
-
 def _flags(team: Team, user: str) -> dict[str, list[str]]:
-    r = team.run("--json", user=user)
-    assert r.returncode == 0, r.stderr
-    return {f"{h['name']}:{g['index']}": g["flags"]
-            for h in json.loads(r.stdout)["hosts"] for g in h.get("gpus", [])}
+    return {label: g["flags"] for label, g in gpu_docs(team, user).items()}
 
 
 def test_the_holders_job_is_known_by_the_account_it_logs_in_as(team: Team) -> None:
@@ -178,7 +163,7 @@ def test_the_holders_job_is_known_by_the_account_it_logs_in_as(team: Team) -> No
     reader: no `unreserved-use` (gtbob's process on her other GPU still is)."""
     r = team.run("reserve", "q1:0,1")
     assert r.returncode == 0, r.stderr
-    with _on_gpu(team, "q1", None, 0), _on_gpu(team, "q1", "gtbob", 1):
+    with on_gpu(team, "q1", None, 0), on_gpu(team, "q1", "gtbob", 1):
         for reader in ("gtalice", "gtbob"):
             flags = _flags(team, reader)
             assert "unreserved-use" not in flags["q1:0"], (reader, flags)
@@ -198,7 +183,7 @@ def test_run_keeps_the_gpu_while_the_holders_login_uses_it(team: Team) -> None:
                                f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
                                user="gtalice", tag="run")
     until(lambda: "up" in text(out), what="job started")
-    with _on_gpu(team, "q2", None, 0):
+    with on_gpu(team, "q2", None, 0):
         flag.touch()
         assert wait_as(pid, 20) == 0, text(err)
         assert "still use q2:0" in text(err) and "released" not in text(err), text(err)

@@ -6,8 +6,6 @@ laptop user `maria` who is `mgarcia` on the cluster, gtalice's jobs there are ro
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,8 +16,17 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from fleet import Fleet, GpuProcess
-from queue_team import Team, file_locked, team_on, text, two_host_fleet, until
+from fleet import Fleet
+from queue_team import (
+    Team,
+    file_locked,
+    gpu_docs,
+    on_gpu,
+    team_on,
+    text,
+    two_host_fleet,
+    until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,32 +41,8 @@ def team(hfleet: Fleet) -> Iterator[Team]:
         yield t
 
 
-@contextlib.contextmanager
-def _on_gpu(team: Team, host: str, user: str | None, gpu: int = 0,
-            mem_mib: int = 1024) -> Iterator[GpuProcess]:
-    """A real process of ``user`` (None: the fleet's own, root) that the host's driver
-    lists on GPU ``gpu``, using ``mem_mib``."""
-    h = team.fleet.hosts[host]
-    p = GpuProcess(user, "python notebook.py", gpu=gpu, mem_mib=mem_mib)
-    team.fleet.start_process(p)
-    h.processes.append(p)
-    team.fleet.set_scenario(h, h.scenario)
-    try:
-        yield p
-    finally:
-        h.processes.remove(p)
-        assert p.popen is not None
-        p.popen.kill()
-        p.popen.wait()
-        team.fleet.set_scenario(h, h.scenario)
-
-
 def _gpu_doc(team: Team, reader: str, label: str) -> dict[str, object]:
-    r = team.run("--json", user=reader)
-    assert r.returncode == 0, r.stderr
-    docs = {f"{h['name']}:{g['index']}": g
-            for h in json.loads(r.stdout)["hosts"] for g in h.get("gpus", [])}
-    return docs[label]
+    return gpu_docs(team, reader)[label]
 
 
 def test_a_share_is_known_by_the_account_its_holder_logs_in_as(team: Team) -> None:
@@ -73,14 +56,14 @@ def test_a_share_is_known_by_the_account_its_holder_logs_in_as(team: Team) -> No
     (res,) = team.state().active()
     assert res.share_mib == 2048
     assert res.login == "root", res
-    with _on_gpu(team, "q1", None, 0, mem_mib=1500):
+    with on_gpu(team, "q1", None, 0, mem_mib=1500, command="python notebook.py"):
         for reader in ("gtalice", "gtbob"):
             doc = _gpu_doc(team, reader, "q1:0")
             assert "unreserved-use" not in doc["flags"], (reader, doc["flags"])
             shares = doc["shares"]
             assert isinstance(shares, list) and len(shares) == 1
             assert shares[0]["used_mib"] == 1500, (reader, shares)
-        with _on_gpu(team, "q1", "gtbob", 0, mem_mib=300):
+        with on_gpu(team, "q1", "gtbob", 0, mem_mib=300, command="python notebook.py"):
             doc = _gpu_doc(team, "gtalice", "q1:0")
             assert "unreserved-use" in doc["flags"], doc["flags"]
 
@@ -109,7 +92,7 @@ def test_run_share_keeps_the_share_while_the_holders_login_uses_it(team: Team) -
                                f"echo up; while [ ! -e {flag} ]; do sleep 0.05; done",
                                user="gtalice", tag="run")
     until(lambda: "up" in text(out), what="job started")
-    with _on_gpu(team, "q2", None, 0):
+    with on_gpu(team, "q2", None, 0, command="python notebook.py"):
         flag.touch()
         assert wait_as(pid, 20) == 0, text(err)
         assert "still use q2:0" in text(err) and "released" not in text(err), text(err)
@@ -226,7 +209,7 @@ def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
     assert "could not check q1:0" in r.stderr, r.stderr
     (res,) = team.state().active()
     assert res.user == "gtalice" and res.login is None, res
-    with _on_gpu(team, "q1", "gtbob", 0):
+    with on_gpu(team, "q1", "gtbob", 0, command="python notebook.py"):
         doc = _gpu_doc(team, "gtbob", "q1:0")
         assert "unreserved-use" in doc["flags"], doc["flags"]
 
