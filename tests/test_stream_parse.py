@@ -109,8 +109,11 @@ def test_apps_rows_group_by_timestamp_and_match_the_gpu_sample_by_host_clock() -
     b.feed("2026/07/14 08:12:55.540, GPU-0, 11327, 2600")
     assert [(r.pid, r.used_memory_mib) for r in b.for_sample(t0)] == [
         (11327, 2566), (11328, 1542)]
-    assert [(r.pid, r.used_memory_mib) for r in b.for_sample(t0 + 2)] == [(11327, 2600)]
-    # The loop printed nothing since: no processes once 1.5 intervals have passed.
+    # The newest batch may still be arriving: 11328, in the batch before, is kept for now.
+    assert [(r.pid, r.used_memory_mib) for r in b.for_sample(t0 + 2)] == [
+        (11327, 2600), (11328, 1542)]
+    # The loop printed nothing since: a sample an interval later reads that batch as whole,
+    # and no processes once 1.5 intervals have passed.
     assert [r.pid for r in b.for_sample(t0 + 4)] == [11327]
     assert b.for_sample(t0 + 5.6) == []
     b.feed(LOST)  # a lost GPU's line is no row
@@ -118,6 +121,32 @@ def test_apps_rows_group_by_timestamp_and_match_the_gpu_sample_by_host_clock() -
         b.feed("GPU-0, 11327, 2566")  # no timestamp
     with pytest.raises(ParseError):
         b.feed(f"{TS}, GPU-0, python, 2566")
+
+
+def test_a_batch_cut_by_the_relay_never_drops_a_process_for_a_sample() -> None:
+    """The relay writes at the end of a GPU sample; the apps loop's rows of that moment may
+    straddle it (CI: one of eight jobs shown for a sample). Cut first, in the middle, last:
+    every process of the batch before stays until a later batch shows this one whole."""
+    b = AppsBatches(interval=1.0)
+    t0 = parse_timestamp(TS)
+    pids = [101, 102, 103, 104]
+    for p in pids:
+        b.feed(f"2026/07/14 08:12:53.500, GPU-0, {p}, 10")
+    for cut in range(len(pids) + 1):  # the newest batch so far: its first `cut` rows
+        c = AppsBatches(interval=1.0)
+        for p in pids:
+            c.feed(f"2026/07/14 08:12:53.500, GPU-0, {p}, 10")
+        for p in pids[:cut]:
+            c.feed(f"2026/07/14 08:12:54.520, GPU-0, {p}, 20")
+        got = {r.pid: r.used_memory_mib for r in c.for_sample(t0 + 1)}
+        assert sorted(got) == pids, cut
+        assert all(got[p] == 20 for p in pids[:cut]), cut  # the newer rows where they came
+    # 104 ended: the batch at t0+1 is known whole once t0+2's began; it is gone from both.
+    for p in pids[:3]:
+        b.feed(f"2026/07/14 08:12:54.520, GPU-0, {p}, 20")
+    b.feed("2026/07/14 08:12:55.510, GPU-0, 101, 30")
+    assert [r.pid for r in b.for_sample(t0 + 1)] == [101, 102, 103]
+    assert [r.pid for r in b.for_sample(t0 + 2)] == [101, 102, 103]
 
 
 def test_a_pid_seen_again_in_a_batch_replaces_its_row() -> None:

@@ -188,12 +188,26 @@ class AppsBatches:
         self.seen = True
 
     def for_sample(self, stamp: float) -> list[AppRow]:
-        """The processes a GPU sample taken at ``stamp`` shows."""
-        for b in reversed(self.batches):
+        """The processes a GPU sample taken at ``stamp`` shows.
+
+        The two loops' lines interleave on the host, and the relay writes when a GPU sample
+        is complete: the newest apps batch may be cut there, its other rows coming with the
+        next sample. So while the batch of this very sample is the newest, a process the
+        batch before listed and this one does not (yet) is kept from that one; once a later
+        batch began, this one is known whole. A process that ended shows one sample more;
+        a busy process never drops off for a sample."""
+        for i in range(len(self.batches) - 1, -1, -1):
+            b = self.batches[i]
             if b.stamp <= stamp + self.interval / 2:
                 if stamp - b.stamp > 1.5 * self.interval:
                     return []
-                return list(b.rows.values())
+                newest = i == len(self.batches) - 1 and abs(stamp - b.stamp) <= self.interval / 2
+                if not (newest and i > 0):
+                    return list(b.rows.values())
+                before = self.batches[i - 1]
+                if b.stamp - before.stamp > 1.5 * self.interval:
+                    return list(b.rows.values())
+                return [*b.rows.values(), *(r for k, r in before.rows.items() if k not in b.rows)]
         return []
 
 
