@@ -281,6 +281,8 @@ class HubPoller:
                     yield snap
             except HubError as exc:
                 self.error = exc
+                if self._doc is None:
+                    last_id = None  # (a broken event: a fresh snapshot, not the same again)
                 if self.fallback:
                     async for snap in self._go_direct(exc).updates():
                         yield snap
@@ -300,15 +302,15 @@ class HubPoller:
         from gputop.sources.hub import (
             Document,
             check_document,
+            check_patch,
             check_update,
-            host_from_dict,
             parse_json,
         )
 
         doc: Document | None = self._doc if last_id else None
         resumed = doc is not None
-        async for event, eid, data in self.client.stream(last_id):
-            if resumed and event == "update":
+        async for event, eid, data in self.client.stream(last_id, patches=True):
+            if resumed and event in ("update", "patch"):
                 # Back within the hub's window: only what changed since comes, so the
                 # hosts shown as "hub down" meanwhile get their last data back first.
                 for h in list(self._last.values()):
@@ -319,19 +321,25 @@ class HubPoller:
                     doc = Document(check_document(parse_json(data)))
                     self._doc = doc
                     self.connects += 1
-                    changed = doc.doc["hosts"]
+                    changed: list[tuple[dict[str, Any], list[int] | None]] = [
+                        (h, None) for h in doc.doc["hosts"]]
                     names = self._names(doc.order)
                     have = set(doc.order)
                     for n in names:
                         if n not in have:
                             yield self._missing(n)
                 elif event == "update" and doc is not None:
-                    changed = doc.apply(check_update(parse_json(data)))
+                    changed = [(h, None) for h in doc.apply(check_update(parse_json(data)))]
+                    self._names(doc.order)
+                elif event == "patch" and doc is not None:
+                    changed = doc.apply_patch(*check_patch(parse_json(data)))
                     self._names(doc.order)
                 else:
                     continue
-                hosts = [host_from_dict(h) for h in changed]
+                hosts = [doc.model(h, pos) for h, pos in changed]
             except Exception as exc:
+                # What was read no longer matches the hub's document: never resume on it.
+                self._doc = None
                 raise self.client._fail(exc) from None
             for h in hosts:
                 if self.only is None or h.name in self.only:

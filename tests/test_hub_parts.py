@@ -334,7 +334,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     config = load_config(str(local_config(tmp_path)))
     c = Collector(config)
     updates: list[dict] = []
-    c.on_update = lambda text: updates.append(json.loads(text))
+    c.on_update = lambda text, _patch: updates.append(json.loads(text))
     reads = 0
     real = c.store.read
 

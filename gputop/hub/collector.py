@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from gputop.config import Config
+from gputop.hub.patches import host_change
 from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
@@ -42,7 +43,8 @@ class HostStats:
 
 
 class Collector:
-    """Holds the current document; calls ``on_update(update_json)`` per change."""
+    """Holds the current document; calls ``on_update(update_json, patch_json)`` per
+    change (the same change as an ``update`` and as a ``patch``: see hub/patches.py)."""
 
     def __init__(self, config: Config, poller: Poller | None = None,
                  coalesce_s: float | None = None) -> None:
@@ -72,7 +74,7 @@ class Collector:
         self._other: dict[str, Any] = {}
         self.time = utcnow()
         self._kick = asyncio.Event()
-        self.on_update: Callable[[str], None] = lambda text: None
+        self.on_update: Callable[[str, str], None] = lambda update, patch: None
         now = utcnow()
         for n in self.names:  # until a host answers: a placeholder, so the document is whole
             self._latest[n] = HostSnapshot(name=n, time=now, source="none",
@@ -148,6 +150,8 @@ class Collector:
         if self._state_changed(state):
             dirty = set(self.names)
         changed = []
+        whole: list[dict[str, Any]] = []  # (for patches: the hosts that go complete)
+        changes = []
         for n in self.names:
             if n not in dirty:
                 continue
@@ -156,17 +160,25 @@ class Collector:
                 # Ready counts what the document shows, not what is still to be folded.
                 self.stats[n].answered = True
             h = annotated_host(latest, state, self.tracker, now)
-            if h != self._hosts.get(n):
+            old = self._hosts.get(n)
+            if h != old:
                 self._hosts[n] = h
                 changed.append(h)
+                change = host_change(old, h)
+                if change is None:
+                    whole.append(h)
+                else:
+                    changes.append(change)
         was = self._other
         self._other = other
         moved = {k: other[k] for k in OTHER_KEYS if other.get(k) != was.get(k)}
         self.time = now
         if changed or moved:
             self.refreshes += 1
-            self.on_update(dumps({"time": iso(now), "hosts": changed, "removed": [],
-                                  "set": moved}))
+            t = iso(now)
+            self.on_update(dumps({"time": t, "hosts": changed, "removed": [], "set": moved}),
+                           dumps({"time": t, "hosts": whole, "changes": changes,
+                                  "removed": [], "set": moved}))
         self.fold_seconds += time.process_time() - t0
 
     def _refold_all(self) -> None:

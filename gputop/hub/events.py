@@ -39,8 +39,10 @@ KEEPALIVE = b": keepalive\n\n"
 class Subscriber:
     """One open stream: the events not yet written to it."""
 
-    def __init__(self, backlog: int, on_drop: Callable[[Subscriber], None]) -> None:
+    def __init__(self, backlog: int, on_drop: Callable[[Subscriber], None],
+                 patches: bool = False) -> None:
         self.pending: deque[bytes] = deque()
+        self.patches = patches  # it asked for ``patch`` events instead of ``update``
         self.backlog = backlog
         self.ready = asyncio.Event()
         self.dropped = False
@@ -72,7 +74,8 @@ class EventLog:
         # Milliseconds since 1970 in hex, and some randomness: two runs never share one.
         self.epoch = epoch or f"{int(time.time() * 1000):x}{secrets.token_hex(2)}"
         self.seq = 0
-        self.retained: deque[tuple[int, bytes]] = deque(maxlen=retain)
+        #: (n, the update framed, the same change framed as a patch)
+        self.retained: deque[tuple[int, bytes, bytes]] = deque(maxlen=retain)
         self.max_subscribers = max_subscribers
         self.backlog = backlog
         self.subscribers: set[Subscriber] = set()
@@ -84,16 +87,21 @@ class EventLog:
     def event_id(self, n: int | None = None) -> str:
         return f"{self.epoch}-{self.seq if n is None else n}"
 
-    def publish(self, data: str) -> None:
-        """One update (one JSON line): numbered, retained, offered to every subscriber."""
+    def publish(self, data: str, patch: str | None = None) -> None:
+        """One change (one JSON line, and the same as a patch for subscribers that asked
+        for them; without one they get the update): numbered, retained, offered to every
+        subscriber."""
         self.seq += 1
         self.published += 1
-        framed = frame("update", self.event_id(), data)
-        self.retained.append((self.seq, framed))
+        eid = self.event_id()
+        framed = frame("update", eid, data)
+        patched = framed if patch is None else frame("patch", eid, patch)
+        self.retained.append((self.seq, framed, patched))
         for sub in list(self.subscribers):
-            sub.offer(framed)
+            sub.offer(patched if sub.patches else framed)
 
-    def missed(self, last_event_id: str | None) -> list[bytes] | None:
+    def missed(self, last_event_id: str | None, *, patches: bool = False
+               ) -> list[bytes] | None:
         """The updates after ``last_event_id``, or None when it is not one of this run's
         ids within the retained window (the client then needs a fresh snapshot)."""
         if not last_event_id or len(last_event_id) > MAX_ID_LEN:
@@ -108,15 +116,16 @@ class EventLog:
             return []
         if not self.retained or self.retained[0][0] > n + 1:
             return None  # fell out of the window
-        return [data for seq, data in self.retained if seq > n]
+        return [p if patches else u for seq, u, p in self.retained if seq > n]
 
-    def subscribe(self, kill: Callable[[], None]) -> Subscriber | None:
+    def subscribe(self, kill: Callable[[], None], *, patches: bool = False
+                  ) -> Subscriber | None:
         """A new subscriber, or None when ``max_subscribers`` streams already run. ``kill``
         ends its stream (called when it falls too far behind)."""
         if len(self.subscribers) >= self.max_subscribers:
             self.refused += 1
             return None
-        sub = Subscriber(self.backlog, self._drop)
+        sub = Subscriber(self.backlog, self._drop, patches)
         self.subscribers.add(sub)
         self._kills[sub] = kill
         return sub

@@ -137,8 +137,8 @@ class Hub:
         #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
         self.loopback_names_only = False
 
-    def _published(self, update: str) -> None:
-        self.events.publish(update)
+    def _published(self, update: str, patch: str | None = None) -> None:
+        self.events.publish(update, patch)
         self._snapshot = None
 
     def snapshot(self) -> tuple[bytes, bytes]:
@@ -238,14 +238,15 @@ class Hub:
     async def events_route(self, request: web.Request) -> web.StreamResponse:
         # Nothing awaits between reading the document and subscribing: no update can fall
         # between the snapshot (or the missed updates) and the live stream.
-        missed = self.events.missed(request.headers.get("Last-Event-ID"))
+        patches = request.query.get("patches") == "1"  # (hub/patches.py)
+        missed = self.events.missed(request.headers.get("Last-Event-ID"), patches=patches)
         first = b"".join(missed) if missed is not None else self.snapshot()[1]
         task = asyncio.current_task()
         assert task is not None
         def kill() -> None:
             task.cancel()
 
-        sub = self.events.subscribe(kill)
+        sub = self.events.subscribe(kill, patches=patches)
         if sub is None:
             raise web.HTTPServiceUnavailable(text="too many event streams open\n",
                                              headers={"Retry-After": "10"})

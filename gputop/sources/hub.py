@@ -36,6 +36,7 @@ from gputop.model import (
 )
 from gputop.sources import HubError
 from gputop.sources.hub_hosts import check_hosts
+from gputop.sources.hub_patch import Touched, apply_changes, check_changes, check_targets
 from gputop.sources.hub_schema import MAX_ITEMS, check, schema
 from gputop.sources.hub_schema import Invalid as _Invalid
 from gputop.text import clean, excerpt
@@ -107,6 +108,16 @@ def check_update(update: Any) -> dict[str, Any]:
     return out
 
 
+def check_patch(patch: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A ``patch`` event (``?patches=1``): the ``update`` it carries (``time``, complete
+    ``hosts``, ``removed``, ``set``) and its ``changes`` (``hub_patch``), both checked."""
+    if not isinstance(patch, dict) or set(patch) != {"time", "hosts", "changes", "removed",
+                                                     "set"}:
+        raise _Invalid("patch: expected the keys changes, hosts, removed, set, time")
+    changes = check_changes(patch["changes"])
+    return check_update({k: patch[k] for k in ("time", "hosts", "removed", "set")}), changes
+
+
 class Document:
     """A hub's document as a reader keeps it: a snapshot, then updates applied to it."""
 
@@ -114,6 +125,8 @@ class Document:
         self.doc = doc
         self.order = [h["name"] for h in doc["hosts"]]
         self.hosts = {h["name"]: h for h in doc["hosts"]}
+        #: Each host's model as last built, whose unchanged GPUs a patch reuses.
+        self.models: dict[str, HostSnapshot] = {}
 
     def apply(self, update: dict[str, Any]) -> list[dict[str, Any]]:
         """Apply a checked update; returns the hosts it changed."""
@@ -132,6 +145,30 @@ class Document:
         self.doc["time"] = update["time"]
         self.doc["hosts"] = [self.hosts[n] for n in self.order]
         return list(update["hosts"])
+
+    def apply_patch(self, update: dict[str, Any], changes: list[dict[str, Any]]
+                    ) -> list[Touched]:
+        """Apply a checked patch (``hub_patch.check_patch``): its complete hosts, then its
+        changes; returns each host it touched, with its changed GPU positions (None:
+        complete)."""
+        after = {**self.hosts, **{h["name"]: h for h in update["hosts"]}}
+        for name in update["removed"]:
+            after.pop(name, None)
+        check_targets(after, changes)  # (before anything is applied: whole or not at all)
+        whole = self.apply(update)
+        touched = apply_changes(self.hosts, changes)
+        if touched:
+            self.doc["hosts"] = [self.hosts[n] for n in self.order]
+        names = {h["name"] for h in whole}
+        patched = {h["name"] for h, _ in touched}
+        return [*((h, None) for h in whole if h["name"] not in patched),
+                *((h, None if h["name"] in names else pos) for h, pos in touched)]
+
+    def model(self, h: dict[str, Any], changed: list[int] | None = None) -> HostSnapshot:
+        """The host as the model, kept; with ``changed``, only those GPUs built anew."""
+        prev = self.models.get(h["name"]) if changed is not None else None
+        snap = self.models[h["name"]] = host_from_dict(h, prev, changed)
+        return snap
 
 
 # --- the document as the model -------------------------------------------------------------
@@ -179,13 +216,26 @@ def _gpu(g: dict[str, Any]) -> GpuInfo:
     return GpuInfo.from_fields(fields)
 
 
-def host_from_dict(h: dict[str, Any]) -> HostSnapshot:
+def host_from_dict(h: dict[str, Any], prev: HostSnapshot | None = None,
+                   changed: list[int] | None = None) -> HostSnapshot:
     """A checked host object as the model (its reservations and flags are the reader's own
-    to work out, from its own reservations file)."""
+    to work out, from its own reservations file). With ``prev`` (the model of this host
+    before a patch) and ``changed`` (the GPU positions the patch changed), the other GPUs
+    are ``prev``'s own objects."""
     err = h["error"]
+    if err is not None:
+        gpus: tuple[GpuInfo, ...] = ()
+    elif (prev is not None and changed is not None and prev.error is None
+            and len(prev.gpus) == len(h["gpus"])):
+        listed = list(prev.gpus)
+        for i in changed:
+            listed[i] = _gpu(h["gpus"][i])
+        gpus = tuple(listed)
+    else:
+        gpus = tuple(_gpu(g) for g in h["gpus"])
     return HostSnapshot(
         name=h["name"], time=_time(h.get("time")) or datetime.now(timezone.utc),
-        gpus=tuple(_gpu(g) for g in h["gpus"]) if err is None else (),
+        gpus=gpus,
         error=None if err is None else HostError(err["kind"], err["message"]),
         last_ok=_time(h.get("last_ok")), source=h.get("source", "ssh"),
         tags=tuple(h.get("tags", ())), warnings=tuple(h.get("warnings", ())),
@@ -336,10 +386,11 @@ class HubClient:
             timer.cancel()
             conn.close()
 
-    async def stream(self, last_event_id: str | None = None
+    async def stream(self, last_event_id: str | None = None, *, patches: bool = False
                      ) -> AsyncIterator[tuple[str, str | None, str]]:
         """The hub's events as (event, id, data), until the stream ends or goes quiet for
-        ``STREAM_IDLE_S``; then HubError."""
+        ``STREAM_IDLE_S``; then HubError. With ``patches``, changes come as ``patch``
+        events (from a hub that has them; an older one sends ``update``)."""
         import aiohttp
 
         headers = {"Accept": "text/event-stream"}
@@ -349,7 +400,8 @@ class HubClient:
             timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout,
                                             sock_connect=self.timeout,
                                             sock_read=STREAM_IDLE_S)
-            async with self._open().get(self.url + "api/v1/events", headers=headers,
+            path = "api/v1/events?patches=1" if patches else "api/v1/events"
+            async with self._open().get(self.url + path, headers=headers,
                                         timeout=timeout) as resp:
                 self._check_status(resp.status)
                 async for item in _sse(resp.content):

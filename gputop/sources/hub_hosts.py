@@ -122,6 +122,13 @@ def _strings(v: Any) -> list[str]:
     return v
 
 
+def field_checks(fields: dict[str, Any], ints: tuple[str, ...] = (),
+                 strs: tuple[str, ...] = (), nums: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Each known key's own check, as ``_object`` applies it to that key's value."""
+    return {**{k: _int_or_null for k in ints}, **{k: _str_or_null for k in strs},
+            **{k: _num_or_null for k in nums}, **fields}
+
+
 def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool = True,
             ints: tuple[str, ...] = (), strs: tuple[str, ...] = (),
             nums: tuple[str, ...] = ()) -> Any:
@@ -132,8 +139,7 @@ def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool =
     string to clean, an integer among numbers) is looked at by its own check."""
     need = frozenset(required)
     known = frozenset(fields) | frozenset(ints) | frozenset(strs) | frozenset(nums)
-    each = {**{k: _int_or_null for k in ints}, **{k: _str_or_null for k in strs},
-            **{k: _num_or_null for k in nums}, **fields}
+    each = field_checks(fields, ints, strs, nums)
     others = tuple(fields.items())
 
     def one(v: dict[str, Any], out: dict[str, Any], keys: Any) -> dict[str, Any]:
@@ -237,28 +243,35 @@ _instance = _object(
     ints=("gpu_instance_id", "compute_instance_id", "device_index", "memory_used_mib",
           "memory_total_mib"),
     strs=("uuid", "profile"))
-_gpu = _object(
-    {"lost": _boolean,
-     "reservation": _one_of_null(_reservation),
-     "flags": _array(_enum(*_FLAGS, "over-share")), "shares": _array(_share),
-     "processes": _processes, "instances": _array(_instance)},
-    ("index", "uuid", "name", "utilization_percent", "memory_used_mib", "memory_total_mib",
-     "temperature_c", "power_draw_w", "processes"),
+_GPU_KINDS: dict[str, Any] = dict(
+    fields={"lost": _boolean,
+            "reservation": _one_of_null(_reservation),
+            "flags": _array(_enum(*_FLAGS, "over-share")), "shares": _array(_share),
+            "processes": _processes, "instances": _array(_instance)},
     ints=("index", "utilization_percent", "memory_utilization_percent", "memory_used_mib",
           "memory_total_mib", "temperature_c", "fan_percent", "unshared_mib"),
     strs=("uuid", "name", "bus_id", "pstate", "mig_mode", "persistence_mode",
           "driver_version", "lost_reason"),
     nums=("power_draw_w", "power_limit_w"))
+_gpu = _object(
+    required=("index", "uuid", "name", "utilization_percent", "memory_used_mib",
+              "memory_total_mib", "temperature_c", "power_draw_w", "processes"),
+    **_GPU_KINDS)
+#: A GPU object's known keys, each with its check (a patch's changed keys: hub_patch.py).
+GPU_FIELDS = field_checks(**_GPU_KINDS)
 _error = _object({"kind": _enum("unreachable", "timeout", "auth", "host-key",
                                 "no-nvidia-smi", "driver", "no-devices", "parse", "no-nvml",
                                 "starting", "ssh", "error"), "message": _string},
                  ("kind", "message"))
-host = _object(
-    {"name": _string, "status": _enum("ok", "error"), "error": _one_of_null(_error),
-     "time": _time, "last_ok": _one_of_null(_time),
-     "source": _enum("ssh", "nvml", "demo", "none"), "tags": _strings,
-     "warnings": _strings, "gpus": _array(_gpu)},
-    ("name", "status", "error", "gpus"), nums=("first_sample_s",))
+_HOST_KINDS: dict[str, Any] = dict(
+    fields={"name": _string, "status": _enum("ok", "error"), "error": _one_of_null(_error),
+            "time": _time, "last_ok": _one_of_null(_time),
+            "source": _enum("ssh", "nvml", "demo", "none"), "tags": _strings,
+            "warnings": _strings, "gpus": _array(_gpu)},
+    nums=("first_sample_s",))
+host = _object(required=("name", "status", "error", "gpus"), **_HOST_KINDS)
+#: A host object's known keys, each with its check.
+HOST_FIELDS = field_checks(**_HOST_KINDS)
 _hosts = _array(host)
 
 

@@ -1,0 +1,112 @@
+"""Reading a hub's ``patch`` events (``/api/v1/events?patches=1``, see the hub's
+``patches.py``): each changed host as its changed keys and, per changed GPU, its position
+and changed keys.
+
+A patch is checked as strictly as a complete host: every key must be one the schema
+knows for a host (not ``name`` or ``gpus``) or a GPU, and every value passes that key's own
+check from ``gputop.sources.hub_hosts``; what a check cleans is the cleaned value. It is
+applied to copies of the reader's hosts: a patch for a host the reader does not have, or
+for a GPU position it does not have, is a broken stream (the reader then starts again from
+a snapshot). Only the changed GPUs are checked and become the model again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputop.sources.hub_hosts import GPU_FIELDS, HOST_FIELDS
+from gputop.sources.hub_schema import MAX_ITEMS, Invalid
+from gputop.text import excerpt
+
+#: (host dict, the positions of its GPUs that changed; None: the host came complete)
+Touched = tuple[dict[str, Any], list[int] | None]
+
+_CHANGE_KEYS = frozenset({"name", "set", "gpus"})
+_HOST_SET = {k: c for k, c in HOST_FIELDS.items() if k not in ("name", "gpus")}
+
+
+def _fields(value: Any, checks: dict[str, Any], where: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise Invalid("expected an object", where)
+    out = {}
+    for k, v in value.items():
+        check = checks.get(k)
+        if check is None:
+            raise Invalid(f"unknown key {excerpt(str(k), 40)!r}", where)
+        try:
+            out[k] = check(v)
+        except Invalid as exc:
+            raise exc.under(f"{where}.{k}") from None
+        except RecursionError:
+            raise Invalid("nested too deep", f"{where}.{k}") from None
+    return out
+
+
+def _change(value: Any, where: str) -> dict[str, Any]:
+    if type(value) is not dict or value.keys() != _CHANGE_KEYS:
+        raise Invalid("expected the keys gpus, name, set", where)
+    name = value["name"]
+    if type(name) is not str:
+        raise Invalid("expected a string", f"{where}.name")
+    gpus = value["gpus"]
+    if type(gpus) is not list or len(gpus) > MAX_ITEMS:
+        raise Invalid(f"expected an array of at most {MAX_ITEMS} items", f"{where}.gpus")
+    out_gpus = []
+    for i, item in enumerate(gpus):
+        at = f"{where}.gpus[{i}]"
+        if type(item) is not list or len(item) != 2:
+            raise Invalid("expected [position, object]", at)
+        pos = item[0]
+        if type(pos) is not int or not 0 <= pos < MAX_ITEMS:
+            raise Invalid("expected a position", at)
+        out_gpus.append((pos, _fields(item[1], GPU_FIELDS, at)))
+    return {"name": name, "set": _fields(value["set"], _HOST_SET, f"{where}.set"),
+            "gpus": out_gpus}
+
+
+def check_changes(changes: Any) -> list[dict[str, Any]]:
+    """A ``patch`` event's ``changes``, checked (the rest of it is an ``update``'s)."""
+    if type(changes) is not list or len(changes) > MAX_ITEMS:
+        raise Invalid(f"expected an array of at most {MAX_ITEMS} items", "patch.changes")
+    return [_change(c, f"patch.changes[{i}]") for i, c in enumerate(changes)]
+
+
+def check_targets(hosts: dict[str, dict[str, Any]], changes: list[dict[str, Any]]) -> None:
+    """Every change names a host in ``hosts`` and GPU positions it has: checked before
+    anything is applied, so a patch is applied whole or not at all."""
+    for c in changes:
+        name = c["name"]
+        was = hosts.get(name)
+        if was is None:
+            raise Invalid(f"a patch for a host not in the document: {excerpt(name, 40)!r}")
+        n = len(was["gpus"])
+        for pos, _fields in c["gpus"]:
+            if pos >= n:
+                raise Invalid(f"a patch for GPU position {pos} of {excerpt(name, 40)!r}, "
+                              f"which lists {n}")
+
+
+def apply_changes(hosts: dict[str, dict[str, Any]],
+                  changes: list[dict[str, Any]]) -> list[Touched]:
+    """Apply checked changes to ``hosts`` (by name; each changed host is a new dict, its
+    GPU list a new list, each changed GPU a new dict); returns what each touched."""
+    check_targets(hosts, changes)
+    touched: dict[str, Touched] = {}
+    for c in changes:
+        name = c["name"]
+        h = dict(hosts[name])
+        h.update(c["set"])
+        gpus = list(h["gpus"])
+        positions = []
+        for pos, fields in c["gpus"]:
+            g = dict(gpus[pos])
+            g.update(fields)
+            gpus[pos] = g
+            positions.append(pos)
+        h["gpus"] = gpus
+        hosts[name] = h
+        before = touched.get(name)
+        if before is not None and before[1] is not None:
+            positions = sorted({*before[1], *positions})
+        touched[name] = (h, positions)
+    return list(touched.values())
