@@ -70,14 +70,12 @@ def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
     return timer
 
 
-DRAIN_PERIOD = 0.05  # seconds between taking answers from the feed thread...
+DRAIN_PERIOD = 0.05  # seconds at least between taking answers from the feed thread...
 DRAIN_BUDGET_S = 0.008  # ...for at most this long each time (rows worked out included)
 #: A key holds the feed, the drain and the board's GC this long; the drain is never put
 #: off longer than KEY_DRAIN_MAX_S (a key held down).
 KEY_HOLD_S = 0.12
 KEY_DRAIN_MAX_S = 0.3
-#: The board collects young garbage itself this often, between keys (see _collect_young).
-GC_PERIOD = 0.5
 
 
 class GputopApp(StoreActions):
@@ -152,6 +150,10 @@ class GputopApp(StoreActions):
         self._key_hold_until = 0.0
         self._last_drain = 0.0
         self._gc_runs = 0
+        #: The feed woke the drain and it has not run since (set on the feed's thread).
+        self._drain_woken = False
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -194,15 +196,16 @@ class GputopApp(StoreActions):
 
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
                         timeout=8)
-        self.set_interval(RENDER_PERIOD, self._render_if_dirty)
-        self.set_interval(DRAIN_PERIOD, self._drain)
+        # One timer for the frame and the board's own GC; answers wake the drain (see
+        # _deliver), so a board whose hosts are quiet wakes twice a second, not 25 times.
+        self._loop = asyncio.get_running_loop()
+        self.set_interval(RENDER_PERIOD, self._tick)
         self.set_interval(max(0.5, self.config.interval), self._reload_store_if_changed)
         self.render_board()
         if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
             self.call_after_refresh(self._run_feed)
         if self._long_running:
             self.call_after_refresh(tune_gc)
-            self.set_interval(GC_PERIOD, self._collect_young)
 
     async def on_unmount(self) -> None:
         """Textual cancels the feed worker at exit but does not wait for it: wait here (a
@@ -233,7 +236,7 @@ class GputopApp(StoreActions):
         ``_inbox`` for the next frame."""
         self._feed_started = True
         poller = self.poller = open_poller(self.config, self._sources)
-        feed = self._feed_thread = FeedThread(poller, self._inbox.put)
+        feed = self._feed_thread = FeedThread(poller, self._deliver)
         feed.start()
         try:
             await asyncio.Event().wait()
@@ -278,39 +281,77 @@ class GputopApp(StoreActions):
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
         itself: its crop of its whole width is itself), and only the garbage collector
         frees them: at 1,000 hosts an automatic collection found 20,000+ such objects
-        and took 60-100 ms, in the middle of whatever key came then. Collected here, every
-        GC_PERIOD and never while a key is being handled, each takes a few ms (at 1,000 x 8
-        about 5 ms: each young object is looked at once however often this runs, so a
-        longer period costs no more CPU); the next generation is collected one time in
-        fifty, every 25 s: about 50 ms then, against 30 ms every 5 s (three times the CPU).
+        and took 60-100 ms, in the middle of whatever key came then. Collected here, at
+        each frame's tick (RENDER_PERIOD) and never while a key is being handled, each
+        takes a few ms (at 1,000 x 8 about 5 ms: each young object is looked at once
+        however often this runs, so a longer period costs no more CPU); the next
+        generation is collected one time in fifty, every 25 s: about 50 ms then, against
+        30 ms every 5 s (three times the CPU).
         The automatic thresholds stay as a safety net."""
         if time.monotonic() < self._key_hold_until:
             return
         self._gc_runs += 1
         gc.collect(1 if self._gc_runs % 50 == 0 else 0)
 
+    def _tick(self) -> None:
+        self._render_if_dirty()
+        if self._long_running:
+            self._collect_young()
+        if self._drain_timer is None and not self._inbox.empty():
+            self._drain_soon(0.0)  # (a wake-up lost at start or shutdown: never stuck)
+
+    def _deliver(self, snap: HostSnapshot) -> None:
+        """On the feed's thread: an answer for the inbox, and the drain woken unless it
+        already was (put first, then look: a drain that cleared the flag takes it)."""
+        self._inbox.put(snap)
+        if not self._drain_woken:
+            self._drain_woken = True
+            loop = self._loop
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # (the board's loop has closed)
+                    loop.call_soon_threadsafe(self._drain_soon, DRAIN_PERIOD)
+
+    def _drain_soon(self, delay: float) -> None:
+        """The drain in ``delay`` (at least DRAIN_PERIOD after the last one), unless one
+        is due already."""
+        if self._drain_timer is not None:
+            return
+        wait = max(0.0, delay - (time.perf_counter() - self._last_drain))
+        loop = self._loop or asyncio.get_running_loop()
+        self._drain_timer = loop.call_later(wait, self._drain_due)
+
+    def _drain_due(self) -> None:
+        self._drain_timer = None
+        self._drain()
+
     def _drain(self) -> None:
         """Ingest what the feed delivered (each answer is a sample of its GPUs' history)
         and work out those hosts' rows, for at most DRAIN_BUDGET_S: a thousand hosts
-        answering at once are taken in slices, and a key pressed meanwhile waits for one
-        slice, not the whole burst. While a key is handled, nothing (see ``_key_in``).
-        The next frame draws them all at once."""
+        answering at once are taken in slices, DRAIN_PERIOD apart, and a key pressed
+        meanwhile waits for one slice, not the whole burst. While a key is handled,
+        nothing (see ``_key_in``): it is tried again after the key. The next frame draws
+        them all at once."""
+        self._drain_woken = False
         start = time.perf_counter()
         if (time.monotonic() < self._key_hold_until
                 and start - self._last_drain < KEY_DRAIN_MAX_S):
+            self._drain_soon(min(KEY_HOLD_S, KEY_DRAIN_MAX_S - (start - self._last_drain)))
             return
         self._last_drain = start
         deadline = start + DRAIN_BUDGET_S
-        warm = self.model.warmer()
+        warm = None
         while time.perf_counter() < deadline:
             try:
                 snap = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
+            if warm is None:
+                warm = self.model.warmer()
             self.ingest(snap)
             if self.recorder is not None:
                 self._record(snap)
             warm((snap.name,))
+        self._drain_soon(DRAIN_PERIOD)  # the budget ran out: the rest in a moment
 
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
