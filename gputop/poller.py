@@ -321,7 +321,7 @@ class HubPoller:
                     doc = Document(check_document(parse_json(data)))
                     self._doc = doc
                     self.connects += 1
-                    changed: list[tuple[dict[str, Any], list[int] | None]] = [
+                    changed: list[tuple[dict[str, Any], dict[int, dict[str, Any]] | None]] = [
                         (h, None) for h in doc.doc["hosts"]]
                     names = self._names(doc.order)
                     have = set(doc.order)

@@ -149,8 +149,8 @@ class Document:
     def apply_patch(self, update: dict[str, Any], changes: list[dict[str, Any]]
                     ) -> list[Touched]:
         """Apply a checked patch (``hub_patch.check_patch``): its complete hosts, then its
-        changes; returns each host it touched, with its changed GPU positions (None:
-        complete)."""
+        changes; returns each host it touched, with its changed GPUs' keys by position
+        (None: complete)."""
         after = {**self.hosts, **{h["name"]: h for h in update["hosts"]}}
         for name in update["removed"]:
             after.pop(name, None)
@@ -164,7 +164,8 @@ class Document:
         return [*((h, None) for h in whole if h["name"] not in patched),
                 *((h, None if h["name"] in names else pos) for h, pos in touched)]
 
-    def model(self, h: dict[str, Any], changed: list[int] | None = None) -> HostSnapshot:
+    def model(self, h: dict[str, Any], changed: dict[int, dict[str, Any]] | None = None
+              ) -> HostSnapshot:
         """The host as the model, kept; with ``changed``, only those GPUs built anew."""
         prev = self.models.get(h["name"]) if changed is not None else None
         snap = self.models[h["name"]] = host_from_dict(h, prev, changed)
@@ -192,6 +193,9 @@ _PROCESS_DEFAULTS = {"elapsed_s": None, "gpu_instance_id": None, "compute_instan
 _GPU_ANNOTATIONS = tuple(set(schema()["$defs"]["gpu"]["properties"])
                          - set(GpuInfo.__dataclass_fields__))
 assert set(schema()["$defs"]["process"]["properties"]) <= set(ProcessInfo.__dataclass_fields__)
+#: A GPU's fields whose value in the document is the model's own (numbers, strings).
+_PLAIN_GPU_FIELDS = frozenset(GpuInfo.__dataclass_fields__) - {"processes", "instances"}
+_PATCH_FAST = _PLAIN_GPU_FIELDS | frozenset(_GPU_ANNOTATIONS)
 
 
 def _process(p: dict[str, Any]) -> ProcessInfo:
@@ -199,6 +203,21 @@ def _process(p: dict[str, Any]) -> ProcessInfo:
     q = object.__new__(ProcessInfo)
     q.__dict__.update(_PROCESS_DEFAULTS)
     q.__dict__.update(p)  # (the schema's process keys are ProcessInfo's fields)
+    return q
+
+
+def _gpu_patched(g: dict[str, Any], prev: GpuInfo, changed: dict[str, Any]) -> GpuInfo:
+    """The model of a patched GPU: ``prev`` (its model before) with the patch's changed
+    keys, where they are all plain fields (load, memory, power: most patches) or
+    annotations (which the model leaves out); else built from ``g``, the patched dict."""
+    if not changed.keys() <= _PATCH_FAST:
+        return _gpu(g)
+    q = object.__new__(GpuInfo)
+    d = q.__dict__
+    d.update(prev.__dict__)
+    for k, v in changed.items():
+        if k in _PLAIN_GPU_FIELDS:
+            d[k] = v
     return q
 
 
@@ -217,7 +236,7 @@ def _gpu(g: dict[str, Any]) -> GpuInfo:
 
 
 def host_from_dict(h: dict[str, Any], prev: HostSnapshot | None = None,
-                   changed: list[int] | None = None) -> HostSnapshot:
+                   changed: dict[int, dict[str, Any]] | None = None) -> HostSnapshot:
     """A checked host object as the model (its reservations and flags are the reader's own
     to work out, from its own reservations file). With ``prev`` (the model of this host
     before a patch) and ``changed`` (the GPU positions the patch changed), the other GPUs
@@ -228,8 +247,8 @@ def host_from_dict(h: dict[str, Any], prev: HostSnapshot | None = None,
     elif (prev is not None and changed is not None and prev.error is None
             and len(prev.gpus) == len(h["gpus"])):
         listed = list(prev.gpus)
-        for i in changed:
-            listed[i] = _gpu(h["gpus"][i])
+        for i, keys in changed.items():
+            listed[i] = _gpu_patched(h["gpus"][i], listed[i], keys)
         gpus = tuple(listed)
     else:
         gpus = tuple(_gpu(g) for g in h["gpus"])

@@ -18,8 +18,8 @@ from gputop.sources.hub_hosts import GPU_FIELDS, HOST_FIELDS
 from gputop.sources.hub_schema import MAX_ITEMS, Invalid
 from gputop.text import excerpt
 
-#: (host dict, the positions of its GPUs that changed; None: the host came complete)
-Touched = tuple[dict[str, Any], list[int] | None]
+#: (host dict, its GPUs' changed keys by position; None: the host came complete)
+Touched = tuple[dict[str, Any], dict[int, dict[str, Any]] | None]
 
 _CHANGE_KEYS = frozenset({"name", "set", "gpus"})
 _HOST_SET = {k: c for k, c in HOST_FIELDS.items() if k not in ("name", "gpus")}
@@ -97,16 +97,14 @@ def apply_changes(hosts: dict[str, dict[str, Any]],
         h = dict(hosts[name])
         h.update(c["set"])
         gpus = list(h["gpus"])
-        positions = []
+        before = touched.get(name)
+        keys: dict[int, dict[str, Any]] = dict(before[1] or {}) if before else {}
         for pos, fields in c["gpus"]:
             g = dict(gpus[pos])
             g.update(fields)
             gpus[pos] = g
-            positions.append(pos)
+            keys[pos] = {**keys.get(pos, {}), **fields}
         h["gpus"] = gpus
         hosts[name] = h
-        before = touched.get(name)
-        if before is not None and before[1] is not None:
-            positions = sorted({*before[1], *positions})
-        touched[name] = (h, positions)
+        touched[name] = (h, keys)
     return list(touched.values())
