@@ -330,6 +330,38 @@ async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
             hot[0].utilization_percent)
 
 
+async def test_an_answer_rebuilds_only_the_gpus_that_moved(tmp_path: Path) -> None:
+    """A hub's patch keeps the objects of the GPUs that did not change; the board keeps
+    their rows and builds no cells for them, and a copy that is merely equal costs no
+    cells either. The GPU that moved, and its host's header, are built again."""
+    from gputop.config import HostConfig
+
+    base = fixed_snapshots()[0]
+    gpus = tuple(replace(base.gpus[i % 4], index=i, uuid=f"GPU-{i}") for i in range(8))
+    cfg = replace(board_config(tmp_path), hosts=(HostConfig("node"),))
+    app = GputopApp(cfg, feed=False, clock=lambda: NOW, user="ann")
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.ingest(HostSnapshot(name="node", time=NOW, gpus=gpus))
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        rows = {k: app.model.find(k) for k in table.rows_by_key}
+        built = table.cells_built
+        moved = replace(gpus[5], utilization_percent=(gpus[5].utilization_percent or 0) + 7)
+        app.ingest(HostSnapshot(name="node", time=NOW, gpus=(*gpus[:5], moved, *gpus[6:])))
+        app.render_board()
+        await pilot.pause()
+        assert table.cells_built - built == 2  # GPU 5's row and the host's header
+        kept = [k for k in table.rows_by_key if app.model.find(k) is rows[k]]
+        assert len(kept) == 7  # the rows of the seven GPUs that did not move
+        built = table.cells_built
+        copies = tuple(replace(g) for g in (*gpus[:5], moved, *gpus[6:]))  # equal, new
+        app.ingest(HostSnapshot(name="node", time=NOW, gpus=copies))
+        app.render_board()
+        await pilot.pause()
+        assert table.cells_built - built == 1  # the header only
+
+
 async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Path) -> None:
     seed(Store(tmp_path / "reservations.json"))
     app = make_app(tmp_path)

@@ -53,7 +53,7 @@ STALE_AFTER_INTERVALS = 3
 
 
 #: Seconds a host's rows are reused when it did not answer again: the time-driven flags
-#: (idle holder, idle reservation, thresholds of minutes) may show up this much late.
+#: (idle holder, idle reservation, thresholds of minutes) may show up 1.5 times this late.
 ROW_CACHE_S = 5
 SEP = "\x00"  # joins a row's words for the filter (a term with it takes the slow path)
 
@@ -88,6 +88,8 @@ class _HostRows:
         self.host_hay: str | None = None
         #: The filter's last answer for these rows: (filter key, terms, rows kept).
         self.memo: tuple[tuple[object, ...], list[str], list[GpuRow]] | None = None
+        #: Its GPU rows without instance or share rows, by key (reused while unchanged).
+        self.plain: dict[str, GpuRow] = {}
 
     def hays(self) -> list[str]:
         """Each row's own words (model, users, holder), lowered and joined, then all of
@@ -225,9 +227,10 @@ class BoardModel:
         """Everything a row's cells depend on; equal signatures mean equal cells."""
         minute = int(now.timestamp() // 60)
         if isinstance(row, GpuRow):
-            return ("g", self.host_version.get(row.host), self.state_version, row.stale,
-                    tuple(row.flags), row.free, minute if row.reservation else 0,
-                    row.show_host)
+            # The row itself: the same object (its GPU did not change: see _host_rows)
+            # compares at once, an equal one field by field, so a host's answer redraws
+            # only the GPUs that moved.
+            return ("g", row, self.state_version, minute if row.reservation else 0)
         seconds = int(now.timestamp()) if row.error or row.stale else 0
         return ("h", self.host_version.get(row.host), row.collapsed, row.stale,
                 row.gpu_count, row.instance_count, seconds)
@@ -269,7 +272,10 @@ class BoardModel:
         phase = self._phase.get(host)
         if phase is None:  # hosts' rows expire at different times, not all in one frame
             phase = self._phase[host] = zlib.crc32(host.encode(errors="replace")) % 997 / 997
-        valid_until = (math.floor(ts / ROW_CACHE_S + phase) + 1 - phase) * ROW_CACHE_S
+        # The next boundary of its phase at least half a period away: rows just worked
+        # out for an answer are not worked out again before the next (every 2 s).
+        valid_until = (math.floor((ts + ROW_CACHE_S / 2) / ROW_CACHE_S + phase) + 1
+                       - phase) * ROW_CACHE_S
         if not stale:  # (a new answer, a new version, is what makes it fresh again)
             valid_until = min(valid_until, snap.time.timestamp() + self._stale_after())
         keys = self._keys.get(host)
@@ -279,6 +285,10 @@ class BoardModel:
         tracker = self.tracker
         idle_since = tracker.idle_since  # (most GPUs are not in it: no call for them)
         shared = self._share_index(now)
+        # A GPU whose object is the one before (a hub's patch left it as it was) with the
+        # same inputs keeps its row object: the table then skips it at once.
+        before = cached.plain if cached is not None else {}
+        plain: dict[str, GpuRow] = {}
         for g, gkey in zip(snap.gpus, keys[1]):
             sh = shared.get((host, g.index)) if shared and g.index is not None else None
             if sh:
@@ -289,7 +299,14 @@ class BoardModel:
                     and tracker.is_idle_holder(host, g.index, now))
             unused = r is not None and tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            rows.append(GpuRow(host, gkey, g, r, gpu_flags(g, r, idle, unused), stale, free))
+            flags = gpu_flags(g, r, idle, unused)
+            row = before.get(gkey)
+            if (row is None or row.gpu is not g or row.reservation is not r
+                    or row.stale != stale or row.free != free or row.flags != flags):
+                row = GpuRow(host, gkey, g, r, flags, stale, free)
+            rows.append(row)
+            if not g.instances:
+                plain[gkey] = row
             for inst in g.instances:  # MIG: a row per instance, under its GPU
                 if inst.gpu_instance_id is None:
                     continue
@@ -301,6 +318,7 @@ class BoardModel:
                                    ir, gpu_flags(view, ir, False, iunused), stale, ifree,
                                    instance=inst))
         out = self._row_cache[host] = _HostRows(version, valid_until, rows, stale)
+        out.plain = plain
         if self.filter_text.strip():  # while filtering, the words are worked out here (as
             out.hays()  # the host answers: see warm), not in the next keystroke
         return out
