@@ -235,3 +235,40 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
         hub.close()
     assert len(asked) >= 2
     assert all(b"last-event-id" not in r.lower() for r in asked), asked
+
+
+async def test_the_hub_works_out_patches_only_while_someone_reads_them(tmp_path: Any) -> None:
+    """A real hub's collector folds an answer as an update alone while only update
+    readers listen, and as both once a patch reader is there."""
+    from test_hub_parts import local_config
+
+    from gputop.config import load_config
+    from gputop.hub.server import Hub
+    from gputop.model import GpuInfo, HostSnapshot
+
+    hub = Hub(load_config(str(local_config(tmp_path))))
+    seen: list[str | None] = []
+    publish = hub._published
+
+    def published(update: str, patch: str | None) -> None:
+        seen.append(patch)
+        publish(update, patch)
+
+    hub.collector.on_update = published
+
+    def answer(util: int) -> None:
+        hub.collector.observe(HostSnapshot("here", source="nvml", gpus=(
+            GpuInfo(index=0, uuid="GPU-1", name="T", utilization_percent=util),)))
+        hub.collector.fold()
+
+    answer(1)
+    plain = hub.events.subscribe(lambda: None)
+    answer(2)
+    assert seen[-1] is None  # nobody reads patches: none worked out
+    patched = hub.events.subscribe(lambda: None, patches=True)
+    answer(3)
+    assert seen[-1] is not None and json.loads(seen[-1])["changes"][0]["gpus"] == [
+        [0, {"utilization_percent": 3}]]
+    assert plain is not None and patched is not None
+    assert [f.split(b"\n")[0] for f in patched.take()] == [b"event: patch"]
+    assert [f.split(b"\n")[0] for f in plain.take()] == [b"event: update"] * 2

@@ -174,7 +174,7 @@ class DocCollector:
         self.names = [h["name"] for h in doc["hosts"]]
         self.stats: dict[str, Any] = {}
         self.ready = True
-        self.on_update: Callable[[str, str], None] = lambda update, patch: None
+        self.on_update: Callable[[str, str | None], None] = lambda update, patch: None
 
     def document(self) -> dict[str, Any]:
         return self.doc

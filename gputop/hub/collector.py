@@ -44,7 +44,8 @@ class HostStats:
 
 class Collector:
     """Holds the current document; calls ``on_update(update_json, patch_json)`` per
-    change (the same change as an ``update`` and as a ``patch``: see hub/patches.py)."""
+    change (the same change as an ``update`` and, while ``patches_wanted()``, as a
+    ``patch``: see hub/patches.py)."""
 
     def __init__(self, config: Config, poller: Poller | None = None,
                  coalesce_s: float | None = None) -> None:
@@ -74,7 +75,10 @@ class Collector:
         self._other: dict[str, Any] = {}
         self.time = utcnow()
         self._kick = asyncio.Event()
-        self.on_update: Callable[[str, str], None] = lambda update, patch: None
+        self.on_update: Callable[[str, str | None], None] = lambda update, patch: None
+        #: Whether anyone reads patches now: when nobody does, none is worked out (a
+        #: reader resuming later gets the update instead, which it also takes).
+        self.patches_wanted: Callable[[], bool] = lambda: True
         now = utcnow()
         for n in self.names:  # until a host answers: a placeholder, so the document is whole
             self._latest[n] = HostSnapshot(name=n, time=now, source="none",
@@ -150,6 +154,7 @@ class Collector:
         if self._state_changed(state):
             dirty = set(self.names)
         changed = []
+        patches = self.patches_wanted()
         whole: list[dict[str, Any]] = []  # (for patches: the hosts that go complete)
         changes = []
         for n in self.names:
@@ -164,7 +169,7 @@ class Collector:
             if h != old:
                 self._hosts[n] = h
                 changed.append(h)
-                change = host_change(old, h)
+                change = host_change(old, h) if patches else None
                 if change is None:
                     whole.append(h)
                 else:
@@ -178,7 +183,7 @@ class Collector:
             t = iso(now)
             self.on_update(dumps({"time": t, "hosts": changed, "removed": [], "set": moved}),
                            dumps({"time": t, "hosts": whole, "changes": changes,
-                                  "removed": [], "set": moved}))
+                                  "removed": [], "set": moved}) if patches else None)
         self.fold_seconds += time.process_time() - t0
 
     def _refold_all(self) -> None:

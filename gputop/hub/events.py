@@ -118,6 +118,10 @@ class EventLog:
             return None  # fell out of the window
         return [p if patches else u for seq, u, p in self.retained if seq > n]
 
+    def patch_readers(self) -> bool:
+        """Whether a subscriber reads patches now (else no patch need be worked out)."""
+        return any(s.patches for s in self.subscribers)
+
     def subscribe(self, kill: Callable[[], None], *, patches: bool = False
                   ) -> Subscriber | None:
         """A new subscriber, or None when ``max_subscribers`` streams already run. ``kill``

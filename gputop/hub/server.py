@@ -127,6 +127,7 @@ class Hub:
         self.collector = collector or Collector(config)
         self.events = EventLog(retain=retain, max_subscribers=max_subscribers, backlog=backlog)
         self.collector.on_update = self._published
+        self.collector.patches_wanted = self.events.patch_readers
         self.token = token
         self.keepalive_s = keepalive_s
         self.static = static_files(web_dir)
