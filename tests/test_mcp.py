@@ -311,6 +311,14 @@ async def test_long_fleets_are_counted_and_remote_text_is_bounded() -> None:
             assert [h["error"]["kind"] for h in down] == ["unreachable"]
             narrow = await tools.fleet_status(tag="h100")
             assert [len(h["gpus"]) for h in narrow["hosts"]] == [8, 0]
+            monkey = pytest.MonkeyPatch()  # a host listing more GPUs than one answer holds
+            monkey.setattr("gputop.agents.tools.MAX_HOST_GPUS", 3)
+            try:
+                bounded = await tools.fleet_status(tag="h100")
+            finally:
+                monkey.undo()
+            assert [len(h["gpus"]) for h in bounded["hosts"]] == [3, 0]
+            assert bounded["hosts"][0]["gpus_left_out"] == 5
             assert all(len(p["command"]) <= MAX_COMMAND for h in narrow["hosts"]
                        for g in h["gpus"] for p in g["processes"])
         finally:

@@ -76,6 +76,8 @@ from gputop.text import clean
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them
 #: (name a host or a tag for the detail).
 MAX_DETAIL_GPUS = 64
+#: GPUs listed for one host asked for by name (the rest are counted as left out).
+MAX_HOST_GPUS = 256
 #: Entries listed of reservations, the queue, found GPUs.
 MAX_LIST = 100
 #: ``wait_for_gpus``: its default and longest wait (an agent's call must end).
@@ -248,7 +250,9 @@ class FleetTools:
                                    "error": host_error(h), "last_ok": iso(h.last_ok),
                                    "tags": list(h.tags)}
             if detail:
-                doc["gpus"] = gpus
+                doc["gpus"] = gpus[:MAX_HOST_GPUS]
+                if len(gpus) > MAX_HOST_GPUS:  # (a host that lists thousands: bounded)
+                    doc["gpus_left_out"] = len(gpus) - MAX_HOST_GPUS
             else:
                 doc["gpu_counts"] = here | {"total": len(gpus)}
             out.append(doc)

@@ -77,7 +77,8 @@ def format_duration(seconds: float) -> str:
     """To the nearest minute: a reservation for 2h just made reads "2h00m", not "1h59m"."""
     s = round(seconds / 60) * 60
     if s >= 86400:
-        return f"{s // 86400}d{(s % 86400) // 3600}h"
+        days, hours = s // 86400, (s % 86400) // 3600
+        return f"{days}d{hours}h" if hours else f"{days}d"
     if s >= 3600:
         return f"{s // 3600}h{(s % 3600) // 60:02d}m"
     return f"{s // 60}m"
