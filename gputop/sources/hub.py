@@ -134,9 +134,11 @@ class Document:
             if h["name"] not in self.hosts:
                 self.order.append(h["name"])
             self.hosts[h["name"]] = h
-        for name in update["removed"]:
-            if self.hosts.pop(name, None) is not None:
-                self.order.remove(name)
+        gone = {name for name in update["removed"] if self.hosts.pop(name, None) is not None}
+        if gone:  # (one pass: removing each from the order was hosts x removed)
+            self.order = [n for n in self.order if n not in gone]
+            for name in gone:  # (a hub that adds and removes hosts: no model kept for
+                self.models.pop(name, None)  # each name it ever sent)
         for k, v in update["set"].items():
             if v is None:
                 self.doc.pop(k, None)

@@ -89,22 +89,31 @@ def check_targets(hosts: dict[str, dict[str, Any]], changes: list[dict[str, Any]
 def apply_changes(hosts: dict[str, dict[str, Any]],
                   changes: list[dict[str, Any]]) -> list[Touched]:
     """Apply checked changes to ``hosts`` (by name; each changed host is a new dict, its
-    GPU list a new list, each changed GPU a new dict); returns what each touched."""
+    GPU list a new list, each changed GPU a new dict); returns what each touched.
+
+    Each host and GPU is copied once per patch, however often its changes name it: a
+    hostile patch of 100,000 changes for one host of many GPUs costs its length, not its
+    length times the host's GPUs."""
     check_targets(hosts, changes)
-    touched: dict[str, Touched] = {}
+    touched: dict[str, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
     for c in changes:
         name = c["name"]
-        h = dict(hosts[name])
-        h.update(c["set"])
-        gpus = list(h["gpus"])
-        before = touched.get(name)
-        keys: dict[int, dict[str, Any]] = dict(before[1] or {}) if before else {}
+        had = touched.get(name)
+        if had is None:  # (its first change in this patch: its copies)
+            h = dict(hosts[name])
+            h["gpus"] = list(h["gpus"])
+            hosts[name] = h
+            had = touched[name] = (h, {})
+        h, keys = had
+        h.update(c["set"])  # (never "name" or "gpus": check_changes)
+        gpus = h["gpus"]
         for pos, fields in c["gpus"]:
-            g = dict(gpus[pos])
+            mine = keys.get(pos)
+            if mine is None:  # (this GPU's first change in this patch: its copy)
+                g = gpus[pos] = dict(gpus[pos])
+                mine = keys[pos] = {}
+            else:
+                g = gpus[pos]
             g.update(fields)
-            gpus[pos] = g
-            keys[pos] = {**keys.get(pos, {}), **fields}
-        h["gpus"] = gpus
-        hosts[name] = h
-        touched[name] = (h, keys)
+            mine.update(fields)
     return list(touched.values())
