@@ -45,7 +45,8 @@ class HostStats:
 class Collector:
     """Holds the current document; calls ``on_update(update_json, patch_json)`` per
     change (the same change as an ``update`` and, while ``patches_wanted()``, as a
-    ``patch``: see hub/patches.py)."""
+    ``patch``: see hub/patches.py; None when every changed host goes complete: the
+    update is that patch)."""
 
     def __init__(self, config: Config, poller: Poller | None = None,
                  coalesce_s: float | None = None) -> None:
@@ -181,9 +182,12 @@ class Collector:
         if changed or moved:
             self.refreshes += 1
             t = iso(now)
+            # No change a patch can carry (every host complete: the first answers, hosts
+            # failing): the update itself, so the retained window keeps it once, not twice.
             self.on_update(dumps({"time": t, "hosts": changed, "removed": [], "set": moved}),
                            dumps({"time": t, "hosts": whole, "changes": changes,
-                                  "removed": [], "set": moved}) if patches else None)
+                                  "removed": [], "set": moved}) if patches and changes
+                           else None)
         self.fold_seconds += time.process_time() - t0
 
     def _refold_all(self) -> None:
