@@ -333,9 +333,13 @@ class GputopApp(StoreActions):
         them all at once."""
         self._drain_woken = False
         start = time.perf_counter()
-        if (time.monotonic() < self._key_hold_until
-                and start - self._last_drain < KEY_DRAIN_MAX_S):
-            self._drain_soon(min(KEY_HOLD_S, KEY_DRAIN_MAX_S - (start - self._last_drain)))
+        since = start - self._last_drain
+        hold = self._key_hold_until - time.monotonic()
+        if hold > 0 and since < KEY_DRAIN_MAX_S:
+            # After the key, or KEY_DRAIN_MAX_S after the last drain, whichever is first
+            # (_drain_soon counts from the last drain: the delay is given that way, or
+            # from about KEY_HOLD_S after it on, every try would be due at once: a spin).
+            self._drain_soon(since + min(hold, KEY_DRAIN_MAX_S - since))
             return
         self._last_drain = start
         deadline = start + DRAIN_BUDGET_S
