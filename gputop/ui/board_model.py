@@ -31,6 +31,7 @@ from gputop.reservations.flags import (
     reservation_index,
     share_flags,
 )
+from gputop.reservations.ops import format_duration
 from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
@@ -225,12 +226,15 @@ class BoardModel:
 
     def signature(self, row: Row, now: datetime) -> tuple[object, ...]:
         """Everything a row's cells depend on; equal signatures mean equal cells."""
-        minute = int(now.timestamp() // 60)
         if isinstance(row, GpuRow):
             # The row itself: the same object (its GPU did not change: see _host_rows)
             # compares at once, an equal one field by field, so a host's answer redraws
-            # only the GPUs that moved.
-            return ("g", row, self.state_version, minute if row.reservation else 0)
+            # only the GPUs that moved. And the time left it shows (a reservation's or a
+            # share's), as shown: a row kept or equal still counts down.
+            held = row.share if row.share is not None else row.reservation
+            left = ("" if held is None else
+                    format_duration(max(0.0, (held.expires - now).total_seconds())))
+            return ("g", row, self.state_version, left)
         seconds = int(now.timestamp()) if row.error or row.stale else 0
         return ("h", self.host_version.get(row.host), row.collapsed, row.stale,
                 row.gpu_count, row.instance_count, seconds)
