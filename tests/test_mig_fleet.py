@@ -168,6 +168,8 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     rec.set_reservations(StoreState(reservations=(new_reservation(
         "gpu-mig", 0, "gtbob", "m", start - timedelta(hours=1), 7200, None, "", 9),)))
 
+    want = len(mig_fleet.hosts["gpu-mig"].processes)
+
     async def go() -> None:
         poller = Poller(load_config(mig_fleet.write_config(timeout=5.0)))
         try:
@@ -176,9 +178,13 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
                 snap = await poller.snapshot()
                 host = snap.hosts[0]
                 assert host.ok and host.gpus[0].instances, host.error
-                if not all(p.gpu_instance_id is not None for p in host.gpus[0].processes):
-                    # The MIG inventory places processes in instances; until it has
-                    # (a loaded machine), the sample is not the one this test is about.
+                if (not all(p.gpu_instance_id is not None for p in host.gpus[0].processes)
+                        or not all(p.user for g in host.gpus for p in g.processes)
+                        or len([p for g in host.gpus for p in g.processes]) < want):
+                    # The MIG inventory places processes in instances, and a session's
+                    # first samples may show a process before its owner (or one batch of
+                    # processes in part); until then (a loaded machine), the sample is
+                    # not the one this test is about.
                     await asyncio.sleep(0.3)
                     continue
                 rec.record(host)
