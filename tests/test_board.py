@@ -7,6 +7,7 @@ import os
 import pwd
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -1074,6 +1075,39 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
     assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
     clock[0] = NOW + timedelta(minutes=6)
     assert "idle-reservation" in row(gk("gpu-mixed", 2)).flags
+
+
+async def test_with_no_answers_the_screen_still_follows_the_clock(tmp_path: Path) -> None:
+    """A hub that hangs (or every host at once): no answer comes, so nothing marked the
+    board for a redraw and a host's rows showed old data as current, unmarked, until a key
+    (seen by a new user for 35 s). The frame's tick draws once a second while nothing
+    answers: the host turns stale on screen, its answer's age counts."""
+    clock = [NOW]
+    app = make_app(tmp_path, clock=lambda: clock[0])
+    async with app.run_test(size=(120, 40)) as pilot:
+        snap = fixed_snapshots()[0]  # (answered a second before NOW)
+        app.ingest(snap)
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        assert "stale" not in on_screen(app, table, snap.name)
+        clock[0] = NOW + timedelta(seconds=30)  # no answer since
+        app._last_ingest -= 30
+        app._last_render -= 1
+        app._tick()
+        await pilot.pause()
+        assert "stale: seen 31s ago" in on_screen(app, table, snap.name)
+        clock[0] = NOW + timedelta(seconds=31)
+        app._last_render -= 1
+        app._tick()
+        await pilot.pause()
+        assert "stale: seen 32s ago" in on_screen(app, table, snap.name)
+        # Answers flowing: the tick draws only what they changed (none here: no redraw).
+        app._last_ingest = app._last_render = time.monotonic()
+        clock[0] = NOW + timedelta(seconds=40)
+        app._tick()
+        await pilot.pause()
+        assert "stale: seen 32s ago" in on_screen(app, table, snap.name)
 
 
 @pytest.mark.parametrize("size", [(120, 40), (80, 24)])

@@ -45,7 +45,8 @@ def check_hosts(config: Config, targets: Sequence[Target]) -> None:
     for t in targets:
         if t.host not in names:
             raise Invalid(f"unknown host {t.host!r}; hosts in {config.path or 'the config'}: "
-                          + ", ".join(names))
+                          + (", ".join(names) or "none (each host you reserve on must be "
+                             "in your hosts.toml, also with a hub)"))
 
 async def poll_hosts(config: Config, names: set[str] | None = None) -> list[HostSnapshot]:
 

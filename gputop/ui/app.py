@@ -153,6 +153,7 @@ class GputopApp(StoreActions):
         #: The feed woke the drain and it has not run since (set on the feed's thread).
         self._drain_woken = False
         self._drain_timer: asyncio.TimerHandle | None = None
+        self._last_ingest = self._last_render = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -191,7 +192,7 @@ class GputopApp(StoreActions):
         self.query_one(DetailPane).history_path = self.config.history_path
         self.reload_store()
         self.set_focus(self.query_one(BoardTable))  # now, not after a refresh
-        if self.config.implicit:
+        if self.config.implicit and self.config.hub_url is None:  # (a hub names the hosts)
             from gputop.config import NO_CONFIG_HINT, default_config_path
 
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
@@ -294,6 +295,11 @@ class GputopApp(StoreActions):
         gc.collect(1 if self._gc_runs % 50 == 0 else 0)
 
     def _tick(self) -> None:
+        # Nothing answered for a while (a hung hub, every host hung): draw anyway, once a
+        # second, for what time alone changes (stale marks, "seen Xs ago", time left).
+        now = time.monotonic()
+        if now - self._last_ingest > self.config.interval + 1 and now - self._last_render >= 1:
+            self._dirty = True
         self._render_if_dirty()
         if self._long_running:
             self._collect_young()
@@ -360,6 +366,7 @@ class GputopApp(StoreActions):
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
         self._dirty = True
+        self._last_ingest = time.monotonic()
 
     def _warn(self, message: str) -> None:
         self.notify(message, severity="warning", markup=False, timeout=8)
@@ -372,6 +379,7 @@ class GputopApp(StoreActions):
 
     def render_board(self) -> None:
         self._dirty = False
+        self._last_render = time.monotonic()
         now = self.clock()
         table = self.query_one(BoardTable)
         rows, summary = self.model.view()
