@@ -24,6 +24,7 @@ from textual import events, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Input
 from textual.worker import Worker
 
@@ -300,7 +301,10 @@ class GputopApp(StoreActions):
         now = time.monotonic()
         if now - self._last_ingest > self.config.interval + 1 and now - self._last_render >= 1:
             self._dirty = True
-        self._render_if_dirty()
+        try:
+            self._render_if_dirty()
+        except NoMatches:  # (a tick while the app shuts down: its widgets are gone)
+            return
         if self._long_running:
             self._collect_young()
         if self._drain_timer is None and not self._inbox.empty():
