@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from board_data import NOW, board_config, fixed_snapshots, seed
+from textual.widgets import Input
 
 from gputop.reservations import Store
 from gputop.ui.app import GputopApp
@@ -48,6 +49,11 @@ def loader(select: str | None = None, keys: tuple[str, ...] = ()):  # type: igno
             table.move_cursor(row=table.get_row_index(select), animate=False)
         for k in keys:
             await pilot.press(k)
+        await pilot.pause()
+        # A dialog's input cursor blinks every 0.5 s: on a loaded machine the picture was
+        # taken in its off half once (CI-like run). Shown steadily, as it is half the time.
+        for field in app.screen.query(Input):
+            field.cursor_blink = False
         await pilot.pause()
     return run_before
 
