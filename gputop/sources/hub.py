@@ -36,7 +36,7 @@ from gputop.model import (
 )
 from gputop.sources import HubError
 from gputop.sources.hub_hosts import check_hosts
-from gputop.sources.hub_patch import Touched, apply_changes, check_changes, check_targets
+from gputop.sources.hub_patch import Touched, apply_changes, check_changes, check_places
 from gputop.sources.hub_schema import MAX_ITEMS, check, schema
 from gputop.sources.hub_schema import Invalid as _Invalid
 from gputop.text import clean, excerpt
@@ -153,10 +153,15 @@ class Document:
         """Apply a checked patch (``hub_patch.check_patch``): its complete hosts, then its
         changes; returns each host it touched, with its changed GPUs' keys by position
         (None: complete)."""
-        after = {**self.hosts, **{h["name"]: h for h in update["hosts"]}}
-        for name in update["removed"]:
-            after.pop(name, None)
-        check_targets(after, changes)  # (before anything is applied: whole or not at all)
+        incoming = {h["name"]: h for h in update["hosts"]}
+        removed = set(update["removed"])
+
+        def host(name: str) -> dict[str, Any] | None:  # (as it is once the update applies)
+            if name in removed:
+                return None
+            return incoming.get(name) or self.hosts.get(name)
+
+        check_places(host, changes)  # (before anything is applied: whole or not at all)
         whole = self.apply(update)
         touched = apply_changes(self.hosts, changes)
         if touched:
@@ -241,8 +246,8 @@ def host_from_dict(h: dict[str, Any], prev: HostSnapshot | None = None,
                    changed: dict[int, dict[str, Any]] | None = None) -> HostSnapshot:
     """A checked host object as the model (its reservations and flags are the reader's own
     to work out, from its own reservations file). With ``prev`` (the model of this host
-    before a patch) and ``changed`` (the GPU positions the patch changed), the other GPUs
-    are ``prev``'s own objects."""
+    before a patch) and ``changed`` (the keys the patch changed, by GPU position), the
+    other GPUs are ``prev``'s own objects."""
     err = h["error"]
     if err is not None:
         gpus: tuple[GpuInfo, ...] = ()

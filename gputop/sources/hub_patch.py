@@ -12,6 +12,7 @@ a snapshot). Only the changed GPUs are checked and become the model again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gputop.sources.hub_hosts import GPU_FIELDS, HOST_FIELDS
@@ -71,12 +72,14 @@ def check_changes(changes: Any) -> list[dict[str, Any]]:
     return [_change(c, f"patch.changes[{i}]") for i, c in enumerate(changes)]
 
 
-def check_targets(hosts: dict[str, dict[str, Any]], changes: list[dict[str, Any]]) -> None:
-    """Every change names a host in ``hosts`` and GPU positions it has: checked before
-    anything is applied, so a patch is applied whole or not at all."""
+def check_places(host: Callable[[str], dict[str, Any] | None],
+                 changes: list[dict[str, Any]]) -> None:
+    """Every change names a host (``host(name)``: as it will be when the changes apply)
+    and GPU positions it has: checked before anything is applied, so a patch is applied
+    whole or not at all."""
     for c in changes:
         name = c["name"]
-        was = hosts.get(name)
+        was = host(name)
         if was is None:
             raise Invalid(f"a patch for a host not in the document: {excerpt(name, 40)!r}")
         n = len(was["gpus"])
@@ -88,13 +91,13 @@ def check_targets(hosts: dict[str, dict[str, Any]], changes: list[dict[str, Any]
 
 def apply_changes(hosts: dict[str, dict[str, Any]],
                   changes: list[dict[str, Any]]) -> list[Touched]:
-    """Apply checked changes to ``hosts`` (by name; each changed host is a new dict, its
-    GPU list a new list, each changed GPU a new dict); returns what each touched.
+    """Apply checked changes (``check_changes``, and ``check_places`` against these
+    hosts) to ``hosts`` (by name; each changed host is a new dict, its GPU list a new
+    list, each changed GPU a new dict); returns what each touched.
 
     Each host and GPU is copied once per patch, however often its changes name it: a
     hostile patch of 100,000 changes for one host of many GPUs costs its length, not its
     length times the host's GPUs."""
-    check_targets(hosts, changes)
     touched: dict[str, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
     for c in changes:
         name = c["name"]
