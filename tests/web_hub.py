@@ -196,6 +196,8 @@ class DocHub:
                        f'[history]\npath = "{config_dir / "none.sqlite3"}"\n'
                        '[[hosts]]\nname = "x"\nlocal = true\n')
         self.collector = DocCollector(doc)
+        #: Each host as last sent (what a patch is worked out against).
+        self.sent: dict[str, dict[str, Any]] = {h["name"]: h for h in doc["hosts"]}
         self.hub = Hub(load_config(str(cfg)), collector=self.collector,  # type: ignore[arg-type]
                        token=token)
         self.address = address
@@ -224,14 +226,31 @@ class DocHub:
         return f"http://{self.address}:{self.port}/"
 
     def publish(self, hosts: list[dict[str, Any]], set_: dict[str, Any] | None = None) -> None:
+        """``hosts`` changed: as an update and, as the hub's collector does, a patch."""
+        from gputop.hub.patches import host_change
         from gputop.output import dumps
 
-        up = dumps({"time": iso(datetime.now(timezone.utc)), "hosts": hosts, "removed": [],
-                    "set": set_ or {}})
+        t = iso(datetime.now(timezone.utc))
+        up = dumps({"time": t, "hosts": hosts, "removed": [], "set": set_ or {}})
+        whole: list[dict[str, Any]] = []
+        changes: list[dict[str, Any]] = []
+        for h in hosts:
+            change = host_change(self.sent.get(h["name"]), h)
+            self.sent[h["name"]] = h
+            if change is None:
+                whole.append(h)
+            else:
+                changes.append(change)
+        patch = dumps({"time": t, "hosts": whole, "changes": changes, "removed": [],
+                       "set": set_ or {}}) if changes else None
+        self.publish_raw(up, patch)
+
+    def publish_raw(self, update: str, patch: str | None = None) -> None:
+        """One change as the hub's events framed it (``patch`` for readers of patches)."""
         done = threading.Event()
 
         def go() -> None:
-            self.hub._published(up)
+            self.hub._published(update, patch)
             done.set()
 
         self.loop.call_soon_threadsafe(go)

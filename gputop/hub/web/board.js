@@ -4,8 +4,8 @@
 // the data and never calls it current; a restarted hub's snapshot replaces everything.
 
 import {
-  clock, compareRows, duration, hostName, list, obj, parseTime, readState, str, summary,
-  terms, writeState,
+  clock, compareRows, duration, hostName, list, obj, parseTime, patched, readState, str,
+  summary, terms, writeState,
 } from "./data.js";
 import { renderPeople, renderQueue, renderWaste } from "./panels.js";
 import { HostView } from "./view.js";
@@ -26,7 +26,8 @@ const board = {
   lastEvent: 0, // when the last event came (shown as "updated")
   lastHeard: 0, // ... or the hub last answered /-/healthy (the watchdog's clock)
   snapshots: 0,
-  updates: 0,
+  updates: 0, // updates and patches taken
+  resyncs: 0, // patches that did not fit: the stream started again
   epoch: null,
   flatKey: "",
   page: 0,
@@ -70,7 +71,9 @@ function drawConn() {
 function connect() {
   clearTimeout(liveTimer);
   if (source) source.close();
-  const es = (source = new EventSource("/api/v1/events"));
+  // Patches (docs/hub.md): a host whose GPUs only moved comes as what moved, about a
+  // fifth of its complete object, and its unchanged GPUs keep their objects.
+  const es = (source = new EventSource("/api/v1/events?patches=1"));
   es.onopen = () => {
     // A restarted hub's snapshot (or a resumed stream's missed updates) comes at once;
     // a resumed stream that missed nothing sends nothing: current, then, after a moment.
@@ -90,6 +93,17 @@ function connect() {
     const up = parse(e.data);
     if (up === null || !board.snapshots) return;
     applyUpdate(up);
+    heard();
+  }));
+  es.addEventListener("patch", (e) => measured("gputop-update", () => {
+    const up = parse(e.data);
+    if (up === null || !board.snapshots) return;
+    if (!applyPatch(up)) {
+      // A patch that does not fit what this page holds: start again from a snapshot.
+      board.resyncs += 1;
+      connect();
+      return;
+    }
     heard();
   }));
   es.onerror = () => {
@@ -207,8 +221,33 @@ function applySnapshot(doc) {
   if (state.tv) setTimeout(() => turnPage(0), 0);
 }
 
+/** An ``update``: each host complete. */
 function applyUpdate(up) {
   board.updates += 1;
+  refresh(takeHosts(up), takeRest(up));
+}
+
+/** A ``patch``: hosts complete (as in an update) and changes to the others, applied
+ * whole or not at all; false (nothing applied) when a change does not fit. */
+function applyPatch(up) {
+  const hosts = list(up.hosts).map(obj).filter((h) => h && hostName(h));
+  const view = new Map(board.hosts);
+  for (const h of hosts) view.set(hostName(h), h);
+  const changes = patched(view, up.changes);
+  if (changes === null) return false;
+  board.updates += 1;
+  const changed = takeHosts(up);
+  const named = new Set(changed);
+  for (const [n, h] of changes) {
+    board.hosts.set(n, h);
+    if (!named.has(n)) changed.push(n);
+  }
+  refresh(changed, takeRest(up));
+  return true;
+}
+
+/** The complete hosts of an update or patch, into the board; their names. */
+function takeHosts(up) {
   const changed = [];
   for (const h of list(up.hosts).map(obj)) {
     const n = h && hostName(h);
@@ -217,6 +256,11 @@ function applyUpdate(up) {
     board.hosts.set(n, h);
     changed.push(n);
   }
+  return changed;
+}
+
+/** ``removed`` and ``set`` of an update or patch; whether hosts went (a new order). */
+function takeRest(up) {
   let reorder = false;
   for (const n of list(up.removed)) {
     if (typeof n !== "string" || !board.hosts.has(n)) continue;
@@ -231,7 +275,7 @@ function applyUpdate(up) {
   if ("reservations_error" in set) {
     board.resError = typeof set.reservations_error === "string" ? set.reservations_error : null;
   }
-  refresh(changed, reorder);
+  return reorder;
 }
 
 // --- drawing -----------------------------------------------------------------------------
@@ -241,6 +285,7 @@ function refresh(names, all) {
   const hostsBox = $("hosts");
   let placed = all;
   for (const n of names) {
+    if (!board.hosts.has(n)) continue; // (named and removed in one event)
     let v = board.views.get(n);
     if (!v) {
       v = new HostView(n);
@@ -267,7 +312,11 @@ function applyView(names, placed) {
   for (const n of names) {
     const v = board.views.get(n);
     const on = v.filter(ts, state.free);
-    v.el.hidden = !on || (flat && !v.failed);
+    const hide = !on || (flat && !v.failed);
+    if (v.el.gtShown !== !hide) {
+      v.el.gtShown = !hide;
+      v.el.hidden = hide;
+    }
     if (!flat && placed) v.adopt();
   }
   for (const v of board.views.values()) any = any || !v.el.hidden;

@@ -233,3 +233,40 @@ export function summary(hosts) {
   }
   return s;
 }
+
+/** A ``patch`` event's ``changes`` applied to copies of the hosts they name (``hosts``:
+ * name -> host object, as they are once the patch's complete hosts are in): a Map of
+ * name -> the new host object, each changed GPU a new object and every other GPU the
+ * same object as before (so its row can tell it is unchanged). Null, with nothing
+ * applied, when any change does not fit: not an object, a host not known, a GPU position
+ * the host does not have, a key a change may not carry (docs/hub.md). */
+export function patched(hosts, changes) {
+  if (!Array.isArray(changes)) return null;
+  const out = new Map();
+  for (const c of changes) {
+    const name = obj(c) === null ? null : c.name;
+    const set = obj(c?.set);
+    if (typeof name !== "string" || set === null || !Array.isArray(c.gpus)) return null;
+    if ("name" in set || "gpus" in set) return null;
+    let h = out.get(name);
+    if (h === undefined) {
+      const was = obj(hosts.get(name));
+      if (was === null || !Array.isArray(was.gpus)) return null;
+      h = { ...was, gpus: [...was.gpus] };
+      out.set(name, h);
+    }
+    if (Object.keys(set).length) {
+      h = { ...h, ...set }; // (spread, not assign: a "__proto__" key stays a plain key)
+      out.set(name, h);
+    }
+    for (const item of c.gpus) {
+      const pos = Array.isArray(item) ? item[0] : null;
+      const fields = Array.isArray(item) ? obj(item[1]) : null;
+      if (!Number.isInteger(pos) || pos < 0 || pos >= h.gpus.length || fields === null) {
+        return null;
+      }
+      h.gpus[pos] = { ...obj(h.gpus[pos]), ...fields };
+    }
+  }
+  return out;
+}

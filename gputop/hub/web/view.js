@@ -15,9 +15,12 @@ export function el(tag, cls, text) {
   return e;
 }
 
-/** Text set as text. An element holding one text node has that node's data changed (no
- * node made or dropped: the cheap path, taken by every number of every update). */
+/** Text set as text. The last text set is kept on the node (``gtText``), so an unchanged
+ * value costs no DOM read; an element holding one text node has that node's data changed
+ * (no node made or dropped: the cheap path, taken by every number of every update). */
 function setText(node, text) {
+  if (node.gtText === text) return;
+  node.gtText = text;
   const t = node.firstChild;
   if (t !== null && t.nodeType === Node.TEXT_NODE && t.nextSibling === null) {
     if (t.data !== text) t.data = text;
@@ -31,7 +34,10 @@ function setTitle(node, text) {
   if (node.title !== text) node.title = text;
 }
 
+/** Shown or hidden; the state last set is kept on the node, as with setText. */
 function show(node, on) {
+  if (node.gtShown === on) return;
+  node.gtShown = on;
   if (node.hidden === on) node.hidden = !on;
 }
 
@@ -199,7 +205,8 @@ export class GpuView {
     this.insts = [];
     this.key = { procs: null, flags: null, mig: null };
     this.free = false;
-    this.words = [];
+    this.wordsOf = null; // the GPU whose words the filter has not yet worked out
+    this.words_ = [];
     this.util_ = null;
     this.freeMib = -1;
     this.index = 0;
@@ -208,6 +215,7 @@ export class GpuView {
     this.seen = false;
     this.drawn = false;
     this.pending = null;
+    this.last = null; // the GPU object last taken
     views.set(this.el, this);
     sight.observe(this.el);
   }
@@ -222,17 +230,28 @@ export class GpuView {
    * (or new), else when it comes into view: an update of 200 hosts writes only the rows
    * someone can see. */
   update(g) {
+    if (g === this.last) return; // (a patch left this GPU as it was)
+    this.last = g;
     const index = num(g.index);
     this.index = index ?? 1e9;
     this.util_ = num(g.utilization_percent);
     this.freeMib = freeMib(g);
     this.free = anyFree(g);
-    this.words = gpuWords(g);
+    this.wordsOf = g; // (worked out when a filter asks: most updates have none)
     if (this.seen || !this.drawn) {
       this.draw(g);
     } else {
       this.pending = g;
     }
+  }
+
+  /** What the filter matches a term against: worked out for the GPU last taken. */
+  get words() {
+    if (this.wordsOf !== null) {
+      this.words_ = gpuWords(this.wordsOf);
+      this.wordsOf = null;
+    }
+    return this.words_;
   }
 
   /** Draw what is waiting (the row came into view, or a page of the wall screen did). */
@@ -335,6 +354,7 @@ export class HostView {
     this.words = [name.toLowerCase()];
     this.lastOk = null;
     this.failed = false;
+    this.look = "";
     this.tagKey = "";
   }
 
@@ -343,8 +363,12 @@ export class HostView {
     const error = obj(h.error);
     const kind = error ? str(error.kind, 32) || "error" : "";
     this.failed = h.status !== "ok" || error !== null;
-    this.el.classList.toggle("failed", this.failed);
-    this.el.classList.toggle("starting", kind === "starting");
+    const look = `${+this.failed}${+(kind === "starting")}`;
+    if (look !== this.look) {
+      this.look = look;
+      this.el.classList.toggle("failed", this.failed);
+      this.el.classList.toggle("starting", kind === "starting");
+    }
     setText(this.pill, this.failed ? kind || "error" : "ok");
     const tags = list(h.tags).map((t) => str(t, 64)).filter(Boolean);
     if (tags.join("\0") !== this.tagKey) {
@@ -386,7 +410,7 @@ export class HostView {
     this.order = keys;
     const free = [...this.rows.values()].filter((r) => r.free).length;
     setText(this.info, gpus.length ? `${gpus.length} GPU${gpus.length > 1 ? "s" : ""} \u00b7 ${free} free` : "");
-    this.tick(Date.now());
+    this.tickHead(Date.now()); // (a drawn row's time left was set as it was drawn)
     return changed;
   }
 
@@ -426,11 +450,16 @@ export class HostView {
   }
 
   tick(now) {
+    this.tickHead(now);
+    for (const r of this.rows.values()) r.tick(now);
+  }
+
+  /** "last answered ... ago" of a failed host. */
+  tickHead(now) {
     if (!this.err.hidden) {
       setText(this.errLast, this.lastOk === null ? "never answered"
         : `last answered ${clock(this.lastOk)} (${duration((now - this.lastOk) / 1000)} ago)`);
     }
-    for (const r of this.rows.values()) r.tick(now);
   }
 }
 

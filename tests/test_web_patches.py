@@ -1,0 +1,131 @@
+"""The web page reads the hub's ``patch`` events (docs/hub.md) in a real headless
+Chromium: a host whose GPUs moved comes as what moved, a GPU that did not move keeps its
+object and its row is not written, and a patch that does not fit what the page holds (a
+host it does not know, a GPU position the host does not have, a key a change may not
+carry, a wrong type) is applied not at all: the page starts again from a snapshot."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_web_board import _need_chromium, wait
+from web_hub import DocHub, browser, fleet_doc
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
+    _need_chromium()
+    doc = fleet_doc(6, 4, seed=11)
+    h = DocHub(doc, tmp_path_factory.mktemp("patchhub"))
+    b = browser(1600, 1000)
+    b.get(h.url)
+    wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live", 30)
+    yield h, b, doc
+    b.quit()
+    h.stop()
+
+
+def _cell(b: Any, host: str, index: int, cls: str) -> str:
+    return str(b.execute_script(
+        "const s = document.querySelector(`section.host[data-host='${arguments[0]}']`);"
+        "const g = [...s.querySelectorAll('.gpu')].find("
+        "  (r) => r.querySelector('.idx').textContent === String(arguments[1]));"
+        "return g.querySelector(arguments[2]).textContent;", host, index, cls))
+
+
+def _move(h: DocHub, doc: dict[str, Any], host: int, gpu: int, util: int) -> dict[str, Any]:
+    """One GPU of one host moves; the host as the hub then sends it."""
+    new = copy.deepcopy(doc["hosts"][host])
+    new["gpus"][gpu]["utilization_percent"] = util
+    doc["hosts"][host] = new
+    h.publish([new])
+    return new
+
+
+def test_a_patch_moves_what_moved_and_writes_no_other_row(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    h, b, doc = paged
+    assert h.hub.events.patch_readers()  # (the page asked for patches)
+    name = doc["hosts"][0]["name"]
+    b.execute_script("""window.written = 0; new MutationObserver((m) => {
+        window.written += m.length; }).observe(
+        document.querySelector(`section.host[data-host='${arguments[0]}'] .gpu:nth-child(2)`),
+        {subtree: true, characterData: true, childList: true, attributes: true});""", name)
+    before = b.execute_script("return [window.gputopBoard.updates, window.gputopBoard.snapshots,"
+                              " window.gputopBoard.resyncs]")
+    _move(h, doc, 0, 0, 93)
+    wait(b, "return window.gputopBoard.updates > arguments[0]", "patch", 10, before[0])
+    assert _cell(b, name, 0, ".util .val") == "93%"
+    # Taken as a patch (no snapshot again), and the GPU that did not move was not touched.
+    assert b.execute_script("return [window.gputopBoard.snapshots, window.gputopBoard.resyncs]"
+                            ) == before[1:]
+    assert b.execute_script("return window.written") == 0
+    # The page's copy of the host is the hub's document, key for key.
+    held: dict[str, Any] = b.execute_script(
+        "return window.gputopBoard.hosts.get(arguments[0])", name)
+    assert held == json.loads(json.dumps(doc["hosts"][0]))
+
+
+HOSTILE = [
+    ("a host the page does not know", lambda n: [{"name": "nobody", "set": {}, "gpus": []}]),
+    ("a position past the host's GPUs",
+     lambda n: [{"name": n, "set": {}, "gpus": [[4, {"utilization_percent": 1}]]}]),
+    ("a negative position", lambda n: [{"name": n, "set": {}, "gpus": [[-1, {}]]}]),
+    ("a position as text", lambda n: [{"name": n, "set": {}, "gpus": [["0", {}]]}]),
+    ("a position with a fraction", lambda n: [{"name": n, "set": {}, "gpus": [[0.5, {}]]}]),
+    ("a host's GPUs set whole", lambda n: [{"name": n, "set": {"gpus": []}, "gpus": []}]),
+    ("a host renamed", lambda n: [{"name": n, "set": {"name": "x"}, "gpus": []}]),
+    ("fields that are not an object", lambda n: [{"name": n, "set": {}, "gpus": [[0, [1]]]}]),
+    ("changes that are not a list", lambda n: {"name": n}),
+    ("a change that is not an object", lambda n: [7]),
+]
+
+
+@pytest.mark.parametrize("what,changes", HOSTILE, ids=[w for w, _ in HOSTILE])
+def test_a_patch_that_does_not_fit_is_not_applied_and_the_page_starts_again(
+        paged: tuple[DocHub, Any, dict[str, Any]], what: str, changes: Any) -> None:
+    h, b, doc = paged
+    name = doc["hosts"][1]["name"]
+    # A good change first in the same patch: applied not at all either.
+    good = {"name": name, "set": {}, "gpus": [[1, {"utilization_percent": 61}]]}
+    bad = changes(name)
+    patch = {"time": doc["time"], "hosts": [], "removed": [], "set": {},
+             "changes": [good, *bad] if isinstance(bad, list) else bad}
+    was = _cell(b, name, 1, ".util .val")
+    before = b.execute_script("return [window.gputopBoard.snapshots, window.gputopBoard.resyncs]")
+    h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
+                  json.dumps(patch))
+    wait(b, "return window.gputopBoard.resyncs > arguments[0]", f"a resync after {what}", 10,
+         before[1])
+    wait(b, "return window.gputopBoard.snapshots > arguments[0] && "
+            "window.gputopBoard.conn === 'live'", "the snapshot again", 15, before[0])
+    # The page shows the hub's document, none of the patch.
+    assert _cell(b, name, 1, ".util .val") == was != "61%"
+    assert b.execute_script("return document.querySelectorAll('.gpu').length") == 6 * 4
+    assert [e for e in b.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_a_proto_key_in_a_patch_stays_data(paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    h, b, doc = paged
+    name = doc["hosts"][2]["name"]
+    before = b.execute_script("return [window.gputopBoard.updates, window.gputopBoard.resyncs]")
+    patch = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}, "changes": [
+        {"name": name, "set": {"__proto__": {"polluted": 1}},
+         "gpus": [[0, {"__proto__": {"polluted": 2}, "utilization_percent": 17}]]}]})
+    assert '"__proto__"' in patch
+    h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}), patch)
+    wait(b, "return window.gputopBoard.updates > arguments[0]", "patch", 10, before[0])
+    assert _cell(b, name, 0, ".util .val") == "17%"
+    got = b.execute_script("""const h = window.gputopBoard.hosts.get(arguments[0]);
+        return [Object.getPrototypeOf(h) === Object.prototype, h.polluted ?? null,
+                Object.getPrototypeOf(h.gpus[0]) === Object.prototype, h.gpus[0].polluted ?? null,
+                ({}).polluted ?? null, window.gputopBoard.resyncs];""", name)
+    assert got == [True, None, True, None, None, before[1]]
