@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
@@ -207,20 +208,23 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                     await asyncio.wait_for(changed.wait(), WATCH_S)
             changed.clear()
     finally:
-        for task in (keeper, feeder):
-            if task is not None:
-                task.cancel()
-        if feeder is not None:  # its host loops end before the poller closes
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await feeder
-        if joining is not None and not joining.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(joining)  # the place is in the file: now it can go
-        try:
-            await asyncio.shield(asyncio.to_thread(_leave, q, say))
-        finally:
-            if own:
-                await poller.aclose()
+        async def leave() -> None:
+            for task in (keeper, feeder):
+                if task is not None:
+                    task.cancel()
+            if feeder is not None:  # its host loops end before the poller closes
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await feeder
+            if joining is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await joining  # the place is in the file: now it can go
+            try:
+                await asyncio.to_thread(_leave, q, say)
+            finally:
+                if own:
+                    await poller.aclose()
+
+        await run_to_end(leave())
 
 
 #: For how many refresh intervals a request must look unsatisfiable before its waiter
@@ -322,6 +326,24 @@ async def keep_lease(q: Queue, say: Callable[[str], None], renewing: set[str],
             say(f"could not renew your place in the queue ({exc}); trying again")
         finally:
             renewing.clear()
+
+
+async def run_to_end(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run ``cleanup`` to its end, on its own task, however often this one is cancelled
+    meanwhile. An MCP client that abandons ``wait_for_gpus`` has the SDK cancel the
+    handler's anyio scope, which cancels it again at every await until it returns: a
+    cleanup awaited in place stopped at its first await (a join still on its thread), and
+    the place stayed in the queue until its lease ran out."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()  # (the cleanup's own error, or its own cancellation)
+    if cancelled:  # (after the cleanup: the cancel this task was given, not swallowed)
+        raise asyncio.CancelledError
 
 
 def _leave(q: Queue, say: Callable[[str], None]) -> None:
