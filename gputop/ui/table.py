@@ -122,6 +122,8 @@ class BoardTable(ScrollView, can_focus=True):
         #: (style, cursor, position, width, content) -> the cell's segments.
         self._cell_strips: dict[tuple[object, ...], list[Segment]] = {}
         self._style_gen = 0
+        #: ``rich_style`` during a render pass (see render_lines).
+        self._base: Style | None = None
         self.columns_shown: Columns = ()
         self.chosen: str | None = None
         self._restoring = False
@@ -389,9 +391,19 @@ class BoardTable(ScrollView, can_focus=True):
     def _table_width(self) -> int:
         return sum(self._widths())
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """The widget's style is worked out once per pass (Textual walks every ancestor's
+        styles for it: twice per line was a fifth of drawing a frame), not kept between
+        passes: a theme or focus change is seen by the next."""
+        self._base = self.rich_style
+        try:
+            return super().render_lines(crop)
+        finally:
+            self._base = None
+
     def render_line(self, y: int) -> Strip:
         width = self.size.width
-        base = self.rich_style
+        base = self._base if self._base is not None else self.rich_style
         if y == 0:
             return self._header_strip(base, width)
         row = y - 1 + self.scroll_offset.y
@@ -450,4 +462,5 @@ class BoardTable(ScrollView, can_focus=True):
             {"row": row, "column": 0, "out_of_bounds": True})
         parts.append([Segment(" " * remaining, extend)])
         segments = line_crop(list(chain.from_iterable(parts)), 0, width, width)
-        return Strip(segments).adjust_cell_length(width, self.rich_style).simplify()
+        return Strip(segments).adjust_cell_length(
+            width, self._base if self._base is not None else self.rich_style).simplify()
