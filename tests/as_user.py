@@ -120,6 +120,9 @@ def start_as(user: str, argv: Sequence[str], env: Mapping[str, str], out_dir: Pa
             os.dup2(null, 0)
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            import faulthandler  # (wait_as asks for the stacks of one that hangs)
+
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
             os.setgroups([])
             os.setgid(pw.pw_gid)
             os.setuid(pw.pw_uid)
@@ -137,20 +140,33 @@ def start_as(user: str, argv: Sequence[str], env: Mapping[str, str], out_dir: Pa
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    _ERR[pid] = err
     return pid, out, err
 
 
+#: Each started process's stderr file, by pid (what a timeout reports).
+_ERR: dict[int, Path] = {}
+
+
 def wait_as(pid: int, timeout: float = 60.0) -> int:
-    """The exit code of a process from ``start_as`` (SIGKILLed after ``timeout``)."""
+    """The exit code of a process from ``start_as``. After ``timeout`` it is asked for
+    every thread's stack (SIGUSR1: faulthandler, registered in the child), then
+    SIGKILLed, and the TimeoutError carries the end of its stderr: where it was stuck."""
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise TimeoutError(f"process {pid}")
+            err = _ERR.get(pid)
+            tail = err.read_text(errors="replace")[-6000:] if err and err.exists() else ""
+            raise TimeoutError(f"process {pid} still running after {timeout:g}s; its "
+                               f"stderr ends:\n{tail}")
         time.sleep(0.02)
 
 
