@@ -1110,6 +1110,40 @@ async def test_with_no_answers_the_screen_still_follows_the_clock(tmp_path: Path
         assert "stale: seen 32s ago" in on_screen(app, table, snap.name)
 
 
+async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path) -> None:
+    """A hub's patch brings every host at once; the drain takes them in slices (a key
+    waits for one slice, not the burst). A tick that came between two slices drew half
+    the burst and the rest half a second later: two frames for one answer. The tick now
+    leaves its frame to the drain that empties the inbox, for at most BURST_WAIT_S."""
+    from gputop.ui import app as app_module
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        frames: list[int] = []
+        real = app.render_board
+
+        def counted() -> None:
+            frames.append(app._inbox.qsize())
+            real()
+
+        app.render_board = counted  # type: ignore[method-assign]
+        for snap in fixed_snapshots():
+            app._inbox.put(snap)
+        app._dirty = True
+        app._tick()  # the burst is still in the inbox: no frame yet
+        assert frames == [] and app._frame_waits
+        app._drain()  # (budget enough for these few: the slice that empties the inbox)
+        assert frames == [0] and not app._frame_waits
+        # A stream that never lets the inbox empty is still drawn, BURST_WAIT_S late at most.
+        app._inbox.put(fixed_snapshots()[0])
+        app._dirty = True
+        app._last_render -= app_module.RENDER_PERIOD + app_module.BURST_WAIT_S
+        app._tick()
+        assert frames == [0, 1]
+        app.render_board = real  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("size", [(120, 40), (80, 24)])
 async def test_a_host_warning_shows_on_its_row_and_in_the_details(
         tmp_path: Path, size: tuple[int, int]) -> None:

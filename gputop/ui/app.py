@@ -73,6 +73,9 @@ def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
 
 DRAIN_PERIOD = 0.05  # seconds at least between taking answers from the feed thread...
 DRAIN_BUDGET_S = 0.008  # ...for at most this long each time (rows worked out included)
+#: A frame waits for a burst's last slice at most this much past RENDER_PERIOD (answers
+#: that never stop arriving are still drawn at least this often).
+BURST_WAIT_S = 0.5
 #: A key holds the feed, the drain and the board's GC this long; the drain is never put
 #: off longer than KEY_DRAIN_MAX_S (a key held down).
 KEY_HOLD_S = 0.12
@@ -153,6 +156,7 @@ class GputopApp(StoreActions):
         self._gc_runs = 0
         #: The feed woke the drain and it has not run since (set on the feed's thread).
         self._drain_woken = False
+        self._frame_waits = False  # a tick left its frame for a burst's last slice
         self._drain_timer: asyncio.TimerHandle | None = None
         self._last_ingest = self._last_render = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -301,10 +305,16 @@ class GputopApp(StoreActions):
         now = time.monotonic()
         if now - self._last_ingest > self.config.interval + 1 and now - self._last_render >= 1:
             self._dirty = True
-        try:
-            self._render_if_dirty()
-        except NoMatches:  # (a tick while the app shuts down: its widgets are gone)
-            return
+        if (self._dirty and not self._inbox.empty()
+                and now - self._last_render < RENDER_PERIOD + BURST_WAIT_S):
+            # A burst of answers is being taken in slices: drawn once it is all in (by the
+            # drain that finds the inbox empty), not half now and the rest next tick.
+            self._frame_waits = True
+        else:
+            try:
+                self._render_if_dirty()
+            except NoMatches:  # (a tick while the app shuts down: its widgets are gone)
+                return
         if self._long_running:
             self._collect_young()
         if self._drain_timer is None and not self._inbox.empty():
@@ -358,6 +368,10 @@ class GputopApp(StoreActions):
             try:
                 snap = self._inbox.get_nowait()
             except queue.Empty:
+                if self._frame_waits:  # (the tick left this frame for the burst's end)
+                    self._frame_waits = False
+                    with contextlib.suppress(NoMatches):
+                        self._render_if_dirty()
                 return
             if warm is None:
                 warm = self.model.warmer()
