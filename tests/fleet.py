@@ -13,6 +13,7 @@ Used by the tests (``conftest.py``) and by the benchmark (``bench/``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -687,7 +688,8 @@ class Fleet:
             for ln in out.stdout.splitlines():
                 pid, ppid = (int(x) for x in ln.split())
                 if ppid == h.proc.pid:
-                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):  # (it ended since ps)
+                        os.kill(pid, signal.SIGKILL)
             h.proc.terminate()
             h.proc.wait(5)
             h.proc = None
