@@ -262,8 +262,9 @@ function takeHosts(up) {
 /** ``removed`` and ``set`` of an update or patch; whether hosts went (a new order). */
 function takeRest(up) {
   let reorder = false;
-  for (const n of list(up.removed)) {
-    if (typeof n !== "string" || !board.hosts.has(n)) continue;
+  for (const x of list(up.removed)) {
+    const n = hostName({ name: x }); // (the name the page keeps it under: cut, as a host's)
+    if (!n || !board.hosts.has(n)) continue;
     board.hosts.delete(n);
     board.order = board.order.filter((x) => x !== n);
     board.views.get(n)?.drop();
@@ -338,7 +339,9 @@ function placeFlat() {
     }
   }
   rows.sort(compareRows(state.sort));
-  const key = rows.map((x) => `${x.host}\0${x.index}`).join("\n");
+  // Rows by their own ids: a host and index may name two rows (GPUs without an index) or
+  // a row made again (a new uuid), which must still be placed.
+  const key = rows.map((x) => x.r.id).join(",");
   if (key !== board.flatKey) {
     board.flatKey = key;
     const box = $("flat");

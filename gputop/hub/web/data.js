@@ -234,20 +234,33 @@ export function summary(hosts) {
   return s;
 }
 
+/** ``fields`` written onto ``target`` as own data keys (as a spread writes them: a
+ * "__proto__" key stays a plain key, where ``Object.assign`` would set the prototype). */
+function put(target, fields) {
+  for (const k of Object.keys(fields)) {
+    Object.defineProperty(target, k,
+      { value: fields[k], writable: true, enumerable: true, configurable: true });
+  }
+}
+
 /** A ``patch`` event's ``changes`` applied to copies of the hosts they name (``hosts``:
  * name -> host object, as they are once the patch's complete hosts are in): a Map of
  * name -> the new host object, each changed GPU a new object and every other GPU the
  * same object as before (so its row can tell it is unchanged). Null, with nothing
  * applied, when any change does not fit: not an object, a host not known, a GPU position
- * the host does not have, a key a change may not carry (docs/hub.md). */
+ * the host does not have, a key a change may not carry (docs/hub.md). Each host and GPU
+ * is copied once per patch and then written in place: the cost is the patch's size,
+ * however often it names one host or position. A change's name is read as a host's name
+ * is (cut as ``hostName`` cuts it), so it finds the host the page keeps under that name. */
 export function patched(hosts, changes) {
   if (!Array.isArray(changes)) return null;
   const out = new Map();
+  const made = new Set(); // the GPU objects this patch made (written in place after)
   for (const c of changes) {
-    const name = obj(c) === null ? null : c.name;
+    const name = obj(c) === null || typeof c.name !== "string" ? "" : hostName(c);
     const set = obj(c?.set);
-    if (typeof name !== "string" || set === null || !Array.isArray(c.gpus)) return null;
-    if ("name" in set || "gpus" in set) return null;
+    if (!name || set === null || !Array.isArray(c.gpus)) return null;
+    if (Object.hasOwn(set, "name") || Object.hasOwn(set, "gpus")) return null;
     let h = out.get(name);
     if (h === undefined) {
       const was = obj(hosts.get(name));
@@ -255,17 +268,19 @@ export function patched(hosts, changes) {
       h = { ...was, gpus: [...was.gpus] };
       out.set(name, h);
     }
-    if (Object.keys(set).length) {
-      h = { ...h, ...set }; // (spread, not assign: a "__proto__" key stays a plain key)
-      out.set(name, h);
-    }
+    put(h, set);
     for (const item of c.gpus) {
       const pos = Array.isArray(item) ? item[0] : null;
       const fields = Array.isArray(item) ? obj(item[1]) : null;
       if (!Number.isInteger(pos) || pos < 0 || pos >= h.gpus.length || fields === null) {
         return null;
       }
-      h.gpus[pos] = { ...obj(h.gpus[pos]), ...fields };
+      let g = h.gpus[pos];
+      if (!made.has(g)) {
+        g = h.gpus[pos] = { ...obj(g) };
+        made.add(g);
+      }
+      put(g, fields);
     }
   }
   return out;

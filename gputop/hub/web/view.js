@@ -129,7 +129,7 @@ class Reservation {
   set(r) {
     show(this.el, r !== null);
     if (r === null) {
-      this.expires = null;
+      this.expires = this.expiresText = null; // (one back with the same expiry counts again)
       return;
     }
     setText(this.who, str(r.user, 64) || "?");
@@ -137,6 +137,7 @@ class Reservation {
     if (r.expires !== this.expiresText) {
       this.expiresText = r.expires;
       this.expires = parseTime(r.expires);
+      if (this.expires === null) setText(this.left, ""); // (not the last one's time left)
     }
     this.tick(Date.now());
   }
@@ -180,6 +181,8 @@ class InstanceView {
   }
 }
 
+let rowIds = 0;
+
 /** One GPU's row. ``update`` writes only the cells whose value changed. */
 export class GpuView {
   constructor(host) {
@@ -211,6 +214,7 @@ export class GpuView {
     this.freeMib = -1;
     this.index = 0;
     this.look = "";
+    this.id = ++rowIds; // (the sorted views' key: host and index may name two rows)
     this.place = -1; // its CSS order in the sorted views
     this.seen = false;
     this.drawn = false;
@@ -292,7 +296,8 @@ export class GpuView {
     if (fk !== this.key.flags) {
       this.key.flags = fk;
       this.flags.replaceChildren(...flags.map((f) => {
-        const chip = el("span", `flag ${FLAG_WORDS[f] ? f : "other"}`, FLAG_WORDS[f] || str(f, 40));
+        const known = Object.hasOwn(FLAG_WORDS, f); // ("constructor" is a flag's name too)
+        const chip = el("span", `flag ${known ? f : "other"}`, known ? FLAG_WORDS[f] : str(f, 40));
         if (f === "lost") chip.title = str(g.lost_reason);
         return chip;
       }));
