@@ -265,3 +265,51 @@ def test_a_patch_costs_its_size_not_its_size_squared(
     assert max(took) < 1000, took
     # (the page's copy now differs from the hub's document: start again from it)
     _load(b, h.url)
+
+
+def test_one_patch_with_a_host_complete_changed_and_another_changed_and_removed(
+        hub: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """A host complete and a change to it in one patch (the change applies to the complete
+    host), and a change to a host the same patch removes (it goes, no row is made)."""
+    h, b, doc = hub
+    _load(b, h.url)
+    a, gone = copy.deepcopy(doc["hosts"][0]), doc["hosts"][5]["name"]
+    a["gpus"][0]["utilization_percent"] = 12
+    before = _counters(b)
+    t = iso(datetime.now(timezone.utc))
+    patch = {"time": t, "hosts": [a], "removed": [gone], "set": {}, "changes": [
+        {"name": a["name"], "set": {}, "gpus": [[0, {"utilization_percent": 55}]]},
+        {"name": gone, "set": {"tags": ["x"]}, "gpus": [[1, {"utilization_percent": 1}]]}]}
+    h.publish_raw(json.dumps({"time": t, "hosts": [], "removed": [], "set": {}}),
+                  json.dumps(patch))
+    wait(b, "return window.gputopBoard.updates > arguments[0]", "the patch", 15, before[0])
+    assert _counters(b)[1:] == before[1:]
+    got = b.execute_script("""const g = window.gputopBoard;
+        const s = document.querySelector(`section.host[data-host='${arguments[0]}']`);
+        return [s.querySelector('.gpu .util .val').textContent, g.hosts.has(arguments[1]),
+                g.views.has(arguments[1]), g.order.includes(arguments[1]),
+                document.querySelectorAll(`section.host[data-host='${arguments[1]}']`).length];""",
+                            a["name"], gone)
+    assert got == ["55%", False, False, False, 0]
+    assert [e for e in b.get_log("browser") if e["level"] == "SEVERE"] == []
+    _load(b, h.url)  # (the hub's document is as it was)
+
+
+def test_the_filter_follows_patched_users(hub: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """``?q=zed``: a patch gives a row that was never drawn a process of zed's (it shows),
+    then takes it away (it hides), as a fresh load would."""
+    h, b, doc = hub
+    url = h.url + "?q=zed"
+    _load(b, url)
+    assert _shown(b)["hosts"] == []
+    x = copy.deepcopy(doc["hosts"][4])
+    x["gpus"][3]["processes"] = [{"pid": 9, "user": "zed", "command": "x", "gpu_memory_mib": 1}]
+    _send(h, b, doc, [x])
+    shown = _shown(b)
+    assert [(n, len(rows)) for n, _, _, rows in shown["hosts"]] == [(x["name"], 1)]
+    assert shown == _fresh(b, url)
+    x = copy.deepcopy(x)
+    x["gpus"][3]["processes"] = []
+    _send(h, b, doc, [x])
+    assert _shown(b)["hosts"] == [] == _fresh(b, url)["hosts"]
+    _load(b, h.url)
