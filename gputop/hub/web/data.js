@@ -237,9 +237,14 @@ export function summary(hosts) {
 /** ``fields`` written onto ``target`` as own data keys (as a spread writes them: a
  * "__proto__" key stays a plain key, where ``Object.assign`` would set the prototype). */
 function put(target, fields) {
-  for (const k of Object.keys(fields)) {
-    Object.defineProperty(target, k,
-      { value: fields[k], writable: true, enumerable: true, configurable: true });
+  for (const k in fields) {
+    if (!Object.hasOwn(fields, k)) continue;
+    if (k === "__proto__") { // (the one accessor every object inherits)
+      Object.defineProperty(target, k,
+        { value: fields[k], writable: true, enumerable: true, configurable: true });
+    } else {
+      target[k] = fields[k];
+    }
   }
 }
 
