@@ -57,7 +57,7 @@ class WriterLock:
         deadline = time.monotonic() + timeout
         while True:
             fd = self._lock_fd(deadline, timeout)
-            if self._same_file(fd):
+            if _same_file(self.lock_path, fd):
                 break
             # The file we locked was removed (or replaced) meanwhile: a writer that opens
             # the path now locks another file, so this lock excludes nobody. Again.
@@ -67,17 +67,9 @@ class WriterLock:
                                  f"{timeout:.3g}s; nothing was changed")
             time.sleep(0.005)
         try:
-            yield lambda: self._same_file(fd)
+            yield lambda: _same_file(self.lock_path, fd)
         finally:
             os.close(fd)  # releases the lock
-
-    def _same_file(self, fd: int) -> bool:
-        try:
-            path = os.stat(self.lock_path, follow_symlinks=False)
-        except OSError:
-            return False
-        st = os.fstat(fd)
-        return (path.st_dev, path.st_ino) == (st.st_dev, st.st_ino)
 
     def _lock_fd(self, deadline: float, timeout: float) -> int:
         """The lock file, open and locked (waiting until ``deadline``)."""

@@ -230,10 +230,10 @@ function applyUpdate(up) {
 /** A ``patch``: hosts complete (as in an update) and changes to the others, applied
  * whole or not at all; false (nothing applied) when a change does not fit. */
 function applyPatch(up) {
-  const hosts = list(up.hosts).map(obj).filter((h) => h && hostName(h));
-  const view = new Map(board.hosts);
-  for (const h of hosts) view.set(hostName(h), h);
-  const changes = patched(view, up.changes);
+  // The hosts as they are once the patch's complete ones are in (most patches have none).
+  const incoming = new Map();
+  for (const h of list(up.hosts).map(obj)) if (h && hostName(h)) incoming.set(hostName(h), h);
+  const changes = patched({ get: (n) => incoming.get(n) ?? board.hosts.get(n) }, up.changes);
   if (changes === null) return false;
   board.updates += 1;
   const changed = takeHosts(up);

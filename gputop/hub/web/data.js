@@ -249,7 +249,8 @@ function put(target, fields) {
 }
 
 /** A ``patch`` event's ``changes`` applied to copies of the hosts they name (``hosts``:
- * name -> host object, as they are once the patch's complete hosts are in): a Map of
+ * name -> host object, as they are once the patch's complete hosts are in; anything with
+ * a ``get(name)``): a Map of
  * name -> the new host object, each changed GPU a new object and every other GPU the
  * same object as before (so its row can tell it is unchanged). Null, with nothing
  * applied, when any change does not fit: not an object, a host not known, a GPU position
