@@ -478,7 +478,7 @@ def test_stale_threshold_is_a_few_intervals(tmp_path: Path) -> None:
 def select(app: GputopApp, table: BoardTable, host: str, index: int | None = None) -> None:
     """Move the cursor to a host row (index None) or to GPU ``index`` of ``host``, found by
     what the rows show, not by their keys."""
-    for key, row in app._rows.items():
+    for key, row in app.query_one(BoardTable).rows_by_key.items():
         if row.host == host and ((isinstance(row, GpuRow) and row.gpu.index == index)
                                  or (isinstance(row, HostRow) and index is None)):
             table.move_cursor(row=table.get_row_index(key))

@@ -292,7 +292,7 @@ def test_a_lost_gpus_row_names_its_bus_whole_at_80_columns() -> None:
     from gputop.ui.cells import NARROW, Palette, gpu_cells
 
     g = GpuInfo(index=None, bus_id="00000000:07:00.0", lost=True)
-    label = gpu_cells(GpuRow("h", "h\x00@x", g, None, ["lost"], False, False), NOW,
+    label = gpu_cells(GpuRow("h", "h\x00@x", g, None, ("lost",), False, False), NOW,
                       Palette(), narrow=True)[0].plain
     assert label.strip() == "? lost 07:00.0" and len(label) <= (NARROW[0][2] or 0)
 

@@ -152,5 +152,8 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
         app._drain()
         assert app.model.snapshots["node00"] is snap
         app._collect_young()
+        assert collected == [0]  # (its period, GC_PERIOD_S, has not passed)
+        app._last_gc -= app_module.GC_PERIOD_S
+        app._collect_young()
         assert collected == [0, 0]
     assert app_module.KEY_HOLD_S < feed_module.MAX_HOLD_S

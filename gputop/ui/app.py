@@ -76,6 +76,14 @@ DRAIN_BUDGET_S = 0.008  # ...for at most this long each time (rows worked out in
 #: A frame waits for a burst's last slice at most this much past RENDER_PERIOD (answers
 #: that never stop arriving are still drawn at least this often).
 BURST_WAIT_S = 0.5
+#: The board's own young-generation collections (see _collect_young): their period, and
+#: how often (in collections) the next generation is collected too.
+GC_PERIOD_S = 5.0
+GC_OLDER_EVERY = 6
+#: Answers from hosts that are not on screen (they change the summary bar's counts only)
+#: are drawn with the next frame that has something on screen, or this many intervals
+#: after the last frame: at 200 hosts about a third of frames drew nothing else.
+OFFSCREEN_WAIT_INTERVALS = 1.0
 #: A key holds the feed, the drain and the board's GC this long; the drain is never put
 #: off longer than KEY_DRAIN_MAX_S (a key held down).
 KEY_HOLD_S = 0.12
@@ -141,6 +149,9 @@ class GputopApp(StoreActions):
         self._store_problem: str | None = None
         self._store_reading = False
         self._dirty = True
+        #: What is to be drawn is only answers from hosts not on screen (see _frame_due).
+        self._offscreen = False
+        self._board_table: BoardTable | None = None
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
@@ -154,6 +165,7 @@ class GputopApp(StoreActions):
         self._key_hold_until = 0.0
         self._last_drain = 0.0
         self._gc_runs = 0
+        self._last_gc = 0.0
         #: The feed woke the drain and it has not run since (set on the feed's thread).
         self._drain_woken = False
         self._frame_waits = False  # a tick left its frame for a burst's last slice
@@ -283,21 +295,42 @@ class GputopApp(StoreActions):
         if self._feed_thread is not None:
             self._feed_thread.hold(self._key_hold_until)
 
+    @property
+    def _dirty(self) -> bool:
+        """Something is to be drawn. Set by anything but an answer (``ingest``), it is
+        drawn with the next tick."""
+        return self._dirty_flag
+
+    @_dirty.setter
+    def _dirty(self, value: bool) -> None:
+        self._dirty_flag = value
+        self._offscreen = False
+
+    def _frame_due(self, now: float) -> bool:
+        """Draw at this tick: something on screen changed, or the summary bar has waited
+        OFFSCREEN_WAIT_INTERVALS (the host order only: in a sorted view any answer can
+        move rows on screen)."""
+        return not self._offscreen or now - self._last_render >= (
+            OFFSCREEN_WAIT_INTERVALS * self.config.interval)
+
     def _collect_young(self) -> None:
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
         itself: its crop of its whole width is itself), and only the garbage collector
         frees them: at 1,000 hosts an automatic collection found 20,000+ such objects
-        and took 60-100 ms, in the middle of whatever key came then. Collected here, at
-        each frame's tick (RENDER_PERIOD) and never while a key is being handled, each
-        takes a few ms (at 1,000 x 8 about 5 ms: each young object is looked at once
-        however often this runs, so a longer period costs no more CPU); the next
-        generation is collected one time in fifty, every 25 s: about 50 ms then, against
-        30 ms every 5 s (three times the CPU).
+        and took 60-100 ms, in the middle of whatever key came then. Collected here,
+        never while a key is being handled, every GC_PERIOD_S: a collection also looks
+        at every object made since the last one that is still alive, and most of what an
+        answer makes (its GPUs' models and rows) lives until the host's next answer, so
+        collecting once per tick looked at each of them once (at 200 x 8, 6,400 objects
+        and 3-4 ms per refresh) while one every GC_PERIOD_S finds most of them gone.
+        The next generation is collected one time in GC_OLDER_EVERY.
         The automatic thresholds stay as a safety net."""
-        if time.monotonic() < self._key_hold_until:
+        now = time.monotonic()
+        if now < self._key_hold_until or now - self._last_gc < GC_PERIOD_S:
             return
+        self._last_gc = now
         self._gc_runs += 1
-        gc.collect(1 if self._gc_runs % 50 == 0 else 0)
+        gc.collect(1 if self._gc_runs % GC_OLDER_EVERY == 0 else 0)
 
     def _tick(self) -> None:
         # Nothing answered for a while (a hung hub, every host hung): draw anyway, once a
@@ -305,7 +338,9 @@ class GputopApp(StoreActions):
         now = time.monotonic()
         if now - self._last_ingest > self.config.interval + 1 and now - self._last_render >= 1:
             self._dirty = True
-        if (self._dirty and not self._inbox.empty()
+        if self._dirty and not self._frame_due(now):
+            pass  # only hosts off screen answered: drawn later (see _frame_due)
+        elif (self._dirty and not self._inbox.empty()
                 and now - self._last_render < RENDER_PERIOD + BURST_WAIT_S):
             # A burst of answers is being taken in slices: drawn once it is all in (by the
             # drain that finds the inbox empty), not half now and the rest next tick.
@@ -383,8 +418,18 @@ class GputopApp(StoreActions):
 
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
-        self._dirty = True
+        if not self._dirty_flag:  # (nothing else to draw: it is this answer's frame)
+            self._dirty_flag = self._offscreen = True
+        if self._offscreen and (self.model.sort_mode != "host"
+                                or snap.name in self._table().hosts_on_screen()):
+            self._offscreen = False
         self._last_ingest = time.monotonic()
+
+    def _table(self) -> BoardTable:
+        table = self._board_table
+        if table is None:
+            table = self._board_table = self.query_one(BoardTable)
+        return table
 
     def _warn(self, message: str) -> None:
         self.notify(message, severity="warning", markup=False, timeout=8)
@@ -400,8 +445,8 @@ class GputopApp(StoreActions):
         self._last_render = time.monotonic()
         now = self.clock()
         table = self.query_one(BoardTable)
-        rows, summary = self.model.view()
-        table.show_rows(rows, now, self.palette, self.model.signature)
+        rows, keys, summary = self.model.frame()
+        table.show_rows(rows, now, self.palette, self.model.signature, keys)
         note = f"filter: {clean(self.model.filter_text)}" if self.model.filter_text else ""
         if self.model.free_only:
             note = (note + "  free only").strip()
@@ -441,14 +486,10 @@ class GputopApp(StoreActions):
         self._update_palette()
         self._dirty = True
 
-    @property
-    def _rows(self) -> dict[str, GpuRow | HostRow]:
-        """The rows as last drawn, by key."""
-        return self.query_one(BoardTable).rows_by_key
-
     def _selected(self) -> GpuRow | HostRow | None:
-        key = self.query_one(BoardTable).selected_key()
-        return None if key is None else self._rows.get(key)  # as last drawn
+        table = self.query_one(BoardTable)
+        key = table.selected_key()
+        return None if key is None else table.row_of(key)  # as last drawn
 
     def on_board_table_row_highlighted(self, _event: BoardTable.RowHighlighted) -> None:
         detail = self.query_one(DetailPane)

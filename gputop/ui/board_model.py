@@ -91,6 +91,11 @@ class _HostRows:
         self.memo: tuple[tuple[object, ...], list[str], list[GpuRow]] | None = None
         #: Its GPU rows without instance or share rows, by key (reused while unchanged).
         self.plain: dict[str, GpuRow] = {}
+        #: Its header and rows as the grouped view shows them (not collapsed, no filter),
+        #: and their keys: made as the host answers, while its objects are in the CPU's
+        #: caches (a frame that touched every row for them spent 4 times as long).
+        self.block: list[Row] = []
+        self.keys: list[str] = []
 
     def hays(self) -> list[str]:
         """Each row's own words (model, users, holder), lowered and joined, then all of
@@ -119,32 +124,39 @@ class _HostRows:
 
     @property
     def counts(self) -> _Counts:
+        """The host's share of the summary (worked out once per answer, with locals: as
+        attributes of a ``_Counts`` it was a fifth of drawing a frame at 200 x 8)."""
         if self._counts is None:
-            c = _Counts()
+            gpus = reserved = free = busy = util_sum = util_n = used = total = insts = 0
             for row in self.rows:
                 if row.instance is not None:  # MIG: its GPU counts, once
-                    c.instances += 1
+                    insts += 1
                     continue
                 if row.share is not None:  # a share: its GPU counts, once
                     continue
                 g = row.gpu
-                c.gpus += 1
+                gpus += 1
                 if row.reservation is not None or row.shares:
-                    c.reserved += 1
+                    reserved += 1
                 elif row.free:
-                    c.free += 1
+                    free += 1
                 else:
-                    c.busy += 1
+                    busy += 1
                 if g.utilization_percent is not None:
-                    c.util_sum += g.utilization_percent
-                    c.util_n += 1
-                c.mem_used_mib += g.memory_used_mib or 0
-                c.mem_total_mib += g.memory_total_mib or 0
-            self._counts = c
+                    util_sum += g.utilization_percent
+                    util_n += 1
+                used += g.memory_used_mib or 0
+                total += g.memory_total_mib or 0
+            self._counts = _Counts(gpus, reserved, free, busy, util_sum, util_n, used, total,
+                                   insts)
         return self._counts
 
 
 _NO_ROWS = _HostRows((), 0.0, [])
+
+
+def _flags(flags: list[str]) -> tuple[str, ...]:
+    return tuple(flags) if flags else ()
 
 
 @dataclass
@@ -303,7 +315,7 @@ class BoardModel:
                     and tracker.is_idle_holder(host, g.index, now))
             unused = r is not None and tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
-            flags = gpu_flags(g, r, idle, unused)
+            flags = _flags(gpu_flags(g, r, idle, unused))
             row = before.get(gkey)
             if (row is None or row.gpu is not g or row.reservation is not r
                     or row.stale != stale or row.free != free or row.flags != flags):
@@ -319,10 +331,14 @@ class BoardModel:
                 iunused = ir is not None and self.tracker.reservation_idle(host, view, ir, now)
                 ifree = is_free(view) and (ir is None or ir.user == self.me)
                 rows.append(GpuRow(host, f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}", view,
-                                   ir, gpu_flags(view, ir, False, iunused), stale, ifree,
+                                   ir, _flags(gpu_flags(view, ir, False, iunused)), stale, ifree,
                                    instance=inst))
         out = self._row_cache[host] = _HostRows(version, valid_until, rows, stale)
         out.plain = plain
+        insts = out.counts.instances  # (the summary's counts, now too: see block)
+        out.block = [HostRow(host, snap, len(rows) - insts, False, stale, snap.time, insts),
+                     *rows]
+        out.keys = [r.key for r in out.block]
         if self.filter_text.strip():  # while filtering, the words are worked out here (as
             out.hays()  # the host answers: see warm), not in the next keystroke
         return out
@@ -343,8 +359,8 @@ class BoardModel:
         if (host, g.index) in self.tracker.idle_since and self.tracker.is_idle_holder(
                 host, g.index, now):
             flags.append("idle-holder")
-        rows = [GpuRow(host, gkey, g, None, flags, stale, False, shares=shares)]
-        rows += [GpuRow(host, f"{gkey}{SHARE_SEP}{r.user}", g, None, f, stale, False,
+        rows = [GpuRow(host, gkey, g, None, _flags(flags), stale, False, shares=shares)]
+        rows += [GpuRow(host, f"{gkey}{SHARE_SEP}{r.user}", g, None, _flags(f), stale, False,
                         share=r) for r, f in zip(shares, per)]
         return rows
 
@@ -451,14 +467,21 @@ class BoardModel:
         return warm
 
     def view(self) -> tuple[list[Row], Summary]:
-        """The rows to show and the summary, from one pass over the hosts (this runs on
-        every redraw: a host's rows are worked out again only when it changed)."""
+        """The rows to show and the summary (see ``frame``)."""
+        rows, _keys, summary = self.frame()
+        return rows, summary
+
+    def frame(self) -> tuple[list[Row], list[str], Summary]:
+        """The rows to show, their keys and the summary, from one pass over the hosts
+        (this runs on every redraw: a host's rows are worked out again only when it
+        changed)."""
         now = self.clock()
         held = reservation_index(self.state, now)
         inst_held = instance_index(self.state, now)
         per_host = {host: self._host_rows(host, now, held, inst_held)
                     for host in self.host_order}
-        return self._rows(per_host, now), self._summary(per_host)
+        rows, keys = self._rows(per_host, now)
+        return rows, keys, self._summary(per_host)
 
     def rows(self) -> list[Row]:
         return self.view()[0]
@@ -466,11 +489,13 @@ class BoardModel:
     def summary(self) -> Summary:
         return self.view()[1]
 
-    def _rows(self, per_host: dict[str, _HostRows], now: datetime) -> list[Row]:
-        """In order: grouped by host when sorting by host (a host in error keeps its place),
-        else flat, with the hosts in error after the GPUs."""
+    def _rows(self, per_host: dict[str, _HostRows], now: datetime
+              ) -> tuple[list[Row], list[str]]:
+        """In order, with their keys: grouped by host when sorting by host (a host in error
+        keeps its place), else flat, with the hosts in error after the GPUs."""
         grouped = self.sort_mode == "host"
         out: list[Row] = []
+        keys: list[str] = []
         flat: list[GpuRow] = []
         errors: list[Row] = []
         terms = self.filter_text.strip().lower().split()
@@ -497,8 +522,13 @@ class BoardModel:
                 continue
             if grouped:
                 collapsed = host in self.collapsed
-                insts = (sum(1 for r in gpus if r.instance is not None) if filtering
-                         else cached.counts.instances)
+                if not filtering and not collapsed:  # (made with the rows: _host_rows)
+                    if len(keys) < len(out):
+                        keys += [r.key for r in out[len(keys):]]
+                    out.extend(cached.block)
+                    keys.extend(cached.keys)
+                    continue
+                insts = sum(1 for r in gpus if r.instance is not None)
                 out.append(HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
                                    snap.time, insts))
                 if not collapsed:
@@ -514,7 +544,9 @@ class BoardModel:
             else:
                 flat.sort(key=lambda r: (-r.free_mib, r.host, r.gpu.index or 0))
             out.extend(flat)
-        return out + errors
+        out += errors
+        keys += [r.key for r in out[len(keys):]]
+        return out, keys
 
     def _summary(self, per_host: dict[str, _HostRows]) -> Summary:
         s = Summary()

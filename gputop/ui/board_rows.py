@@ -81,7 +81,9 @@ class GpuRow:
     key: str  # see gpu_keys
     gpu: GpuInfo
     reservation: Reservation | None
-    flags: list[str]
+    #: A tuple, not a list: most rows have none, and ``()`` is one shared object where a
+    #: list was one more for the garbage collector per row per answer.
+    flags: tuple[str, ...]
     stale: bool
     free: bool
     #: No host header above it (sorted views): the row names its host itself.

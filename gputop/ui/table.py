@@ -110,7 +110,8 @@ class BoardTable(ScrollView, can_focus=True):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._order: list[str] = []
         self._index: dict[str, int] = {}
-        self._rows: dict[str, Row] = {}
+        self._order_gen = 0  # bumped when _order changes
+        self._rows: list[Row] = []  # in the order of _order
         self._now: datetime | None = None
         self._signature: Signature | None = None
         self._palette: Palette | None = None
@@ -119,6 +120,8 @@ class BoardTable(ScrollView, can_focus=True):
         #: key -> (what the strip depends on, strip).
         self._strips: dict[str, tuple[tuple[object, ...], Strip]] = {}
         self._header: tuple[tuple[object, ...], Strip] | None = None
+        #: (what it depends on, the hosts of the rows on screen and the cursor's)
+        self._on_screen: tuple[tuple[object, ...], frozenset[str]] = ((), frozenset())
         #: (style, cursor, position, width, content) -> the cell's segments.
         self._cell_strips: dict[tuple[object, ...], list[Segment]] = {}
         self._style_gen = 0
@@ -150,7 +153,12 @@ class BoardTable(ScrollView, can_focus=True):
 
     @property
     def rows_by_key(self) -> dict[str, Row]:
-        return self._rows
+        return {r.key: r for r in self._rows}
+
+    def row_of(self, key: str) -> Row | None:
+        """The row as last drawn (the table keeps the list, not a dict made every frame)."""
+        i = self._index.get(key)
+        return None if i is None else self._rows[i]
 
     def get_row_index(self, key: str) -> int:
         return self._index[key]
@@ -184,15 +192,18 @@ class BoardTable(ScrollView, can_focus=True):
             self.post_message(self.LayoutChanged())
 
     def show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                  signature: Signature) -> None:
+                  signature: Signature, keys: list[str] | None = None) -> None:
+        """``keys``: the rows' keys, where the caller has them (the board's model makes
+        them with each host's rows: a frame then need not look at every row)."""
         self._restoring = True  # rows come and go under the cursor: not the user's choice
         try:
-            self._show_rows(rows, now, palette, signature)
+            self._show_rows(rows, now, palette, signature,
+                            [r.key for r in rows] if keys is None else keys)
         finally:
             self._restoring = False
 
     def _show_rows(self, rows: list[Row], now: datetime, palette: Palette,
-                   signature: Signature) -> None:
+                   signature: Signature, keys: list[str]) -> None:
         wanted_columns = columns_for(self.size.width or self.app.size.width)
         if wanted_columns != self.columns_shown:
             self._set_columns(wanted_columns)
@@ -202,12 +213,12 @@ class BoardTable(ScrollView, can_focus=True):
         if self.chosen is None and self._order:
             self.chosen = self.selected_key()
         self._now, self._signature = now, signature
-        keys = [r.key for r in rows]
-        self._rows = {r.key: r for r in rows}
+        self._rows = rows
         if keys != self._order:
             self._order = keys
+            self._order_gen += 1
             self._index = {k: i for i, k in enumerate(keys)}
-            gone = [k for k in self._cells if k not in self._rows]
+            gone = [k for k in self._cells if k not in self._index]
             for k in gone:
                 del self._cells[k]
                 self._strips.pop(k, None)
@@ -223,6 +234,21 @@ class BoardTable(ScrollView, can_focus=True):
         top = self.scroll_offset.y
         height = max(0, self.scrollable_content_region.height - 1)  # less the header
         return range(top, min(len(self._order), top + height))
+
+    def hosts_on_screen(self) -> frozenset[str]:
+        """The hosts whose rows are on screen, and the cursor's: the board draws answers
+        from other hosts less often (see GputopApp._frame_due). Worked out again only
+        when the rows, the scroll position, the height or the cursor moved."""
+        top = self.scroll_offset.y
+        state = (self._order_gen, top,
+                 self.scrollable_content_region.height, self.cursor_row)
+        if self._on_screen[0] != state:
+            rows = self._rows
+            hosts = {rows[i].host for i in self._visible()}
+            if 0 <= self.cursor_row < len(rows):
+                hosts.add(rows[self.cursor_row].host)
+            self._on_screen = (state, frozenset(hosts))
+        return self._on_screen[1]
 
     def _refresh_visible(self) -> None:
         """Rebuild the cells of on-screen rows whose signature changed and redraw the
@@ -242,7 +268,8 @@ class BoardTable(ScrollView, can_focus=True):
                 self._refresh_row(i)
 
     def _cells_of(self, key: str) -> tuple[Text, ...]:
-        row, now, signature, palette = self._rows[key], self._now, self._signature, self._palette
+        row, now, signature = self._rows[self._index[key]], self._now, self._signature
+        palette = self._palette
         assert now is not None and signature is not None and palette is not None
         sig = signature(row, now)
         narrow = self.narrow
