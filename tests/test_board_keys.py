@@ -132,6 +132,11 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
             await asyncio.sleep(0.05)
         feed = app._feed_thread
         assert feed is not None
+        monkeypatch.setattr(gc, "freeze", lambda: collected.append(-1))
+        app._collect_young()
+        assert collected == [2, -1]  # once, with the first answers in: collect, freeze
+        app._last_gc -= app_module.GC_PERIOD_S
+        collected.clear()
         app._collect_young()
         assert collected == [0]  # no key: the board collects young garbage itself
         t = time.monotonic()

@@ -166,6 +166,7 @@ class GputopApp(StoreActions):
         self._last_drain = 0.0
         self._gc_runs = 0
         self._last_gc = 0.0
+        self._refrozen = False
         #: The feed woke the drain and it has not run since (set on the feed's thread).
         self._drain_woken = False
         self._frame_waits = False  # a tick left its frame for a burst's last slice
@@ -329,6 +330,14 @@ class GputopApp(StoreActions):
         if now < self._key_hold_until or now - self._last_gc < GC_PERIOD_S:
             return
         self._last_gc = now
+        if not self._refrozen and self.model.snapshots:
+            # Once, with the first answers in: what the feed imported as it connected
+            # (aiohttp and its kin: 48,000 objects at 200 hosts, made after tune_gc's
+            # freeze) is frozen too, never walked again by the older generations.
+            self._refrozen = True
+            gc.collect()
+            gc.freeze()
+            return
         self._gc_runs += 1
         gc.collect(1 if self._gc_runs % GC_OLDER_EVERY == 0 else 0)
 

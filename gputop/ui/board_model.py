@@ -193,6 +193,10 @@ class BoardModel:
         self._phase: dict[str, float] = {}
         self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
         self._uuid_keys: dict[str, tuple[list[str | None], list[str]]] = {}
+        #: Per host: its GPUs' keys (the list _gpu_keys keeps) and their ``history`` in
+        #: that order, so an answer finds them without a look-up per GPU.
+        self._series: dict[str, tuple[list[str], list[tuple[deque[float | None],
+                                                             deque[float | None]]]]] = {}
 
     # -- input ---------------------------------------------------------------------------
 
@@ -206,11 +210,14 @@ class BoardModel:
             self.last_good[name] = snap
             self.tracker.observe(snap)
             keys = self._keys[name] = (snap, self._gpu_keys(name, snap.gpus))
-            history = self.history
-            for g, key in zip(snap.gpus, keys[1]):
-                had = history.get(key)  # (not setdefault: that built two deques each time)
-                util, mem = had if had is not None else history.setdefault(
-                    key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+            pairs = self._series.get(name)
+            if pairs is None or pairs[0] is not keys[1]:  # (its GPUs' keys changed)
+                history = self.history
+                pairs = self._series[name] = (keys[1], [
+                    history.get(key) or history.setdefault(
+                        key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+                    for key in keys[1]])
+            for g, (util, mem) in zip(snap.gpus, pairs[1]):
                 u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
                 util.append(None if u is None else float(u))
                 mem.append(100.0 * used / total if used is not None and total else None)
@@ -313,10 +320,18 @@ class BoardModel:
             r = held.get((host, g.index)) if held and g.index is not None else None
             idle = ((host, g.index) in idle_since
                     and tracker.is_idle_holder(host, g.index, now))
+            row = before.get(gkey)
+            if (r is None and row is not None and row.gpu is g and row.reservation is None
+                    and row.stale == stale and idle == ("idle-holder" in row.flags)
+                    and not g.instances):
+                # The same GPU object, unreserved: its free and flags are what they were
+                # (they depend on the GPU and, unreserved, on idle alone).
+                rows.append(row)
+                plain[gkey] = row
+                continue
             unused = r is not None and tracker.reservation_idle(host, g, r, now)
             free = is_free(g) and (r is None or r.user == self.me)
             flags = _flags(gpu_flags(g, r, idle, unused))
-            row = before.get(gkey)
             if (row is None or row.gpu is not g or row.reservation is not r
                     or row.stale != stale or row.free != free or row.flags != flags):
                 row = GpuRow(host, gkey, g, r, flags, stale, free)
