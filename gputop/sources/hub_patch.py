@@ -5,9 +5,10 @@ and changed keys.
 A patch is checked as strictly as a complete host: every key must be one the schema
 knows for a host (not ``name`` or ``gpus``) or a GPU, and every value passes that key's own
 check from ``gputop.sources.hub_hosts``; what a check cleans is the cleaned value. It is
-applied to copies of the reader's hosts: a patch for a host the reader does not have, or
-for a GPU position it does not have, is a broken stream (the reader then starts again from
-a snapshot). Only the changed GPUs are checked and become the model again.
+applied whole or not at all: a patch for a host the reader does not have, or for a GPU
+position it does not have, is a broken stream found before anything is applied (the
+reader then starts again from a snapshot). Only the changed GPUs are checked and become
+the model again.
 """
 
 from __future__ import annotations
@@ -104,31 +105,23 @@ def check_places(host: Callable[[str], dict[str, Any] | None],
 def apply_changes(hosts: dict[str, dict[str, Any]],
                   changes: list[dict[str, Any]]) -> list[Touched]:
     """Apply checked changes (``check_changes``, and ``check_places`` against these
-    hosts) to ``hosts`` (by name; each changed host is a new dict, its GPU list a new
-    list, each changed GPU a new dict); returns what each touched.
+    hosts) to ``hosts`` (by name), in place: nothing can fail once they are checked, and
+    the reader's host objects are its own (copying each changed host and GPU was 900
+    objects a refresh at 200 x 8); returns what each touched.
 
-    Each host and GPU is copied once per patch, however often its changes name it: a
-    hostile patch of 100,000 changes for one host of many GPUs costs its length, not its
-    length times the host's GPUs."""
+    A patch costs its length: a hostile one of 100,000 changes for one GPU merges at most
+    the GPU's few dozen keys per change."""
     touched: dict[str, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
     for c in changes:
         name = c["name"]
         had = touched.get(name)
-        if had is None:  # (its first change in this patch: its copies)
-            h = dict(hosts[name])
-            h["gpus"] = list(h["gpus"])
-            hosts[name] = h
-            had = touched[name] = (h, {})
+        if had is None:
+            had = touched[name] = (hosts[name], {})
         h, keys = had
         h.update(c["set"])  # (never "name" or "gpus": check_changes)
         gpus = h["gpus"]
         for pos, fields in c["gpus"]:
+            gpus[pos].update(fields)
             mine = keys.get(pos)
-            if mine is None:  # (this GPU's first change in this patch: its copy)
-                g = gpus[pos] = dict(gpus[pos])
-                mine = keys[pos] = {}
-            else:
-                g = gpus[pos]
-            g.update(fields)
-            mine.update(fields)
+            keys[pos] = fields if mine is None else {**mine, **fields}
     return list(touched.values())
