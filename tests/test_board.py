@@ -1204,3 +1204,95 @@ def test_row_keys_follow_the_index_when_a_uuid_is_listed_twice() -> None:
     rows = [r for r in model.rows() if isinstance(r, GpuRow)]
     assert [r.key for r in rows] == gpu_keys("h", model.snapshots["h"].gpus)
     assert [r.label for r in rows] == ["h:0", "h:2"]
+
+
+async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_screen(
+        tmp_path: Path) -> None:
+    """An answer from a host whose rows are not on screen changes the summary bar's counts
+    only: it is drawn with the next frame that has something on screen, or an interval
+    after the last frame (at 200 hosts a third of the frames drew nothing else). An answer
+    from a host on screen, a sorted view, or anything else (a reservation, a theme) is
+    drawn at the next tick."""
+    from gputop.ui import app as app_module
+
+    base = fixed_snapshots()[0]
+    fleet = [replace(base, name=f"n{i:02d}") for i in range(30)]
+    app = make_app(tmp_path)
+    app.model.host_order[:] = [s.name for s in fleet]
+    async with app.run_test(size=(120, 24)) as pilot:
+        for snap in fleet:
+            app.ingest(snap)
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        shown = table.hosts_on_screen()
+        assert "n00" in shown and "n29" not in shown
+        frames: list[str] = []
+        real = app.render_board
+
+        def counted() -> None:
+            frames.append("frame")
+            real()
+
+        app.render_board = counted  # type: ignore[method-assign]
+
+        def answer(name: str) -> None:
+            app.ingest(replace(base, name=name, time=base.time + timedelta(seconds=2)))
+
+        answer("n29")  # off screen: waits...
+        app._tick()
+        assert frames == [] and app._dirty
+        app._last_render -= app.config.interval * app_module.OFFSCREEN_WAIT_INTERVALS
+        app._tick()  # ...an interval at most
+        assert frames == ["frame"] and not app._dirty
+        answer("n29")
+        answer("n00")  # on screen: this tick
+        app._tick()
+        assert frames == ["frame"] * 2
+        answer("n29")
+        app._dirty = True  # anything but an answer (a reservation, a theme): this tick
+        app._tick()
+        assert frames == ["frame"] * 3
+        table.scroll_end(animate=False)  # scrolled: what is on screen now counts
+        await pilot.pause()
+        assert "n29" in table.hosts_on_screen()
+        answer("n29")
+        app._tick()
+        assert frames == ["frame"] * 4
+        app.model.sort_mode = "utilization"  # a sorted view: any answer can move rows
+        answer("n00")
+        app._tick()
+        assert frames == ["frame"] * 5
+        app.render_board = real  # type: ignore[method-assign]
+
+
+def test_a_frames_keys_are_its_rows_keys_in_every_view() -> None:
+    """The model makes each host's header, rows and keys as the host answers, and a
+    frame joins them: whatever the view (sorted, filtered, free only, collapsed, hosts
+    in error, MIG instances), the keys it hands the table are its rows' own, in order."""
+    from gputop.model import MigInstance
+    from gputop.ui.board_model import BoardModel
+
+    snaps = fixed_snapshots()
+    mixed = next(i for i, s in enumerate(snaps) if s.name == "gpu-mixed")
+    gpus = list(snaps[mixed].gpus)
+    gpus[2] = replace(gpus[2], mig_mode="Enabled", instances=tuple(
+        MigInstance(gpu_instance_id=gi, compute_instance_id=0, device_index=gi,
+                    uuid=f"MIG-{gi}", profile="1g.10gb", memory_used_mib=10,
+                    memory_total_mib=9856, utilization_percent=None, processes=())
+        for gi in (7, 8)))
+    snaps[mixed] = replace(snaps[mixed], gpus=tuple(gpus))
+    model = BoardModel(host_order=[s.name for s in snaps], clock=lambda: NOW, me="ann")
+    for snap in snaps:
+        model.ingest(snap)
+    seen = set()
+    for sort in ("host", "utilization", "free"):
+        for text, free_only, collapsed in (("", False, set()), ("h100", False, set()),
+                                           ("", True, set()), ("", False, {"gpu-h100"})):
+            model.sort_mode, model.filter_text, model.free_only = sort, text, free_only  # type: ignore[assignment]
+            model.collapsed = set(collapsed)
+            rows, keys, _summary = model.frame()
+            assert keys == [r.key for r in rows], (sort, text, free_only, collapsed)
+            seen.add(len(rows))
+    assert len(seen) > 3  # (the views differ)
+    assert any(s.error for s in snaps) and any(g.instances for s in snaps for g in s.gpus)

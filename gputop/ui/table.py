@@ -110,7 +110,6 @@ class BoardTable(ScrollView, can_focus=True):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._order: list[str] = []
         self._index: dict[str, int] = {}
-        self._order_gen = 0  # bumped when _order changes
         self._rows: list[Row] = []  # in the order of _order
         self._now: datetime | None = None
         self._signature: Signature | None = None
@@ -120,8 +119,8 @@ class BoardTable(ScrollView, can_focus=True):
         #: key -> (what the strip depends on, strip).
         self._strips: dict[str, tuple[tuple[object, ...], Strip]] = {}
         self._header: tuple[tuple[object, ...], Strip] | None = None
-        #: (what it depends on, the hosts of the rows on screen and the cursor's)
-        self._on_screen: tuple[tuple[object, ...], frozenset[str]] = ((), frozenset())
+        #: The hosts of the rows on screen and the cursor's (None: to be worked out).
+        self._on_screen: frozenset[str] | None = None
         #: (style, cursor, position, width, content) -> the cell's segments.
         self._cell_strips: dict[tuple[object, ...], list[Segment]] = {}
         self._style_gen = 0
@@ -186,6 +185,7 @@ class BoardTable(ScrollView, can_focus=True):
         self.refresh()
 
     def on_resize(self, event: events.Resize) -> None:
+        self._on_screen = None
         self._strips, self._header = {}, None
         self._update_virtual_size()
         if columns_for(event.size.width) != self.columns_shown:
@@ -216,7 +216,7 @@ class BoardTable(ScrollView, can_focus=True):
         self._rows = rows
         if keys != self._order:
             self._order = keys
-            self._order_gen += 1
+            self._on_screen = None
             self._index = {k: i for i, k in enumerate(keys)}
             gone = [k for k in self._cells if k not in self._index]
             for k in gone:
@@ -237,18 +237,20 @@ class BoardTable(ScrollView, can_focus=True):
 
     def hosts_on_screen(self) -> frozenset[str]:
         """The hosts whose rows are on screen, and the cursor's: the board draws answers
-        from other hosts less often (see GputopApp._frame_due). Worked out again only
-        when the rows, the scroll position, the height or the cursor moved."""
-        top = self.scroll_offset.y
-        state = (self._order_gen, top,
-                 self.scrollable_content_region.height, self.cursor_row)
-        if self._on_screen[0] != state:
+        from other hosts less often (see GputopApp._frame_due). Asked for each answer:
+        kept until the rows, the scroll position, the size or the cursor change."""
+        hosts = self._on_screen
+        if hosts is None:
             rows = self._rows
-            hosts = {rows[i].host for i in self._visible()}
+            found = {rows[i].host for i in self._visible()}
             if 0 <= self.cursor_row < len(rows):
-                hosts.add(rows[self.cursor_row].host)
-            self._on_screen = (state, frozenset(hosts))
-        return self._on_screen[1]
+                found.add(rows[self.cursor_row].host)
+            hosts = self._on_screen = frozenset(found)
+        return hosts
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        self._on_screen = None
+        super().watch_scroll_y(old_value, new_value)
 
     def _refresh_visible(self) -> None:
         """Rebuild the cells of on-screen rows whose signature changed and redraw the
@@ -289,6 +291,7 @@ class BoardTable(ScrollView, can_focus=True):
         return max(0, min(row, len(self._order) - 1))
 
     def watch_cursor_row(self, old: int, new: int) -> None:
+        self._on_screen = None
         self._refresh_row(old)
         self._refresh_row(new)
         if not self._restoring and 0 <= new < len(self._order):
