@@ -79,6 +79,7 @@ BURST_WAIT_S = 0.5
 #: The board's own young-generation collections (see _collect_young): their period, and
 #: how often (in collections) the next generation is collected too.
 GC_PERIOD_S = 5.0
+GC_ANSWERS = 400
 GC_OLDER_EVERY = 6
 #: Answers from hosts that are not on screen (they change the summary bar's counts only)
 #: are drawn with the next frame that has something on screen, or this many intervals
@@ -166,6 +167,7 @@ class GputopApp(StoreActions):
         self._last_drain = 0.0
         self._gc_runs = 0
         self._last_gc = 0.0
+        self._answers_since_gc = 0
         self._refrozen = False
         #: The feed woke the drain and it has not run since (set on the feed's thread).
         self._drain_woken = False
@@ -323,13 +325,17 @@ class GputopApp(StoreActions):
         at every object made since the last one that is still alive, and most of what an
         answer makes (its GPUs' models and rows) lives until the host's next answer, so
         collecting once per tick looked at each of them once (at 200 x 8, 6,400 objects
-        and 3-4 ms per refresh) while one every GC_PERIOD_S finds most of them gone.
+        and 3-4 ms per refresh) while one every GC_PERIOD_S finds most of them gone. A
+        large fleet is collected sooner, after GC_ANSWERS answers, so that no collection
+        (and no key that waits for one) takes longer than it did (at 1,000 hosts every
+        5 s, the longest filter keystroke went from 48 to 93 ms).
         The next generation is collected one time in GC_OLDER_EVERY.
         The automatic thresholds stay as a safety net."""
         now = time.monotonic()
-        if now < self._key_hold_until or now - self._last_gc < GC_PERIOD_S:
+        if now < self._key_hold_until or (now - self._last_gc < GC_PERIOD_S
+                                          and self._answers_since_gc < GC_ANSWERS):
             return
-        self._last_gc = now
+        self._last_gc, self._answers_since_gc = now, 0
         if not self._refrozen and self.model.snapshots:
             # Once, with the first answers in: what the feed imported as it connected
             # (aiohttp and its kin: 48,000 objects at 200 hosts, made after tune_gc's
@@ -427,6 +433,7 @@ class GputopApp(StoreActions):
 
     def ingest(self, snap: HostSnapshot) -> None:
         self.model.ingest(snap)
+        self._answers_since_gc += 1
         if not self._dirty_flag:  # (nothing else to draw: it is this answer's frame)
             self._dirty_flag = self._offscreen = True
         if self._offscreen and (self.model.sort_mode != "host"
