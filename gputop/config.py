@@ -489,6 +489,12 @@ def hub_url_problem(url: str) -> str | None:
     return None
 
 
+#: The hub's bound on open HTTP connections (``serve --max-connections``): without one, a
+#: client opening sockets could use up the process's file limit, and with it the hub's own
+#: SSH connections to the hosts.
+HUB_MAX_CONNECTIONS = 256
+
+
 def listen_problem(text: str) -> str | None:
     """Why ``text`` cannot be ``gputop serve``'s HOST:PORT (None: it can)."""
     host, sep, port = text.rpartition(":")

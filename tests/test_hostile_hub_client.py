@@ -411,3 +411,60 @@ def test_metrics_never_repeat_a_series() -> None:
     shares = [s for f in text_string_to_metric_families(text) for s in f.samples
               if s.name == "gputop_gpu_share_bytes"]
     assert [(s.labels["holder"], s.value) for s in shares] == [("bob", 30.0 * 1024 * 1024)]
+
+
+def test_the_hub_bounds_its_open_connections_and_serves_again_below_the_bound(
+        tmp_path: Path) -> None:
+    """Sockets opened and left idle (each would live 30 s) used up the process's file
+    limit, and with it the hub's own SSH connections to its hosts: beyond
+    ``--max-connections`` a new connection is closed at once (and counted in /metrics);
+    once one of them goes, the next client is served."""
+    from aiohttp import web
+
+    from gputop.config import load_config
+    from gputop.hub.server import Hub, limit_connections, make_runner
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+
+    async def get(port: int, path: str) -> bytes:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+                .encode())
+        try:
+            return await asyncio.wait_for(r.read(), 10)
+        finally:
+            w.close()
+
+    async def attack() -> tuple[list[bytes], bytes, bytes, bytes]:
+        hub = Hub(load_config(str(cfg)))
+        runner = make_runner(hub)
+        await runner.setup()
+        limit_connections(hub, runner, 4)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+            await asyncio.sleep(0.2)  # (each is the server's by now)
+            over = [await asyncio.wait_for(get(port, "/-/healthy"), 10) for _ in range(3)]
+            idle[0][1].close()
+            await asyncio.sleep(0.2)
+            again = await get(port, "/-/healthy")
+            idle[1][1].close()
+            await asyncio.sleep(0.2)
+            metrics = await get(port, "/metrics")
+            for _r, w in idle[2:]:
+                w.close()
+            await asyncio.sleep(0.2)
+            after = await get(port, "/-/healthy")
+            return over, again, metrics, after
+        finally:
+            hub.events.close_all()
+            await runner.cleanup()
+
+    over, again, metrics, after = asyncio.run(attack())
+    assert over == [b""] * 3  # closed at once, nothing answered
+    assert again.startswith(b"HTTP/1.1 200") and after.startswith(b"HTTP/1.1 200")
+    assert b"\ngputop_hub_connections_refused_total 3.0\n" in metrics

@@ -58,6 +58,22 @@ def test_event_ids_window_and_epochs() -> None:
         frame("update", "abc-1", '{"a": 1}\ndata: forged')
 
 
+def test_the_retained_window_is_bounded_in_bytes_too() -> None:
+    """256 events of a 1,000-host fleet's updates (and their patches) were over a gigabyte:
+    the window also ends where it holds ``retain_bytes``, the newest event kept whatever
+    its size; a resume from before it gets a fresh snapshot, as from before the count."""
+    log = EventLog(retain=256, retain_bytes=10_000, epoch="e")
+    for i in range(40):
+        log.publish(json.dumps({"n": i, "pad": "x" * 900}), json.dumps({"p": i}))
+    assert log.retained_bytes <= 10_000 and len(log.retained) < 15
+    assert log.retained_bytes == sum(len(u) + len(p) for _n, u, p in log.retained)
+    first = log.retained[0][0]
+    assert log.missed(f"e-{first - 1}") is not None  # the window's first event onwards
+    assert log.missed(f"e-{first - 2}") is None  # from before it: a fresh snapshot
+    log.publish(json.dumps({"pad": "y" * 50_000}))  # one event over the bound: kept alone
+    assert len(log.retained) == 1 and log.missed(f"e-{log.seq - 1}") is not None
+
+
 def test_a_subscriber_that_falls_behind_is_dropped_alone() -> None:
     log = EventLog(backlog=4)
     killed = []

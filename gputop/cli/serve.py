@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
+from gputop.config import HUB_MAX_CONNECTIONS as MAX_CONNECTIONS
 from gputop.config import Config, listen_problem
 
 
@@ -26,6 +27,8 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
         cmd += ["--timeout", f"{args.timeout:g}"]
     if args.max_subscribers != 64:
         cmd += ["--max-subscribers", str(args.max_subscribers)]
+    if args.max_connections != MAX_CONNECTIONS:
+        cmd += ["--max-connections", str(args.max_connections)]
     return cmd
 
 
@@ -39,6 +42,9 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
         return EXIT_ERROR
     if not 1 <= args.max_subscribers <= 10_000:
         print("gputop: --max-subscribers must be between 1 and 10000", file=sys.stderr)
+        return EXIT_ERROR
+    if not 1 <= args.max_connections <= 100_000:
+        print("gputop: --max-connections must be between 1 and 100000", file=sys.stderr)
         return EXIT_ERROR
     if args.print_unit:
         from pathlib import Path
@@ -69,7 +75,8 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
 
     async def main() -> int:
         try:
-            await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers)
+            await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers,
+                        max_connections=args.max_connections)
         except OSError as exc:
             print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
                   file=sys.stderr)
@@ -95,6 +102,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    "beyond loopback only when told)")
     p.add_argument("--max-subscribers", type=int, default=64, metavar="N",
                    help="event streams open at once (default 64); one more is refused")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                   help=f"HTTP connections open at once (default {MAX_CONNECTIONS}); one "
+                   "more is closed at once (each idle one closes after 30 s)")
     p.add_argument("--print-unit", action="store_true",
                    help="print a systemd user unit that runs this gputop's hub (with this "
                    "--config, --listen, --interval, --timeout) and exit")

@@ -63,6 +63,8 @@ class HubCounts:
     subscribers: int
     dropped: int
     refused: int
+    retained_bytes: int = 0
+    connections_refused: int = 0
 
 
 def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
@@ -99,6 +101,8 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
     g.subs.add_metric([], float(hub.subscribers))
     g.dropped.add_metric([], float(hub.dropped))
     g.refused.add_metric([], float(hub.refused))
+    g.retained.add_metric([], float(hub.retained_bytes))
+    g.conn_refused.add_metric([], float(hub.connections_refused))
     return g.all()
 
 
@@ -249,6 +253,10 @@ class _Gauges:
                          "Event streams ended for falling behind.")
         self.refused = C("gputop_hub_subscribers_refused",
                          "Event streams refused: too many open.")
+        self.retained = G("gputop_hub_retained_bytes",
+                          "Bytes of events kept for streams that resume (bounded).")
+        self.conn_refused = C("gputop_hub_connections_refused",
+                              "HTTP connections closed at once: too many open.")
 
     def all(self) -> list[Metric]:
         return [v for v in vars(self).values() if isinstance(v, Metric)]

@@ -32,7 +32,7 @@ from urllib.parse import unquote
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gputop.config import Config
+from gputop.config import HUB_MAX_CONNECTIONS, Config
 from gputop.hub.collector import Collector
 from gputop.hub.events import KEEPALIVE, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
@@ -130,6 +130,7 @@ class Hub:
         self.collector.patches_wanted = self.events.patch_readers
         self.token = token
         self.keepalive_s = keepalive_s
+        self.connections_refused = 0  # closed at once: too many open (limit_connections)
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
@@ -203,7 +204,9 @@ class Hub:
         hub = HubCounts(ready=c.ready, start_time=c.started, folds=c.folds,
                         updates=self.events.published, fold_cpu_s=c.fold_seconds,
                         subscribers=len(self.events.subscribers), dropped=self.events.dropped,
-                        refused=self.events.refused)
+                        refused=self.events.refused,
+                        retained_bytes=self.events.retained_bytes,
+                        connections_refused=self.connections_refused)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
         return await self._send(request, body, CONTENT_TYPE_LATEST)
@@ -371,8 +374,27 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
                          keepalive_timeout=idle_s)
 
 
+def limit_connections(hub: Hub, runner: web.AppRunner, limit: int) -> None:
+    """Close a connection at once when ``limit`` are already open (counted in
+    ``gputop_hub_connections_refused``). aiohttp has no such bound of its own; its server
+    tells each new connection to ``connection_made``, which this wraps."""
+    server = runner.server
+    assert server is not None  # (after runner.setup())
+    made = server.connection_made
+
+    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        if len(server.connections) > limit:
+            hub.connections_refused += 1
+            transport.close()
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+
+
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
-                ready: Callable[[str], None] | None = None, **hub_options: Any) -> None:
+                ready: Callable[[str], None] | None = None,
+                max_connections: int = HUB_MAX_CONNECTIONS,
+                **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
@@ -380,6 +402,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     hub.loopback_names_only = is_loopback(host)
     runner = make_runner(hub)
     await runner.setup()
+    limit_connections(hub, runner, max_connections)
     collecting = asyncio.create_task(hub.collector.run())
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
