@@ -311,8 +311,7 @@ class GputopApp(StoreActions):
 
     def _frame_due(self, now: float) -> bool:
         """Draw at this tick: something on screen changed, or the summary bar has waited
-        OFFSCREEN_WAIT_INTERVALS (the host order only: in a sorted view any answer can
-        move rows on screen)."""
+        OFFSCREEN_WAIT_INTERVALS (see ``ingest`` for which answers count as on screen)."""
         return not self._offscreen or now - self._last_render >= (
             OFFSCREEN_WAIT_INTERVALS * self.config.interval)
 
@@ -432,12 +431,18 @@ class GputopApp(StoreActions):
         self._drain_soon(DRAIN_PERIOD)  # the budget ran out: the rest in a moment
 
     def ingest(self, snap: HostSnapshot) -> None:
-        self.model.ingest(snap)
+        model = self.model
+        before = model.snapshots.get(snap.name)
+        model.ingest(snap)
         self._answers_since_gc += 1
         if not self._dirty_flag:  # (nothing else to draw: it is this answer's frame)
             self._dirty_flag = self._offscreen = True
-        if self._offscreen and (self.model.sort_mode != "host"
-                                or snap.name in self._table().hosts_on_screen()):
+        if self._offscreen and (model.sort_mode != "host" or model.free_only
+                                or model.filter_text.strip()
+                                or snap.name in self._table().hosts_on_screen()
+                                or _row_shape(before) != _row_shape(snap)):
+            # (On screen; or any answer can bring rows in or take them out: a sorted or
+            # filtered view; or this one moves the rows below it: see _row_shape.)
             self._offscreen = False
         self._last_ingest = time.monotonic()
 
@@ -508,7 +513,10 @@ class GputopApp(StoreActions):
         return None if key is None else table.row_of(key)  # as last drawn
 
     def on_board_table_row_highlighted(self, _event: BoardTable.RowHighlighted) -> None:
-        detail = self.query_one(DetailPane)
+        try:
+            detail = self.query_one(DetailPane)
+        except NoMatches:  # (a frame moved the cursor as the app shut down)
+            return
         if detail.display:
             detail.show(self._selected(), self.model, self.clock(), self.palette)
 
@@ -607,6 +615,15 @@ class GputopApp(StoreActions):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+
+def _row_shape(snap: HostSnapshot | None) -> tuple[bool, int, int]:
+    """What a host's count of rows follows from its answer (up or down, its GPUs, their
+    MIG instances): an answer that changes it moves the rows below the host, on screen
+    or not (and a host's first answer is its first rows: None never equals it)."""
+    if snap is None:
+        return (False, -1, -1)
+    return (snap.error is None, len(snap.gpus), sum(len(g.instances) for g in snap.gpus))
 
 
 def tune_gc() -> None:
