@@ -141,3 +141,40 @@ async def test_in_a_filtered_or_free_only_view_an_answer_is_drawn_at_once(
         app._tick()
         assert frames == [1]
         assert table.row_count > free_rows
+
+
+async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_screen(
+        tmp_path: Path) -> None:
+    """A host off screen answered (put off); then the user scrolls (or moves the cursor)
+    to it: its rows on screen are drawn from that answer at the next tick, not from the
+    one before it for up to an interval more."""
+    app = make_app(tmp_path)
+    fleet = _fleet(30)
+    app.model.host_order[:] = [s.name for s in fleet]
+    async with app.run_test(size=(120, 24)) as pilot:
+        table = await _board(app, pilot, fleet)
+        assert "n29" not in table.hosts_on_screen()
+        frames = _frames(app)
+        gpus = list(BASE.gpus)
+        gpus[0] = replace(gpus[0], utilization_percent=7)
+        app.ingest(replace(BASE, name="n29", time=LATER, gpus=tuple(gpus)))
+        app._tick()
+        assert frames == []  # (off screen: put off)
+        table.scroll_end(animate=False)
+        await pilot.pause()
+        app._tick()
+        assert frames == [1]
+        await pilot.pause()
+        key = next(k for k in table.row_keys if k.startswith("n29\x00"))
+        assert " 7%" in on_screen(app, table, key)
+        # The same by the cursor (a key: Home), from the bottom back to the top.
+        table.move_cursor(row=table.row_count - 1)
+        await pilot.pause()
+        assert "n00" not in table.hosts_on_screen()
+        app.ingest(replace(BASE, name="n00", time=LATER, gpus=tuple(gpus)))
+        app._tick()
+        assert frames == [1]
+        table.move_cursor(row=0)
+        await pilot.pause()
+        app._tick()
+        assert frames == [1, 1]

@@ -149,6 +149,8 @@ class GputopApp(StoreActions):
         self._waiting: Worker[None] | None = None
         self._store_problem: str | None = None
         self._store_reading = False
+        #: The hosts whose answers wait for a frame with something on screen (_frame_due).
+        self._put_off: set[str] = set()
         self._dirty = True
         #: What is to be drawn is only answers from hosts not on screen (see _frame_due).
         self._offscreen = False
@@ -308,12 +310,16 @@ class GputopApp(StoreActions):
     def _dirty(self, value: bool) -> None:
         self._dirty_flag = value
         self._offscreen = False
+        self._put_off.clear()
 
     def _frame_due(self, now: float) -> bool:
         """Draw at this tick: something on screen changed, or the summary bar has waited
-        OFFSCREEN_WAIT_INTERVALS (see ``ingest`` for which answers count as on screen)."""
-        return not self._offscreen or now - self._last_render >= (
-            OFFSCREEN_WAIT_INTERVALS * self.config.interval)
+        OFFSCREEN_WAIT_INTERVALS (see ``ingest`` for which answers count as on screen), or
+        a scroll or the cursor brought the rows of a host whose answer waits on screen."""
+        if not self._offscreen or now - self._last_render >= (
+                OFFSCREEN_WAIT_INTERVALS * self.config.interval):
+            return True
+        return not self._put_off.isdisjoint(self._table().hosts_on_screen())
 
     def _collect_young(self) -> None:
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
@@ -444,6 +450,8 @@ class GputopApp(StoreActions):
             # (On screen; or any answer can bring rows in or take them out: a sorted or
             # filtered view; or this one moves the rows below it: see _row_shape.)
             self._offscreen = False
+        elif self._offscreen:
+            self._put_off.add(snap.name)
         self._last_ingest = time.monotonic()
 
     def _table(self) -> BoardTable:
