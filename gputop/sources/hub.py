@@ -149,7 +149,8 @@ class Document:
         self.doc["time"] = update["time"]
         self.doc["hosts"] = [self.hosts[n] for n in self.order]
         hosts = self.hosts
-        return [h for h in update["hosts"] if hosts.get(h["name"]) is h]
+        return [held for h in update["hosts"]
+                if (held := hosts.get(h["name"])) is not None and held is h]
 
     def apply_patch(self, update: dict[str, Any], changes: list[dict[str, Any]]
                     ) -> list[Touched]:
