@@ -3,7 +3,8 @@
 the rows on screen (a host above them going down or coming back, gaining or losing GPUs
 or MIG instances), a host that has no rows yet (a hub names its hosts as they come), or
 an answer in a filtered or free-only view (it can bring rows in or take them out) is
-drawn at the next tick, as an answer from a host on screen is."""
+drawn at the next tick, as an answer from a host on screen is; and answers put off are
+drawn at the next tick once a scroll or the cursor brings their hosts on screen."""
 
 from __future__ import annotations
 
