@@ -129,7 +129,9 @@ class Document:
         self.models: dict[str, HostSnapshot] = {}
 
     def apply(self, update: dict[str, Any]) -> list[dict[str, Any]]:
-        """Apply a checked update; returns the hosts it changed."""
+        """Apply a checked update; returns the hosts it changed: those the document now
+        holds, each once (not one the update also removes, nor the first of a name it
+        carries twice: no snapshot of the document has them)."""
         for h in update["hosts"]:
             if h["name"] not in self.hosts:
                 self.order.append(h["name"])
@@ -146,7 +148,9 @@ class Document:
                 self.doc[k] = v
         self.doc["time"] = update["time"]
         self.doc["hosts"] = [self.hosts[n] for n in self.order]
-        return list(update["hosts"])
+        hosts = self.hosts
+        return [held for h in update["hosts"]
+                if (held := hosts.get(h["name"])) is not None and held is h]
 
     def apply_patch(self, update: dict[str, Any], changes: list[dict[str, Any]]
                     ) -> list[Touched]:

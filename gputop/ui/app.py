@@ -149,6 +149,8 @@ class GputopApp(StoreActions):
         self._waiting: Worker[None] | None = None
         self._store_problem: str | None = None
         self._store_reading = False
+        #: The hosts whose answers wait for a frame with something on screen (_frame_due).
+        self._put_off: set[str] = set()
         self._dirty = True
         #: What is to be drawn is only answers from hosts not on screen (see _frame_due).
         self._offscreen = False
@@ -308,13 +310,16 @@ class GputopApp(StoreActions):
     def _dirty(self, value: bool) -> None:
         self._dirty_flag = value
         self._offscreen = False
+        self._put_off.clear()
 
     def _frame_due(self, now: float) -> bool:
         """Draw at this tick: something on screen changed, or the summary bar has waited
-        OFFSCREEN_WAIT_INTERVALS (the host order only: in a sorted view any answer can
-        move rows on screen)."""
-        return not self._offscreen or now - self._last_render >= (
-            OFFSCREEN_WAIT_INTERVALS * self.config.interval)
+        OFFSCREEN_WAIT_INTERVALS (see ``ingest`` for which answers count as on screen), or
+        a scroll or the cursor brought the rows of a host whose answer waits on screen."""
+        if not self._offscreen or now - self._last_render >= (
+                OFFSCREEN_WAIT_INTERVALS * self.config.interval):
+            return True
+        return not self._put_off.isdisjoint(self._table().hosts_on_screen())
 
     def _collect_young(self) -> None:
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
@@ -432,13 +437,21 @@ class GputopApp(StoreActions):
         self._drain_soon(DRAIN_PERIOD)  # the budget ran out: the rest in a moment
 
     def ingest(self, snap: HostSnapshot) -> None:
-        self.model.ingest(snap)
+        model = self.model
+        before = model.snapshots.get(snap.name)
+        model.ingest(snap)
         self._answers_since_gc += 1
         if not self._dirty_flag:  # (nothing else to draw: it is this answer's frame)
             self._dirty_flag = self._offscreen = True
-        if self._offscreen and (self.model.sort_mode != "host"
-                                or snap.name in self._table().hosts_on_screen()):
+        if self._offscreen and (model.sort_mode != "host" or model.free_only
+                                or model.filter_text.strip()
+                                or snap.name in self._table().hosts_on_screen()
+                                or _row_shape(before) != _row_shape(snap)):
+            # (On screen; or any answer can bring rows in or take them out: a sorted or
+            # filtered view; or this one moves the rows below it: see _row_shape.)
             self._offscreen = False
+        elif self._offscreen:
+            self._put_off.add(snap.name)
         self._last_ingest = time.monotonic()
 
     def _table(self) -> BoardTable:
@@ -508,7 +521,10 @@ class GputopApp(StoreActions):
         return None if key is None else table.row_of(key)  # as last drawn
 
     def on_board_table_row_highlighted(self, _event: BoardTable.RowHighlighted) -> None:
-        detail = self.query_one(DetailPane)
+        try:
+            detail = self.query_one(DetailPane)
+        except NoMatches:  # (a frame moved the cursor as the app shut down)
+            return
         if detail.display:
             detail.show(self._selected(), self.model, self.clock(), self.palette)
 
@@ -607,6 +623,15 @@ class GputopApp(StoreActions):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+
+def _row_shape(snap: HostSnapshot | None) -> tuple[bool, int, int]:
+    """What a host's count of rows follows from its answer (up or down, its GPUs, their
+    MIG instances): an answer that changes it moves the rows below the host, on screen
+    or not (and a host's first answer is its first rows: None never equals it)."""
+    if snap is None:
+        return (False, -1, -1)
+    return (snap.error is None, len(snap.gpus), sum(len(g.instances) for g in snap.gpus))
 
 
 def tune_gc() -> None:

@@ -1,0 +1,103 @@
+"""The board's model keeps each host's rows, header, keys and summary counts from its last
+answer (``_host_rows``: ``block``, ``keys``) and keeps a row whose GPU object an answer left
+as it was (a hub's patch); a frame joins them (``BoardModel.frame``). On random sequences
+(numbers moving, processes coming and going, GPUs lost, MIG instances, hosts down, stale
+and back, GPU objects reused as a patch leaves them, reservations and shares made and
+expiring, the clock moving past the idle-holder threshold, sorts, filters, free only,
+collapse) a frame is exactly the frame a model with no kept rows works out."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from datetime import datetime, timedelta
+
+import pytest
+from board_data import NOW, fixed_snapshots
+
+from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
+from gputop.reservations.store import Reservation, StoreState, new_reservation
+from gputop.ui.board_model import BoardModel, SortMode
+
+_MIG = (MigInstance(gpu_instance_id=3, compute_instance_id=0, device_index=0, uuid="MIG-3",
+                    profile="1g.10gb", memory_used_mib=0, memory_total_mib=9856,
+                    utilization_percent=None, processes=()),)
+
+
+def _answer(rnd: random.Random, s: HostSnapshot, now: datetime) -> HostSnapshot:
+    what = rnd.random()
+    if what < 0.6 and s.gpus:
+        gpus = list(s.gpus)
+        i = rnd.randrange(len(gpus))
+        how = rnd.random()
+        if how < 0.4:
+            gpus[i] = replace(gpus[i], utilization_percent=rnd.choice([0, 5, 90, None]),
+                              memory_used_mib=rnd.choice([0, 100, 20000]))
+        elif how < 0.6:
+            gpus[i] = gpus[i].with_processes(rnd.choice([(), (ProcessInfo(
+                9, rnd.choice(["ann", "bob", "zed"]), "python z.py", 5, 5),)]))
+        elif how < 0.7:
+            gpus[i] = replace(gpus[i], lost=not gpus[i].lost)
+        elif how < 0.8:
+            gpus[i] = replace(gpus[i], mig_mode="Enabled", instances=rnd.choice([(), _MIG]))
+        # (else: every GPU object as it was, as a hub's patch of the host's time leaves it)
+        return replace(s, gpus=tuple(gpus), time=now - timedelta(seconds=1), error=None)
+    if what < 0.8:
+        return replace(s, error=HostError("timeout", "no answer"), time=now)
+    return replace(s, error=None, gpus=s.gpus or fixed_snapshots()[0].gpus,
+                   time=now - timedelta(seconds=rnd.choice([1, 100])))
+
+
+def _reservations(rnd: random.Random, hosts: list[str], now: datetime) -> StoreState:
+    out: list[Reservation] = []
+    for _ in range(rnd.randint(0, 3)):
+        made = now - timedelta(minutes=rnd.randint(0, 40))
+        out.append(new_reservation(rnd.choice(hosts), rnd.randint(0, 3),
+                                   rnd.choice(["ann", "bob"]), "ws", made,
+                                   rnd.choice([60, 3600]), None, "",
+                                   share_mib=rnd.choice([None, None, 1000])))
+    return StoreState(reservations=tuple(out))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_frame_from_kept_rows_is_the_frame_worked_out_anew(seed: int) -> None:
+    rnd = random.Random(seed)
+    snaps = {s.name: s for s in fixed_snapshots()}
+    hosts = list(snaps)
+    clock = [NOW]
+    kept, anew = (BoardModel(host_order=list(hosts), clock=lambda: clock[0], me="ann",
+                             idle_holder_s=60) for _ in range(2))
+    for _step in range(80):
+        roll = rnd.random()
+        if roll < 0.7:
+            name = rnd.choice(hosts)
+            snaps[name] = _answer(rnd, snaps[name], clock[0])
+            for m in (kept, anew):
+                m.ingest(snaps[name])
+        elif roll < 0.8:
+            state = _reservations(rnd, hosts, clock[0])
+            for m in (kept, anew):
+                m.set_state(state)
+        elif roll < 0.9:
+            clock[0] += timedelta(seconds=rnd.choice([1, 2, 7, 61]))
+        else:
+            which = rnd.random()
+            sort: SortMode = rnd.choice(["host", "utilization", "free-memory"])
+            text = rnd.choice(["", "", "h100", "bob", "zed"])
+            free_only = not kept.free_only
+            collapsed = {rnd.choice(hosts)} if rnd.random() < 0.5 else set()
+            for m in (kept, anew):
+                if which < 0.3:
+                    m.sort_mode = sort
+                elif which < 0.5:
+                    m.filter_text = text
+                elif which < 0.7:
+                    m.free_only = free_only
+                else:
+                    m.collapsed = set(collapsed)
+        rows, keys, summary = kept.frame()
+        anew._row_cache.clear()  # (nothing kept: every host's rows worked out now)
+        want_rows, want_keys, want_summary = anew.frame()
+        assert keys == want_keys
+        assert rows == want_rows
+        assert summary == want_summary
