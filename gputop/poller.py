@@ -231,6 +231,11 @@ class HubPoller:
         self.connects = 0
 
     def _names(self, doc_hosts: Sequence[str]) -> list[str]:
+        if len(self._last) > len(doc_hosts) or not self._last.keys() <= set(doc_hosts):
+            # (a host the hub no longer lists is forgotten: a resume hands on the last
+            # answers kept, and one of a removed host would come back with them)
+            have = set(doc_hosts)
+            self._last = {n: h for n, h in self._last.items() if n in have}
         names = self.only if self.only is not None else list(doc_hosts)
         if [s.name for s in self.sources] != names:
             self.sources = [_Named(n) for n in names]

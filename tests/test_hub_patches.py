@@ -6,6 +6,7 @@ refused whole, never applied in part."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -272,3 +273,68 @@ async def test_the_hub_works_out_patches_only_while_someone_reads_them(tmp_path:
     assert plain is not None and patched is not None
     assert [f.split(b"\n")[0] for f in patched.take()] == [b"event: patch"]
     assert [f.split(b"\n")[0] for f in plain.take()] == [b"event: update"] * 2
+
+
+async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes() -> None:
+    """After a drop the reader resumes with ``Last-Event-ID`` and hands on the last
+    answers it kept first (the hosts shown as "hub down" meanwhile get their data back):
+    a host an update had removed came back with them, on every reconnect."""
+    import asyncio
+    import socket
+
+    from test_hostile_hub_client import FakeHub
+
+    from gputop.config import Config
+    from gputop.poller import HubPoller
+
+    doc = fleet_doc(2, 1, seed=3)
+    gone = doc["hosts"][1]["name"]
+    removal = json.dumps({"time": doc["time"], "hosts": [], "removed": [gone], "set": {}})
+    quiet = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
+    asked: list[bytes] = []
+
+    def answer(c: socket.socket) -> None:
+        if len(asked) == 1:  # the first connection: the snapshot, then the removal
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                      + f"event: snapshot\nid: e-1\ndata: {json.dumps(doc)}\n\n".encode()
+                      + f"event: update\nid: e-2\ndata: {removal}\n\n".encode())
+        else:  # resumed: one more (empty) update, then the stream stays open a moment
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                      + f"event: update\nid: e-3\ndata: {quiet}\n\n".encode())
+            c.settimeout(1)
+            with contextlib.suppress(OSError):
+                c.recv(1)
+
+    hub = FakeHub(answer)
+
+    def one(c: socket.socket) -> None:
+        c.settimeout(5)
+        asked.append(c.recv(65536))
+        try:
+            hub.answer(c)
+        finally:
+            c.close()
+
+    hub._one = one  # type: ignore[method-assign]
+    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    after_resume: list[str] = []
+    try:
+        async def read() -> None:
+            async for h in poller.updates():
+                if len(asked) >= 2 and h.error is None:
+                    after_resume.append(h.name)
+
+        reading = asyncio.ensure_future(read())
+        for _ in range(300):
+            if after_resume:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # (what else the resume hands on)
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+    finally:
+        await poller.aclose()
+        hub.close()
+    assert b"last-event-id: e-2" in asked[1].lower()
+    assert after_resume == [doc["hosts"][0]["name"]], after_resume
