@@ -1131,6 +1131,7 @@ async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path
         for snap in fixed_snapshots():
             app._inbox.put(snap)
         app._dirty = True
+        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()  # the burst is still in the inbox: no frame yet
         assert frames == [] and app._frame_waits
         app._drain()  # (budget enough for these few: the slice that empties the inbox)
