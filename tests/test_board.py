@@ -1241,6 +1241,7 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
             app.ingest(replace(base, name=name, time=base.time + timedelta(seconds=2)))
 
         answer("n29")  # off screen: waits...
+        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()
         assert frames == [] and app._dirty
         app._last_render -= app.config.interval * app_module.OFFSCREEN_WAIT_INTERVALS

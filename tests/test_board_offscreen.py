@@ -8,6 +8,7 @@ drawn at the next tick once a scroll or the cursor brings their hosts on screen.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -106,6 +107,7 @@ async def test_a_host_above_the_screen_that_goes_down_moves_the_rows_on_it_now(
         assert frames == [1, 1, 1]
         # Only numbers moved on a host above: nothing on screen changes; it waits.
         app.ingest(replace(BASE, name="n02", time=LATER + timedelta(seconds=2)))
+        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()
         assert frames == [1, 1, 1]
 
@@ -159,6 +161,7 @@ async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_scre
         gpus = list(BASE.gpus)
         gpus[0] = replace(gpus[0], utilization_percent=7)
         app.ingest(replace(BASE, name="n29", time=LATER, gpus=tuple(gpus)))
+        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()
         assert frames == []  # (off screen: put off)
         table.scroll_end(animate=False)
@@ -173,6 +176,7 @@ async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_scre
         await pilot.pause()
         assert "n00" not in table.hosts_on_screen()
         app.ingest(replace(BASE, name="n00", time=LATER, gpus=tuple(gpus)))
+        app._last_render = time.monotonic()
         app._tick()
         assert frames == [1]
         table.move_cursor(row=0)
