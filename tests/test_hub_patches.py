@@ -189,13 +189,30 @@ def test_each_subscriber_gets_its_kind_and_a_resume_gets_the_same() -> None:
     assert (log.missed("e-0") or [])[0].endswith(b'data: {"u": 1}\n\n')
 
 
+def _recording_hub(answer: Any, asked: list[bytes]) -> Any:
+    """A fake hub (``test_hostile_hub_client.FakeHub``) that keeps each request it is sent
+    in ``asked`` before ``answer`` answers it."""
+    from test_hostile_hub_client import FakeHub
+
+    hub = FakeHub(answer)
+
+    def one(c: Any) -> None:  # the request, then the answer
+        c.settimeout(5)
+        asked.append(c.recv(65536))
+        try:
+            hub.answer(c)
+        finally:
+            c.close()
+
+    hub._one = one  # type: ignore[method-assign]
+    return hub
+
+
 async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> None:
     """A patch for a host the reader does not have: its copy no longer matches the hub's,
     so it asks for a fresh snapshot (no ``Last-Event-ID``) instead of the same patch."""
     import asyncio
     import socket
-
-    from test_hostile_hub_client import FakeHub
 
     from gputop.config import Config
     from gputop.poller import HubPoller
@@ -209,17 +226,7 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
                   + f"event: snapshot\nid: e-1\ndata: {json.dumps(doc)}\n\n".encode()
                   + f"event: patch\nid: e-2\ndata: {bad}\n\n".encode())
 
-    hub = FakeHub(answer)
-
-    def one(c: socket.socket) -> None:  # the request, then the answer
-        c.settimeout(5)
-        asked.append(c.recv(65536))
-        try:
-            hub.answer(c)
-        finally:
-            c.close()
-
-    hub._one = one  # type: ignore[method-assign]
+    hub = _recording_hub(answer, asked)
     poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
     errors = 0
     try:
@@ -282,8 +289,6 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
     import asyncio
     import socket
 
-    from test_hostile_hub_client import FakeHub
-
     from gputop.config import Config
     from gputop.poller import HubPoller
 
@@ -305,17 +310,7 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
             with contextlib.suppress(OSError):
                 c.recv(1)
 
-    hub = FakeHub(answer)
-
-    def one(c: socket.socket) -> None:
-        c.settimeout(5)
-        asked.append(c.recv(65536))
-        try:
-            hub.answer(c)
-        finally:
-            c.close()
-
-    hub._one = one  # type: ignore[method-assign]
+    hub = _recording_hub(answer, asked)
     poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
     after_resume: list[str] = []
     try:
