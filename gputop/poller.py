@@ -231,10 +231,10 @@ class HubPoller:
         self.connects = 0
 
     def _names(self, doc_hosts: Sequence[str]) -> list[str]:
-        if len(self._last) > len(doc_hosts) or not self._last.keys() <= set(doc_hosts):
+        have = set(doc_hosts)
+        if not self._last.keys() <= have:
             # (a host the hub no longer lists is forgotten: a resume hands on the last
             # answers kept, and one of a removed host would come back with them)
-            have = set(doc_hosts)
             self._last = {n: h for n, h in self._last.items() if n in have}
         names = self.only if self.only is not None else list(doc_hosts)
         if [s.name for s in self.sources] != names:

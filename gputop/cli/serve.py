@@ -6,8 +6,7 @@ import argparse
 import sys
 
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
-from gputop.config import HUB_MAX_CONNECTIONS as MAX_CONNECTIONS
-from gputop.config import Config, listen_problem
+from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 
 
 def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -27,7 +26,7 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
         cmd += ["--timeout", f"{args.timeout:g}"]
     if args.max_subscribers != 64:
         cmd += ["--max-subscribers", str(args.max_subscribers)]
-    if args.max_connections != MAX_CONNECTIONS:
+    if args.max_connections != HUB_MAX_CONNECTIONS:
         cmd += ["--max-connections", str(args.max_connections)]
     return cmd
 
@@ -102,8 +101,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
                    "beyond loopback only when told)")
     p.add_argument("--max-subscribers", type=int, default=64, metavar="N",
                    help="event streams open at once (default 64); one more is refused")
-    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
-                   help=f"HTTP connections open at once (default {MAX_CONNECTIONS}); one "
+    p.add_argument("--max-connections", type=int, default=HUB_MAX_CONNECTIONS, metavar="N",
+                   help=f"HTTP connections open at once (default {HUB_MAX_CONNECTIONS}); one "
                    "more is closed at once (each idle one closes after 30 s)")
     p.add_argument("--print-unit", action="store_true",
                    help="print a systemd user unit that runs this gputop's hub (with this "
