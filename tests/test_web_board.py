@@ -385,17 +385,26 @@ def test_the_hub_restarted_the_page_says_so_and_recovers(page: Any, hub: Hub) ->
 # --- 200 hosts x 8 GPUs: script time and memory ----------------------------------------------
 
 
+def live_board(doc: dict[str, Any], directory: Path, width: int = 1600, height: int = 1000
+               ) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
+    """A hub serving ``doc`` and a headless Chromium showing its page, live (for a
+    module's fixture: ``yield from``); both closed after."""
+    _need_chromium()
+    h = DocHub(doc, directory)
+    b = browser(width, height)
+    try:
+        b.get(h.url)
+        wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live", 30)
+        yield h, b, doc
+    finally:
+        b.quit()
+        h.stop()
+
+
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
-    _need_chromium()
-    doc = fleet_doc(200, 8, failing=3)
-    h = DocHub(doc, tmp_path_factory.mktemp("bighub"))
-    b = browser(1920, 1080)
-    b.get(h.url)
-    wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live", 30)
-    yield h, b, doc
-    b.quit()
-    h.stop()
+    yield from live_board(fleet_doc(200, 8, failing=3), tmp_path_factory.mktemp("bighub"),
+                          1920, 1080)
 
 
 def _updates(b: Any, h: DocHub, doc: dict[str, Any], n: int, hosts: int | None,

@@ -16,21 +16,13 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_web_board import _need_chromium, wait
-from web_hub import DocHub, browser, fleet_doc
+from test_web_board import live_board, wait
+from web_hub import DocHub, fleet_doc
 
 
 @pytest.fixture(scope="module")
 def paged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
-    _need_chromium()
-    doc = fleet_doc(6, 4, seed=11)
-    h = DocHub(doc, tmp_path_factory.mktemp("patchhub"))
-    b = browser(1600, 1000)
-    b.get(h.url)
-    wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live", 30)
-    yield h, b, doc
-    b.quit()
-    h.stop()
+    yield from live_board(fleet_doc(6, 4, seed=11), tmp_path_factory.mktemp("patchhub"))
 
 
 def _cell(b: Any, host: str, index: int, cls: str) -> str:

@@ -19,22 +19,15 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_web_board import _need_chromium, wait
-from web_hub import DocHub, browser, fleet_doc, host_doc, iso
+from test_web_board import live_board, wait
+from web_hub import DocHub, fleet_doc, host_doc, iso
 
 HOSTS, GPUS = 6, 4
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DocHub, Any, dict[str, Any]]]:
-    _need_chromium()
-    doc = fleet_doc(HOSTS, GPUS, seed=23)
-    h = DocHub(doc, tmp_path_factory.mktemp("hostilehub"))
-    b = browser(1600, 1000)
-    _load(b, h.url)
-    yield h, b, doc
-    b.quit()
-    h.stop()
+    yield from live_board(fleet_doc(HOSTS, GPUS, seed=23), tmp_path_factory.mktemp("hostilehub"))
 
 
 def _load(b: Any, url: str) -> None:
