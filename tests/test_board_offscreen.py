@@ -183,3 +183,32 @@ async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_scre
         await pilot.pause()
         app._tick()
         assert frames == [1, 1]
+
+
+async def test_rows_of_hosts_off_screen_are_made_when_they_come_on_screen(
+        tmp_path: Path) -> None:
+    """An answer from a host off screen gives its share of the summary and its rows'
+    keys only (``HostRows``); its rows are made when the table looks at them, and then
+    show that answer."""
+    app = make_app(tmp_path)
+    fleet = _fleet(30)
+    app.model.host_order[:] = [s.name for s in fleet]
+    async with app.run_test(size=(120, 30)) as pilot:
+        table = await _board(app, pilot, fleet)
+        for snap in fleet:  # a refresh, as the feed delivers it: through the drain
+            gpus = (replace(snap.gpus[0], utilization_percent=37), *snap.gpus[1:])
+            app._inbox.put(replace(snap, gpus=gpus, time=LATER))
+        app._drain()
+        app.render_board()
+        await pilot.pause()
+        shown = table.hosts_on_screen()
+        assert 0 < len(shown) < 10
+        made = {h for h, rows in app.model._row_cache.items() if rows.built}
+        assert made == set(shown)
+        assert app.model.summary().gpus == 30 * 4  # (counted without their rows)
+        last = fleet[-1].name
+        table.action_scroll_bottom()
+        await pilot.pause()
+        assert app.model._row_cache[last].built
+        key = table.row_keys[table.get_row_index(last) + 1]
+        assert "37%" in on_screen(app, table, key)

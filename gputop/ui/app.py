@@ -433,7 +433,8 @@ class GputopApp(StoreActions):
             self.ingest(snap)
             if self.recorder is not None:
                 self._record(snap)
-            warm((snap.name,))
+            # (Its rows now if they are on screen; else its counts and keys alone.)
+            warm((snap.name,), self._table().hosts_on_screen())
         self._drain_soon(DRAIN_PERIOD)  # the budget ran out: the rest in a moment
 
     def ingest(self, snap: HostSnapshot) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -45,6 +45,7 @@ from gputop.ui.board_rows import (
     UserLoad,
     gpu_keys,
 )
+from gputop.ui.host_rows import NO_ROWS, SEP, Counts, FrameRows, HostRows
 
 SortMode = Literal["host", "utilization", "free-memory"]
 SORT_MODES: tuple[SortMode, ...] = ("host", "utilization", "free-memory")
@@ -56,103 +57,6 @@ STALE_AFTER_INTERVALS = 3
 #: Seconds a host's rows are reused when it did not answer again: the time-driven flags
 #: (idle holder, idle reservation, thresholds of minutes) may show up 1.5 times this late.
 ROW_CACHE_S = 5
-SEP = "\x00"  # joins a row's words for the filter (a term with it takes the slow path)
-
-
-@dataclass
-class _Counts:
-    gpus: int = 0
-    reserved: int = 0
-    free: int = 0
-    busy: int = 0
-    util_sum: int = 0
-    util_n: int = 0
-    mem_used_mib: int = 0
-    mem_total_mib: int = 0
-    instances: int = 0  # MIG instance rows
-
-
-class _HostRows:
-    """One host's rows as of ``version`` (its answer, the reservations), good until
-    ``valid_until`` (a timestamp: the host turns stale, or time-driven flags are due)."""
-
-    def __init__(self, version: tuple[object, ...], valid_until: float,
-                 rows: list[GpuRow], stale: bool = False) -> None:
-        self.version = version
-        self.valid_until = valid_until
-        self.rows = rows
-        self.stale = stale
-        self._flat: list[GpuRow] | None = None
-        self._counts: _Counts | None = None
-        self._hays: list[str] | None = None
-        #: The host's own words (name, tags), lowered and joined.
-        self.host_hay: str | None = None
-        #: The filter's last answer for these rows: (filter key, terms, rows kept).
-        self.memo: tuple[tuple[object, ...], list[str], list[GpuRow]] | None = None
-        #: Its GPU rows without instance or share rows, by key (reused while unchanged).
-        self.plain: dict[str, GpuRow] = {}
-        #: Its header and rows as the grouped view shows them (not collapsed, no filter),
-        #: and their keys: made as the host answers, while its objects are in the CPU's
-        #: caches (a frame that touched every row for them spent 4 times as long).
-        self.block: list[Row] = []
-        self.keys: list[str] = []
-
-    def hays(self) -> list[str]:
-        """Each row's own words (model, users, holder), lowered and joined, then all of
-        them joined as one last item: a term that is in none of the rows' words is not in
-        that last one, so a host is ruled out with one look."""
-        if self._hays is None:
-            hays = []
-            for r in self.rows:
-                words = [r.gpu.name or "", *r.users]
-                if r.reservation:
-                    words.append(r.reservation.user)
-                words += [s.user for s in r.shares]
-                if r.share is not None:
-                    words.append(r.share.user)
-                hays.append(SEP.join(w.lower() for w in words))
-            hays.append(SEP.join(hays))
-            self._hays = hays
-        return self._hays
-
-    @property
-    def rows_flat(self) -> list[GpuRow]:
-        """The rows for a sorted view (no host headers: each row names its host)."""
-        if self._flat is None:
-            self._flat = [replace(r, show_host=True) for r in self.rows]
-        return self._flat
-
-    @property
-    def counts(self) -> _Counts:
-        """The host's share of the summary (worked out once per answer, with locals: as
-        attributes of a ``_Counts`` it was a fifth of drawing a frame at 200 x 8)."""
-        if self._counts is None:
-            gpus = reserved = free = busy = util_sum = util_n = used = total = insts = 0
-            for row in self.rows:
-                if row.instance is not None:  # MIG: its GPU counts, once
-                    insts += 1
-                    continue
-                if row.share is not None:  # a share: its GPU counts, once
-                    continue
-                g = row.gpu
-                gpus += 1
-                if row.reservation is not None or row.shares:
-                    reserved += 1
-                elif row.free:
-                    free += 1
-                else:
-                    busy += 1
-                if g.utilization_percent is not None:
-                    util_sum += g.utilization_percent
-                    util_n += 1
-                used += g.memory_used_mib or 0
-                total += g.memory_total_mib or 0
-            self._counts = _Counts(gpus, reserved, free, busy, util_sum, util_n, used, total,
-                                   insts)
-        return self._counts
-
-
-_NO_ROWS = _HostRows((), 0.0, [])
 
 
 def _flags(flags: list[str]) -> tuple[str, ...]:
@@ -189,7 +93,7 @@ class BoardModel:
         #: inputs did not change (most of them: hosts answer one at a time).
         self.host_version: dict[str, int] = {}
         self.state_version = 0
-        self._row_cache: dict[str, _HostRows] = {}
+        self._row_cache: dict[str, HostRows] = {}
         self._phase: dict[str, float] = {}
         self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
         self._uuid_keys: dict[str, tuple[list[str | None], list[str]]] = {}
@@ -277,14 +181,14 @@ class BoardModel:
     def _host_rows(self, host: str, now: datetime,
                    held: dict[tuple[str, int], Reservation],
                    inst_held: dict[tuple[str, int, int], Reservation] | None = None
-                   ) -> _HostRows:
+                   ) -> HostRows:
         """A host's GPU rows and its share of the summary, worked out again only when
         something they depend on changed: a new answer, the reservations (a write, or one
         expiring: the count of active ones), staleness, or ``ROW_CACHE_S`` passing (the
         idle flags are time-driven). A frame costs nothing for hosts that did not answer."""
         snap = self.snapshots.get(host)
         if snap is None or snap.error is not None:
-            return _NO_ROWS
+            return NO_ROWS
         ts = now.timestamp()
         version = (self.host_version.get(host), self.state_version, len(held),
                    len(inst_held or {}))
@@ -304,15 +208,90 @@ class BoardModel:
         keys = self._keys.get(host)
         if keys is None or keys[0] is not snap:
             keys = self._keys[host] = (snap, self._gpu_keys(host, snap.gpus))
-        rows = []
-        tracker = self.tracker
-        idle_since = tracker.idle_since  # (most GPUs are not in it: no call for them)
+        gkeys = keys[1]
         shared = self._share_index(now)
+        counts, row_keys = self._tally(host, snap, gkeys, shared, held, cached)
+        insts = counts.instances
         # A GPU whose object is the one before (a hub's patch left it as it was) with the
         # same inputs keeps its row object: the table then skips it at once.
         before = cached.plain if cached is not None else {}
+
+        def build() -> tuple[list[GpuRow], dict[str, GpuRow]]:
+            return self._build_rows(host, snap, gkeys, now, shared, held, inst_held, stale,
+                                    before)
+
+        def header() -> Row:
+            return HostRow(host, snap, len(row_keys) - 1 - insts, False, stale, snap.time,
+                           insts)
+        out = self._row_cache[host] = HostRows(version, valid_until, stale, counts, row_keys,
+                                               build, header)
+        out.plain = before
+        if shared and any((host, g.index) in shared for g in snap.gpus):
+            out.rows  # noqa: B018  (made now: a share's over-use is timed as rows are made)
+        if self.filter_text.strip():  # while filtering, the words are worked out here (as
+            out.hays()  # the host answers: see warm), not in the next keystroke
+        return out
+
+    def _tally(self, host: str, snap: HostSnapshot, gkeys: list[str],
+               shared: dict[tuple[str, int], tuple[Reservation, ...]],
+               held: dict[tuple[str, int], Reservation], cached: HostRows | None
+               ) -> tuple[Counts, list[str]]:
+        """The host's share of the summary and its rows' keys, from its answer alone (no
+        rows: those are made when looked at, see ``_build_rows``), with locals (as
+        attributes it was a fifth of drawing a frame at 200 x 8). What a row counts as
+        is what ``_build_rows`` makes it: reserved (held or shared), else free or busy."""
+        gpus = reserved = free = busy = util_sum = util_n = used = total = insts = 0
+        plain_shape = True  # no share or MIG instance rows: the keys are the GPUs'
+        for g in snap.gpus:
+            gpus += 1
+            index = g.index
+            if (shared and index is not None and (host, index) in shared) or (
+                    held and index is not None and (host, index) in held):
+                reserved += 1
+                plain_shape = plain_shape and (host, index) not in shared
+            elif is_free(g):
+                free += 1
+            else:
+                busy += 1
+            if g.utilization_percent is not None:
+                util_sum += g.utilization_percent
+                util_n += 1
+            used += g.memory_used_mib or 0
+            total += g.memory_total_mib or 0
+            if g.instances:
+                plain_shape = False
+        counts = Counts(gpus, reserved, free, busy, util_sum, util_n, used, total, 0)
+        if plain_shape:
+            if cached is not None and cached.keys[1:] == gkeys and cached.keys[:1] == [host]:
+                return counts, cached.keys
+            return counts, [host, *gkeys]
+        keys = [host]
+        for g, gkey in zip(snap.gpus, gkeys):
+            sh = shared.get((host, g.index)) if shared and g.index is not None else None
+            keys.append(gkey)
+            if sh:
+                keys += [f"{gkey}{SHARE_SEP}{r.user}" for r in sh]
+                continue
+            for inst in g.instances:
+                if inst.gpu_instance_id is not None:
+                    insts += 1
+                    keys.append(f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}")
+        counts.instances = insts
+        return counts, keys
+
+    def _build_rows(self, host: str, snap: HostSnapshot, gkeys: list[str], now: datetime,
+                    shared: dict[tuple[str, int], tuple[Reservation, ...]],
+                    held: dict[tuple[str, int], Reservation],
+                    inst_held: dict[tuple[str, int, int], Reservation] | None, stale: bool,
+                    before: dict[str, GpuRow]) -> tuple[list[GpuRow], dict[str, GpuRow]]:
+        """A host's rows (see ``_tally`` for their keys), and those of its GPUs without
+        instance or share rows by key: ``before`` is the last such, whose rows a GPU
+        whose object did not change keeps."""
+        rows: list[GpuRow] = []
+        tracker = self.tracker
+        idle_since = tracker.idle_since  # (most GPUs are not in it: no call for them)
         plain: dict[str, GpuRow] = {}
-        for g, gkey in zip(snap.gpus, keys[1]):
+        for g, gkey in zip(snap.gpus, gkeys):
             sh = shared.get((host, g.index)) if shared and g.index is not None else None
             if sh:
                 rows.extend(self._shared_rows(host, g, gkey, sh, stale, now))
@@ -348,15 +327,7 @@ class BoardModel:
                 rows.append(GpuRow(host, f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}", view,
                                    ir, _flags(gpu_flags(view, ir, False, iunused)), stale, ifree,
                                    instance=inst))
-        out = self._row_cache[host] = _HostRows(version, valid_until, rows, stale)
-        out.plain = plain
-        insts = out.counts.instances  # (the summary's counts, now too: see block)
-        out.block = [HostRow(host, snap, len(rows) - insts, False, stale, snap.time, insts),
-                     *rows]
-        out.keys = [r.key for r in out.block]
-        if self.filter_text.strip():  # while filtering, the words are worked out here (as
-            out.hays()  # the host answers: see warm), not in the next keystroke
-        return out
+        return rows, plain
 
     def _share_index(self, now: datetime) -> dict[tuple[str, int], tuple[Reservation, ...]]:
         """The shares by GPU, worked out once per state and second (not per host)."""
@@ -423,12 +394,12 @@ class BoardModel:
                 out.append(r)
         return out
 
-    def _filter_host(self, host: str, cached: _HostRows, grouped: bool,
+    def _filter_host(self, host: str, cached: HostRows, grouped: bool,
                      terms: list[str]) -> list[GpuRow]:
         """``_filtered`` for one host's cached rows, as a keystroke needs it: the answer
         is kept with the rows; typing on (each old term inside a new one: fewer rows can
         match) looks only at the rows the last answer kept; a host none of whose words
-        holds a term is ruled out with one look (``_HostRows.hays``)."""
+        holds a term is ruled out with one look (``HostRows.hays``)."""
         rows = cached.rows if grouped else cached.rows_flat
         if not rows or any(SEP in t for t in terms):
             return self._filtered(host, rows)
@@ -464,92 +435,109 @@ class BoardModel:
         cached.memo = (key, terms, out)
         return out
 
-    def warm(self, hosts: Iterable[str]) -> None:
+    def warm(self, hosts: Iterable[str], on_screen: Container[str] | None = None) -> None:
         """Work out these hosts' rows now (as they answer, a few at a time) so that the
-        next frame finds them ready instead of doing a whole fleet's burst at once."""
-        self.warmer()(hosts)
+        next frame finds them ready instead of doing a whole fleet's burst at once: with
+        ``on_screen``, only those of its hosts, and their share of the summary for all
+        (the rest are made when looked at), unless this view shows every host's rows."""
+        self.warmer()(hosts, on_screen)
 
-    def warmer(self) -> Callable[[Iterable[str]], None]:
+    def shows_every_row(self) -> bool:
+        """A sorted or filtered view: which rows it shows depends on every host's."""
+        return self.sort_mode != "host" or self.free_only or bool(self.filter_text.strip())
+
+    def warmer(self) -> Callable[[Iterable[str], Container[str] | None], None]:
         """``warm`` with the clock and the reservations looked up once, for a drain that
         warms its hosts one by one (as it takes them, within its time budget)."""
         now = self.clock()
         held = reservation_index(self.state, now)
         inst_held = instance_index(self.state, now)
+        every = self.shows_every_row()
 
-        def warm(hosts: Iterable[str]) -> None:
+        def warm(hosts: Iterable[str], on_screen: Container[str] | None = None) -> None:
             for host in hosts:
-                self._host_rows(host, now, held, inst_held)
+                rows = self._host_rows(host, now, held, inst_held)
+                if every or on_screen is None or host in on_screen:
+                    rows.block  # noqa: B018  (made now, while its answer is in the caches)
         return warm
 
-    def view(self) -> tuple[list[Row], Summary]:
+    def view(self) -> tuple[Sequence[Row], Summary]:
         """The rows to show and the summary (see ``frame``)."""
         rows, _keys, summary = self.frame()
         return rows, summary
 
-    def frame(self) -> tuple[list[Row], list[str], Summary]:
+    def frame(self) -> tuple[FrameRows, list[str], Summary]:
         """The rows to show, their keys and the summary, from one pass over the hosts
-        (this runs on every redraw: a host's rows are worked out again only when it
-        changed)."""
+        (this runs on every redraw: a host's counts and keys are worked out again only when
+        it changed, and its rows only when they are looked at)."""
         now = self.clock()
         held = reservation_index(self.state, now)
         inst_held = instance_index(self.state, now)
         per_host = {host: self._host_rows(host, now, held, inst_held)
                     for host in self.host_order}
-        rows, keys = self._rows(per_host, now)
+        rows, keys = self._rows(per_host)
         return rows, keys, self._summary(per_host)
 
-    def rows(self) -> list[Row]:
+    def rows(self) -> Sequence[Row]:
         return self.view()[0]
 
     def summary(self) -> Summary:
         return self.view()[1]
 
-    def _rows(self, per_host: dict[str, _HostRows], now: datetime
-              ) -> tuple[list[Row], list[str]]:
+    def _rows(self, per_host: dict[str, HostRows]) -> tuple[FrameRows, list[str]]:
         """In order, with their keys: grouped by host when sorting by host (a host in error
-        keeps its place), else flat, with the hosts in error after the GPUs."""
+        keeps its place), else flat, with the hosts in error after the GPUs. The grouped
+        view without a filter takes each host's block as it is (see ``HostRows.block``):
+        its rows are made only if the table looks at them."""
         grouped = self.sort_mode == "host"
-        out: list[Row] = []
+        out = FrameRows()
         keys: list[str] = []
         flat: list[GpuRow] = []
         errors: list[Row] = []
         terms = self.filter_text.strip().lower().split()
         filtering = self.free_only or bool(terms)
+
+        def add(rows: Sequence[Row]) -> None:
+            out.add_rows(rows)
+            keys.extend(r.key for r in rows)
+
         for host in self.host_order:
             snap = self.snapshots.get(host)
             cached = per_host[host]
-            if filtering:
-                gpus = self._filter_host(host, cached, grouped, terms)
-            else:
-                gpus = cached.rows if grouped else cached.rows_flat
             if snap is not None and not snap.ok:
                 if not self.free_only and self._matches(host, None):
                     last = self.last_good.get(host)
                     row = HostRow(host, snap, len(last.gpus) if last else 0, False, False,
                                   snap.last_ok)
-                    (out if grouped else errors).append(row)
+                    if grouped:
+                        add((row,))
+                    else:
+                        errors.append(row)
                 continue
             if snap is None:
                 if not self.free_only and self._matches(host, None) and grouped:
-                    out.append(HostRow(host, None, 0, False, False, None))
+                    add((HostRow(host, None, 0, False, False, None),))
                 continue
+            collapsed = host in self.collapsed
+            if grouped and not filtering and not collapsed:
+                if len(cached.keys) > 1:  # (its header and at least one row)
+                    out.add_block(cached)
+                    keys.extend(cached.keys)
+                continue
+            if filtering:
+                gpus = self._filter_host(host, cached, grouped, terms)
+            else:
+                gpus = cached.rows if grouped else cached.rows_flat
             if not gpus:
                 continue
             if grouped:
-                collapsed = host in self.collapsed
-                if not filtering and not collapsed:  # (made with the rows: _host_rows)
-                    if len(keys) < len(out):
-                        keys += [r.key for r in out[len(keys):]]
-                    out.extend(cached.block)
-                    keys.extend(cached.keys)
-                    continue
                 insts = sum(1 for r in gpus if r.instance is not None)
-                out.append(HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
-                                   snap.time, insts))
+                add((HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
+                             snap.time, insts),))
                 if not collapsed:
-                    out.extend(gpus)
+                    add(gpus)
             else:
-                flat.extend(gpus)  # (rows that name their host: see _HostRows.rows_flat)
+                flat.extend(gpus)  # (rows that name their host: see HostRows.rows_flat)
         if not grouped:
             if self.sort_mode == "utilization":
                 # Unknown utilisation (n/a, e.g. a MIG GPU) is not 0 %: it goes last.
@@ -558,12 +546,11 @@ class BoardModel:
                                          r.gpu.index or 0))
             else:
                 flat.sort(key=lambda r: (-r.free_mib, r.host, r.gpu.index or 0))
-            out.extend(flat)
-        out += errors
-        keys += [r.key for r in out[len(keys):]]
+            add(flat)
+        add(errors)
         return out, keys
 
-    def _summary(self, per_host: dict[str, _HostRows]) -> Summary:
+    def _summary(self, per_host: dict[str, HostRows]) -> Summary:
         s = Summary()
         util_sum = util_n = 0
         for host in self.host_order:
@@ -623,7 +610,8 @@ class BoardModel:
         return sorted(loads.values(), key=lambda u: (-u.gpus, u.user))
 
     def find(self, key: str) -> Row | None:
-        return next((r for r in self.rows() if r.key == key), None)
+        rows, keys, _summary = self.frame()
+        return rows[keys.index(key)] if key in keys else None
 
     def cycle_sort(self) -> SortMode:
         self.sort_mode = SORT_MODES[(SORT_MODES.index(self.sort_mode) + 1) % len(SORT_MODES)]

@@ -246,9 +246,8 @@ class StoreActions(App[int]):
     def _ask_share(self, row: GpuRow) -> None:
         """`r` on a shared GPU (or one of its shares): a share of it, or yours resized."""
         g = row.gpu
-        shares = row.shares or next((r.shares for r in self.model.rows()
-                                     if isinstance(r, GpuRow)
-                                     and r.key == split_share(row.key)[0]), ())
+        gpu_row = self.model.find(split_share(row.key)[0])
+        shares = row.shares or (gpu_row.shares if isinstance(gpu_row, GpuRow) else ())
         rest = "?" if g.memory_total_mib is None else size_text(
             room_mib(g.memory_total_mib, shares, but=self.me))
         key, label = split_share(row.key)[0], f"{clean(row.host)}:{g.index}"
