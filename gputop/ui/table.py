@@ -8,12 +8,14 @@ order; cells are built for a row when it is on screen and its signature (see
 where no visible row changed costs a few dict lookups.
 
 It draws exactly like the DataTable it replaces: the same component classes
-(``datatable--header``, ``datatable--cursor``...), CSS, padding and cell pipeline.
+(``datatable--header``, ``datatable--cursor``...), CSS, padding and cell pipeline, cell for
+cell; only without DataTable's per-cell meta (row and column) in the styles, which nothing
+here reads (a click is placed by its line) and which made Rich's style caches miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from itertools import chain
 from typing import ClassVar
@@ -110,7 +112,9 @@ class BoardTable(ScrollView, can_focus=True):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._order: list[str] = []
         self._index: dict[str, int] = {}
-        self._rows: list[Row] = []  # in the order of _order
+        #: In the order of _order (a frame's rows: see FrameRows, whose hosts' rows are
+        #: made when first looked at; the table looks at those on screen).
+        self._rows: Sequence[Row] = []
         self._now: datetime | None = None
         self._signature: Signature | None = None
         self._palette: Palette | None = None
@@ -124,8 +128,11 @@ class BoardTable(ScrollView, can_focus=True):
         #: (style, cursor, position, width, content) -> the cell's segments.
         self._cell_strips: dict[tuple[object, ...], list[Segment]] = {}
         self._style_gen = 0
-        #: ``rich_style`` during a render pass (see render_lines).
+        #: ``rich_style``, the pseudo-class state and the columns' widths during a render
+        #: pass (see render_lines).
         self._base: Style | None = None
+        self._pseudo: object = None
+        self._pass_widths: list[int] | None = None
         self.columns_shown: Columns = ()
         self.chosen: str | None = None
         self._restoring = False
@@ -191,7 +198,7 @@ class BoardTable(ScrollView, can_focus=True):
         if columns_for(event.size.width) != self.columns_shown:
             self.post_message(self.LayoutChanged())
 
-    def show_rows(self, rows: list[Row], now: datetime, palette: Palette,
+    def show_rows(self, rows: Sequence[Row], now: datetime, palette: Palette,
                   signature: Signature, keys: list[str] | None = None) -> None:
         """``keys``: the rows' keys, where the caller has them (the board's model makes
         them with each host's rows: a frame then need not look at every row)."""
@@ -202,7 +209,7 @@ class BoardTable(ScrollView, can_focus=True):
         finally:
             self._restoring = False
 
-    def _show_rows(self, rows: list[Row], now: datetime, palette: Palette,
+    def _show_rows(self, rows: Sequence[Row], now: datetime, palette: Palette,
                    signature: Signature, keys: list[str]) -> None:
         wanted_columns = columns_for(self.size.width or self.app.size.width)
         if wanted_columns != self.columns_shown:
@@ -255,7 +262,8 @@ class BoardTable(ScrollView, can_focus=True):
     def _refresh_visible(self) -> None:
         """Rebuild the cells of on-screen rows whose signature changed and redraw the
         lines of those whose content did (only those: the compositor then renders a few
-        lines, not the table). Rows off screen are not looked at."""
+        lines, not the table), all in one call. Rows off screen are not looked at."""
+        changed = []
         for i in self._visible():
             key = self._order[i]
             had = self._cells.get(key)
@@ -265,9 +273,11 @@ class BoardTable(ScrollView, can_focus=True):
                 if diff:
                     self.cell_updates += diff
                     self._strips.pop(key, None)
-                    self._refresh_row(i)
+                    changed.append(i)
             elif had is None:
-                self._refresh_row(i)
+                changed.append(i)
+        if changed:
+            self._refresh_rows(changed)
 
     def _cells_of(self, key: str) -> tuple[Text, ...]:
         row, now, signature = self._rows[self._index[key]], self._now, self._signature
@@ -318,9 +328,15 @@ class BoardTable(ScrollView, can_focus=True):
                               force=True)
 
     def _refresh_row(self, row: int) -> None:
-        y = row + 1 - self.scroll_offset.y
-        if 0 < y < self.size.height:
-            self.refresh(Region(0, y, self.scrollable_content_region.width, 1))
+        self._refresh_rows((row,))
+
+    def _refresh_rows(self, rows: Iterable[int]) -> None:
+        top, height = self.scroll_offset.y, self.size.height
+        width = self.scrollable_content_region.width
+        regions = [Region(0, y, width, 1) for y in (row + 1 - top for row in rows)
+                   if 0 < y < height]
+        if regions:
+            self.refresh(*regions)
 
     def _wake(self) -> None:
         """A key pressed while nothing was selected: select the row under the cursor."""
@@ -422,14 +438,20 @@ class BoardTable(ScrollView, can_focus=True):
         return sum(self._widths())
 
     def render_lines(self, crop: Region) -> list[Strip]:
-        """The widget's style is worked out once per pass (Textual walks every ancestor's
-        styles for it: twice per line was a fifth of drawing a frame), not kept between
-        passes: a theme or focus change is seen by the next."""
+        """The widget's style, its pseudo-class state and the columns' widths are worked
+        out once per pass (Textual walks every ancestor's styles for the first: twice per
+        line was a fifth of drawing a frame), not kept between passes: a theme, focus or
+        size change is seen by the next."""
         self._base = self.rich_style
+        self._pseudo = self.get_pseudo_class_state()
+        self._pass_widths = self._widths()
         try:
             return super().render_lines(crop)
         finally:
-            self._base = None
+            self._base = self._pseudo = self._pass_widths = None
+
+    def _pseudo_state(self) -> object:
+        return self._pseudo if self._pseudo is not None else self.get_pseudo_class_state()
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
@@ -442,27 +464,25 @@ class BoardTable(ScrollView, can_focus=True):
         key = self._order[row]
         cells = self._cells_of(key)
         cursor = self.show_cursor and row == self.cursor_row
-        state = (row, id(cells), cursor, width, base, self._style_gen,
-                 self.get_pseudo_class_state())
+        state = (id(cells), cursor, width, base, self._style_gen, self._pseudo_state())
         had = self._strips.get(key)
         if had is not None and had[0] == state:
             return had[1]
-        strip = self._render_row(cells, row, base, width, cursor)
+        strip = self._render_row(cells, base, width, cursor)
         self._strips[key] = (state, strip)
         return strip
 
     def _header_strip(self, base: Style, width: int) -> Strip:
-        state = (width, base, self._style_gen, self.get_pseudo_class_state(),
-                 self.columns_shown)
+        state = (width, base, self._style_gen, self._pseudo_state(), self.columns_shown)
         if self._header is not None and self._header[0] == state:
             return self._header[1]
         header = self.get_component_styles("datatable--header").rich_style
         labels = tuple(Text(label) for _, label, _ in self.columns_shown)
-        strip = self._render_row(labels, -1, header, width, False)
+        strip = self._render_row(labels, header, width, False)
         self._header = (state, strip)
         return strip
 
-    def _render_row(self, cells: tuple[Text, ...], row: int, row_style: Style, width: int,
+    def _render_row(self, cells: tuple[Text, ...], row_style: Style, width: int,
                     cursor: bool) -> Strip:
         console = self.app.console
         component = Style()
@@ -471,26 +491,31 @@ class BoardTable(ScrollView, can_focus=True):
             component = self.get_component_rich_style("datatable--cursor")
             post = Style.from_color(color=component.color)  # the CSS's foreground wins
         parts: list[list[Segment]] = []
-        widths = self._widths()
+        widths = self._pass_widths if self._pass_widths is not None else self._widths()
         if len(cells) < len(widths):  # a host's row: its last cell spans the rest
             widths = [*widths[:len(cells) - 1], sum(widths[len(cells) - 1:])]
         cache = self._cell_strips
         if len(cache) > 20_000:  # a bound; what is on screen comes back in one frame
             cache.clear()
-        pseudo = self.get_pseudo_class_state()
-        for col, (cell, cell_width) in enumerate(zip(cells, widths)):
-            key = (row_style, pseudo, cursor, row, col, cell_width, cell.plain, cell.style,
-                   tuple(cell.spans))
+        # (No meta with the row and column in each cell's style, as DataTable has: clicks
+        # are placed by their line (_on_click). With it, every cell's style was its own,
+        # and Rich's cache of added styles missed for most of them.)
+        pre = row_style + component
+        options = None
+        for cell, cell_width in zip(cells, widths):
+            key = (pre, post, cell_width, cell.plain, cell.style, tuple(cell.spans))
             segments = cache.get(key)
             if segments is None:  # a cell that changed (most of a changed row did not)
-                pre = row_style + Style.from_meta({"row": row, "column": col})
-                segments = cache[key] = cell_segments(console, self.app.console_options,
-                                                      cell, cell_width, pre + component, post)
+                if options is None:
+                    options = self.app.console_options
+                segments = cache[key] = cell_segments(console, options, cell, cell_width,
+                                                      pre, post)
             parts.append(segments)
-        remaining = max(0, width - sum(widths))
-        extend = row_style + component + Style.from_meta(
-            {"row": row, "column": 0, "out_of_bounds": True})
-        parts.append([Segment(" " * remaining, extend)])
+        used = sum(widths)
+        extend = pre
+        if used <= width:  # (nearly always: the cells, then the rest of the line, padded)
+            parts.append([Segment(" " * (width - used), extend)])
+            return Strip(Segment.simplify(chain.from_iterable(parts)), width)
         segments = line_crop(list(chain.from_iterable(parts)), 0, width, width)
         return Strip(segments).adjust_cell_length(
             width, self._base if self._base is not None else self.rich_style).simplify()
