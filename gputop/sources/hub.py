@@ -226,6 +226,9 @@ def _gpu_patched(g: dict[str, Any], prev: GpuInfo, changed: dict[str, Any]) -> G
     q = object.__new__(GpuInfo)
     d = q.__dict__
     d.update(prev.__dict__)
+    if changed.keys() <= _PLAIN_GPU_FIELDS:  # (no annotation among them: most patches)
+        d.update(changed)
+        return q
     for k, v in changed.items():
         if k in _PLAIN_GPU_FIELDS:
             d[k] = v
@@ -263,13 +266,22 @@ def host_from_dict(h: dict[str, Any], prev: HostSnapshot | None = None,
         gpus = tuple(listed)
     else:
         gpus = tuple(_gpu(g) for g in h["gpus"])
-    return HostSnapshot(
+    # (Built without the frozen dataclass's __init__, as GpuInfo.from_fields: one per
+    # changed host per refresh.)
+    snap = object.__new__(HostSnapshot)
+    snap.__dict__.update(
         name=h["name"], time=_time(h.get("time")) or datetime.now(timezone.utc),
         gpus=gpus,
         error=None if err is None else HostError(err["kind"], err["message"]),
         last_ok=_time(h.get("last_ok")), source=h.get("source", "ssh"),
         tags=tuple(h.get("tags", ())), warnings=tuple(h.get("warnings", ())),
         first_sample_s=h.get("first_sample_s"))
+    return snap
+
+
+#: What host_from_dict sets: every field of the model (a field added there must be here).
+assert set(HostSnapshot.__dataclass_fields__) == {
+    "name", "time", "gpus", "error", "last_ok", "source", "tags", "warnings", "first_sample_s"}
 
 
 def fleet_from_document(doc: dict[str, Any]) -> FleetSnapshot:

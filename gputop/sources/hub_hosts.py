@@ -259,6 +259,11 @@ _gpu = _object(
     **_GPU_KINDS)
 #: A GPU object's known keys, each with its check (a patch's changed keys: hub_patch.py).
 GPU_FIELDS = field_checks(**_GPU_KINDS)
+#: A GPU's keys whose check only ever passes a value as it is or fails, each with whether
+#: a float is a value it passes (integer or null; number or null): a patch's load, memory
+#: and power, which ``hub_patch`` checks inline.
+GPU_PLAIN_NUMBERS: dict[str, bool] = {**dict.fromkeys(_GPU_KINDS["ints"], False),
+                                      **dict.fromkeys(_GPU_KINDS["nums"], True)}
 _error = _object({"kind": _enum("unreachable", "timeout", "auth", "host-key",
                                 "no-nvidia-smi", "driver", "no-devices", "parse", "no-nvml",
                                 "starting", "ssh", "error"), "message": _string},

@@ -13,11 +13,12 @@ the model again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-from gputop.sources.hub_hosts import GPU_FIELDS, HOST_FIELDS
-from gputop.sources.hub_schema import MAX_ITEMS, Invalid
+from gputop.sources.hub_hosts import GPU_FIELDS, GPU_PLAIN_NUMBERS, HOST_FIELDS
+from gputop.sources.hub_schema import MAX_INT, MAX_ITEMS, Invalid
 from gputop.text import excerpt
 
 #: (host dict, its GPUs' changed keys by position; None: the host came complete)
@@ -51,6 +52,23 @@ def _fields(value: Any, checks: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _gpu_fields(value: Any) -> dict[str, Any]:
+    """``_fields(value, GPU_FIELDS)``, with the numbers most GPU patches hold (load,
+    memory, temperature, power) checked inline, as ``hub_hosts._object`` checks them; any
+    other key, or a number that fails inline, gets the key's own check (which names the
+    failure)."""
+    if type(value) is not dict:
+        raise Invalid("expected an object")
+    plain = GPU_PLAIN_NUMBERS
+    for k, v in value.items():
+        floats = plain.get(k)
+        if floats is None or not (
+                v is None or (type(v) is int and -MAX_INT < v < MAX_INT)
+                or (floats and type(v) is float and math.isfinite(v))):
+            return _fields(value, GPU_FIELDS)
+    return value
+
+
 def _change(value: Any, where: str) -> dict[str, Any]:
     if type(value) is not dict or value.keys() != _CHANGE_KEYS:
         raise Invalid("expected the keys gpus, name, set", where)
@@ -68,7 +86,7 @@ def _change(value: Any, where: str) -> dict[str, Any]:
         if type(pos) is not int or not 0 <= pos < MAX_ITEMS:
             raise Invalid("expected a position", f"{where}.gpus[{i}]")
         try:
-            out_gpus.append((pos, _fields(item[1], GPU_FIELDS)))
+            out_gpus.append((pos, _gpu_fields(item[1])))
         except Invalid as exc:
             raise exc.under(f"{where}.gpus[{i}]") from None
     try:
