@@ -75,21 +75,26 @@ class IdleTracker:
     def observe(self, host: HostSnapshot) -> None:
         if not host.ok:
             return
-        name, t, since = host.name, host.time, self._since
+        # (The board calls this for every answer, for every GPU: kept cheap, with
+        # holds_memory_idle inline and one key per GPU.)
+        name, t, since, seen_by = host.name, host.time, self._since, self._seen
         for g in host.gpus:
-            if not g.processes:  # (the board calls this for every answer: kept cheap)
+            processes = g.processes
+            if not processes:
                 if since:
                     since.pop((name, g.index), None)
                 continue
             key = (name, g.index)
-            if holds_memory_idle(g):
-                since.setdefault(key, t)
-            else:
+            util = g.utilization_percent
+            if util is not None and util <= IDLE_UTIL_PERCENT:  # (holds_memory_idle)
+                if key not in since:
+                    since[key] = t
+            elif since:
                 since.pop(key, None)
-            seen = self._seen.get(key)
+            seen = seen_by.get(key)
             if seen is None:
-                seen = self._seen[key] = {}
-            for p in g.processes:
+                seen = seen_by[key] = {}
+            for p in processes:
                 seen[p.user] = t
 
     def reservation_idle(self, host: str, g: GpuInfo, r: Reservation, now: datetime) -> bool:

@@ -96,7 +96,9 @@ class BoardModel:
         self._row_cache: dict[str, HostRows] = {}
         self._phase: dict[str, float] = {}
         self._keys: dict[str, tuple[HostSnapshot, list[str]]] = {}  # gpu_keys, per answer
-        self._uuid_keys: dict[str, tuple[list[str | None], list[str]]] = {}
+        #: Per host: its GPUs' uuids, their keys, and whether the uuids alone made them
+        #: (all set and distinct: then the same uuids make the same keys).
+        self._uuid_keys: dict[str, tuple[list[str | None], list[str], bool]] = {}
         #: Per host: its GPUs' keys (the list _gpu_keys keeps) and their ``history`` in
         #: that order, so an answer finds them without a look-up per GPU.
         self._series: dict[str, tuple[list[str], list[tuple[deque[float | None],
@@ -136,11 +138,10 @@ class BoardModel:
         them alone (a uuid listed twice falls back to its index, which may change)."""
         uuids = [g.uuid for g in gpus]
         last = self._uuid_keys.get(host)
-        if last is not None and last[0] == uuids and all(uuids) and len(set(uuids)) == len(
-                uuids):
+        if last is not None and last[2] and last[0] == uuids:
             return last[1]
         keys = gpu_keys(host, gpus)
-        self._uuid_keys[host] = (uuids, keys)
+        self._uuid_keys[host] = (uuids, keys, all(uuids) and len(set(uuids)) == len(uuids))
         return keys
 
     def set_state(self, state: StoreState) -> None:
@@ -211,20 +212,13 @@ class BoardModel:
         gkeys = keys[1]
         shared = self._share_index(now)
         counts, row_keys = self._tally(host, snap, gkeys, shared, held, cached)
-        insts = counts.instances
         # A GPU whose object is the one before (a hub's patch left it as it was) with the
         # same inputs keeps its row object: the table then skips it at once.
         before = cached.plain if cached is not None else {}
-
-        def build() -> tuple[list[GpuRow], dict[str, GpuRow]]:
-            return self._build_rows(host, snap, gkeys, now, shared, held, inst_held, stale,
-                                    before)
-
-        def header() -> Row:
-            return HostRow(host, snap, len(row_keys) - 1 - insts, False, stale, snap.time,
-                           insts)
-        out = self._row_cache[host] = HostRows(version, valid_until, stale, counts, row_keys,
-                                               build, header)
+        out = self._row_cache[host] = HostRows(
+            version, valid_until, stale, counts, row_keys,
+            (self._build_rows, (host, snap, gkeys, now, shared, held, inst_held, stale, before)),
+            snap)
         out.plain = before
         if shared and any((host, g.index) in shared for g in snap.gpus):
             out.rows  # noqa: B018  (made now: a share's over-use is timed as rows are made)

@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import overload
 
-from gputop.ui.board_rows import GpuRow, Row
+from gputop.model import HostSnapshot
+from gputop.ui.board_rows import GpuRow, HostRow, Row
 
 SEP = "\x00"  # joins a row's words for the filter (a term with it takes the slow path)
 
 
-@dataclass
+@dataclass(slots=True)
 class Counts:
     """A host's share of the summary bar."""
 
@@ -34,9 +35,11 @@ class Counts:
     instances: int = 0  # MIG instance rows
 
 
-#: What makes a host's rows when they are first looked at: (its rows, those of its GPU
-#: rows without instance or share rows, by key).
-Builder = Callable[[], tuple[list[GpuRow], dict[str, GpuRow]]]
+#: What makes a host's rows when they are first looked at, and what it is given: (its rows,
+#: those of its GPU rows without instance or share rows, by key). A function and its
+#: arguments, not a closure: a closure was a dozen more objects per answer for the garbage
+#: collector to look at.
+Builder = tuple[Callable[..., tuple[list[GpuRow], dict[str, GpuRow]]], tuple[object, ...]]
 
 
 class HostRows:
@@ -46,9 +49,12 @@ class HostRows:
     ``counts`` and ``keys`` (its header's and rows' keys, in order) are set as it is
     made; ``rows`` and ``block`` are made by ``build`` when first asked for."""
 
+    __slots__ = ("_block", "_build", "_flat", "_hays", "_rows", "counts", "host_hay", "keys",
+                 "memo", "plain", "snapshot", "stale", "valid_until", "version")
+
     def __init__(self, version: tuple[object, ...], valid_until: float, stale: bool = False,
                  counts: Counts | None = None, keys: list[str] | None = None,
-                 build: Builder | None = None, header: Callable[[], Row] | None = None,
+                 build: Builder | None = None, snapshot: HostSnapshot | None = None,
                  rows: list[GpuRow] | None = None) -> None:
         self.version = version
         self.valid_until = valid_until
@@ -56,7 +62,8 @@ class HostRows:
         self.counts = counts or Counts()
         self.keys: list[str] = keys or []
         self._build = build
-        self._header = header
+        #: The answer (its header row is made from it with the rows).
+        self.snapshot = snapshot
         self._rows = rows
         self._block: list[Row] | None = None
         #: Its GPU rows without instance or share rows, by key: the next answer's rows
@@ -79,7 +86,8 @@ class HostRows:
         rows = self._rows
         if rows is None:
             assert self._build is not None
-            rows, self.plain = self._build()
+            make, args = self._build
+            rows, self.plain = make(*args)
             self._rows, self._build = rows, None
         return rows
 
@@ -88,8 +96,13 @@ class HostRows:
         """Its header and rows as the grouped view shows them (not collapsed, no filter)."""
         block = self._block
         if block is None:
-            rows = self.rows
-            block = self._block = [self._header(), *rows] if self._header else [*rows]
+            rows, snap = self.rows, self.snapshot
+            if snap is None:
+                block = self._block = [*rows]
+            else:
+                insts = self.counts.instances
+                block = self._block = [HostRow(snap.name, snap, len(self.keys) - 1 - insts,
+                                               False, self.stale, snap.time, insts), *rows]
         return block
 
     def hays(self) -> list[str]:
