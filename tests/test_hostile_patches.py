@@ -236,3 +236,37 @@ def test_equal_signatures_mean_equal_cells_as_time_left_runs_down() -> None:
                     assert before[key][1] == cells, key
     # (the times did move: the share's 1h00m -> 50m, bob's 11m -> 10m -> 0m)
     assert any("50m" in " ".join(c) for c in shown)
+
+
+def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_do() -> None:
+    """``hub_patch._gpu_fields`` checks a GPU patch's plain numbers inline: for every mix
+    of keys (the inline ones and others) and hostile values (a bool, a float where an
+    integer goes, NaN, infinity, a huge integer, a string, a dict) it keeps, cleans or
+    refuses exactly what each key's own check does."""
+    from gputop.sources.hub_hosts import GPU_FIELDS
+    from gputop.sources.hub_patch import _fields, _gpu_fields
+    from gputop.sources.hub_schema import MAX_INT, Invalid
+
+    values: list[Any] = [None, 0, 7, -3, 2.5, True, False, float("nan"), float("inf"),
+                         MAX_INT, -MAX_INT, MAX_INT - 1, "12", "\x1b[31mx", {}, []]
+    keys = ["utilization_percent", "memory_used_mib", "power_draw_w", "temperature_c",
+            "name", "lost", "nope"]
+
+    def outcome(check: Any, d: dict[str, Any]) -> object:
+        try:
+            out = check(d)
+        except Invalid as exc:
+            return ("refused", str(exc))
+        return ("kept" if out is d else "cleaned", json.dumps(out, sort_keys=True))
+
+    seen = 0
+    for k1, k2 in itertools.product(keys, repeat=2):
+        for v1, v2 in itertools.product(values, repeat=2):
+            d = {k1: v1, k2: v2}
+            assert outcome(_gpu_fields, d) == outcome(
+                lambda x: _fields(x, GPU_FIELDS), d), d
+            seen += 1
+    assert seen == 49 * 256
+    assert outcome(_gpu_fields, {"utilization_percent": True})[0] == "refused"
+    assert outcome(_gpu_fields, {"power_draw_w": float("nan")})[0] == "refused"
+    assert outcome(_gpu_fields, [])[0] == "refused"
