@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -35,6 +34,7 @@ from gputop.reservations.ops import format_duration
 from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
+from gputop.ui.board_history import BoardHistory
 from gputop.ui.board_rows import (
     INSTANCE_SEP,
     SHARE_SEP,
@@ -49,7 +49,6 @@ from gputop.ui.host_rows import NO_ROWS, SEP, Counts, FrameRows, HostRows
 
 SortMode = Literal["host", "utilization", "free-memory"]
 SORT_MODES: tuple[SortMode, ...] = ("host", "utilization", "free-memory")
-HISTORY = 120  # samples kept per GPU for the sparklines (one per refresh)
 STALE_AFTER_INTERVALS = 3
 
 
@@ -75,10 +74,9 @@ class BoardModel:
     snapshots: dict[str, HostSnapshot] = field(default_factory=dict)
     #: The last snapshot that had GPUs, per host: shown dimmed when the host fails.
     last_good: dict[str, HostSnapshot] = field(default_factory=dict)
-    #: Per GPU key: utilisation and memory-used percentages, one per refresh; ``None`` is
-    #: a gap (the value was unknown or the host did not answer), never 0.
-    history: dict[str, tuple[deque[float | None], deque[float | None]]] = field(
-        default_factory=dict)
+    #: Each GPU's utilisation and memory-used percentages, one per refresh (the detail
+    #: pane's sparklines: ``history.series``).
+    history: BoardHistory = field(default_factory=BoardHistory)
     state: StoreState = field(default_factory=StoreState)
     filter_text: str = ""
     sort_mode: SortMode = "host"
@@ -99,10 +97,6 @@ class BoardModel:
         #: Per host: its GPUs' uuids, their keys, and whether the uuids alone made them
         #: (all set and distinct: then the same uuids make the same keys).
         self._uuid_keys: dict[str, tuple[list[str | None], list[str], bool]] = {}
-        #: Per host: its GPUs' keys (the list _gpu_keys keeps) and their ``history`` in
-        #: that order, so an answer finds them without a look-up per GPU.
-        self._series: dict[str, tuple[list[str], list[tuple[deque[float | None],
-                                                             deque[float | None]]]]] = {}
 
     # -- input ---------------------------------------------------------------------------
 
@@ -116,21 +110,9 @@ class BoardModel:
             self.last_good[name] = snap
             self.tracker.observe(snap)
             keys = self._keys[name] = (snap, self._gpu_keys(name, snap.gpus))
-            pairs = self._series.get(name)
-            if pairs is None or pairs[0] is not keys[1]:  # (its GPUs' keys changed)
-                history = self.history
-                pairs = self._series[name] = (keys[1], [
-                    history.get(key) or history.setdefault(
-                        key, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
-                    for key in keys[1]])
-            for g, (util, mem) in zip(snap.gpus, pairs[1]):
-                u, used, total = g.utilization_percent, g.memory_used_mib, g.memory_total_mib
-                util.append(None if u is None else float(u))
-                mem.append(100.0 * used / total if used is not None and total else None)
-        elif (last := self.last_good.get(snap.name)) is not None:
-            for key in gpu_keys(snap.name, last.gpus):  # no answer: a gap in each history
-                for series in self.history.get(key, ()):
-                    series.append(None)
+            self.history.add(snap, keys[1])
+        elif (last := self._keys.get(name)) is not None:
+            self.history.gap(name, last[1])  # no answer: a gap in each of its GPUs' series
 
     def _gpu_keys(self, host: str, gpus: tuple[GpuInfo, ...]) -> list[str]:
         """``gpu_keys``, reused while the host lists the same uuids (every answer but

@@ -219,7 +219,7 @@ class DetailPane(Vertical):
             t.append("\n" + "  ".join(FLAG_LABELS.get(f, f) for f in row.flags), style="bold")
         head.update(t)
         self._last = (row, model, now, palette)
-        util, mem = model.history.get(row.key, ((), ()))
+        util, mem = model.history.series(row.key, row.host)
         width = max(10, self.size.width - 2)
         self.query_one("#spark-util", Static).update(spark(util, width, palette.busy))
         self.query_one("#spark-mem", Static).update(spark(mem, width, palette.reserved))
