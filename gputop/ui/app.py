@@ -595,6 +595,10 @@ class GputopApp(StoreActions):
         box = self.query_one("#filter", Input)
         box.display = True
         self.screen.set_focus(box)
+        # A filtered view shows any host's rows, so it needs every host's: made now, as
+        # the box opens (before the first key typed in it, most often), not by that key's
+        # frame (at 1,000 x 8, 50 ms more for the first key).
+        self.call_after_refresh(self.model.make_every_row)
 
     def action_clear_filter(self) -> None:
         box = self.query_one("#filter", Input)

@@ -418,6 +418,15 @@ class BoardModel:
         (the rest are made when looked at), unless this view shows every host's rows."""
         self.warmer()(hosts, on_screen)
 
+    def make_every_row(self) -> None:
+        """Make every host's rows now (see ``HostRows``): for a view about to show any of
+        them (a filter being opened)."""
+        now = self.clock()
+        held = reservation_index(self.state, now)
+        inst_held = instance_index(self.state, now)
+        for host in self.host_order:
+            self._host_rows(host, now, held, inst_held).rows  # noqa: B018
+
     def shows_every_row(self) -> bool:
         """A sorted or filtered view: which rows it shows depends on every host's."""
         return self.sort_mode != "host" or self.free_only or bool(self.filter_text.strip())
