@@ -1134,7 +1134,10 @@ async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path
         app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()  # the burst is still in the inbox: no frame yet
         assert frames == [] and app._frame_waits
-        app._drain()  # (budget enough for these few: the slice that empties the inbox)
+        for _ in range(100):  # (one slice takes these few, unless the machine is loaded:
+            app._drain()  # then more; the slice that finds the inbox empty draws)
+            if frames:
+                break
         assert frames == [0] and not app._frame_waits
         # A stream that never lets the inbox empty is still drawn, BURST_WAIT_S late at most.
         app._inbox.put(fixed_snapshots()[0])
