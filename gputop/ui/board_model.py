@@ -36,7 +36,6 @@ from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 from gputop.ui.board_history import BoardHistory
 from gputop.ui.board_rows import (
-    INSTANCE_SEP,
     SHARE_SEP,
     GpuRow,
     HostRow,
@@ -44,6 +43,7 @@ from gputop.ui.board_rows import (
     Summary,
     UserLoad,
     gpu_keys,
+    instance_keys,
 )
 from gputop.ui.host_rows import NO_ROWS, SEP, Counts, FrameRows, HostRows
 
@@ -248,10 +248,10 @@ class BoardModel:
             if sh:
                 keys += [f"{gkey}{SHARE_SEP}{r.user}" for r in sh]
                 continue
-            for inst in g.instances:
-                if inst.gpu_instance_id is not None:
-                    insts += 1
-                    keys.append(f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}")
+            if g.instances:
+                ikeys = instance_keys(gkey, g.instances)
+                insts += len(ikeys)
+                keys += [k for _, k in ikeys]
         counts.instances = insts
         return counts, keys
 
@@ -293,15 +293,14 @@ class BoardModel:
             rows.append(row)
             if not g.instances:
                 plain[gkey] = row
-            for inst in g.instances:  # MIG: a row per instance, under its GPU
-                if inst.gpu_instance_id is None:
-                    continue
+            for inst, ikey in instance_keys(gkey, g.instances) if g.instances else ():
+                # (MIG: a row per instance, under its GPU)
                 view = instance_view(g, inst)
                 ir = instance_reservation(held, inst_held or {}, host, g, inst)
                 iunused = ir is not None and self.tracker.reservation_idle(host, view, ir, now)
                 ifree = is_free(view) and (ir is None or ir.user == self.me)
-                rows.append(GpuRow(host, f"{gkey}{INSTANCE_SEP}{inst.gpu_instance_id}", view,
-                                   ir, _flags(gpu_flags(view, ir, False, iunused)), stale, ifree,
+                rows.append(GpuRow(host, ikey, view, ir,
+                                   _flags(gpu_flags(view, ir, False, iunused)), stale, ifree,
                                    instance=inst))
         return rows, plain
 

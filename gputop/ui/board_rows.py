@@ -39,12 +39,18 @@ def gpu_keys(host: str, gpus: Iterable[GpuInfo]) -> list[str]:
     """``gpu_key`` of each GPU, made unique: a uuid (or index) listed twice, as broken or
     hostile output may, falls back to index, then position, and never merges two rows."""
     keys: list[str] = []
+    seen: set[str] = set()
     for pos, g in enumerate(gpus):
         key = gpu_key(host, g)
-        if key in keys:
+        if key in seen:
             key = f"{host}\x00#{g.index}" if g.index is not None else key
-        if key in keys:
+        if key in seen:
             key = f"{host}\x00%{pos}"
+        n = 0
+        while key in seen:  # (a hostile uuid such as "%2" is the position's key)
+            n += 1
+            key = f"{host}\x00%{pos}.{n}"
+        seen.add(key)
         keys.append(key)
     return keys
 
@@ -67,9 +73,34 @@ def split_share(key: str) -> tuple[str, str | None]:
     return (gpu, user) if sep else (key, None)
 
 
+#: An instance row's key after its GPU instance id when that GPU instance has more than one
+#: compute instance (``nvidia-smi mig -cci``): this and the compute instance's place.
+COMPUTE_SEP = "\x00."
+
+
+def instance_keys(gpu: str, instances: Iterable[MigInstance]
+                  ) -> list[tuple[MigInstance, str]]:
+    """The rows' keys of a GPU's MIG instances (those with a GPU instance id), each its
+    own: the first compute instance of a GPU instance is ``gpu`` + INSTANCE_SEP + its id;
+    another of the same GPU instance adds COMPUTE_SEP and its place (one key for two rows
+    drew the second's values on both)."""
+    out: list[tuple[MigInstance, str]] = []
+    seen: set[str] = set()
+    for pos, inst in enumerate(instances):
+        if inst.gpu_instance_id is None:
+            continue
+        key = f"{gpu}{INSTANCE_SEP}{inst.gpu_instance_id}"
+        if key in seen:
+            key = f"{key}{COMPUTE_SEP}{pos}"
+        seen.add(key)
+        out.append((inst, key))
+    return out
+
+
 def split_instance(key: str) -> tuple[str, int | None]:
     """(the GPU's key, GPU instance id) of a row key; None for a GPU row."""
     gpu, sep, gi = key.rpartition(INSTANCE_SEP)
+    gi = gi.split(COMPUTE_SEP, 1)[0]
     return (gpu, int(gi)) if sep and gi.isdigit() else (key, None)
 
 

@@ -1,0 +1,69 @@
+"""Every row of the board has its own key: the table places, draws and selects rows by key
+(``BoardTable._index``), so two rows with one key draw the second's values on both lines.
+Two compute instances of one MIG GPU instance (``nvidia-smi mig -cci`` twice: one
+``gpu_instance_id``) are two rows, as are GPUs whose uuids are hostile strings that look
+like the board's own fallback keys (``%2``: a position)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from board_data import NOW, fixed_snapshots
+from test_board import make_app, on_screen
+
+from gputop.model import GpuInfo, MigInstance
+from gputop.ui.board_model import BoardModel
+from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance
+from gputop.ui.widgets import BoardTable
+
+BASE = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
+
+
+def _ci(gi: int, ci: int, used: int) -> MigInstance:
+    return MigInstance(gpu_instance_id=gi, compute_instance_id=ci, device_index=ci,
+                       uuid=f"MIG-{gi}-{ci}", profile="1c.2g.20gb", memory_used_mib=used,
+                       memory_total_mib=20480, utilization_percent=None, processes=())
+
+
+def _two_cis() -> GpuInfo:
+    return replace(BASE.gpus[0], mig_mode="Enabled", processes=(),
+                   instances=(_ci(1, 0, 1024), _ci(1, 1, 15360), _ci(2, 0, 0)))
+
+
+def test_two_compute_instances_of_one_gpu_instance_are_two_rows() -> None:
+    model = BoardModel(host_order=[BASE.name], clock=lambda: NOW, me="ann")
+    model.ingest(replace(BASE, gpus=(_two_cis(), *BASE.gpus[1:])))
+    rows, keys, summary = model.frame()
+    assert len(keys) == len(set(keys)) == len(rows)
+    assert keys == [r.key for r in rows]
+    insts = [r for r in rows if isinstance(r, GpuRow) and r.instance is not None]
+    assert [(i.instance.gpu_instance_id, i.instance.compute_instance_id)  # type: ignore[union-attr]
+            for i in insts] == [(1, 0), (1, 1), (2, 0)]
+    assert summary.gpus == 4
+    for r in insts:  # each row is found by its own key, and names its GPU instance
+        assert model.find(r.key) is r
+        assert split_instance(r.key) == (keys[1], r.instance.gpu_instance_id)  # type: ignore[union-attr]
+
+
+def test_uuids_that_look_like_fallback_keys_never_share_a_key() -> None:
+    g = BASE.gpus
+    hostile = (replace(g[0], uuid="%2"), replace(g[1], uuid=None, index=7),
+               replace(g[2], uuid=None, index=7), replace(g[3], uuid="%2"))
+    keys = gpu_keys("h", hostile)
+    assert len(set(keys)) == len(keys)
+    model = BoardModel(host_order=["h"], clock=lambda: NOW, me="ann")
+    model.ingest(replace(BASE, name="h", gpus=hostile))
+    rows, row_keys, _summary = model.frame()
+    assert len(set(row_keys)) == len(row_keys) == len(rows) == 5
+
+
+async def test_each_compute_instance_row_draws_its_own_memory(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        app.ingest(replace(BASE, gpus=(_two_cis(), *BASE.gpus[1:])))
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        lines = [on_screen(app, table, k) for k in table.row_keys[2:5]]
+        assert " 1.0/20G" in lines[0] and " 15/20G" in lines[1] and " 0.0/20G" in lines[2], lines
