@@ -1,20 +1,23 @@
 """Every row of the board has its own key: the table places, draws and selects rows by key
 (``BoardTable._index``), so two rows with one key draw the second's values on both lines.
 Two compute instances of one MIG GPU instance (``nvidia-smi mig -cci`` twice: one
-``gpu_instance_id``) are two rows, as are GPUs whose uuids are hostile strings that look
-like the board's own fallback keys (``%2``: a position)."""
+``gpu_instance_id``) are two rows, as are two shares of one GPU by one holder (the shared
+file is anyone's to write) and GPUs whose uuids are hostile strings that look like the
+board's own fallback keys (``%2``: a position)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 from board_data import NOW, fixed_snapshots
 from test_board import make_app, on_screen
 
 from gputop.model import GpuInfo, MigInstance
+from gputop.reservations.store import StoreState, new_reservation
 from gputop.ui.board_model import BoardModel
-from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance
+from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
 from gputop.ui.widgets import BoardTable
 
 BASE = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
@@ -67,3 +70,37 @@ async def test_each_compute_instance_row_draws_its_own_memory(tmp_path: Path) ->
         table = app.query_one(BoardTable)
         lines = [on_screen(app, table, k) for k in table.row_keys[2:5]]
         assert " 1.0/20G" in lines[0] and " 15/20G" in lines[1] and " 0.0/20G" in lines[2], lines
+
+
+def _two_shares_of_bob() -> StoreState:
+    made = NOW - timedelta(minutes=1)
+    return StoreState(reservations=(
+        new_reservation(BASE.name, 2, "bob", "ws", made, 3600, None, "", share_mib=1024),
+        new_reservation(BASE.name, 2, "bob", "ws2", made, 3600, None, "", share_mib=8192)))
+
+
+def test_two_shares_of_one_holder_on_one_gpu_are_two_rows() -> None:
+    """The shared file is anyone's to write: two shares of one GPU by one holder (two
+    machines, or a hand edit) are two rows, each found by its key, each the holder's."""
+    model = BoardModel(host_order=[BASE.name], clock=lambda: NOW, me="ann")
+    model.ingest(BASE)
+    model.set_state(_two_shares_of_bob())
+    rows, keys, _summary = model.frame()
+    assert len(keys) == len(set(keys)) == len(rows) == 7
+    shares = [r for r in rows if isinstance(r, GpuRow) and r.share is not None]
+    assert [r.share.share_mib for r in shares] == [1024, 8192]  # type: ignore[union-attr]
+    for r in shares:
+        assert model.find(r.key) is r
+        assert split_share(r.key) == (keys[3], "bob")
+
+
+async def test_each_share_row_of_one_holder_draws_its_own_size(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        app.ingest(BASE)
+        app.model.set_state(_two_shares_of_bob())
+        app.render_board()
+        await pilot.pause()
+        table = app.query_one(BoardTable)
+        lines = [on_screen(app, table, k) for k in table.row_keys[4:6]]
+        assert "share 1G" in lines[0] and "share 8G" in lines[1], lines

@@ -36,7 +36,6 @@ from gputop.reservations.store import Reservation, StoreState
 from gputop.text import clean
 from gputop.ui.board_history import BoardHistory
 from gputop.ui.board_rows import (
-    SHARE_SEP,
     GpuRow,
     HostRow,
     Row,
@@ -44,6 +43,7 @@ from gputop.ui.board_rows import (
     UserLoad,
     gpu_keys,
     instance_keys,
+    share_keys,
 )
 from gputop.ui.host_rows import NO_ROWS, SEP, Counts, FrameRows, HostRows
 
@@ -246,7 +246,7 @@ class BoardModel:
             sh = shared.get((host, g.index)) if shared and g.index is not None else None
             keys.append(gkey)
             if sh:
-                keys += [f"{gkey}{SHARE_SEP}{r.user}" for r in sh]
+                keys += share_keys(gkey, sh)
                 continue
             if g.instances:
                 ikeys = instance_keys(gkey, g.instances)
@@ -321,8 +321,8 @@ class BoardModel:
                 host, g.index, now):
             flags.append("idle-holder")
         rows = [GpuRow(host, gkey, g, None, _flags(flags), stale, False, shares=shares)]
-        rows += [GpuRow(host, f"{gkey}{SHARE_SEP}{r.user}", g, None, _flags(f), stale, False,
-                        share=r) for r, f in zip(shares, per)]
+        rows += [GpuRow(host, key, g, None, _flags(f), stale, False, share=r)
+                 for key, r, f in zip(share_keys(gkey, shares), shares, per)]
         return rows
 
     def _words(self, host: str, row: GpuRow | None) -> list[str]:

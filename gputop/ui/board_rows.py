@@ -67,10 +67,29 @@ INSTANCE_SEP = "\x00/"
 SHARE_SEP = "\x00~"
 
 
+#: A share row's key after its holder when the holder has two shares of one GPU (the
+#: shared file is anyone's to write): this and the share's place.
+SHARE_PLACE_SEP = "\x00."
+
+
+def share_keys(gpu: str, shares: Iterable[Reservation]) -> list[str]:
+    """The rows' keys of a GPU's shares, each its own: ``gpu`` + SHARE_SEP + the holder,
+    and for a holder's second share of the GPU SHARE_PLACE_SEP and its place too."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for pos, r in enumerate(shares):
+        key = f"{gpu}{SHARE_SEP}{r.user}"
+        if key in seen:
+            key = f"{key}{SHARE_PLACE_SEP}{pos}"
+        seen.add(key)
+        out.append(key)
+    return out
+
+
 def split_share(key: str) -> tuple[str, str | None]:
     """(the GPU's key, the share's holder) of a row key; None for any other row."""
     gpu, sep, user = key.rpartition(SHARE_SEP)
-    return (gpu, user) if sep else (key, None)
+    return (gpu, user.split(SHARE_PLACE_SEP, 1)[0]) if sep else (key, None)
 
 
 #: An instance row's key after its GPU instance id when that GPU instance has more than one
