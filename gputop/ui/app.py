@@ -598,7 +598,7 @@ class GputopApp(StoreActions):
         # A filtered view shows any host's rows, so it needs every host's: made now, as
         # the box opens (before the first key typed in it, most often), not by that key's
         # frame (at 1,000 x 8, 50 ms more for the first key).
-        self.call_after_refresh(self.model.make_every_row)
+        self.call_after_refresh(self.model.warm, self.model.host_order)
 
     def action_clear_filter(self) -> None:
         box = self.query_one("#filter", Input)

@@ -193,7 +193,7 @@ class BoardModel:
             keys = self._keys[host] = (snap, self._gpu_keys(host, snap.gpus))
         gkeys = keys[1]
         shared = self._share_index(now)
-        counts, row_keys = self._tally(host, snap, gkeys, shared, held, cached)
+        counts, row_keys, has_shares = self._tally(host, snap, gkeys, shared, held)
         # A GPU whose object is the one before (a hub's patch left it as it was) with the
         # same inputs keeps its row object: the table then skips it at once.
         before = cached.plain if cached is not None else {}
@@ -202,7 +202,7 @@ class BoardModel:
             (self._build_rows, (host, snap, gkeys, now, shared, held, inst_held, stale, before)),
             snap)
         out.plain = before
-        if shared and any((host, g.index) in shared for g in snap.gpus):
+        if has_shares:
             out.rows  # noqa: B018  (made now: a share's over-use is timed as rows are made)
         if self.filter_text.strip():  # while filtering, the words are worked out here (as
             out.hays()  # the host answers: see warm), not in the next keystroke
@@ -210,21 +210,22 @@ class BoardModel:
 
     def _tally(self, host: str, snap: HostSnapshot, gkeys: list[str],
                shared: dict[tuple[str, int], tuple[Reservation, ...]],
-               held: dict[tuple[str, int], Reservation], cached: HostRows | None
-               ) -> tuple[Counts, list[str]]:
+               held: dict[tuple[str, int], Reservation]) -> tuple[Counts, list[str], bool]:
         """The host's share of the summary and its rows' keys, from its answer alone (no
         rows: those are made when looked at, see ``_build_rows``), with locals (as
         attributes it was a fifth of drawing a frame at 200 x 8). What a row counts as
-        is what ``_build_rows`` makes it: reserved (held or shared), else free or busy."""
+        is what ``_build_rows`` makes it: reserved (held or shared), else free or busy.
+        The last item: whether any of its GPUs is shared."""
         gpus = reserved = free = busy = util_sum = util_n = used = total = insts = 0
-        plain_shape = True  # no share or MIG instance rows: the keys are the GPUs'
+        has_shares = has_instances = False
         for g in snap.gpus:
             gpus += 1
             index = g.index
-            if (shared and index is not None and (host, index) in shared) or (
-                    held and index is not None and (host, index) in held):
+            if shared and index is not None and (host, index) in shared:
                 reserved += 1
-                plain_shape = plain_shape and (host, index) not in shared
+                has_shares = True
+            elif held and index is not None and (host, index) in held:
+                reserved += 1
             elif is_free(g):
                 free += 1
             else:
@@ -235,12 +236,10 @@ class BoardModel:
             used += g.memory_used_mib or 0
             total += g.memory_total_mib or 0
             if g.instances:
-                plain_shape = False
+                has_instances = True
         counts = Counts(gpus, reserved, free, busy, util_sum, util_n, used, total, 0)
-        if plain_shape:
-            if cached is not None and cached.keys[1:] == gkeys and cached.keys[:1] == [host]:
-                return counts, cached.keys
-            return counts, [host, *gkeys]
+        if not has_shares and not has_instances:  # (nearly always: the keys are the GPUs')
+            return counts, [host, *gkeys], False
         keys = [host]
         for g, gkey in zip(snap.gpus, gkeys):
             sh = shared.get((host, g.index)) if shared and g.index is not None else None
@@ -253,7 +252,7 @@ class BoardModel:
                 insts += len(ikeys)
                 keys += [k for _, k in ikeys]
         counts.instances = insts
-        return counts, keys
+        return counts, keys, has_shares
 
     def _build_rows(self, host: str, snap: HostSnapshot, gkeys: list[str], now: datetime,
                     shared: dict[tuple[str, int], tuple[Reservation, ...]],
@@ -416,15 +415,6 @@ class BoardModel:
         ``on_screen``, only those of its hosts, and their share of the summary for all
         (the rest are made when looked at), unless this view shows every host's rows."""
         self.warmer()(hosts, on_screen)
-
-    def make_every_row(self) -> None:
-        """Make every host's rows now (see ``HostRows``): for a view about to show any of
-        them (a filter being opened)."""
-        now = self.clock()
-        held = reservation_index(self.state, now)
-        inst_held = instance_index(self.state, now)
-        for host in self.host_order:
-            self._host_rows(host, now, held, inst_held).rows  # noqa: B018
 
     def shows_every_row(self) -> bool:
         """A sorted or filtered view: which rows it shows depends on every host's."""

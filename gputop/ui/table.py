@@ -512,9 +512,8 @@ class BoardTable(ScrollView, can_focus=True):
                                                       pre, post)
             parts.append(segments)
         used = sum(widths)
-        extend = pre
         if used <= width:  # (nearly always: the cells, then the rest of the line, padded)
-            parts.append([Segment(" " * (width - used), extend)])
+            parts.append([Segment(" " * (width - used), pre)])
             return Strip(Segment.simplify(chain.from_iterable(parts)), width)
         segments = line_crop(list(chain.from_iterable(parts)), 0, width, width)
         return Strip(segments).adjust_cell_length(
