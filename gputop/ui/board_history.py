@@ -17,8 +17,8 @@ HISTORY = 120  # samples kept per host (one per refresh), so per GPU for the spa
 
 #: (its GPUs' keys, utilisation %, memory used MiB, memory total MiB): a gap when the
 #: numbers are None (the host did not answer).
-Sample = tuple[list[str], "tuple[int | None, ...] | None", "tuple[int | None, ...] | None",
-               "tuple[int | None, ...] | None"]
+Numbers = tuple[int | None, ...] | None
+Sample = tuple[list[str], Numbers, Numbers, Numbers]
 
 
 class BoardHistory:
