@@ -161,4 +161,12 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
         app._last_gc -= app_module.GC_PERIOD_S
         app._collect_young()
         assert collected == [0, 0]
+        # Answers count only up to the fleet's size (a collection walks at most every
+        # host's last answer): a fleet smaller than GC_ANSWERS is collected by time.
+        app._answers_since_gc = 10 * app_module.GC_ANSWERS
+        app._collect_young()
+        assert collected == [0, 0]
+        monkeypatch.setattr(app_module, "GC_ANSWERS", len(app.model.snapshots))
+        app._collect_young()
+        assert collected == [0, 0, 0]
     assert app_module.KEY_HOLD_S < feed_module.MAX_HOLD_S

@@ -133,6 +133,7 @@ class BoardTable(ScrollView, can_focus=True):
         self._base: Style | None = None
         self._pseudo: object = None
         self._pass_widths: list[int] | None = None
+        self._pass_width: int | None = None
         self.columns_shown: Columns = ()
         self.chosen: str | None = None
         self._restoring = False
@@ -445,16 +446,18 @@ class BoardTable(ScrollView, can_focus=True):
         self._base = self.rich_style
         self._pseudo = self.get_pseudo_class_state()
         self._pass_widths = self._widths()
+        self._pass_width = self.size.width  # (it finds the widget on its screen: once per
+        # line it was a fifth of drawing the table's lines)
         try:
             return super().render_lines(crop)
         finally:
-            self._base = self._pseudo = self._pass_widths = None
+            self._base = self._pseudo = self._pass_widths = self._pass_width = None
 
     def _pseudo_state(self) -> object:
         return self._pseudo if self._pseudo is not None else self.get_pseudo_class_state()
 
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
+        width = self._pass_width if self._pass_width is not None else self.size.width
         base = self._base if self._base is not None else self.rich_style
         if y == 0:
             return self._header_strip(base, width)
