@@ -4,7 +4,7 @@
     python bench/hub_reader.py --hub http://127.0.0.1:9871/ [--tree DIR] [--updates 8]
 
 Reads the hub's event stream through ``HubPoller`` as the board does (the board's GC
-thresholds, ``gputop.ui.app.tune_gc``), and prints one JSON line: the process's CPU as a
+thresholds, ``gputop.ui.intake.tune_gc``), and prints one JSON line: the process's CPU as a
 share of a core, and per update the thread CPU of parsing, checking and building the
 model. ``--tree``: the gputop checkout to import (e.g. a worktree of main, for a side by
 side with the same hub in the same window).

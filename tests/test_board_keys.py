@@ -20,8 +20,8 @@ from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations.store import StoreState, new_reservation
 from gputop.sources.demo import DemoSource
-from gputop.ui import app as app_module
 from gputop.ui import feed as feed_module
+from gputop.ui import intake as app_module
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import GpuRow, HostRow

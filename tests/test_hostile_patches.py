@@ -171,7 +171,8 @@ async def test_a_held_key_puts_the_drain_off_until_after_it_without_spinning(
     delay from now, which counts delays from the last drain: from KEY_HOLD_S after the
     last drain on, every try was due at once, and the board's loop spun (tens of
     thousands of tries a second) for the rest of each held key."""
-    from gputop.ui.app import KEY_DRAIN_MAX_S, KEY_HOLD_S, GputopApp
+    from gputop.ui.app import GputopApp
+    from gputop.ui.intake import KEY_DRAIN_MAX_S, KEY_HOLD_S
 
     app = GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
     async with app.run_test(size=(120, 40)):
