@@ -3,8 +3,9 @@
 At 1,000 hosts the poller's own work (SSH packets, parsing, a task step per host) comes in
 bursts, and on the UI's loop a key pressed during one waited for all of it. Here the poller
 runs on a private loop in a daemon thread and only hands finished snapshots over, through
-a thread-safe queue the board drains once per frame (see ``GputopApp._drain``). Python's
-GIL switches threads every few milliseconds, so a burst no longer holds a keypress.
+a thread-safe queue the board drains once per frame (see ``BoardIntake._drain`` in
+``gputop.ui.intake``). Python's GIL switches threads every few milliseconds, so a burst no
+longer holds a keypress.
 
 While a key is being handled the board asks the feed to wait (``hold``): a key's work then
 has the GIL, and on a loaded machine the CPU, to itself, instead of sharing them with a

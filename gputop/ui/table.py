@@ -245,8 +245,9 @@ class BoardTable(ScrollView, can_focus=True):
 
     def hosts_on_screen(self) -> frozenset[str]:
         """The hosts whose rows are on screen, and the cursor's: the board draws answers
-        from other hosts less often (see GputopApp._frame_due). Asked for each answer:
-        kept until the rows, the scroll position, the size or the cursor change."""
+        from other hosts less often (see ``BoardIntake._frame_due``, gputop.ui.intake).
+        Asked for each answer: kept until the rows, the scroll position, the size or the
+        cursor change."""
         hosts = self._on_screen
         if hosts is None:
             rows = self._rows
