@@ -92,6 +92,7 @@ def test_a_patch_that_does_not_fit_is_not_applied_and_the_page_starts_again(
     patch = {"time": doc["time"], "hosts": [], "removed": [], "set": {},
              "changes": [good, *bad] if isinstance(bad, list) else bad}
     was = _cell(b, name, 1, ".util .val")
+    b.execute_script("window.gputopBoard.resyncTimes = []")  # (each case alone: no backoff)
     before = b.execute_script("return [window.gputopBoard.snapshots, window.gputopBoard.resyncs]")
     h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
                   json.dumps(patch))
@@ -121,3 +122,34 @@ def test_a_proto_key_in_a_patch_stays_data(paged: tuple[DocHub, Any, dict[str, A
                 Object.getPrototypeOf(h.gpus[0]) === Object.prototype, h.gpus[0].polluted ?? null,
                 ({}).polluted ?? null, window.gputopBoard.resyncs];""", name)
     assert got == [True, None, True, None, None, before[1]]
+
+
+def test_patches_that_keep_not_fitting_start_the_stream_again_less_and_less_often(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """A hub whose every patch misfits (a broken one) costs it a snapshot per page at most
+    every few seconds, not one per patch, and the page says meanwhile that what it shows is
+    not current; then it starts again and is live."""
+    h, b, doc = paged
+    board = "window.gputopBoard"
+    b.execute_script(f"{board}.resyncTimes = []")
+    misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
+                         "changes": [{"name": "nobody", "set": {}, "gpus": []}]})
+    empty = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
+    waits = []
+    for _ in range(3):
+        wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
+        before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
+        h.publish_raw(empty, misfit)
+        wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before[1])
+        waits.append(b.execute_script(f"return {board}.resyncWait"))
+        if waits[-1]:
+            # Waiting: not connected, and not called current.
+            assert b.execute_script(f"return [{board}.conn, document.title]") == [
+                "stale", "gputop (stale)"]
+            assert b.execute_script(f"return {board}.snapshots") == before[0]
+        wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
+             "the snapshot again", 15, before[0])
+    assert waits == [0, 0, 2000]  # the first two at once, the third after 2 s
+    assert b.execute_script("return document.querySelectorAll('.gpu').length") == 6 * 4
+    assert [e for e in b.get_log("browser") if e["level"] == "SEVERE"] == []
+

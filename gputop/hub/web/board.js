@@ -13,6 +13,12 @@ import { HostView } from "./view.js";
 const $ = (id) => document.getElementById(id);
 const WATCHDOG_S = 30; // no event for this long: ask /-/healthy whether the hub still lives
 const WASTE_EVERY_S = 300;
+// Patches that do not fit: the first RESYNC_FREE in RESYNC_WINDOW_S start the stream
+// again at once; after that the page waits 2, 4, 8 ... RESYNC_MAX_S seconds first (a hub
+// whose every patch misfits costs it a snapshot at most that often, not one per patch).
+const RESYNC_FREE = 2;
+const RESYNC_WINDOW_S = 60;
+const RESYNC_MAX_S = 30;
 
 const state = readState(location.search);
 const board = {
@@ -28,6 +34,8 @@ const board = {
   snapshots: 0,
   updates: 0, // updates and patches taken
   resyncs: 0, // patches that did not fit: the stream started again
+  resyncTimes: [], // when, within RESYNC_WINDOW_S
+  resyncWait: 0, // ms the page waits before the last start again (0: at once)
   epoch: null,
   flatKey: "",
   page: 0,
@@ -44,6 +52,7 @@ for (const id of ["queue", "people", "waste"]) {
 
 let source = null;
 let liveTimer = null;
+let resyncTimer = null;
 
 function setConn(conn) {
   if (board.conn === conn) return;
@@ -70,6 +79,7 @@ function drawConn() {
 
 function connect() {
   clearTimeout(liveTimer);
+  clearTimeout(resyncTimer);
   if (source) source.close();
   // Patches (docs/hub.md): a host whose GPUs only moved comes as what moved, about a
   // fifth of its complete object, and its unchanged GPUs keep their objects.
@@ -99,9 +109,9 @@ function connect() {
     const up = parse(e.data);
     if (up === null || !board.snapshots) return;
     if (!applyPatch(up)) {
-      // A patch that does not fit what this page holds: start again from a snapshot.
-      board.resyncs += 1;
-      connect();
+      // A patch that does not fit what this page holds: start again from a snapshot,
+      // saying meanwhile that what is shown is not current.
+      resync();
       return;
     }
     heard();
@@ -114,6 +124,24 @@ function connect() {
       refused(es);
     }
   };
+}
+
+function resync() {
+  board.resyncs += 1;
+  const now = Date.now();
+  board.resyncTimes = board.resyncTimes.filter((t) => now - t < RESYNC_WINDOW_S * 1000);
+  board.resyncTimes.push(now);
+  const over = board.resyncTimes.length - RESYNC_FREE;
+  board.resyncWait = over > 0 ? Math.min(RESYNC_MAX_S, 2 ** over) * 1000 : 0;
+  setConn("stale");
+  if (!board.resyncWait) {
+    connect();
+    return;
+  }
+  clearTimeout(liveTimer);
+  if (source) source.close();
+  source = null;
+  resyncTimer = setTimeout(connect, board.resyncWait);
 }
 
 async function refused(es) {
