@@ -163,11 +163,18 @@ def test_once_and_json_are_one_or_the_other(env: dict[str, str]) -> None:
 def test_demo_with_a_subcommand_says_what_the_demo_does(env: dict[str, str]) -> None:
     """A newcomer tries the tour's commands on the demo: the refusal says where the demo's
     reserve and queue are (the board) and what the subcommands need instead."""
-    r = gputop("--demo", "free", env=env)
-    assert r.returncode == 2 and r.stdout == ""
-    assert "--demo cannot be used with free: the simulated fleet is the board" in r.stderr
-    assert "gputop --demo; r reserves, Q queues there" in r.stderr
-    assert "gputop init-config" in r.stderr
+    for args in (("--demo", "free"), ("free", "--demo"), ("reserve", "--demo", "h:0")):
+        r = gputop(*args, env=env)
+        assert r.returncode == 2 and r.stdout == "", args
+        command = args[0] if args[0] != "--demo" else args[1]
+        assert (f"--demo cannot be used with {command}: the simulated fleet is the board"
+                in r.stderr), args
+        assert "gputop --demo; r reserves, Q queues there" in r.stderr
+        assert "gputop init-config" in r.stderr
+    assert "--demo" not in gputop("free", "--help", env=env).stdout  # (hidden there)
+    # After run's command, --demo is the command's own argument: run never refuses it.
+    r = gputop("run", "echo", "--demo", env=env)  # (no config: this machine)
+    assert r.returncode != 2 and "--demo cannot be used" not in r.stderr, r.stderr
 
 
 def test_report_help_says_the_default_shows_users_then_hosts(env: dict[str, str]) -> None:

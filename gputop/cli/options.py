@@ -61,6 +61,12 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.Argumen
         p.add_argument("--theme", metavar="NAME", **kw,
                        help="board theme: gputop-dark, gputop-light, gputop-contrast or your "
                        "own")
+    if sub:
+        # Hidden: so that ``gputop free --demo`` gets the board's own refusal, which says
+        # what the demo is and what subcommands need, not argparse's "unrecognized
+        # arguments" (after ``run``'s command it is the command's own argument).
+        p.add_argument("--demo", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
     return p
 
 
