@@ -1115,7 +1115,7 @@ async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path
     waits for one slice, not the burst). A tick that came between two slices drew half
     the burst and the rest half a second later: two frames for one answer. The tick now
     leaves its frame to the drain that empties the inbox, for at most BURST_WAIT_S."""
-    from gputop.ui import intake as app_module
+    from gputop.ui import intake as intake_module
 
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -1142,7 +1142,7 @@ async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path
         # A stream that never lets the inbox empty is still drawn, BURST_WAIT_S late at most.
         app._inbox.put(fixed_snapshots()[0])
         app._dirty = True
-        app._last_render -= app_module.RENDER_PERIOD + app_module.BURST_WAIT_S
+        app._last_render -= intake_module.RENDER_PERIOD + intake_module.BURST_WAIT_S
         app._tick()
         assert frames == [0, 1]
         app.render_board = real  # type: ignore[method-assign]
@@ -1217,7 +1217,7 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
     after the last frame (at 200 hosts a third of the frames drew nothing else). An answer
     from a host on screen, a sorted view, or anything else (a reservation, a theme) is
     drawn at the next tick."""
-    from gputop.ui import intake as app_module
+    from gputop.ui import intake as intake_module
 
     base = fixed_snapshots()[0]
     fleet = [replace(base, name=f"n{i:02d}") for i in range(30)]
@@ -1247,7 +1247,7 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
         app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app._tick()
         assert frames == [] and app._dirty
-        app._last_render -= app.config.interval * app_module.OFFSCREEN_WAIT_INTERVALS
+        app._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
         app._tick()  # ...an interval at most
         assert frames == ["frame"] and not app._dirty
         answer("n29")

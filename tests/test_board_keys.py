@@ -21,7 +21,7 @@ from gputop.poller import Poller
 from gputop.reservations.store import StoreState, new_reservation
 from gputop.sources.demo import DemoSource
 from gputop.ui import feed as feed_module
-from gputop.ui import intake as app_module
+from gputop.ui import intake as intake_module
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import GpuRow, HostRow
@@ -135,13 +135,13 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
         monkeypatch.setattr(gc, "freeze", lambda: collected.append(-1))
         app._collect_young()
         assert collected == [2, -1]  # once, with the first answers in: collect, freeze
-        app._last_gc -= app_module.GC_PERIOD_S
+        app._last_gc -= intake_module.GC_PERIOD_S
         collected.clear()
         app._collect_young()
         assert collected == [0]  # no key: the board collects young garbage itself
         t = time.monotonic()
         await pilot.press("j")
-        assert feed.hold_until >= t + app_module.KEY_HOLD_S  # the key holds the feed...
+        assert feed.hold_until >= t + intake_module.KEY_HOLD_S  # the key holds the feed...
         assert app._key_hold_until == feed.hold_until
         app._key_hold_until = time.monotonic() + 1  # (pilot.press waited past it: idle)
         app._collect_young()
@@ -158,15 +158,15 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
         assert app.model.snapshots["node00"] is snap
         app._collect_young()
         assert collected == [0]  # (its period, GC_PERIOD_S, has not passed)
-        app._last_gc -= app_module.GC_PERIOD_S
+        app._last_gc -= intake_module.GC_PERIOD_S
         app._collect_young()
         assert collected == [0, 0]
         # Answers count only up to the fleet's size (a collection walks at most every
         # host's last answer): a fleet smaller than GC_ANSWERS is collected by time.
-        app._answers_since_gc = 10 * app_module.GC_ANSWERS
+        app._answers_since_gc = 10 * intake_module.GC_ANSWERS
         app._collect_young()
         assert collected == [0, 0]
-        monkeypatch.setattr(app_module, "GC_ANSWERS", len(app.model.snapshots))
+        monkeypatch.setattr(intake_module, "GC_ANSWERS", len(app.model.snapshots))
         app._collect_young()
         assert collected == [0, 0, 0]
-    assert app_module.KEY_HOLD_S < feed_module.MAX_HOLD_S
+    assert intake_module.KEY_HOLD_S < feed_module.MAX_HOLD_S
