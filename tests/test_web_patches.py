@@ -92,7 +92,7 @@ def test_a_patch_that_does_not_fit_is_not_applied_and_the_page_starts_again(
     patch = {"time": doc["time"], "hosts": [], "removed": [], "set": {},
              "changes": [good, *bad] if isinstance(bad, list) else bad}
     was = _cell(b, name, 1, ".util .val")
-    b.execute_script("window.gputopBoard.resyncTimes = []")  # (each case alone: no backoff)
+    b.execute_script("window.gputopBoard.resyncRun = 0")  # (each case alone: no backoff)
     before = b.execute_script("return [window.gputopBoard.snapshots, window.gputopBoard.resyncs]")
     h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
                   json.dumps(patch))
@@ -131,7 +131,7 @@ def test_patches_that_keep_not_fitting_start_the_stream_again_less_and_less_ofte
     not current; then it starts again and is live."""
     h, b, doc = paged
     board = "window.gputopBoard"
-    b.execute_script(f"{board}.resyncTimes = []")
+    b.execute_script(f"{board}.resyncRun = 0")
     misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
                          "changes": [{"name": "nobody", "set": {}, "gpus": []}]})
     empty = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
@@ -153,3 +153,59 @@ def test_patches_that_keep_not_fitting_start_the_stream_again_less_and_less_ofte
     assert b.execute_script("return document.querySelectorAll('.gpu').length") == 6 * 4
     assert [e for e in b.get_log("browser") if e["level"] == "SEVERE"] == []
 
+
+
+def test_after_a_resync_the_page_is_live_only_once_the_new_snapshot_came(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """The new stream opens before its snapshot comes; a hub slow to send it must not have
+    the page call the old data current meanwhile (the open stream alone is not enough)."""
+    h, b, doc = paged
+    board = "window.gputopBoard"
+    wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
+    # Snapshots reach the page 4 s late from now on (the stream itself opens at once).
+    b.execute_script("""const add = EventSource.prototype.addEventListener;
+        window.realAdd = add;
+        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
+          const late = type === "snapshot" ? (e) => setTimeout(() => fn(e), 4000) : fn;
+          return add.call(this, type, late, ...rest);
+        };""")
+    try:
+        b.execute_script(f"{board}.resyncRun = 0")
+        before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
+        h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
+                      json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
+                                  "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
+        wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before[1])
+        # Past the open stream's 1.5 s moment, before the snapshot: still not current.
+        wait(b, "return window.performance.now() > arguments[0]", "2.5 s", 5,
+             b.execute_script("return window.performance.now()") + 2500)
+        assert b.execute_script(f"return [{board}.conn, {board}.snapshots, document.title]") \
+            == ["stale", before[0], "gputop (stale)"]
+        wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
+             "the snapshot, then live", 15, before[0])
+    finally:
+        b.execute_script("EventSource.prototype.addEventListener = window.realAdd")
+
+
+def test_a_hub_that_keeps_misfitting_stays_at_the_longest_wait(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """The run of misfits ends only after a quiet spell: one misfit a while after a run of
+    them (the page waited and came back) still waits the longest; after two quiet minutes
+    the next one starts again at once. (Last in this module: it leaves the page waiting.)"""
+    h, b, doc = paged
+    board = "window.gputopBoard"
+    misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
+                         "changes": [{"name": "nobody", "set": {}, "gpus": []}]})
+    empty = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
+    waits = []
+    for quiet_s in (130, 70):
+        wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
+        b.execute_script(f"{board}.resyncRun = 9; {board}.lastResync = Date.now() - arguments[0]",
+                         quiet_s * 1000)
+        before = b.execute_script(f"return {board}.resyncs")
+        h.publish_raw(empty, misfit)
+        wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before)
+        waits.append(b.execute_script(f"return {board}.resyncWait"))
+    assert waits == [0, 30000]
+    b.refresh()
+    wait(b, f"return {board} && {board}.conn === 'live'", "a fresh page live", 20)

@@ -13,11 +13,12 @@ import { HostView } from "./view.js";
 const $ = (id) => document.getElementById(id);
 const WATCHDOG_S = 30; // no event for this long: ask /-/healthy whether the hub still lives
 const WASTE_EVERY_S = 300;
-// Patches that do not fit: the first RESYNC_FREE in RESYNC_WINDOW_S start the stream
-// again at once; after that the page waits 2, 4, 8 ... RESYNC_MAX_S seconds first (a hub
-// whose every patch misfits costs it a snapshot at most that often, not one per patch).
+// Patches that do not fit: the first RESYNC_FREE of a run start the stream again at once;
+// after that the page waits 2, 4, 8 ... RESYNC_MAX_S seconds first (a hub whose every patch
+// misfits costs it a snapshot at most that often, not one per patch). A run ends only when
+// RESYNC_QUIET_S pass with no misfit, so a hub that keeps misfitting stays at the longest.
 const RESYNC_FREE = 2;
-const RESYNC_WINDOW_S = 60;
+const RESYNC_QUIET_S = 120;
 const RESYNC_MAX_S = 30;
 
 const state = readState(location.search);
@@ -34,7 +35,9 @@ const board = {
   snapshots: 0,
   updates: 0, // updates and patches taken
   resyncs: 0, // patches that did not fit: the stream started again
-  resyncTimes: [], // when, within RESYNC_WINDOW_S
+  resyncRun: 0, // misfits since the last RESYNC_QUIET_S without one
+  lastResync: 0, // when the last one was (ms)
+  awaitingSnapshot: false, // started again for a snapshot that has not come yet
   resyncWait: 0, // ms the page waits before the last start again (0: at once)
   epoch: null,
   flatKey: "",
@@ -89,13 +92,15 @@ function connect() {
     // a resumed stream that missed nothing sends nothing: current, then, after a moment.
     clearTimeout(liveTimer);
     liveTimer = setTimeout(() => {
-      if (source === es && es.readyState === EventSource.OPEN && board.snapshots) setConn("live");
+      if (source === es && es.readyState === EventSource.OPEN && board.snapshots &&
+          !board.awaitingSnapshot) setConn("live");
     }, 1500);
   };
   es.addEventListener("snapshot", (e) => measured("gputop-snapshot", () => {
     const doc = parse(e.data);
     if (doc === null) return;
     board.epoch = String(e.lastEventId).split("-")[0];
+    board.awaitingSnapshot = false;
     applySnapshot(doc);
     heard();
   }));
@@ -129,10 +134,14 @@ function connect() {
 function resync() {
   board.resyncs += 1;
   const now = Date.now();
-  board.resyncTimes = board.resyncTimes.filter((t) => now - t < RESYNC_WINDOW_S * 1000);
-  board.resyncTimes.push(now);
-  const over = board.resyncTimes.length - RESYNC_FREE;
+  if (now - board.lastResync >= RESYNC_QUIET_S * 1000) board.resyncRun = 0;
+  board.lastResync = now;
+  board.resyncRun += 1;
+  const over = board.resyncRun - RESYNC_FREE;
   board.resyncWait = over > 0 ? Math.min(RESYNC_MAX_S, 2 ** over) * 1000 : 0;
+  // What is shown is not current until the new stream's snapshot: an open stream alone
+  // (the 1.5 s timer in connect) does not make the page live again.
+  board.awaitingSnapshot = true;
   setConn("stale");
   if (!board.resyncWait) {
     connect();
@@ -205,6 +214,7 @@ function measured(name, fn) {
  * ``WATCHDOG_S`` without one, a hub that does not answer /-/healthy is a lost stream. */
 async function watchdog() {
   if (board.conn !== "live" || Date.now() - board.lastHeard < WATCHDOG_S * 1000) return;
+  const es = source;
   const ctl = new AbortController();
   const timer = setTimeout(() => ctl.abort(), 5000);
   try {
@@ -218,6 +228,9 @@ async function watchdog() {
   } finally {
     clearTimeout(timer);
   }
+  // Meanwhile the stream may have been started again, or be waiting out a resync's
+  // backoff: that one stands (starting here would skip the wait).
+  if (source !== es || board.conn !== "live") return;
   setConn("stale");
   connect();
 }
