@@ -163,7 +163,9 @@ def test_once_and_json_are_one_or_the_other(env: dict[str, str]) -> None:
 def test_demo_with_a_subcommand_says_what_the_demo_does(env: dict[str, str]) -> None:
     """A newcomer tries the tour's commands on the demo: the refusal says where the demo's
     reserve and queue are (the board) and what the subcommands need instead."""
-    for args in (("--demo", "free"), ("free", "--demo"), ("reserve", "--demo", "h:0")):
+    for args in (("--demo", "free"), ("free", "--demo"), ("reserve", "--demo", "h:0"),
+                 # (a target missing too: the demo's refusal, not argparse's complaint)
+                 ("reserve", "--demo"), ("--demo", "reserve"), ("--demo", "release")):
         r = gputop(*args, env=env)
         assert r.returncode == 2 and r.stdout == "", args
         command = args[0] if args[0] != "--demo" else args[1]
@@ -172,6 +174,9 @@ def test_demo_with_a_subcommand_says_what_the_demo_does(env: dict[str, str]) -> 
         assert "gputop --demo; r reserves, Q queues there" in r.stderr
         assert "gputop init-config" in r.stderr
     assert "--demo" not in gputop("free", "--help", env=env).stdout  # (hidden there)
+    # ... and it makes no abbreviation ambiguous: report --d is still --db.
+    r = gputop("report", "--d", "nowhere.db", env=env)
+    assert "ambiguous" not in r.stderr and "nowhere.db" in r.stderr, r.stderr
     # After run's command, --demo is the command's own argument: run never refuses it.
     r = gputop("run", "echo", "--demo", env=env)  # (no config: this machine)
     assert r.returncode != 2 and "--demo cannot be used" not in r.stderr, r.stderr

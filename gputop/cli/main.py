@@ -19,7 +19,7 @@ from gputop.cli.lifecycle import (
     UsageError,
     run_until_signal,
 )
-from gputop.cli.options import for_subcommand, global_options
+from gputop.cli.options import DemoFirst, Parser, demo_refusal, for_subcommand, global_options
 from gputop.cli.subcommands import add_subcommands
 from gputop.config import Config, ConfigError, hub_url_problem, load_config
 from gputop.history.db import HistoryError
@@ -29,8 +29,8 @@ from gputop.sources import HubError
 NO_CONFIG_COMMANDS = ("init-config", "completion")
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gputop",
+    p = Parser(
+        prog="gputop", root=True,
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
         "2 usage, config or store error, 3 --json/--once: no host answered (the output "
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true",
                    help="print one table, a line per GPU, and exit (what gputop prints "
                    "when stdout is not a terminal)")
-    p.add_argument("--demo", action="store_true",
+    p.add_argument("--demo", action=DemoFirst,
                    help="a built-in simulated fleet (no SSH, no GPU needed): the board, "
                    "--json or --once")
     p.add_argument("--record", action="store_true",
@@ -117,9 +117,7 @@ def _check_usage(args: argparse.Namespace) -> None:
     if args.once and args.json:
         raise UsageError("--once and --json are two different outputs: choose one")
     if args.demo and args.command:
-        raise UsageError(f"--demo cannot be used with {args.command}: the simulated fleet "
-                         "is the board (gputop --demo; r reserves, Q queues there), --json "
-                         "or --once; subcommands need your hosts (gputop init-config)")
+        raise UsageError(demo_refusal(args.command))
     if args.record and (args.demo or args.command or args.once
                         or (args.json and not args.watch)):
         raise UsageError("--record goes with the board or --json --watch (to record "
@@ -162,8 +160,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         _check_usage(args)
         _check_output_flags(args, argv)
         return _dispatch(args)

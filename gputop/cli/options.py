@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
+from gputop.cli.lifecycle import UsageError
 from gputop.config import default_config_path
 
 #: Every global option, in the order ``--help`` lists them.
@@ -65,9 +67,73 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.Argumen
         # Hidden: so that ``gputop free --demo`` gets the board's own refusal, which says
         # what the demo is and what subcommands need, not argparse's "unrecognized
         # arguments" (after ``run``'s command it is the command's own argument).
-        p.add_argument("--demo", action="store_true", default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)
+        p.add_argument("--demo", action=_DemoAfter)
     return p
+
+
+def demo_refusal(command: str) -> str:
+    return (f"--demo cannot be used with {command}: the simulated fleet is the board "
+            "(gputop --demo; r reserves, Q queues there), --json or --once; subcommands "
+            "need your hosts (gputop init-config)")
+
+
+#: ``--demo`` came before the subcommand being parsed (``gputop --demo reserve``).
+_DEMO_FIRST: ContextVar[bool] = ContextVar("demo_first", default=False)
+
+
+class DemoFirst(argparse.Action):
+    """The board's ``--demo``; noted, so that a subcommand after it is refused as the demo's
+    mistake (``gputop --demo reserve``), not as a missing target."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+        _DEMO_FIRST.set(True)
+
+
+class _DemoAfter(argparse.Action):
+    """``--demo`` after a subcommand: refused as soon as it is read, before argparse could
+    complain of a missing target (``gputop reserve --demo``)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        raise UsageError(demo_refusal(parser.prog.rsplit(" ", 1)[-1]))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a hidden option answers only to its whole name, so that it
+    makes no abbreviation ambiguous (``report --d`` is still ``--db``, not ``--demo`` or
+    ``--db``), and a subcommand's own error gives way to the demo's refusal after
+    ``--demo``."""
+
+    def __init__(self, *args: Any, root: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.root = root  # the whole command's (its subcommands' parsers are not)
+
+    def _get_option_tuples(self, option_string: str) -> Any:
+        return [t for t in super()._get_option_tuples(option_string)
+                if t[0].help is not argparse.SUPPRESS]
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if not self.root:  # a subcommand's parse, within the whole command's
+            return super().parse_known_args(args, namespace)
+        token = _DEMO_FIRST.set(False)
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            _DEMO_FIRST.reset(token)
+
+    def error(self, message: str) -> Any:
+        if _DEMO_FIRST.get() and not self.root:
+            raise UsageError(demo_refusal(self.prog.rsplit(" ", 1)[-1]))
+        super().error(message)
 
 
 def for_subcommand(name: str) -> list[argparse.ArgumentParser]:
