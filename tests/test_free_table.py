@@ -143,6 +143,13 @@ def test_fewer_than_count_names_the_hosts_that_did_not_answer(
     assert "2 of 5 host(s) did not answer: unreachable (unreachable), auth (auth)" in err, err
     code, _, err = run(["free", "--whole", "--count", "20"], env, tty=False)
     assert code == 1 and "did not answer" not in err  # all answered: nothing to name
+    # None of the hosts asked answered: not "0 free" (nothing is known), exit 3, and why.
+    for args in (["free", "--host", "auth"], ["free", "--host", "auth", "--json"]):
+        code, out, err = run(args, env | {"GPUTOP_CONFIG": str(cfg)}, tty=False)
+        assert code == 3, (args, err)
+        assert err == ("gputop: no host answered (auth: auth), so nothing is known to be "
+                       "free (gputop --once says why)\n"), err
+        assert out == ('{"version":1,"free":[]}\n' if "--json" in args else "")
 
 def test_mig_instances_show_their_profile_and_no_load(team: tuple[dict[str, str], Path]) -> None:
     env, res = team

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from gputop.cli.free_table import is_terminal, print_free
-from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import (
     not_answering,
@@ -61,6 +61,13 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     waiters = [w for w in state.waiting() if w.user != me]
     fleet = [h.name for h in config.hosts]
     found = offered(state, hosts, req, me, fleet, whole=args.whole)[: args.count]
+    if len(found) < args.count and hosts and all(h.error is not None for h in hosts):
+        # Not "0 free": nothing is known. Said first, with why, and told apart by its code.
+        print(f"gputop: no host answered ({not_answering(hosts, names_only=True)}), so "
+              "nothing is known to be free (gputop --once says why)", file=sys.stderr)
+        if args.json:
+            write_document({"version": 1, "free": []}, sys.stdout)
+        return EXIT_NO_HOST
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
             print_free(found, state, utcnow())                   # test for all or nothing

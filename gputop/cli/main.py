@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="gputop", root=True,
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
-        "2 usage, config or store error, 3 --json/--once: no host answered (the output "
+        "2 usage, config or store error, 3 --json/--once/free: no host answered (the output "
         "says why for each), 4 the hub (--hub, [hub] url) is down or answered garbage, "
         "130 interrupted (143 SIGTERM, 129 SIGHUP).",
         parents=[global_options(sub=False)],

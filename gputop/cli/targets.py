@@ -147,13 +147,18 @@ def max_wait_s(text: str | None) -> float | None:
         raise Invalid(f"--max-wait {text}: not a duration (use e.g. 30m, 2h)") from None
 
 
-def not_answering(hosts: Sequence[HostSnapshot]) -> str:
+def not_answering(hosts: Sequence[HostSnapshot], *, names_only: bool = False) -> str:
     """Why fewer were found may be hosts that did not answer: say which (at most three),
-    so nobody queues behind a typo or a missing key instead of fixing it."""
+    so nobody queues behind a typo or a missing key instead of fixing it. ``names_only``:
+    just those names and kinds (``a: timeout, b: host-key and 3 more``)."""
     down = [h for h in hosts if h.error is not None]
     if not down:
         return ""
-    named = ", ".join(f"{clean(h.name)} ({h.error.kind})" for h in down[:3] if h.error)
+    sep = ": " if names_only else " ("
+    named = ", ".join(f"{clean(h.name)}{sep}{h.error.kind}{'' if names_only else ')'}"
+                      for h in down[:3] if h.error)
     more = f" and {len(down) - 3} more" if len(down) > 3 else ""
+    if names_only:
+        return named + more
     return (f"; {len(down)} of {len(hosts)} host(s) did not answer: {named}{more} "
             "(gputop --once says why)")
