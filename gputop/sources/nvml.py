@@ -73,7 +73,9 @@ class NvmlSource:
     def _classify(self, nv: Any, exc: Exception) -> HostError:
         text = excerpt(str(exc))
         if isinstance(exc, getattr(nv, "NVMLError_LibraryNotFound", ())):
-            return HostError("no-nvml", f"NVML library not found: {text}")
+            # (pynvml's own text is "NVML Shared Library Not Found": said once, with why)
+            return HostError("no-nvml", "NVML library not found (no NVIDIA driver on "
+                             "this machine?)")
         if isinstance(exc, getattr(nv, "NVMLError_DriverNotLoaded", ())):
             return HostError("driver", f"NVIDIA driver is not loaded: {text}")
         return HostError("driver", f"NVML: {text}")
