@@ -1301,3 +1301,16 @@ def test_a_frames_keys_are_its_rows_keys_in_every_view() -> None:
             seen.add(len(rows))
     assert len(seen) > 3  # (the views differ)
     assert any(s.error for s in snaps) and any(g.instances for s in snaps for g in s.gpus)
+
+
+def test_a_host_that_never_answered_says_so() -> None:
+    """Not "seen never": a host down from the start says it never answered (as --once
+    does), one that answered before says when."""
+    from gputop.model import HostError
+    from gputop.ui.cells import Palette, host_cells
+
+    snap = HostSnapshot("gpu-x", time=NOW, error=HostError("unreachable", "connection refused"))
+    never = HostRow("gpu-x", snap, 0, False, False, None)
+    assert host_cells(never, NOW, Palette())[3].plain == "never answered  connection refused"
+    seen = replace(never, last_seen=NOW - timedelta(minutes=3))
+    assert host_cells(seen, NOW, Palette())[3].plain == "seen 3m ago  connection refused"

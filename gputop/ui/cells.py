@@ -250,7 +250,8 @@ def host_cells(row: HostRow, now: datetime, p: Palette, narrow: bool = False
     if row.error:
         err = row.snapshot.error
         assert err is not None
-        reason = Text(f"seen {_ago(row.last_seen, now)}", style=p.muted)
+        reason = Text("never answered" if row.last_seen is None else
+                      f"seen {_ago(row.last_seen, now)}", style=p.muted)
         reason.append("  ")
         reason.append(excerpt(err.message, 300), style=p.error)
         label = Text(f"✖ {name}", style=f"bold {p.error}")
