@@ -190,6 +190,14 @@ def test_report_help_says_the_default_shows_users_then_hosts(env: dict[str, str]
     assert "the table to show (default: user, then the host table)" in r.stdout
 
 
+def test_init_config_help_names_the_path_it_writes_to(env: dict[str, str]) -> None:
+    """Where it writes, as this machine resolves it ($XDG_CONFIG_HOME moves it), not
+    a fixed ~/.config that a newcomer with XDG_CONFIG_HOME set would look in for nothing."""
+    r = gputop("init-config", "--help", env=env | {"COLUMNS": "400"})
+    assert r.returncode == 0
+    assert f"else {Path(env['XDG_CONFIG_HOME']) / 'gputop' / 'hosts.toml'} (your user" in r.stdout
+
+
 def test_init_config_writes_the_example_and_never_overwrites(env: dict[str, str]) -> None:
     target = Path(env["XDG_CONFIG_HOME"]) / "gputop" / "hosts.toml"
     r = gputop("init-config", env=env)

@@ -21,7 +21,7 @@ from gputop.cli.lifecycle import (
 )
 from gputop.cli.options import DemoFirst, Parser, demo_refusal, for_subcommand, global_options
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, ConfigError, hub_url_problem, load_config
+from gputop.config import Config, ConfigError, default_config_path, hub_url_problem, load_config
 from gputop.history.db import HistoryError
 from gputop.sources import HubError
 
@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                        "(never overwrites)",
                        description="Write the documented example hosts file (every key, "
                        "commented) to --config FILE, else $GPUTOP_CONFIG, else "
-                       "~/.config/gputop/hosts.toml; never over an existing file (exit 1). "
-                       "Edit its [[hosts]], then run gputop.")
+                       f"{default_config_path()} (your user config directory, which "
+                       "$XDG_CONFIG_HOME sets on Linux); never over an existing file (exit "
+                       "1). Edit its [[hosts]], then run gputop.")
     c.add_argument("--stdout", action="store_true", help="print it instead of writing it")
     c = sub.add_parser("completion", parents=for_subcommand("completion"),
                        help="print a shell completion script: bash, zsh or fish",
