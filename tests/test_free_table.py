@@ -144,7 +144,10 @@ def test_fewer_than_count_names_the_hosts_that_did_not_answer(
     code, _, err = run(["free", "--whole", "--count", "20"], env, tty=False)
     assert code == 1 and "did not answer" not in err  # all answered: nothing to name
     # None of the hosts asked answered: not "0 free" (nothing is known), exit 3, and why.
-    for args in (["free", "--host", "auth"], ["free", "--host", "auth", "--json"]):
+    for args in (["free", "--host", "auth"], ["free", "--host", "auth", "--json"],
+                 ["free", "--host", "auth", "--share", "1G"],
+                 ["run", "--host", "auth", "--", "true"],
+                 ["run", "--host", "auth", "--share", "1G", "--", "true"]):
         code, out, err = run(args, env | {"GPUTOP_CONFIG": str(cfg)}, tty=False)
         assert code == 3, (args, err)
         assert err == ("gputop: no host answered (auth: auth), so nothing is known to be "

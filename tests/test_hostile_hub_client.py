@@ -468,3 +468,30 @@ def test_the_hub_bounds_its_open_connections_and_serves_again_below_the_bound(
     assert over == [b""] * 3  # closed at once, nothing answered
     assert again.startswith(b"HTTP/1.1 200") and after.startswith(b"HTTP/1.1 200")
     assert b"\ngputop_hub_connections_refused_total 3.0\n" in metrics
+
+
+def test_with_a_hub_and_no_hosts_file_nothing_reserves_a_host_it_cannot_check(
+        env: dict[str, str]) -> None:
+    """A hub's hosts are shown to anyone, but reserving needs them in your hosts file
+    (your gputop checks the job and logins there): `run` through a hosts-less hub
+    reserved the hub's GPU, then crashed (StopIteration) and left it held, tied to a job
+    nothing here could see end, for max_duration; `free --reserve` and `--wait` reserved
+    on hosts that `reserve` and `release` refuse. Each is refused before reserving."""
+    doc = _doc("")
+    gpu = doc["hosts"][0]["gpus"][0]  # type: ignore[index]
+    gpu.update(utilization_percent=0, memory_used_mib=0, processes=[])
+    hub = FakeHub(_body(json.dumps(doc).encode()))
+    try:
+        r = gputop(env, "--hub", hub.url, "free")
+        assert r.returncode == 0 and r.stdout == "a:0\n", r.stdout + r.stderr  # shown: yes
+        for args in (("run", "--", "true"), ("free", "--reserve"), ("free", "--wait"),
+                     ("free", "--share", "1M", "--reserve"), ("run", "--share", "1M", "true")):
+            r = gputop(env, "--hub", hub.url, *args, timeout=30)
+            assert r.returncode == 2, (args, r.stdout, r.stderr)
+            assert "reserves, and each host you reserve on must be in your hosts file, " \
+                "also with a hub" in r.stderr, (args, r.stderr)
+            assert "Traceback" not in r.stderr
+        r = gputop(env, "--hub", hub.url, "reservations")
+        assert r.returncode == 0 and "a:0" not in r.stdout, r.stdout
+    finally:
+        hub.close()

@@ -11,6 +11,8 @@ from gputop.cli.free_table import is_terminal, print_free
 from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import (
+    check_reservable,
+    nobody_answered,
     not_answering,
     open_store,
     poll_hosts,
@@ -30,6 +32,8 @@ from gputop.reservations.queue import offered, queue_claim
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    if args.reserve or args.wait:
+        check_reservable(config, f"free --{'wait' if args.wait else 'reserve'}")
     if getattr(args, "share", None) is not None:
         from gputop.cli.shares import free_share_cmd
 
@@ -61,10 +65,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     waiters = [w for w in state.waiting() if w.user != me]
     fleet = [h.name for h in config.hosts]
     found = offered(state, hosts, req, me, fleet, whole=args.whole)[: args.count]
-    if len(found) < args.count and hosts and all(h.error is not None for h in hosts):
+    if len(found) < args.count and (nobody := nobody_answered(hosts)):
         # Not "0 free": nothing is known. Said first, with why, and told apart by its code.
-        print(f"gputop: no host answered ({not_answering(hosts, names_only=True)}), so "
-              "nothing is known to be free (gputop --once says why)", file=sys.stderr)
+        print(f"gputop: {nobody}", file=sys.stderr)
         if args.json:
             write_document({"version": 1, "free": []}, sys.stdout)
         return EXIT_NO_HOST

@@ -8,9 +8,11 @@ import asyncio
 import os
 import sys
 
-from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
+    check_reservable,
     host_config,
+    nobody_answered,
     not_answering,
     open_store,
     poll_hosts,
@@ -37,6 +39,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
+    check_reservable(config, "run")
     if getattr(args, "share", None) is not None:
         from gputop.cli.shares import run_share
 
@@ -60,6 +63,9 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         from gputop.reservations.queue import reserve_now
 
         hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
+        if nobody := nobody_answered(hosts):
+            print(f"gputop: {nobody}", file=sys.stderr)
+            return EXIT_NO_HOST
         fleet = [h.name for h in config.hosts]
         why = unsatisfiable(req, hosts, fleet)
         if why:

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
-from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
+    nobody_answered,
     open_store,
     poll_hosts,
     queue_request,
@@ -135,6 +136,11 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         _print_found(args, [(r.host, r.gpu, r.uuid, r.share_mib, iso(r.expires))])
         return EXIT_OK
     hosts, fits = _fits_now(config, store, args, share)
+    if not fits and (nobody := nobody_answered(hosts)):
+        print(f"gputop: {nobody}", file=sys.stderr)
+        if args.json:
+            write_document({"version": 1, "free": []}, sys.stdout)
+        return EXIT_NO_HOST
     if not fits:
         waiting = len(store.read().waiting())
         print(f"gputop: no GPU with {size_text(share)} to share found"
@@ -246,6 +252,9 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
             break
+        if r is None and (nobody := nobody_answered(hosts)):
+            print(f"gputop: {nobody}", file=sys.stderr)
+            return EXIT_NO_HOST
         if r is None:
             print(f"gputop: no GPU with {size_text(share)} to share; --wait to queue for "
                   "one", file=sys.stderr)
