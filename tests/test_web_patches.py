@@ -176,9 +176,14 @@ def test_after_a_resync_the_page_is_live_only_once_the_new_snapshot_came(
                       json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
                                   "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
         wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before[1])
+        # A patch that fits what the page holds, on the new stream before its snapshot:
+        # not taken (nothing is current until the snapshot), and not called current.
+        wait(b, "return window.performance.now() > arguments[0]", "the new stream", 5,
+             b.execute_script("return window.performance.now()") + 800)
+        _move(h, doc, 3, 0, 77)
         # Past the open stream's 1.5 s moment, before the snapshot: still not current.
         wait(b, "return window.performance.now() > arguments[0]", "2.5 s", 5,
-             b.execute_script("return window.performance.now()") + 2500)
+             b.execute_script("return window.performance.now()") + 1700)
         assert b.execute_script(f"return [{board}.conn, {board}.snapshots, document.title]") \
             == ["stale", before[0], "gputop (stale)"]
         wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
@@ -191,7 +196,7 @@ def test_a_hub_that_keeps_misfitting_stays_at_the_longest_wait(
         paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
     """The run of misfits ends only after a quiet spell: one misfit a while after a run of
     them (the page waited and came back) still waits the longest; after two quiet minutes
-    the next one starts again at once. (Last in this module: it leaves the page waiting.)"""
+    the next one starts again at once. (It leaves the page waiting: it reloads it after.)"""
     h, b, doc = paged
     board = "window.gputopBoard"
     misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
@@ -209,3 +214,35 @@ def test_a_hub_that_keeps_misfitting_stays_at_the_longest_wait(
     assert waits == [0, 30000]
     b.refresh()
     wait(b, f"return {board} && {board}.conn === 'live'", "a fresh page live", 20)
+
+
+def test_a_snapshot_that_does_not_parse_starts_the_stream_again(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """A broken snapshot after a resync leaves nothing to start from: the page starts
+    again (it stayed stale for good, or went live on the old document with the patches
+    that followed)."""
+    h, b, doc = paged
+    board = "window.gputopBoard"
+    wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
+    b.execute_script("""const add = EventSource.prototype.addEventListener;
+        window.realAdd = add;
+        window.broken = 1;  // the next snapshot arrives as garbage
+        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
+          const bad = type === "snapshot" ? (e) => {
+            if (window.broken-- > 0) return fn({data: "{not json", lastEventId: e.lastEventId});
+            return fn(e);
+          } : fn;
+          return add.call(this, type, bad, ...rest);
+        };""")
+    try:
+        b.execute_script(f"{board}.resyncRun = 0")
+        before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
+        h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
+                      json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
+                                  "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
+        wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
+             "a good snapshot, then live", 20, before[0])
+        assert b.execute_script(f"return [{board}.snapshots, {board}.resyncs]") == [
+            before[0] + 1, before[1] + 2]  # the misfit's, then the broken snapshot's
+    finally:
+        b.execute_script("EventSource.prototype.addEventListener = window.realAdd")

@@ -98,7 +98,12 @@ function connect() {
   };
   es.addEventListener("snapshot", (e) => measured("gputop-snapshot", () => {
     const doc = parse(e.data);
-    if (doc === null) return;
+    if (doc === null) {
+      // Nothing to start from: start again (with the backoff), never go on from the
+      // document held before (the patches that follow are worked out against this one).
+      resync();
+      return;
+    }
     board.epoch = String(e.lastEventId).split("-")[0];
     board.awaitingSnapshot = false;
     applySnapshot(doc);
@@ -106,13 +111,14 @@ function connect() {
   }));
   es.addEventListener("update", (e) => measured("gputop-update", () => {
     const up = parse(e.data);
-    if (up === null || !board.snapshots) return;
+    if (up === null || !board.snapshots || board.awaitingSnapshot) return;
     applyUpdate(up);
     heard();
   }));
   es.addEventListener("patch", (e) => measured("gputop-update", () => {
     const up = parse(e.data);
-    if (up === null || !board.snapshots) return;
+    // (Before this stream's snapshot nothing is current, whatever fits: see resync.)
+    if (up === null || !board.snapshots || board.awaitingSnapshot) return;
     if (!applyPatch(up)) {
       // A patch that does not fit what this page holds: start again from a snapshot,
       // saying meanwhile that what is shown is not current.
