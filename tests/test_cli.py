@@ -177,6 +177,21 @@ def test_demo_with_a_subcommand_says_what_the_demo_does(env: dict[str, str]) -> 
     # ... and it makes no abbreviation ambiguous: report --d is still --db.
     r = gputop("report", "--d", "nowhere.db", env=env)
     assert "ambiguous" not in r.stderr and "nowhere.db" in r.stderr, r.stderr
+
+
+def test_abbreviations_are_a_subcommands_own(env: dict[str, str]) -> None:
+    """argparse looked for the board's options in a subcommand's arguments too: `report
+    --t` (only --to there) was refused as --timeout or --theme, and run's command's own
+    `--h` as gputop's; `--js` before a subcommand was taken as --json and then ignored."""
+    r = gputop("report", "--t", "2026-01-01", "--db", "nowhere.db", env=env)
+    assert "ambiguous" not in r.stderr and "nowhere.db" in r.stderr, r.stderr
+    r = gputop("run", "echo", "--h", env=env)  # (no config: this machine)
+    assert "ambiguous" not in r.stderr and "usage" not in r.stderr, r.stderr
+    for args, bad in ((("--js", "reservations"), "--js"), (("--onc", "reservations"), "--onc"),
+                      (("run", "--cou", "1", "--", "true"), "--cou")):
+        r = gputop(*args, env=env)
+        assert r.returncode == 2 and f"unrecognized arguments: {bad}" in r.stderr, (args,
+                                                                                  r.stderr)
     # After run's command, --demo is the command's own argument: run never refuses it.
     r = gputop("run", "echo", "--demo", env=env)  # (no config: this machine)
     assert r.returncode != 2 and "--demo cannot be used" not in r.stderr, r.stderr
@@ -249,7 +264,7 @@ def test_no_host_answering_has_its_own_exit_code(tmp_path: Path, env: dict[str, 
     else:
         assert "gpu-01" in r.stdout and "unreachable" in r.stdout
     help_text = gputop("--help", env=env).stdout
-    assert "3 --json/--once: no host answered" in " ".join(help_text.split())
+    assert "3 --json/--once/free: no host answered" in " ".join(help_text.split())
     docs = " ".join(p.read_text() for p in [ROOT / "README.md", *ROOT.glob("docs/*.md")])
     assert "`3`" in docs and "where no host answered" in docs  # with the other exit codes
 

@@ -29,8 +29,11 @@ from gputop.sources import HubError
 NO_CONFIG_COMMANDS = ("init-config", "completion")
 
 def _parser() -> argparse.ArgumentParser:
+    # No abbreviations of the board's options: argparse would look for them in every
+    # argument, a subcommand's too (`report --t` refused as --timeout or --theme), and one
+    # before a subcommand slipped past the check that refuses them there (`--js free`).
     p = Parser(
-        prog="gputop", root=True,
+        prog="gputop", root=True, allow_abbrev=False,
         description="One live board of every GPU on your team's servers.",
         epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
         "2 usage, config or store error, 3 --json/--once/free: no host answered (the output "

@@ -98,8 +98,11 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        # run's own options are spelt out: what follows them is a command whose options
+        # (`python x.py --h`) argparse would otherwise read as run's, and refuse as
+        # ambiguous, before the command is seen.
         return sub.add_parser(name, parents=for_subcommand(name), help=help,
-                              description=description)
+                              description=description, allow_abbrev=name != "run")
 
     p = add("reserve", "reserve GPUs: HOST:GPU[,GPU...] (all or nothing); "
             "a MIG instance: HOST:GPU/INSTANCE or HOST:MIG-<uuid>",
