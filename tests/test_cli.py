@@ -155,6 +155,21 @@ def test_once_colours_only_a_terminal_and_fits_its_width(env: dict[str, str]) ->
     assert len(lines) == 24 and max(len(ln) for ln in lines) <= 60, lines
 
 
+def test_once_flags_what_json_flags(env: dict[str, str]) -> None:
+    """The flags that follow from time (an idle reservation) were never in the table:
+    it was drawn without the idle tracker that --json's document uses."""
+    doc = json.loads(gputop("--demo", "--json", env=env).stdout)
+    flagged = {f"{h['name']} {g['index']}": g["flags"] for h in doc["hosts"]
+               for g in h.get("gpus", []) if g["flags"]}
+    assert any("idle-reservation" in f for f in flagged.values()), flagged
+    table = gputop("--demo", "--once", env=env | {"COLUMNS": "200"}).stdout.splitlines()
+    assert table[0].split()[-1] == "FLAGS", table[0]
+    for label, flags in flagged.items():
+        host, index = label.split()
+        (line,) = [ln for ln in table if ln.split()[:2] == [host, index]]
+        assert line.split()[-1] == ",".join(flags), (line, flags)
+
+
 def test_once_and_json_are_one_or_the_other(env: dict[str, str]) -> None:
     r = gputop("--demo", "--once", "--json", env=env)
     assert r.returncode == 2 and "--once" in r.stderr

@@ -189,6 +189,7 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
 
     from gputop.cli.table import render
     from gputop.poller import open_poller
+    from gputop.reservations.flags import IdleTracker
 
     poller = open_poller(config, sources, one_look=True, say=_say)  # one query
     try:
@@ -196,12 +197,17 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     finally:
         await poller.aclose()
     state, _ = ReservationsReader(config).read()
+    # The flags that follow from time (idle reservation, idle holder) as --json says them
+    # of the same look: without the tracker the table never showed them.
+    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
+    for host in snap.hosts:
+        tracker.observe(host)
     tty = sys.stdout.isatty()
     width: int | None = None
     if tty or os.environ.get("COLUMNS", "").isdigit():
         width = shutil.get_terminal_size().columns
     color = tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
-    sys.stdout.write(render(snap, state, width=width, color=color))
+    sys.stdout.write(render(snap, state, tracker=tracker, width=width, color=color))
     sys.stdout.flush()
     return exit_code(snap)
 
