@@ -521,6 +521,20 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
             await pilot.pause()
             assert "hub unreachable" in str(app.query_one(SummaryBar).render())
             assert h.url in alpha().error.message
+            # `c` cannot reconnect a host the hub polls: it says it asks the hub again.
+            from gputop.ui.widgets import BoardTable, DetailPane
+
+            table = app.query_one(BoardTable)
+            table.move_cursor(row=table.get_row_index("alpha"))
+            notes: list[str] = []
+            app.notify = lambda message, **_kw: notes.append(str(message))  # type: ignore[method-assign]
+            await pilot.press("c")
+            assert notes == ["the hub polls alpha: asking the hub again now"], notes
+            await pilot.press("enter")
+            await pilot.pause()
+            pane = str(app.query_one("#detail-head").render())
+            assert "c asks the hub again now" in pane and "reconnects now" not in pane, pane
+            await pilot.press("escape")
             h.start()
             await until(lambda: alpha().error is None and len(alpha().gpus) == 2,
                         "the hub back")

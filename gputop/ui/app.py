@@ -192,6 +192,7 @@ class GputopApp(BoardIntake):
                 self.unregister_theme(name)
         self._update_palette()
         self.query_one(DetailPane).history_path = self.config.history_path
+        self.query_one(DetailPane).via_hub = self.config.hub_url is not None
         self.reload_store()
         self.set_focus(self.query_one(BoardTable))  # now, not after a refresh
         if self.config.implicit and self.config.hub_url is None:  # (a hub names the hosts)
@@ -369,6 +370,11 @@ class GputopApp(BoardIntake):
             return
         if self._feed_thread is None or not self._feed_thread.reconnect(row.host):
             self.notify(f"{clean(row.host)} is not polled here", severity="warning",
+                        markup=False)
+            return
+        if self.config.hub_url is not None and getattr(self.poller, "_direct", None) is None:
+            # (The hub polls its hosts: what can be done from here is ask the hub again.)
+            self.notify(f"the hub polls {clean(row.host)}: asking the hub again now",
                         markup=False)
             return
         self.notify(f"reconnecting {clean(row.host)} now", markup=False)

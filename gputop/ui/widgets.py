@@ -118,6 +118,8 @@ class DetailPane(Vertical):
     #: The history database (``[history] path``): its last hour and day of the GPU show
     #: under the sparklines when it exists.
     history_path: Path | None = None
+    #: The board reads a hub: ``c`` asks the hub again, it cannot reconnect a host.
+    via_hub = False
     _recent_key: tuple[str, int] | None = None
     #: The last GPU shown (to lay it out again when the pane is resized).
     _last: tuple[GpuRow, BoardModel, datetime, Palette] | None = None
@@ -266,8 +268,7 @@ class DetailPane(Vertical):
         if self.display and self._last is not None:
             self.show(*self._last)
 
-    @staticmethod
-    def _host_text(row: HostRow | None, now: datetime) -> Text:
+    def _host_text(self, row: HostRow | None, now: datetime) -> Text:
         if row is None:
             return Text("Nothing selected: move with ↑ ↓ (or j k) to choose a GPU.")
         name = clean(row.host)
@@ -283,8 +284,9 @@ class DetailPane(Vertical):
             t = Text(f"{name} is down: {err.kind}\n", style="bold")
             t.append(clean(err.message))
             seen = local_time(row.last_seen) if row.last_seen else "never"
-            t.append(f"\nlast answered: {seen}"
-                     f"\nc reconnects now (skips the retry wait)")
+            again = ("c asks the hub again now (the hub itself reconnects its hosts)"
+                     if self.via_hub else "c reconnects now (skips the retry wait)")
+            t.append(f"\nlast answered: {seen}\n{again}")
             return t
         t = Text(f"{name}", style="bold")
         t.append(f"  {gpu_count_text(row.gpu_count, row.instance_count)}")
