@@ -155,6 +155,19 @@ def test_once_colours_only_a_terminal_and_fits_its_width(env: dict[str, str]) ->
     assert len(lines) == 24 and max(len(ln) for ln in lines) <= 60, lines
 
 
+@pytest.mark.parametrize("args", [["--demo", "--record"],
+                                  ["--demo", "--json", "--watch", "--record"]])
+def test_record_with_the_demo_says_the_demo_is_the_problem(env: dict[str, str],
+                                                           args: list[str]) -> None:
+    """Not "--record goes with the board or --json --watch" to someone who gave both."""
+    r = gputop(*args, env=env)
+    assert r.returncode == 2 and r.stderr == (
+        "gputop: --record records your hosts, not the demo's simulated fleet (gputop "
+        "--record, or gputop record)\n"), r.stderr
+    r = gputop("--once", "--record", env=env)
+    assert r.returncode == 2 and "--record goes with the board or --json --watch" in r.stderr
+
+
 def test_once_flags_what_json_flags(env: dict[str, str]) -> None:
     """The flags that follow from time (an idle reservation) were never in the table:
     it was drawn without the idle tracker that --json's document uses."""

@@ -238,6 +238,8 @@ def test_the_scrape_config_is_valid_prometheus(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     unit = (DEPLOY / "gputop-hub.service").read_text()
     assert "ExecStart=%h/.local/bin/gputop serve" in unit
+    # (a stop is SIGTERM and the hub's exit 143: clean, or every stop reads "failed")
+    assert "\nSuccessExitStatus=143\n" in unit
 
 
 # --- [hub] in the config, the token, listening ------------------------------------------------

@@ -122,8 +122,10 @@ def _check_usage(args: argparse.Namespace) -> None:
         raise UsageError("--once and --json are two different outputs: choose one")
     if args.demo and args.command:
         raise UsageError(demo_refusal(args.command))
-    if args.record and (args.demo or args.command or args.once
-                        or (args.json and not args.watch)):
+    if args.record and args.demo:
+        raise UsageError("--record records your hosts, not the demo's simulated fleet "
+                         "(gputop --record, or gputop record)")
+    if args.record and (args.command or args.once or (args.json and not args.watch)):
         raise UsageError("--record goes with the board or --json --watch (to record "
                          "on its own: gputop record)")
 
