@@ -498,6 +498,8 @@ HUB_MAX_CONNECTIONS = 256
 def listen_problem(text: str) -> str | None:
     """Why ``text`` cannot be ``gputop serve``'s HOST:PORT (None: it can)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit():
         return f"{text!r}: expected HOST:PORT, e.g. 127.0.0.1:9847"
+    if not 0 < int(port) < 65536:
+        return f"{text!r}: port {int(port)} is out of range (1 to 65535)"
     return None

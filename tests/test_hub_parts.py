@@ -473,3 +473,22 @@ def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
     doc["queue"] = [w.to_dict()]
     jsonschema.validate(doc, schema)
     assert check_document(doc)["queue"] == [w.to_dict()]
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("127.0.0.1:99999", "'127.0.0.1:99999': port 99999 is out of range (1 to 65535)"),
+    ("127.0.0.1:0", "'127.0.0.1:0': port 0 is out of range (1 to 65535)"),
+    ("nope", "'nope': expected HOST:PORT, e.g. 127.0.0.1:9847"),
+    (":9847", "':9847': expected HOST:PORT, e.g. 127.0.0.1:9847"),
+])
+def test_listen_says_what_is_wrong_with_it(text: str, said: str) -> None:
+    """One rule for --listen and [hub] listen, and a port out of range is said as one
+    (it was "expected HOST:PORT" to someone who gave HOST:PORT)."""
+    from gputop.config import listen_problem
+    from gputop.hub.server import ListenError, parse_listen
+
+    assert listen_problem(text) == said
+    with pytest.raises(ListenError) as e:
+        parse_listen(text)
+    assert str(e.value) == f"--listen {said}"
+    assert parse_listen("[::1]:9847") == ("::1", 9847)

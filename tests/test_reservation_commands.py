@@ -99,7 +99,8 @@ def test_unknown_host_and_gpu_list_the_valid_ones(gputop: Any) -> None:
     r = gputop("reserve", "gpu-h100")
     assert r.returncode == 2 and "HOST:GPU" in r.stderr
     r = gputop("reserve", "gpu-h100:0", "--for", "30d")
-    assert r.returncode == 2 and "at most 7d" in r.stderr and "7d0h" not in r.stderr
+    assert r.returncode == 2 and "the longest reservation here, 7d" in r.stderr, r.stderr
+    assert "7d0h" not in r.stderr and "release" not in r.stderr  # (no "give it back")
     assert not gputop.path.exists()
 
 

@@ -94,6 +94,19 @@ def test_a_failed_hosts_name_is_never_cut() -> None:
     assert lines[3].startswith("localhost") and "…" not in lines[3], lines
 
 
+def test_a_failed_hosts_reason_has_one_pair_of_brackets() -> None:
+    """Not "connection refused (waiting to retry) (never answered)"."""
+    snap = FleetSnapshot(hosts=(
+        HostSnapshot("a", time=NOW, error=HostError("unreachable",
+                                                     "connection refused (waiting to retry)")),
+        HostSnapshot("b", time=NOW, error=HostError("timeout", "no answer")),
+    ), time=NOW)
+    lines = render(snap, None, now=NOW).splitlines()
+    assert lines[1].split(None, 1)[1] == (
+        "unreachable: connection refused (waiting to retry; never answered)")
+    assert lines[2].split(None, 1)[1] == "timeout: no answer (never answered)"
+
+
 def test_idle_reservation_is_flagged_after_the_grace_period() -> None:
     """As in --json and on the board: a reservation whose holder ran nothing for the grace
     period is flagged in the one-shot table too."""

@@ -103,8 +103,11 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
         name = clean(host.name)
         if host.error is not None:
             rows.append(([name], ["error"]))
-            errors.append((name, f"{host.error.kind}: {clean(host.error.message)} "
-                                 f"({_ago(host, now)})"))
+            message, ago = clean(host.error.message), _ago(host, now)
+            # (one pair of brackets: a message may end in its own, "(waiting to retry)")
+            text = (f"{message[:-1]}; {ago})" if message.endswith(")") and "(" in message
+                    else f"{message} ({ago})")
+            errors.append((name, f"{host.error.kind}: {text}"))
             continue
         if not host.gpus:
             rows.append(([name], ["dim"]))

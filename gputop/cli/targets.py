@@ -87,10 +87,15 @@ def reservation_seconds(config: Config, text: str | None) -> float:
         seconds = parse_duration(text)
     except ValueError:
         seconds = 0.0
-    if not 0 < seconds <= config.reservation_max_s:
+    longest = format_duration(config.reservation_max_s)
+    if seconds > config.reservation_max_s:
+        raise Invalid(f"--for {text}: longer than the longest reservation here, {longest} "
+                      "([reservations] max_duration): ask for that or less, and again "
+                      "before it ends")
+    if not seconds > 0:
         raise Invalid(f"--for {text}: say how long to reserve, more than zero and at most "
-                      f"{format_duration(config.reservation_max_s)}: type e.g. --for 30m, "
-                      "--for 2h or --for 1d (to give a GPU back: gputop release HOST:GPU)")
+                      f"{longest}: type e.g. --for 30m, --for 2h or --for 1d (to give a "
+                      "GPU back: gputop release HOST:GPU)")
     return seconds
 
 def validate_gpus(config: Config, targets: list[Target],

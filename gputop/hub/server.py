@@ -32,7 +32,7 @@ from urllib.parse import unquote
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gputop.config import HUB_MAX_CONNECTIONS, Config
+from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 from gputop.hub.collector import Collector
 from gputop.hub.events import KEEPALIVE, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
@@ -78,9 +78,10 @@ class ListenError(ValueError):
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise ListenError(f"--listen {text!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
+    problem = listen_problem(text)
+    if problem:
+        raise ListenError(f"--listen {problem}")
+    host, _, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return host, int(port)
 
