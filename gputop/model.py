@@ -15,7 +15,7 @@ from typing import Any, Literal
 #: 2: GPUs gained ``instances`` (MIG) and processes their GPU / compute instance ids.
 #: 3: memory shares (``shares``, ``unshared_mib``, ``share_mib``, the ``over-share`` flag).
 #: 3 also: the document may carry the wait queue (``queue``), so a hub's readers see waiters.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Classified reasons a host produced no (or partial) data. The JSON schema lists the same.
 ErrorKind = Literal[

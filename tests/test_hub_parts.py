@@ -158,7 +158,7 @@ def _doc() -> dict:
            "power_draw_w": 1.5, "processes": [{"pid": 1, "user": "u", "command":
                                                 "evil \x1b]0;x\x07 \u202e", "gpu_memory_mib": 1}],
            "instances": [], "reservation": None, "flags": []}
-    return {"version": 3, "time": "2026-01-01T00:00:00Z", "hosts": [
+    return {"version": 4, "time": "2026-01-01T00:00:00Z", "hosts": [
         {"name": "a", "status": "ok", "error": None, "gpus": [gpu]}], "queue": []}
 
 
@@ -367,8 +367,9 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     assert c.refresh_store()
     c.fold()
     assert "reservations_error" in c.document() and "queue" not in c.document()
+    assert "reservations" not in c.document()
     assert updates[-1]["set"]["reservations_error"] == c.document()["reservations_error"]
-    assert updates[-1]["set"]["queue"] is None
+    assert updates[-1]["set"]["queue"] is None and updates[-1]["set"]["reservations"] is None
     text = render(lambda: families(c.document(), {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0)))
     assert b"gputop_reservations_file_ok 0.0" in text
     for _ in range(5):
@@ -379,7 +380,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
     assert c.refresh_store()
     c.fold()
     assert reads == 2 and "reservations_error" not in c.document()
-    assert updates[-1]["set"] == {"queue": [], "reservations_error": None}
+    assert updates[-1]["set"] == {"queue": [], "reservations": [], "reservations_error": None}
 
 
 async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
@@ -492,3 +493,32 @@ def test_listen_says_what_is_wrong_with_it(text: str, said: str) -> None:
         parse_listen(text)
     assert str(e.value) == f"--listen {said}"
     assert parse_listen("[::1]:9847") == ("::1", 9847)
+
+
+def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
+        tmp_path: Path) -> None:
+    """A host that is down reports no GPUs, so no GPU carried its reservations: the web
+    board's "who holds what", the snapshot and /metrics said nobody held anything there
+    while `gputop reservations` listed them. The document's top-level ``reservations``
+    lists every active one."""
+    from gputop.hub.collector import Collector
+    from gputop.reservations import Store, Target, reserve
+    from gputop.sources.hub_schema import check
+
+    config = load_config(str(local_config(tmp_path)))
+    store = Store(config.reservations_path)
+    made = reserve(store, [Target("here", 3)], seconds=3600, max_seconds=7200, user="eve")
+    reserve(store, [Target("gone", 0)], seconds=3600, max_seconds=7200, user="ann")
+    c = Collector(config)
+    c.refresh_store()
+    c.fold()
+    doc = c.document()
+    (host,) = doc["hosts"]
+    assert host["gpus"] == []  # "here" (local, no NVML here) is down, or not yet answered
+    assert [(r["host"], r["gpu"], r["user"]) for r in doc["reservations"]] == [
+        ("here", 3, made[0].user), ("gone", 0, "ann")]
+    assert check(json.loads(json.dumps(doc)))["reservations"] == doc["reservations"]
+    text = render(lambda: families(doc, {}, HubCounts(0, 0, 0, 0, 0, 0, 0, 0))).decode()
+    assert 'gputop_reservation_info{gpu="0",holder="ann",host="gone",kind="reservation",' \
+        'mig_instance=""} 1.0' in text
+    assert sum(line.startswith("gputop_reservation_info{") for line in text.splitlines()) == 2

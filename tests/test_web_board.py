@@ -233,6 +233,12 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
           held: d.people([{name: 'h', gpus: [
             {index: 1, shares: [{user: 's', share_mib: 16384, expires: 'x'}, 'junk']},
             {index: 2, instances: [{reservation: {user: 'm', instance: 3}}]}]}], 0),
+          // The document's own list: what no GPU showed (a host that is down), once.
+          down: d.people([{name: 'h', status: 'error', gpus: []}, {name: 'k', status: 'ok',
+                          gpus: [{index: 0, reservation: {id: 'c', user: 'w'}}]}], 0,
+                         [{id: 'a', user: 'x', host: 'h', gpu: 2}, {id: 7, user: 'y'}, 'junk',
+                          {id: 'b', user: 'z', host: 'h', gpu: 0, instance: 1},
+                          {id: 'c', user: 'w', host: 'k', gpu: 0}]),
           summary: d.summary([{name: 'h', status: 'ok', gpus: [
             {index: 1, memory_used_mib: 0, processes: [], shares: [{user: 's'}]}]}]),
         }), (e) => done(String(e)));
@@ -251,6 +257,10 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
         {"user": "m", "held": [{"label": "h:2/3", "left": None}], "using": 0},
         {"user": "s", "held": [{"label": "h:1 (16 GiB share)", "left": None}], "using": 0}]
     assert got["summary"]["free"] == 0 and got["summary"]["reserved"] == 1
+    assert got["down"] == [
+        {"user": "w", "held": [{"label": "k:0", "left": None}], "using": 0},
+        {"user": "x", "held": [{"label": "h:2 (host down)", "left": None}], "using": 0},
+        {"user": "z", "held": [{"label": "h:0/1 (host down)", "left": None}], "using": 0}]
 
 
 def test_hostile_strings_are_literal_text(page: Any, hub: Hub) -> None:
@@ -327,6 +337,9 @@ def test_a_host_taken_down_shows_its_error(page: Any, web_fleet: Fleet) -> None:
                    "beta's error", 20)
         assert re.search(r"unreachable|ssh|timeout", got), got
         assert "last answered" in got
+        # Its reservation still shows: a host that is down reports no GPUs to carry it.
+        wait(page, "return document.getElementById('people').innerText"
+                   ".includes('beta:0 (host down)')", "beta:0's holder", 10)
         assert page.execute_script("return document.body.classList.contains('stale')") is False
     finally:
         web_fleet.restart_sshd(h)

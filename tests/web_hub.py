@@ -131,7 +131,7 @@ def fleet_doc(hosts: int, gpus: int, seed: int = 1, failing: int = 0) -> dict[st
     hs = [host_doc(f"gpu-{i:03d}", gpus, rnd, now,
                    ("unreachable", "connection refused") if i < failing else None, i // 3)
           for i in range(hosts)]
-    return {"version": 3, "time": iso(now), "hosts": hs, "queue": [
+    return {"version": 4, "time": iso(now), "hosts": hs, "queue": [
         {"id": "q1", "user": "erin", "machine": "ws", "count": 2, "created": iso(now),
          "lease": iso(now + timedelta(minutes=5)), "min_free_mib": 40000, "hosts": [],
          "want": "2 GPUs, 40 GiB free", "one_host": True}]}

@@ -24,12 +24,12 @@ from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
 from gputop.reservations import StoreError
-from gputop.reservations.flags import IdleTracker, annotated_host, queue_document
+from gputop.reservations.flags import IdleTracker, annotated_host, shared_keys
 from gputop.reservations.store import StoreState
 from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
-OTHER_KEYS = ("queue", "reservations_error")
+OTHER_KEYS = ("queue", "reservations", "reservations_error")
 
 
 @dataclass
@@ -149,8 +149,7 @@ class Collector:
         now = utcnow()
         self.folds += 1
         state, problem = self._read_reservations()
-        other = {"queue": queue_document(state, now) if state is not None else None,
-                 "reservations_error": problem}
+        other = _other_keys(state, problem, now)
         dirty, self._dirty = self._dirty, set()
         if self._state_changed(state):
             dirty = set(self.names)
@@ -196,8 +195,7 @@ class Collector:
         self._state_changed(state)
         for n in self.names:
             self._hosts[n] = annotated_host(self._latest[n], state, self.tracker, now)
-        self._other = {"queue": queue_document(state, now) if state is not None else None,
-                       "reservations_error": problem}
+        self._other = _other_keys(state, problem, now)
 
     def refresh_store(self) -> bool:
         """Read the shared file again if it changed (its signature: inode, size and mtime
@@ -234,6 +232,14 @@ class Collector:
             return False
         self._state_key = key
         return True
+
+
+def _other_keys(state: StoreState | None, problem: str | None, now: datetime
+                ) -> dict[str, Any]:
+    """The document's keys besides its hosts (OTHER_KEYS; None: absent)."""
+    keys: dict[str, Any] = (shared_keys(state, now) if state is not None
+                            else {"queue": None, "reservations": None})
+    return keys | {"reservations_error": problem}
 
 
 def age_seconds(then: datetime | None, now: datetime) -> float | None:

@@ -85,6 +85,16 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
             g.age.add_metric([host], c.last_answer_age_s)
         for kind, n in sorted(c.errors.items()):
             g.errors.add_metric([host, kind], float(n))
+    held: set[tuple[str, ...]] = set()
+    for r in doc.get("reservations") or ():
+        # Every active reservation, its host's answer or not (a host that is down reports
+        # no GPUs, so no gputop_gpu_holder_info): one series per holder and GPU/instance.
+        labels = (_label(r.get("host")), _label(r.get("gpu")), _label(r.get("instance")),
+                  "share" if r.get("share_mib") is not None else "reservation",
+                  _label(r.get("user")))
+        if labels not in held:
+            held.add(labels)
+            g.reservation.add_metric(list(labels), 1.0)
     queue = doc.get("queue")
     if queue is not None:
         g.queue_len.add_metric([], float(len(queue)))
@@ -213,6 +223,11 @@ class _Gauges:
                         "Who holds the GPU or MIG instance (value 1): its reservation's "
                         "holder and its processes' owners.",
                         labels=[*GPU_LABELS, "mig_instance", "kind", "holder"])
+        self.reservation = G("gputop_reservation_info",
+                             "An active reservation (value 1), whatever its host answered: "
+                             "host, GPU index, MIG instance (empty: the whole GPU), kind "
+                             "(reservation or share) and holder.",
+                             labels=["host", "gpu", "mig_instance", "kind", "holder"])
         self.mig_used = G("gputop_mig_memory_used_bytes",
                           "MIG instance memory in use (as of the last MIG inventory).",
                           labels=MIG_LABELS)

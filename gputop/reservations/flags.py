@@ -290,8 +290,16 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
     doc: dict[str, Any] = {"version": SCHEMA_VERSION, "time": iso(snapshot.time),
            "hosts": [annotated_host(host, state, tracker, now) for host in snapshot.hosts]}
     if state is not None:
-        doc["queue"] = queue_document(state, now)
+        doc.update(shared_keys(state, now))
     return doc
+
+
+def shared_keys(state: StoreState, now: datetime) -> dict[str, Any]:
+    """The document's keys from the shared file alone: the wait queue and every active
+    reservation (a GPU's own shows only those of GPUs a host reported, and a host that is
+    down reports none: its holders would vanish from every reader)."""
+    return {"queue": queue_document(state, now),
+            "reservations": [r.to_dict() for r in state.active(now)]}
 
 
 def annotated_host(host: HostSnapshot, state: StoreState | None,

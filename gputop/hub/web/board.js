@@ -27,6 +27,7 @@ const board = {
   order: [],
   views: new Map(), // name -> HostView
   queue: null,
+  reservations: null, // every active reservation (the document's top-level list)
   resError: null,
   conn: "connecting",
   since: null, // when the current connection state began (ms)
@@ -262,6 +263,7 @@ function applySnapshot(doc) {
     }
   }
   board.queue = doc.queue ?? null;
+  board.reservations = doc.reservations ?? null;
   board.resError = typeof doc.reservations_error === "string" ? doc.reservations_error : null;
   $("loading").hidden = true;
   refresh(board.order, true);
@@ -320,6 +322,7 @@ function takeRest(up) {
   }
   const set = obj(up.set) || {};
   if ("queue" in set) board.queue = set.queue;
+  if ("reservations" in set) board.reservations = set.reservations;
   if ("reservations_error" in set) {
     board.resError = typeof set.reservations_error === "string" ? set.reservations_error : null;
   }
@@ -430,7 +433,8 @@ function drawPanels() {
   panelsAt = Date.now();
   const now = Date.now();
   renderQueue(panes.queue, board.queue, now);
-  renderPeople(panes.people, board.order.map((n) => board.hosts.get(n)), now);
+  renderPeople(panes.people, board.order.map((n) => board.hosts.get(n)), now,
+    board.reservations);
 }
 
 async function loadWaste() {

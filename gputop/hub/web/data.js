@@ -180,24 +180,33 @@ export function compareRows(sort) {
 }
 
 /** Who holds what: per user, the reservations held and the GPUs their processes are on. */
-export function people(hosts, now) {
+export function people(hosts, now, reservations = null) {
   const by = new Map();
   const get = (u) => {
     let e = by.get(u);
     if (!e) by.set(u, (e = { user: u, held: [], using: 0 }));
     return e;
   };
+  const ids = new Set(); // reservations shown on a GPU (the rest: below)
+  const add = (r, what) => {
+    const u = str(r.user, 64);
+    if (!u) return;
+    const exp = parseTime(r.expires);
+    get(u).held.push({ label: what, left: exp === null ? null : (exp - now) / 1000 });
+  };
+  const down = new Set();
   for (const h of hosts) {
     const name = hostName(h);
+    if (h.status !== "ok") down.add(name);
     for (const g of list(h.gpus).map(obj).filter(Boolean)) {
       const label = `${name}:${num(g.index) ?? "?"}`;
       const seen = new Set();
       const hold = (r, what) => {
         const u = str(r.user, 64);
+        if (typeof r.id === "string") ids.add(r.id);
         if (!u || seen.has(`r${u}${what}`)) return;
         seen.add(`r${u}${what}`);
-        const exp = parseTime(r.expires);
-        get(u).held.push({ label: what, left: exp === null ? null : (exp - now) / 1000 });
+        add(r, what);
       };
       const r = obj(g.reservation);
       if (r) hold(r, label);
@@ -208,6 +217,16 @@ export function people(hosts, now) {
       }
       for (const u of users(g)) get(u).using += 1;
     }
+  }
+  // Reservations no GPU showed (a host that is down reports none): held all the same.
+  for (const r of list(reservations).map(obj).filter(Boolean)) {
+    if (typeof r.id !== "string" || ids.has(r.id)) continue;
+    ids.add(r.id);
+    const gi = num(r.instance);
+    const size = num(r.share_mib);
+    const host = str(r.host, 256) || "?";
+    add(r, `${host}:${num(r.gpu) ?? "?"}${gi === null ? "" : `/${gi}`}` +
+      (size === null ? "" : ` (${gib(size)} share)`) + (down.has(host) ? " (host down)" : ""));
   }
   return [...by.values()].sort((a, b) =>
     b.held.length + b.using - (a.held.length + a.using) || (a.user < b.user ? -1 : 1));

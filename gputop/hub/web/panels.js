@@ -39,8 +39,8 @@ export function renderQueue(box, queue, now) {
 }
 
 /** Per user: what they reserved (with the time left) and how many GPUs they use. */
-export function renderPeople(box, hosts, now) {
-  const all = people(hosts, now);
+export function renderPeople(box, hosts, now, reservations = null) {
+  const all = people(hosts, now, reservations);
   box.count.textContent = String(all.length);
   if (!all.length) {
     box.list.replaceChildren(empty("no reservations, no processes"));
