@@ -131,6 +131,8 @@ async def test_an_agent_finds_reserves_sees_and_releases_two_gpus(
         assert tools["reserve"].annotations.read_only_hint is False  # type: ignore[union-attr]
         for t in tools.values():  # identity is never a tool argument
             assert not {"user", "login", "as_user"} & set(t.input_schema["properties"]), t.name
+            # described as written for a reader: no source indentation carried along
+            assert t.description and "\n " not in t.description, (t.name, t.description)
 
         found = await call(s, "find_gpus", count=2)
         assert found["enough"] and found["summary"].startswith("2 free, 2 wanted")

@@ -10,6 +10,7 @@ processes.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
@@ -120,7 +121,15 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         name="gputop", version=__version__, instructions=instructions(tools.me),
         log_level="WARNING")
 
-    @server.tool(annotations=_READ)
+    def tool(annotations: ToolAnnotations) -> Callable[[Any], Any]:
+        """``server.tool``, described by the docstring as a reader sees it (as written,
+        its lines after the first carried the source's indentation to the agent)."""
+        def add(fn: Any) -> Any:
+            return server.tool(annotations=annotations,
+                               description=inspect.cleandoc(fn.__doc__ or ""))(fn)
+        return add
+
+    @tool(_READ)
     async def fleet_status(host: Annotated[str | None, Field(
                                description="only this host")] = None,
                            tag: Tag = None) -> CallToolResult:
@@ -131,7 +140,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         name a host or a tag for each GPU."""
         return await _call(tools, lambda: tools.fleet_status(host, tag), anyone=True)
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def find_gpus(count: Count = 1, min_free_memory_gib: MinFree = 0,
                         hosts: Hosts = None, tag: Tag = None,
                         whole_only: Annotated[bool, Field(
@@ -144,7 +153,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         return await _call(tools, lambda: tools.find_gpus(count, min_free_memory_gib, hosts, tag,
                                                    whole_only, share_gib))
 
-    @server.tool(annotations=_WRITE)
+    @tool(_WRITE)
     async def reserve(gpus: Gpus = None,
                       count: Annotated[int | None, Field(
                           description="or: this many free GPUs, best first (1 to 64)")]
@@ -160,7 +169,7 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         return await _call(tools, lambda: tools.reserve(gpus, count, duration, note,
                                                  min_free_memory_gib, hosts, tag, share_gib))
 
-    @server.tool(annotations=_RELEASE)
+    @tool(_RELEASE)
     async def release(gpus: Gpus = None,
                       all_mine: Annotated[bool, Field(
                           description="release every reservation you hold")] = False
@@ -169,19 +178,19 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         someone else holds is refused and nothing is released."""
         return await _call(tools, lambda: tools.release(gpus, all_mine))
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def my_reservations() -> CallToolResult:
         """The reservations your user holds now (GPU, until when, time left, note) and your
         places in the queue."""
         return await _call(tools, tools.my_reservations)
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def queue_status() -> CallToolResult:
         """The team's queue, in order (who waits for how many GPUs with how much memory,
         where, since when; yours marked) and every current reservation."""
         return await _call(tools, tools.queue_status)
 
-    @server.tool(annotations=_WAIT)
+    @tool(_WAIT)
     async def wait_for_gpus(count: Count = 1, min_free_memory_gib: MinFree = 0,
                             hosts: Hosts = None, tag: Tag = None,
                             duration: Duration = None, note: Note = "",
