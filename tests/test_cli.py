@@ -297,6 +297,19 @@ def test_no_host_answering_has_its_own_exit_code(tmp_path: Path, env: dict[str, 
     assert "`3`" in docs and "where no host answered" in docs  # with the other exit codes
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["--hub", "http://127.0.0.1:1/", "reservations"], "--hub does nothing for reservations"),
+    (["--interval=1", "reserve", "a:0"], "--interval does nothing for reserve"),
+    (["--theme", "gputop-light", "free"], "--theme does nothing for free"),
+])
+def test_a_global_option_a_subcommand_does_not_take_is_refused_before_it_too(
+        env: dict[str, str], args: list[str], said: str) -> None:
+    """Before the subcommand it was taken and ignored; after it, refused: refused both."""
+    r = gputop(*args, env=env)
+    assert r.returncode == 2 and said in r.stderr and "which takes --config" in r.stderr, \
+        r.stderr
+
+
 @pytest.mark.parametrize("args", [["--json", "reservations"], ["--once", "free"],
                                   ["--json", "--watch", "release", "--mine"]])
 def test_an_output_option_before_a_subcommand_is_an_error_not_ignored(

@@ -19,7 +19,15 @@ from gputop.cli.lifecycle import (
     UsageError,
     run_until_signal,
 )
-from gputop.cli.options import DemoFirst, Parser, demo_refusal, for_subcommand, global_options
+from gputop.cli.options import (
+    ALL,
+    DemoFirst,
+    Parser,
+    demo_refusal,
+    for_command,
+    for_subcommand,
+    global_options,
+)
 from gputop.cli.subcommands import add_subcommands
 from gputop.config import Config, ConfigError, default_config_path, hub_url_problem, load_config
 from gputop.history.db import HistoryError
@@ -140,6 +148,14 @@ def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
         if flag in before:
             raise UsageError(f"{flag} before {args.command} does nothing: {args.command}'s "
                              f"options go after it (see gputop {args.command} --help)")
+    # A global option the subcommand does not use (`--hub URL reservations`) was taken
+    # before it and ignored, and refused after it: refused in both places.
+    takes = for_command(args.command)
+    for word in before:
+        flag = word.split("=", 1)[0]
+        if flag in ALL and flag not in takes:
+            raise UsageError(f"{flag} does nothing for {args.command}, which takes "
+                             f"{', '.join(takes)} (see gputop {args.command} --help)")
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command in NO_CONFIG_COMMANDS:
