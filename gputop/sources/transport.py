@@ -84,7 +84,9 @@ def classify_exception(exc: BaseException) -> HostError:
             return HostError("unreachable", f"via jump host: {msg}")
         return HostError("ssh", msg)
     if isinstance(exc, socket.gaierror):
-        return HostError("unreachable", f"name resolution failed: {msg}")
+        # (the resolver's own words, "Name or service not known", without "[Errno -2]")
+        why = excerpt(exc.strerror) if exc.strerror else msg
+        return HostError("unreachable", f"name resolution failed: {why}")
     if isinstance(exc, ConnectionRefusedError):
         return HostError("unreachable", "connection refused")
     if isinstance(exc, OSError) and exc.errno in (
