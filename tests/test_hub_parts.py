@@ -522,3 +522,48 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     assert 'gputop_reservation_info{gpu="0",holder="ann",host="gone",kind="reservation",' \
         'mig_instance=""} 1.0' in text
     assert sum(line.startswith("gputop_reservation_info{") for line in text.splitlines()) == 2
+
+
+def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
+        tmp_path: Path) -> None:
+    """A newcomer with no hosts sees the web board, /metrics and the stream: `gputop serve
+    --demo` reads no hosts file, serves the demo fleet with its seeded reservations, and
+    its temporary reservations folder is gone once SIGTERM ends it (exit 143)."""
+    import os
+    import signal
+    import time
+
+    from hubs import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
+    env |= {"TMPDIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "nothing")}
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gputop", "serve", "--demo", "--listen",
+                             f"127.0.0.1:{port}"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if get(f"{url}/-/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "never ready"
+            time.sleep(0.2)
+        doc = json.loads(get(f"{url}/api/v1/snapshot")[2])
+        assert {h["source"] for h in doc["hosts"]} == {"demo"}
+        assert doc["reservations"], "the demo's seeded reservations"
+        assert b"gputop_gpu_info{" in get(f"{url}/metrics")[2]
+        assert any(p.startswith("gputop-demo") for p in os.listdir(tmp_path))  # (running)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err
+    assert [p for p in os.listdir(tmp_path) if p.startswith("gputop-demo")] == []
+    r = subprocess.run([sys.executable, "-m", "gputop", "--demo", "serve"], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--demo goes after serve: gputop serve --demo" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gputop", "serve", "--demo", "--print-unit"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "not the demo's" in r.stderr

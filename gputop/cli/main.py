@@ -158,6 +158,10 @@ def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
                              f"{', '.join(takes)} (see gputop {args.command} --help)")
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve" and args.serve_demo:  # (no hosts file read: the demo's own)
+        from gputop.cli.serve import serve_demo
+
+        return serve_demo(args)
     if args.command in NO_CONFIG_COMMANDS:
         from gputop.cli import bootstrap
 

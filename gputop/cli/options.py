@@ -41,7 +41,8 @@ def for_command(name: str) -> tuple[str, ...]:
     return BY_COMMAND.get(name, DEFAULT)
 
 
-def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.ArgumentParser:
+def global_options(names: Sequence[str] = ALL, *, sub: bool, demo: bool = False
+                   ) -> argparse.ArgumentParser:
     """A parent parser holding ``names``. In a subcommand they default to SUPPRESS, so they
     never undo what came before it (``gputop --config A reserve X``)."""
     p = argparse.ArgumentParser(add_help=False)
@@ -63,7 +64,7 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.Argumen
         p.add_argument("--theme", metavar="NAME", **kw,
                        help="board theme: gputop-dark, gputop-light, gputop-contrast or your "
                        "own")
-    if sub:
+    if sub and not demo:  # (demo: the subcommand has a --demo of its own)
         # Hidden: so that ``gputop free --demo`` gets the board's own refusal, which says
         # what the demo is and what subcommands need, not argparse's "unrecognized
         # arguments" (after ``run``'s command it is the command's own argument).
@@ -71,10 +72,17 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool) -> argparse.Argumen
     return p
 
 
+#: Subcommands with a ``--demo`` of their own (after the subcommand).
+OWN_DEMO = ("serve",)
+
+
 def demo_refusal(command: str) -> str:
+    if command in OWN_DEMO:
+        return (f"--demo goes after {command}: gputop {command} --demo (a hub of the "
+                "simulated fleet, its web board and /metrics)")
     return (f"--demo cannot be used with {command}: the simulated fleet is the board "
-            "(gputop --demo; r reserves, Q queues there), --json or --once; subcommands "
-            "need your hosts (gputop init-config)")
+            "(gputop --demo; r reserves, Q queues there), --json or --once, and a hub of "
+            "it (gputop serve --demo); subcommands need your hosts (gputop init-config)")
 
 
 #: ``--demo`` came before the subcommand being parsed (``gputop --demo reserve``).
@@ -138,4 +146,4 @@ class Parser(argparse.ArgumentParser):
 
 def for_subcommand(name: str) -> list[argparse.ArgumentParser]:
     """``parents=`` for subcommand ``name``'s parser."""
-    return [global_options(for_command(name), sub=True)]
+    return [global_options(for_command(name), sub=True, demo=name in OWN_DEMO)]

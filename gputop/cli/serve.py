@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.sources import Source
 
 
 def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -31,7 +33,26 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def cmd_serve(config: Config, args: argparse.Namespace) -> int:
+def serve_demo(args: argparse.Namespace) -> int:
+    """``gputop serve --demo``: a hub of the built-in simulated fleet (its reservations in
+    a temporary folder, removed when it stops), to see the web board, /metrics and the
+    event stream without a host."""
+    from dataclasses import replace
+
+    from gputop.sources.demo import demo_session
+
+    if args.print_unit:
+        print("gputop: --print-unit writes the unit of your hosts' hub, not the demo's",
+              file=sys.stderr)
+        return EXIT_ERROR
+    with demo_session() as (config, sources):
+        if args.interval is not None:
+            config = replace(config, interval=max(0.1, args.interval))
+        return cmd_serve(config, args, sources=list(sources))
+
+
+def cmd_serve(config: Config, args: argparse.Namespace,
+              sources: list[Source] | None = None) -> int:
     from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
 
     listen = args.listen or config.hub_listen or DEFAULT_LISTEN
@@ -73,9 +94,15 @@ def cmd_serve(config: Config, args: argparse.Namespace) -> int:
     cfg = replace(config, hub_url=None)
 
     async def main() -> int:
+        extra: dict[str, Any] = {}
+        if sources is not None:
+            from gputop.hub.collector import Collector
+            from gputop.poller import Poller
+
+            extra["collector"] = Collector(cfg, Poller(cfg, sources))
         try:
             await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers,
-                        max_connections=args.max_connections)
+                        max_connections=args.max_connections, **extra)
         except OSError as exc:
             print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
                   file=sys.stderr)
@@ -104,6 +131,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--max-connections", type=int, default=HUB_MAX_CONNECTIONS, metavar="N",
                    help=f"HTTP connections open at once (default {HUB_MAX_CONNECTIONS}); one "
                    "more is closed at once (each idle one closes after 30 s)")
+    p.add_argument("--demo", dest="serve_demo", action="store_true",
+                   help="serve the built-in simulated fleet instead (no hosts file, no SSH): "
+                   "the web board, /metrics and the event stream to try")
     p.add_argument("--print-unit", action="store_true",
                    help="print a systemd user unit that runs this gputop's hub (with this "
                    "--config, --listen, --interval, --timeout) and exit")
