@@ -337,3 +337,20 @@ async def test_the_summary_fits_again_when_the_terminal_narrows(tmp_path: Path) 
         await pilot.pause()
         line = screen_lines(app)[0].rstrip()
         assert "resv of 8" in line and line.endswith("…"), line  # shorter words, then …
+
+
+def test_w_wraps_a_long_list_under_itself() -> None:
+    """At 80 columns a long list of commands wrapped back to the dialog's edge, under the
+    labels and the user names; given the room, it wraps under its own first line."""
+    from gputop.ui.board_rows import UserLoad
+    from gputop.ui.screens import users_text
+
+    cmds = {f"python job{i}.py --config runs/{i}/config.yaml": 1 for i in range(4)}
+    text = users_text([UserLoad("alice", ["h:0", "h:1"], [], 2, 100, cmds)], 60).plain
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("    runs      "))
+    assert len(lines) > at + 1 and all(ln.startswith(" " * 14) and len(ln) <= 60
+                                       for ln in lines[at + 1:]), lines
+    assert " ".join(ln.strip() for ln in lines[at:]).removeprefix("runs ").strip() == \
+        ", ".join(cmds)
+    assert users_text([UserLoad("alice", ["h:0"], [], 1, 100, cmds)]).plain.count("\n") == 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
@@ -185,8 +186,9 @@ class ConfirmScreen(Dialog[bool]):
         self.dismiss(yes)
 
 
-def users_text(loads: list[UserLoad]) -> Text:
-    """The per-user view: who holds how many GPUs, and what they run."""
+def users_text(loads: list[UserLoad], width: int | None = None) -> Text:
+    """The per-user view: who holds how many GPUs, and what they run. ``width``: the
+    lines' room, so that a long list wraps under itself, not under the labels."""
     if not loads:
         return Text("Nobody runs anything or holds a reservation right now.")
     t = Text()
@@ -199,14 +201,24 @@ def users_text(loads: list[UserLoad]) -> Text:
                      style="dim")
         t.append("\n")
         if u.reserved:
-            t.append("    reserved  " + ", ".join(u.reserved) + "\n")
+            _field(t, "reserved", ", ".join(u.reserved), "", width)
         if u.running:
-            t.append("    runs on   " + ", ".join(u.running) + "\n")
+            _field(t, "runs on", ", ".join(u.running), "", width)
         if u.commands:
             runs = ", ".join(excerpt(cmd, 60) + (f" ({n})" if n > 1 else "")
                              for cmd, n in sorted(u.commands.items(), key=lambda c: -c[1]))
-            t.append(f"    runs      {runs}\n", style="dim")
+            _field(t, "runs", runs, "dim", width)
     return t
+
+
+def _field(t: Text, label: str, value: str, style: str, width: int | None) -> None:
+    head = f"    {label:<10}"
+    room = None if width is None else width - len(head)
+    if room is None or room < 20 or len(value) <= room:
+        t.append(f"{head}{value}\n", style=style)
+        return
+    for i, line in enumerate(textwrap.wrap(value, room, break_on_hyphens=False)):
+        t.append(f"{head if i == 0 else ' ' * len(head)}{line}\n", style=style)
 
 
 class UsersScreen(Dialog[None]):
@@ -222,6 +234,12 @@ class UsersScreen(Dialog[None]):
         with VerticalScroll(id="users-dialog"):
             yield Static(Text("Who holds what", style="bold"), id="users-title")
             yield Static(users_text(self.loads), id="users-text")
+
+    def on_resize(self) -> None:
+        # Laid out: wrapped again to the room there is (a hanging indent under each label).
+        box = self.query_one("#users-text", Static)
+        if box.content_size.width:  # (less a scrollbar's width: one may yet appear)
+            box.update(users_text(self.loads, box.content_size.width - 2))
 
     def action_close(self) -> None:
         self.dismiss(None)
