@@ -491,7 +491,7 @@ def test_with_a_hub_and_no_hosts_file_nothing_reserves_a_host_it_cannot_check(
             assert "reserves, and each host you reserve on must be in your hosts file, " \
                 "also with a hub" in r.stderr, (args, r.stderr)
             assert "Traceback" not in r.stderr
-        r = gputop(env, "--hub", hub.url, "reservations")
+        r = gputop(env, "reservations")
         assert r.returncode == 0 and "a:0" not in r.stdout, r.stdout
     finally:
         hub.close()
