@@ -238,7 +238,12 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
                           gpus: [{index: 0, reservation: {id: 'c', user: 'w'}}]}], 0,
                          [{id: 'a', user: 'x', host: 'h', gpu: 2}, {id: 7, user: 'y'}, 'junk',
                           {id: 'b', user: 'z', host: 'h', gpu: 0, instance: 1},
-                          {id: 'c', user: 'w', host: 'k', gpu: 0}]),
+                          {id: 'c', user: 'w', host: 'k', gpu: 0},
+                          // ended (the list is made when the file changes), twice the same,
+                          // and a host the hub does not poll
+                          {id: 'd', user: 'v', host: 'h', gpu: 5, expires: '1970-01-01T00:00:00Z'},
+                          {id: 'e', user: 'x', host: 'h', gpu: 2}, {id: 'f', user: 'u',
+                          host: 'elsewhere', gpu: 1}]),
           summary: d.summary([{name: 'h', status: 'ok', gpus: [
             {index: 1, memory_used_mib: 0, processes: [], shares: [{user: 's'}]}]}]),
         }), (e) => done(String(e)));
@@ -258,6 +263,8 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
         {"user": "s", "held": [{"label": "h:1 (16 GiB share)", "left": None}], "using": 0}]
     assert got["summary"]["free"] == 0 and got["summary"]["reserved"] == 1
     assert got["down"] == [
+        {"user": "u", "held": [{"label": "elsewhere:1 (not polled here)", "left": None}],
+         "using": 0},
         {"user": "w", "held": [{"label": "k:0", "left": None}], "using": 0},
         {"user": "x", "held": [{"label": "h:2 (host down)", "left": None}], "using": 0},
         {"user": "z", "held": [{"label": "h:0/1 (host down)", "left": None}], "using": 0}]

@@ -24,7 +24,12 @@ from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
 from gputop.reservations import StoreError
-from gputop.reservations.flags import IdleTracker, annotated_host, shared_keys
+from gputop.reservations.flags import (
+    IdleTracker,
+    annotated_host,
+    queue_document,
+    reservations_document,
+)
 from gputop.reservations.store import StoreState
 from gputop.sources.shared_file import open_store
 
@@ -74,6 +79,7 @@ class Collector:
         if not self.store.remote:  # (over SSH: the first read is the watcher's, not here)
             self.refresh_store()
         self._other: dict[str, Any] = {}
+        self._listed: tuple[StoreState, list[dict[str, Any]]] | None = None
         self.time = utcnow()
         self._kick = asyncio.Event()
         self.on_update: Callable[[str, str | None], None] = lambda update, patch: None
@@ -149,7 +155,7 @@ class Collector:
         now = utcnow()
         self.folds += 1
         state, problem = self._read_reservations()
-        other = _other_keys(state, problem, now)
+        other = self._other_keys(state, problem, now)
         dirty, self._dirty = self._dirty, set()
         if self._state_changed(state):
             dirty = set(self.names)
@@ -195,7 +201,7 @@ class Collector:
         self._state_changed(state)
         for n in self.names:
             self._hosts[n] = annotated_host(self._latest[n], state, self.tracker, now)
-        self._other = _other_keys(state, problem, now)
+        self._other = self._other_keys(state, problem, now)
 
     def refresh_store(self) -> bool:
         """Read the shared file again if it changed (its signature: inode, size and mtime
@@ -223,6 +229,19 @@ class Collector:
                 self._kick.set()
             await asyncio.sleep(self.store_every_s)
 
+    def _other_keys(self, state: StoreState | None, problem: str | None, now: datetime
+                    ) -> dict[str, Any]:
+        """The document's keys besides its hosts (OTHER_KEYS; None: absent). The list of
+        reservations is made once per read of the file, not per fold (up to ten a second:
+        a file of 10,000 reservations cost 0.4 s a fold, and every change of it went to
+        every reader); readers skip those whose end has passed."""
+        if state is None:
+            return {"queue": None, "reservations": None, "reservations_error": problem}
+        if self._listed is None or self._listed[0] is not state:
+            self._listed = (state, reservations_document(state, now))
+        return {"queue": queue_document(state, now), "reservations": self._listed[1],
+                "reservations_error": problem}
+
     def _read_reservations(self) -> tuple[StoreState | None, str | None]:
         return self._read_result
 
@@ -232,14 +251,6 @@ class Collector:
             return False
         self._state_key = key
         return True
-
-
-def _other_keys(state: StoreState | None, problem: str | None, now: datetime
-                ) -> dict[str, Any]:
-    """The document's keys besides its hosts (OTHER_KEYS; None: absent)."""
-    keys: dict[str, Any] = (shared_keys(state, now) if state is not None
-                            else {"queue": None, "reservations": None})
-    return keys | {"reservations_error": problem}
 
 
 def age_seconds(then: datetime | None, now: datetime) -> float | None:

@@ -32,6 +32,8 @@ FLAGS: tuple[str, ...] = tuple(
     schema()["$defs"]["gpu"]["properties"]["flags"]["items"]["enum"])
 MAX_LABEL = 128
 MAX_HOLDERS_PER_GPU = 8
+#: gputop_reservation_info's series at most (a team holds tens to hundreds at once).
+MAX_RESERVATION_SERIES = 2000
 MIB = 1024 * 1024
 GPU_LABELS = ["host", "gpu", "uuid", "model"]
 MIG_LABELS = [*GPU_LABELS, "mig_instance", "profile"]
@@ -86,13 +88,20 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
         for kind, n in sorted(c.errors.items()):
             g.errors.add_metric([host, kind], float(n))
     held: set[tuple[str, ...]] = set()
+    now = str(doc.get("time", ""))
     for r in doc.get("reservations") or ():
         # Every active reservation, its host's answer or not (a host that is down reports
-        # no GPUs, so no gputop_gpu_holder_info): one series per holder and GPU/instance.
+        # no GPUs, so no gputop_gpu_holder_info): one series per holder and GPU/instance,
+        # those that ended since the list was made left out (ISO times compare as text),
+        # at most MAX_RESERVATION_SERIES (a file may hold 10,000).
+        if str(r.get("expires", "")) <= now:
+            continue
         labels = (_label(r.get("host")), _label(r.get("gpu")), _label(r.get("instance")),
                   "share" if r.get("share_mib") is not None else "reservation",
                   _label(r.get("user")))
         if labels not in held:
+            if len(held) >= MAX_RESERVATION_SERIES:
+                break
             held.add(labels)
             g.reservation.add_metric(list(labels), 1.0)
     queue = doc.get("queue")

@@ -296,10 +296,17 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
 
 def shared_keys(state: StoreState, now: datetime) -> dict[str, Any]:
     """The document's keys from the shared file alone: the wait queue and every active
-    reservation (a GPU's own shows only those of GPUs a host reported, and a host that is
-    down reports none: its holders would vanish from every reader)."""
+    reservation (``reservations_document``)."""
     return {"queue": queue_document(state, now),
-            "reservations": [r.to_dict() for r in state.active(now)]}
+            "reservations": reservations_document(state, now)}
+
+
+def reservations_document(state: StoreState, now: datetime) -> list[dict[str, Any]]:
+    """Every reservation active at ``now``: a GPU's own shows only those of GPUs a host
+    reported, and a host that is down reports none (its holders would vanish from every
+    reader). Each says when it ends: a reader skips one whose end has passed, so a hub
+    lists them again only when the file changes, not at every expiry."""
+    return [r.to_dict() for r in state.active(now)]
 
 
 def annotated_host(host: HostSnapshot, state: StoreState | None,

@@ -218,15 +218,26 @@ export function people(hosts, now, reservations = null) {
       for (const u of users(g)) get(u).using += 1;
     }
   }
-  // Reservations no GPU showed (a host that is down reports none): held all the same.
+  // Reservations no GPU showed (a host that is down reports none): held all the same,
+  // but not those whose end has passed (the hub lists them again only when the file
+  // changes), each once per holder and label.
+  const polled = new Set(hosts.map(hostName));
+  const shown = new Set();
   for (const r of list(reservations).map(obj).filter(Boolean)) {
     if (typeof r.id !== "string" || ids.has(r.id)) continue;
     ids.add(r.id);
+    const exp = parseTime(r.expires);
+    if (exp !== null && exp <= now) continue;
     const gi = num(r.instance);
     const size = num(r.share_mib);
     const host = str(r.host, 256) || "?";
-    add(r, `${host}:${num(r.gpu) ?? "?"}${gi === null ? "" : `/${gi}`}` +
-      (size === null ? "" : ` (${gib(size)} share)`) + (down.has(host) ? " (host down)" : ""));
+    const label = `${host}:${num(r.gpu) ?? "?"}${gi === null ? "" : `/${gi}`}` +
+      (size === null ? "" : ` (${gib(size)} share)`) +
+      (down.has(host) ? " (host down)" : polled.has(host) ? "" : " (not polled here)");
+    const key = `${str(r.user, 64)}\u0000${label}`;
+    if (shown.has(key)) continue;
+    shown.add(key);
+    add(r, label);
   }
   return [...by.values()].sort((a, b) =>
     b.held.length + b.using - (a.held.length + a.using) || (a.user < b.user ? -1 : 1));
