@@ -246,3 +246,36 @@ def test_a_snapshot_that_does_not_parse_starts_the_stream_again(
             before[0] + 1, before[1] + 2]  # the misfit's, then the broken snapshot's
     finally:
         b.execute_script("EventSource.prototype.addEventListener = window.realAdd")
+
+
+def test_after_the_watchdog_starts_again_the_page_waits_for_the_snapshot(
+        paged: tuple[DocHub, Any, dict[str, Any]]) -> None:
+    """The watchdog (no event for 30 s, and /-/healthy not answering) starts a new
+    stream, as a resync does: the page is live again only with that stream's snapshot,
+    not at the open stream's 1.5 s moment (it showed the old document as current)."""
+    h, b, doc = paged
+    board = "window.gputopBoard"
+    wait(b, f"return {board}.conn === 'live'", "live", 15)
+    b.execute_script("""const add = EventSource.prototype.addEventListener;
+        window.realAdd = add;
+        window.realFetch = window.fetch;
+        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
+          const late = type === "snapshot" ? (e) => setTimeout(() => fn(e), 6000) : fn;
+          return add.call(this, type, late, ...rest);
+        };
+        window.fetch = (url, ...rest) => String(url).includes("/-/healthy")
+          ? Promise.reject(new Error("down")) : window.realFetch(url, ...rest);
+        window.gputopBoard.lastHeard = Date.now() - 31000;""")
+    try:
+        before = b.execute_script(f"return {board}.snapshots")
+        wait(b, f"return {board}.conn === 'stale'", "the watchdog's new stream", 10)
+        b.execute_script("window.fetch = window.realFetch")
+        wait(b, "return window.performance.now() > arguments[0]", "3 s", 5,
+             b.execute_script("return window.performance.now()") + 3000)
+        assert b.execute_script(f"return [{board}.conn, {board}.snapshots]") == [
+            "stale", before]
+        wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
+             "the snapshot, then live", 15, before)
+    finally:
+        b.execute_script("EventSource.prototype.addEventListener = window.realAdd;"
+                         "window.fetch = window.realFetch")

@@ -85,6 +85,10 @@ function connect() {
   clearTimeout(liveTimer);
   clearTimeout(resyncTimer);
   if (source) source.close();
+  // A new stream (a resync, the watchdog, a refusal's retry) starts with its snapshot:
+  // nothing is current until it comes (the browser's own reconnects of one stream resume
+  // it instead, and are current once open: the 1.5 s moment below).
+  board.awaitingSnapshot = true;
   // Patches (docs/hub.md): a host whose GPUs only moved comes as what moved, about a
   // fifth of its complete object, and its unchanged GPUs keep their objects.
   const es = (source = new EventSource("/api/v1/events?patches=1"));
