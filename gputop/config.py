@@ -495,6 +495,18 @@ def hub_url_problem(url: str) -> str | None:
 HUB_MAX_CONNECTIONS = 256
 
 
+def reserving_problem(config: Config) -> str | None:
+    """Why nothing can be reserved with ``config`` (None: it can). Reserving needs its
+    hosts in the hosts file, also with a hub: your own gputop checks jobs and logins there
+    (over SSH), and ``reserve``/``release`` name them; a hub's other hosts are shown, never
+    reserved (they would be held until max_duration, with nothing here able to see their
+    job end)."""
+    if config.hosts:
+        return None
+    return ("each host you reserve on must be in your hosts file, also with a hub: list "
+            f"them as [[hosts]] in {config.path or default_config_path()}")
+
+
 def listen_problem(text: str) -> str | None:
     """Why ``text`` cannot be ``gputop serve``'s HOST:PORT (None: it can)."""
     host, sep, port = text.rpartition(":")

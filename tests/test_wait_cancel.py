@@ -88,3 +88,24 @@ async def test_run_to_end_finishes_its_cleanup_then_passes_the_cancel_on() -> No
 
     with pytest.raises(OSError, match="disk went away"):
         await run_to_end(failing())
+
+
+async def test_a_waiter_with_no_hosts_in_its_file_is_refused_before_joining(
+        tmp_path: Path) -> None:
+    """A board reading a hub with no [[hosts]]: its Q joined the queue and was granted a
+    hub host that nothing here checks, which `release HOST:GPU` then refused as unknown.
+    Refused before joining, as free --wait is."""
+    from gputop.reservations.ops import Invalid
+
+    cfg = Config(path=None, interval=0.5, timeout=5.0, hosts=(),
+                 reservations_path=tmp_path / "res.json")
+    store = Store(cfg.reservations_path)
+    poller = Poller(cfg, [DemoSource("solo", "NVIDIA H100 80GB HBM3", 2, 81559, 700.0)])
+    try:
+        with pytest.raises(Invalid, match="each host you reserve on must be in your hosts "
+                                          "file, also with a hub"):
+            await wait_for_gpus(cfg, store, Request(1), seconds=600, lease_s=300,
+                                max_wait=5, say=lambda m: None, poller=poller)
+    finally:
+        await poller.aclose()
+    assert store.read().queue == () and store.read().reservations == ()

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gputop.config import Config, HostConfig, default_config_path, parse_duration
+from gputop.config import Config, HostConfig, parse_duration, reserving_problem
 from gputop.model import HostSnapshot
 from gputop.poller import open_poller
 from gputop.reservations import (
@@ -49,14 +49,11 @@ def check_hosts(config: Config, targets: Sequence[Target]) -> None:
                              "in your hosts.toml, also with a hub)"))
 
 def check_reservable(config: Config, command: str) -> None:
-    """Reserving needs its hosts in the hosts file, also with a hub: your own gputop
-    checks jobs and logins there (over SSH), and ``reserve``/``release`` name them. A
-    hub's other hosts are shown, never reserved (they would be held until max_duration,
-    with nothing here able to see their job end)."""
-    if not config.hosts:
-        raise Invalid(f"{command} reserves, and each host you reserve on must be in your "
-                      f"hosts file, also with a hub: list them as [[hosts]] in "
-                      f"{config.path or default_config_path()}")
+    """``command`` reserves: refused before anything where nothing can be (see
+    ``reserving_problem``)."""
+    problem = reserving_problem(config)
+    if problem:
+        raise Invalid(f"{command} reserves, and {problem}")
 
 def nobody_answered(hosts: Sequence[HostSnapshot]) -> str | None:
     """Where hosts were asked and none answered, what to say instead of "none free":

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gputop.config import Config
+from gputop.config import Config, reserving_problem
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
 from gputop.reservations.ops import Invalid, Refused
@@ -96,6 +96,9 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     so while waiting leaves the queue the same way. A lock held by another writer for
     less than the lease costs nothing: the lease is renewed on its own task, which waits
     for the lock up to the lease's end, and a grant that times out is tried again."""
+    problem = reserving_problem(config)
+    if problem:  # (the CLI says so before; the board's Q learns it here)
+        raise Invalid(f"the queue grants GPUs, and {problem}")
     own = poller is None
     fleet = [h.name for h in config.hosts]
     if poller is None:
