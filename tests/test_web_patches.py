@@ -253,7 +253,7 @@ def test_after_the_watchdog_starts_again_the_page_waits_for_the_snapshot(
     """The watchdog (no event for 30 s, and /-/healthy not answering) starts a new
     stream, as a resync does: the page is live again only with that stream's snapshot,
     not at the open stream's 1.5 s moment (it showed the old document as current)."""
-    h, b, doc = paged
+    _, b, _ = paged
     board = "window.gputopBoard"
     wait(b, f"return {board}.conn === 'live'", "live", 15)
     b.execute_script("""const add = EventSource.prototype.addEventListener;
