@@ -545,8 +545,15 @@ def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
 
     from hubs import free_port
 
+    from gputop.history.db import HistoryDB
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
-    env |= {"TMPDIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "nothing")}
+    env |= {"TMPDIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "nothing"),
+            "XDG_DATA_HOME": str(tmp_path / "data")}
+    # The user's own history database: never the demo's (it served its waste).
+    mine = tmp_path / "data" / "gputop" / "history.sqlite3"
+    mine.parent.mkdir(parents=True)
+    HistoryDB(mine, writer=True).close()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gputop", "serve", "--demo", "--listen",
                              f"127.0.0.1:{port}"], env=env, stderr=subprocess.PIPE, text=True)
@@ -565,6 +572,7 @@ def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
         assert {h["source"] for h in doc["hosts"]} == {"demo"}
         assert doc["reservations"], "the demo's seeded reservations"
         assert b"gputop_gpu_info{" in get(f"{url}/metrics")[2]
+        assert json.loads(get(f"{url}/api/v1/waste")[2])["available"] is False
         assert any(p.startswith("gputop-demo") for p in os.listdir(tmp_path))  # (running)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -577,3 +585,8 @@ def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
     r = subprocess.run([sys.executable, "-m", "gputop", "serve", "--demo", "--print-unit"],
                        env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "not the demo's" in r.stderr
+    for extra, said in ((["--config", str(mine)], "reads no hosts file: drop --config"),
+                        (["--interval", "0.01"], "--interval must be at least 0.1 seconds")):
+        r = subprocess.run([sys.executable, "-m", "gputop", "serve", "--demo", *extra],
+                           env=env, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and said in r.stderr, r.stderr

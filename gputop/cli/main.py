@@ -159,9 +159,12 @@ def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve" and args.serve_demo:  # (no hosts file read: the demo's own)
+        if args.config is not None:
+            raise UsageError("serve --demo serves the simulated fleet and reads no hosts "
+                             "file: drop --config (or --demo)")
         from gputop.cli.serve import serve_demo
 
-        return serve_demo(args)
+        return serve_demo(args, lambda demo: _apply_overrides(demo, args))
     if args.command in NO_CONFIG_COMMANDS:
         from gputop.cli import bootstrap
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
@@ -33,12 +34,10 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def serve_demo(args: argparse.Namespace) -> int:
+def serve_demo(args: argparse.Namespace, overrides: Callable[[Config], Config]) -> int:
     """``gputop serve --demo``: a hub of the built-in simulated fleet (its reservations in
     a temporary folder, removed when it stops), to see the web board, /metrics and the
     event stream without a host."""
-    from dataclasses import replace
-
     from gputop.sources.demo import demo_session
 
     if args.print_unit:
@@ -46,9 +45,8 @@ def serve_demo(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     with demo_session() as (config, sources):
-        if args.interval is not None:
-            config = replace(config, interval=max(0.1, args.interval))
-        return cmd_serve(config, args, sources=list(sources))
+        # (--interval and --timeout as for your hosts: checked the same way)
+        return cmd_serve(overrides(config), args, sources=list(sources))
 
 
 def cmd_serve(config: Config, args: argparse.Namespace,

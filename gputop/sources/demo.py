@@ -101,9 +101,12 @@ class DemoSource:
 
 
 def demo_config(reservations: Path, interval: float = 1.0) -> Config:
+    # (Its history beside its reservations, never yours: a hub of the demo served the
+    # real database's waste, beyond loopback where told to listen there.)
     return Config(path=None, interval=interval, timeout=5.0,
                   hosts=tuple(HostConfig(name=n, tags=tags) for n, *_, tags in FLEET),
-                  reservations_path=reservations, idle_holder_s=20.0)
+                  reservations_path=reservations, idle_holder_s=20.0,
+                  history_path=reservations.parent / "history.sqlite3")
 
 
 def demo_sources(seed: int = 0) -> list[DemoSource]:
