@@ -301,6 +301,9 @@ def test_no_host_answering_has_its_own_exit_code(tmp_path: Path, env: dict[str, 
     (["--hub", "http://127.0.0.1:1/", "reservations"], "--hub does nothing for reservations"),
     (["--interval=1", "reserve", "a:0"], "--interval does nothing for reserve"),
     (["--theme", "gputop-light", "free"], "--theme does nothing for free"),
+    # (a value that is the subcommand's name is a value: the subcommand comes after it)
+    (["--config", "reservations", "--hub", "http://127.0.0.1:1/", "reservations"],
+     "--hub does nothing for reservations"),
 ])
 def test_a_global_option_a_subcommand_does_not_take_is_refused_before_it_too(
         env: dict[str, str], args: list[str], said: str) -> None:

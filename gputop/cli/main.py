@@ -140,10 +140,27 @@ def _check_usage(args: argparse.Namespace) -> None:
 #: The board's own outputs: before a subcommand they would be silently ignored.
 _BOARD_OUTPUTS = ("--json", "--once", "--watch", "--pretty")
 
+def _command_at(argv: Sequence[str], command: str) -> int | None:
+    """Where the subcommand is in ``argv``: the first word that is neither an option nor
+    a global option's value (``--config reservations reservations``: the second)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in ALL:  # (each takes a value: the next word)
+            i += 2
+            continue
+        if word == command:
+            return i
+        if not word.startswith("-"):
+            return None
+        i += 1
+    return None
+
 def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    if not args.command or args.command not in argv:
+    at = _command_at(argv, args.command) if args.command else None
+    if at is None:
         return
-    before = argv[: argv.index(args.command)]
+    before = argv[:at]
     for flag in _BOARD_OUTPUTS:
         if flag in before:
             raise UsageError(f"{flag} before {args.command} does nothing: {args.command}'s "
