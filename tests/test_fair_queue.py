@@ -108,8 +108,8 @@ def test_a_waiter_who_reaches_no_host_blocks_nobody(team: Team) -> None:
 
 def test_a_waiter_who_reaches_no_host_leaves_after_a_bounded_time(
         team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Finding 1: ... and leaves the queue with exit 1 and the reason (after 2 minutes;
-    shortened to 2 s here)."""
+    """Finding 1: ... and leaves the queue with exit 3 (no host answered, as `free` says
+    it) and the reason (after 2 minutes; shortened to 2 s here)."""
     from as_user import wait_as
 
     from gputop.jobs import wait as wait_mod
@@ -117,7 +117,7 @@ def test_a_waiter_who_reaches_no_host_leaves_after_a_bounded_time(
     monkeypatch.setattr(wait_mod, "BLIND_GIVE_UP_S", 2.0)
     _known_only(team, "gtalice")
     a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
-    assert wait_as(a[0], 40) == 1, text(a[2])
+    assert wait_as(a[0], 40) == 3, text(a[2])
     assert "left the queue: no host you wait on answered for 2s" in text(a[2]), text(a[2])
     assert "q1: host-key" in text(a[2])
     assert team.state().queue == ()

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gputop.cli.lifecycle import EXIT_OK, EXIT_REFUSED
+from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import max_wait_s
 from gputop.config import Config
 from gputop.reservations import (
@@ -30,7 +30,7 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
     """Wait in the queue (Ctrl-C, SIGTERM, SIGHUP leave it at once): (exit code, grant)."""
     from gputop.cli.lifecycle import run_until_signal
     from gputop.jobs.reap import check_jobs
-    from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
+    from gputop.jobs.wait import CannotReach, WaitedTooLong, wait_for_gpus
 
     got: list[Reservation] = []
     lease = args.lease if args.lease is not None else DEFAULT_LEASE_S
@@ -61,7 +61,8 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
                 reaper=reaper))
         except WaitedTooLong as exc:
             say(str(exc))
-            return EXIT_REFUSED
+            # (no host it waits on answered for minutes: as free says when none answers)
+            return EXIT_NO_HOST if isinstance(exc, CannotReach) else EXIT_REFUSED
         finally:
             for t in pending:
                 t.cancel()
@@ -69,7 +70,8 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
 
     code = run_until_signal(main)
     if code != EXIT_OK or not got:
-        notify(args, "timeout" if code == EXIT_REFUSED else "interrupted", [])
+        notify(args, "timeout" if code in (EXIT_REFUSED, EXIT_NO_HOST) else "interrupted",
+               [])
         return code or EXIT_REFUSED, []
     notify(args, "granted", got)
     return EXIT_OK, got
