@@ -33,6 +33,13 @@ def _cell(b: Any, host: str, index: int, cls: str) -> str:
         "return g.querySelector(arguments[2]).textContent;", host, index, cls))
 
 
+def _misfit(h: DocHub, doc: dict[str, Any]) -> None:
+    """A patch of a host the page does not know: it fits nothing (a resync follows)."""
+    h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
+                  json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
+                              "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
+
+
 def _move(h: DocHub, doc: dict[str, Any], host: int, gpu: int, util: int) -> dict[str, Any]:
     """One GPU of one host moves; the host as the hub then sends it."""
     new = copy.deepcopy(doc["hosts"][host])
@@ -132,14 +139,11 @@ def test_patches_that_keep_not_fitting_start_the_stream_again_less_and_less_ofte
     h, b, doc = paged
     board = "window.gputopBoard"
     b.execute_script(f"{board}.resyncRun = 0")
-    misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
-                         "changes": [{"name": "nobody", "set": {}, "gpus": []}]})
-    empty = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
     waits = []
     for _ in range(3):
         wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
         before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
-        h.publish_raw(empty, misfit)
+        _misfit(h, doc)
         wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before[1])
         waits.append(b.execute_script(f"return {board}.resyncWait"))
         if waits[-1]:
@@ -172,9 +176,7 @@ def test_after_a_resync_the_page_is_live_only_once_the_new_snapshot_came(
     try:
         b.execute_script(f"{board}.resyncRun = 0")
         before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
-        h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
-                      json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
-                                  "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
+        _misfit(h, doc)
         wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before[1])
         # A patch that fits what the page holds, on the new stream before its snapshot:
         # not taken (nothing is current until the snapshot), and not called current.
@@ -199,16 +201,13 @@ def test_a_hub_that_keeps_misfitting_stays_at_the_longest_wait(
     the next one starts again at once. (It leaves the page waiting: it reloads it after.)"""
     h, b, doc = paged
     board = "window.gputopBoard"
-    misfit = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
-                         "changes": [{"name": "nobody", "set": {}, "gpus": []}]})
-    empty = json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}})
     waits = []
     for quiet_s in (130, 70):
         wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
         b.execute_script(f"{board}.resyncRun = 9; {board}.lastResync = Date.now() - arguments[0]",
                          quiet_s * 1000)
         before = b.execute_script(f"return {board}.resyncs")
-        h.publish_raw(empty, misfit)
+        _misfit(h, doc)
         wait(b, f"return {board}.resyncs > arguments[0]", "a resync", 10, before)
         waits.append(b.execute_script(f"return {board}.resyncWait"))
     assert waits == [0, 30000]
@@ -237,9 +236,7 @@ def test_a_snapshot_that_does_not_parse_starts_the_stream_again(
     try:
         b.execute_script(f"{board}.resyncRun = 0")
         before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
-        h.publish_raw(json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {}}),
-                      json.dumps({"time": doc["time"], "hosts": [], "removed": [], "set": {},
-                                  "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
+        _misfit(h, doc)
         wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
              "a good snapshot, then live", 20, before[0])
         assert b.execute_script(f"return [{board}.snapshots, {board}.resyncs]") == [
