@@ -40,6 +40,22 @@ def _misfit(h: DocHub, doc: dict[str, Any]) -> None:
                               "changes": [{"name": "nobody", "set": {}, "gpus": []}]}))
 
 
+def _snapshots_through(b: Any, handle: str) -> None:
+    """From now on every stream's ``snapshot`` events reach the page through ``handle``, a
+    JS function of (event, listener); ``_real_snapshots`` undoes it."""
+    b.execute_script("""const add = EventSource.prototype.addEventListener;
+        window.realAdd = add;
+        const handle = (""" + handle + """);
+        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
+          return add.call(this, type, type === "snapshot" ? (e) => handle(e, fn) : fn,
+                          ...rest);
+        };""")
+
+
+def _real_snapshots(b: Any) -> None:
+    b.execute_script("EventSource.prototype.addEventListener = window.realAdd")
+
+
 def _move(h: DocHub, doc: dict[str, Any], host: int, gpu: int, util: int) -> dict[str, Any]:
     """One GPU of one host moves; the host as the hub then sends it."""
     new = copy.deepcopy(doc["hosts"][host])
@@ -167,12 +183,7 @@ def test_after_a_resync_the_page_is_live_only_once_the_new_snapshot_came(
     board = "window.gputopBoard"
     wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
     # Snapshots reach the page 4 s late from now on (the stream itself opens at once).
-    b.execute_script("""const add = EventSource.prototype.addEventListener;
-        window.realAdd = add;
-        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
-          const late = type === "snapshot" ? (e) => setTimeout(() => fn(e), 4000) : fn;
-          return add.call(this, type, late, ...rest);
-        };""")
+    _snapshots_through(b, "(e, fn) => setTimeout(() => fn(e), 4000)")
     try:
         b.execute_script(f"{board}.resyncRun = 0")
         before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
@@ -191,7 +202,7 @@ def test_after_a_resync_the_page_is_live_only_once_the_new_snapshot_came(
         wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
              "the snapshot, then live", 15, before[0])
     finally:
-        b.execute_script("EventSource.prototype.addEventListener = window.realAdd")
+        _real_snapshots(b)
 
 
 def test_a_hub_that_keeps_misfitting_stays_at_the_longest_wait(
@@ -223,16 +234,9 @@ def test_a_snapshot_that_does_not_parse_starts_the_stream_again(
     h, b, doc = paged
     board = "window.gputopBoard"
     wait(b, f"return {board}.conn === 'live'", "live before the patch", 15)
-    b.execute_script("""const add = EventSource.prototype.addEventListener;
-        window.realAdd = add;
-        window.broken = 1;  // the next snapshot arrives as garbage
-        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
-          const bad = type === "snapshot" ? (e) => {
-            if (window.broken-- > 0) return fn({data: "{not json", lastEventId: e.lastEventId});
-            return fn(e);
-          } : fn;
-          return add.call(this, type, bad, ...rest);
-        };""")
+    b.execute_script("window.broken = 1")  # the next snapshot arrives as garbage
+    _snapshots_through(b, """(e, fn) => window.broken-- > 0
+        ? fn({data: "{not json", lastEventId: e.lastEventId}) : fn(e)""")
     try:
         b.execute_script(f"{board}.resyncRun = 0")
         before = b.execute_script(f"return [{board}.snapshots, {board}.resyncs]")
@@ -242,7 +246,7 @@ def test_a_snapshot_that_does_not_parse_starts_the_stream_again(
         assert b.execute_script(f"return [{board}.snapshots, {board}.resyncs]") == [
             before[0] + 1, before[1] + 2]  # the misfit's, then the broken snapshot's
     finally:
-        b.execute_script("EventSource.prototype.addEventListener = window.realAdd")
+        _real_snapshots(b)
 
 
 def test_after_the_watchdog_starts_again_the_page_waits_for_the_snapshot(
@@ -253,13 +257,8 @@ def test_after_the_watchdog_starts_again_the_page_waits_for_the_snapshot(
     _, b, _ = paged
     board = "window.gputopBoard"
     wait(b, f"return {board}.conn === 'live'", "live", 15)
-    b.execute_script("""const add = EventSource.prototype.addEventListener;
-        window.realAdd = add;
-        window.realFetch = window.fetch;
-        EventSource.prototype.addEventListener = function (type, fn, ...rest) {
-          const late = type === "snapshot" ? (e) => setTimeout(() => fn(e), 6000) : fn;
-          return add.call(this, type, late, ...rest);
-        };
+    _snapshots_through(b, "(e, fn) => setTimeout(() => fn(e), 6000)")
+    b.execute_script("""window.realFetch = window.fetch;
         window.fetch = (url, ...rest) => String(url).includes("/-/healthy")
           ? Promise.reject(new Error("down")) : window.realFetch(url, ...rest);
         window.gputopBoard.lastHeard = Date.now() - 31000;""")
@@ -274,5 +273,5 @@ def test_after_the_watchdog_starts_again_the_page_waits_for_the_snapshot(
         wait(b, f"return {board}.snapshots > arguments[0] && {board}.conn === 'live'",
              "the snapshot, then live", 15, before)
     finally:
-        b.execute_script("EventSource.prototype.addEventListener = window.realAdd;"
-                         "window.fetch = window.realFetch")
+        _real_snapshots(b)
+        b.execute_script("window.fetch = window.realFetch")
