@@ -100,16 +100,23 @@ async def test_end_mark_in_a_command_line_hides_nothing(home: Fleet, collection:
                             extra=f'collection = "{collection}"')
     poller = Poller(load_config(str(cfg)))
     alice, bob = home.hosts["inject-end"].processes
+    both = 0
     try:
-        for _ in range(3):
+        for _ in range(3 if collection == "query" else 6):
             (h,) = (await poller.snapshot()).hosts
             assert h.error is None, h.error
             (g,) = h.gpus
             got = {p.pid: p for p in g.processes}
+            if collection == "stream" and set(got) < {alice.pid, bob.pid}:
+                # (a stream's sample may show an apps batch still arriving: its rows come
+                # after the GPU sample's; never another row, never a parse error)
+                continue
             assert set(got) == {alice.pid, bob.pid}
             assert got[bob.pid].command == "python evil.py @@gputop end"
             if home.users:
                 assert (got[alice.pid].user, got[bob.pid].user) == ("gtalice", "gtbob")
+            both += 1
+        assert both >= 3 if collection == "query" else both >= 1
         # One channel per refresh loop; streaming: one session (both loops and ps).
         assert poller.sources[0].channels == 1  # type: ignore[attr-defined]
     finally:
