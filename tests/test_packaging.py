@@ -4,6 +4,7 @@ another directory finds them."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -80,3 +81,55 @@ def test_installed_copy_finds_them_from_elsewhere(wheels: dict[str, Path],
     assert r.returncode == 0, r.stderr
     written = tmp_path / "cfg" / "gputop" / "hosts.toml"
     assert written.read_bytes() == (ROOT / "hosts.example.toml").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def core_venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment with the core alone (``pip install gputop``, no extra):
+    its dependencies come from the package index as a new user's do."""
+    venv = tmp_path_factory.mktemp("core") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                        "--disable-pip-version-check", str(wheels["direct"])],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return venv
+
+
+def _core(venv: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GPUTOP_CONFIG", "GPUTOP_RESERVATIONS", "PYTHONPATH")}
+    env.update(XDG_CONFIG_HOME=str(tmp / "cfg"), XDG_DATA_HOME=str(tmp / "data"),
+               XDG_STATE_HOME=str(tmp / "state"), HOME=str(tmp))
+    return subprocess.run([str(venv / "bin" / "gputop"), *args], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_core_alone_has_no_servers(core_venv: Path) -> None:
+    names = subprocess.run([str(core_venv / "bin" / "python"), "-m", "pip", "list",
+                            "--format=freeze", "--disable-pip-version-check"],
+                           capture_output=True, text=True, check=True).stdout.lower()
+    for extra in ("mcp==", "pydantic==", "uvicorn==", "starlette==", "prometheus-client=="):
+        assert extra not in names, names
+    assert "textual==" in names and "asyncssh==" in names
+
+
+def test_the_core_alone_runs_the_board_and_json(core_venv: Path, tmp_path: Path) -> None:
+    r = _core(core_venv, tmp_path, "--demo", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["hosts"]
+    code = "import gputop.ui.app, gputop.reservations.store; print('ok')"
+    r = subprocess.run([str(core_venv / "bin" / "python"), "-c", code], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.parametrize(("command", "extra"), [(("mcp",), "mcp"),
+                                                (("serve", "--demo"), "hub")])
+def test_a_command_whose_extra_is_missing_says_what_to_install(
+        core_venv: Path, tmp_path: Path, command: tuple[str, ...], extra: str) -> None:
+    r = _core(core_venv, tmp_path, *command)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("gputop: ") and f"pip install 'gputop[{extra}]'" in line, line
+    assert "Traceback" not in r.stderr

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
+from mcp.server.mcpserver import MCPServer
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from gputop import __version__
@@ -22,13 +24,6 @@ from gputop.agents.tools import DEFAULT_WAIT_S, MAX_WAIT_S, FleetTools, ToolFail
 from gputop.config import Config
 from gputop.output import dumps
 from gputop.text import excerpt
-
-try:
-    from mcp.server.mcpserver import MCPServer
-    from mcp.types import CallToolResult, TextContent, ToolAnnotations
-except ImportError as exc:  # pragma: no cover - a runtime dependency; a broken install
-    raise ImportError(f"gputop mcp needs the MCP Python SDK ({exc}): "
-                      "pip install 'mcp>=2.3,<3'") from exc
 
 log = logging.getLogger(__name__)
 

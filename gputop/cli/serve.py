@@ -9,6 +9,7 @@ from typing import Any
 
 from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.extras import MissingExtra, is_extra_module
 from gputop.sources import Source
 
 
@@ -51,7 +52,13 @@ def serve_demo(args: argparse.Namespace, overrides: Callable[[Config], Config]) 
 
 def cmd_serve(config: Config, args: argparse.Namespace,
               sources: list[Source] | None = None) -> int:
-    from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
+    try:
+        from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
+    except ImportError as exc:
+        if not is_extra_module("hub", exc):
+            raise
+        print(f"gputop: {MissingExtra('hub', exc)}", file=sys.stderr)
+        return EXIT_ERROR
 
     listen = args.listen or config.hub_listen or DEFAULT_LISTEN
     problem = listen_problem(listen)

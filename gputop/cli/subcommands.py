@@ -15,6 +15,7 @@ from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config import Config
+from gputop.extras import MissingExtra, is_extra_module
 from gputop.history.db import HistoryError
 from gputop.reservations import (
     Invalid,
@@ -63,8 +64,10 @@ def cmd_mcp(config: Config, args: argparse.Namespace) -> int:
 
     try:
         from gputop.agents.mcp import serve
-    except ImportError as exc:  # the SDK is a dependency: only a broken install lacks it
-        print(f"gputop: {exc}", file=sys.stderr)
+    except ImportError as exc:
+        if not is_extra_module("mcp", exc):
+            raise
+        print(f"gputop: {MissingExtra('mcp', exc)}", file=sys.stderr)
         return EXIT_ERROR
     if config.implicit:
         print(f"gputop: no hosts file ({config.path}): the server has no hosts; run gputop "

@@ -1,0 +1,33 @@
+"""The optional parts of gputop and what to install for each.
+
+The core (the board, ``--json``, reservations, the queue, ``run``, history) needs only its
+own dependencies; the servers are extras, so a laptop that only wants the board does not
+install an agents' server. A command whose extra is missing says exactly what to install.
+"""
+
+from __future__ import annotations
+
+#: extra -> (what it serves, the modules it brings that gputop imports, pip requirement).
+EXTRAS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "mcp": ("gputop mcp", ("mcp", "pydantic"), "mcp>=2.3,<3"),
+    "hub": ("gputop serve", ("prometheus_client",), "prometheus-client>=0.17"),
+}
+
+
+class MissingExtra(Exception):
+    """An optional part is not installed: one line naming the extra to install. Exit 2."""
+
+    def __init__(self, extra: str, exc: ImportError) -> None:
+        what, _, requirement = EXTRAS[extra]
+        module = exc.name or "a module"
+        super().__init__(
+            f"{what} needs the '{extra}' extra ({module} is not installed): "
+            f"pip install 'gputop[{extra}]' (a pipx install: pipx inject gputop "
+            f"'{requirement}'; uv: uv tool install 'gputop[{extra}]')")
+        self.extra = extra
+
+
+def is_extra_module(extra: str, exc: ImportError) -> bool:
+    """Whether ``exc`` is one of ``extra``'s own modules missing (not a bug's ImportError)."""
+    name = (exc.name or "").split(".")[0]
+    return name in EXTRAS[extra][1]
