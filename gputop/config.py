@@ -21,13 +21,17 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 import platformdirs
 
+from gputop.errors import GputopError
+
 APP = "gputop"
 ENV_CONFIG = "GPUTOP_CONFIG"
 ENV_RESERVATIONS = "GPUTOP_RESERVATIONS"
 
 
-class ConfigError(Exception):
-    """A config mistake: ``str()`` is the one-line message shown to the user."""
+class ConfigError(GputopError):
+    """A config mistake: ``str()`` is the one-line message shown to the user. Exit 2."""
+
+    reason = "config"
 
     def __init__(self, path: Path | str, key: str | None, message: str) -> None:
         self.path, self.key, self.message = str(path), key, message

@@ -7,6 +7,8 @@ install an agents' server. A command whose extra is missing says exactly what to
 
 from __future__ import annotations
 
+from gputop.errors import GputopError
+
 #: extra -> (what it serves, the modules it brings that gputop imports, pip requirement).
 EXTRAS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "mcp": ("gputop mcp", ("mcp", "pydantic"), "mcp>=2.3,<3"),
@@ -14,8 +16,10 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
-class MissingExtra(Exception):
+class MissingExtra(GputopError):
     """An optional part is not installed: one line naming the extra to install. Exit 2."""
+
+    reason = "missing-extra"
 
     def __init__(self, extra: str, exc: ImportError) -> None:
         what, _, requirement = EXTRAS[extra]

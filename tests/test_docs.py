@@ -43,3 +43,13 @@ def test_links_and_paths_point_at_files_that_exist() -> None:
             if not (ROOT / target).exists():
                 missing.append(f"{page.name}: {target}")
     assert not missing, missing
+
+
+def test_exit_codes_page_and_help_come_from_one_table() -> None:
+    """docs/exit-codes.md's table and ``gputop --help``'s last line are gputop.errors's."""
+    from gputop.cli.main import _parser
+    from gputop.errors import EXIT_CODES, docs_table, help_epilog
+
+    assert docs_table() in (ROOT / "docs" / "exit-codes.md").read_text()
+    assert _parser().epilog == help_epilog()
+    assert {e.code for e in EXIT_CODES} >= {0, 1, 2, 3, 4, 130}

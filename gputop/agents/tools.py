@@ -53,6 +53,7 @@ from gputop.reservations.ops import (
     Invalid,
     Refused,
     Target,
+    describe,
     format_duration,
     release,
     reserve_outcomes,
@@ -68,7 +69,7 @@ from gputop.reservations.queue import (
     share_offered,
 )
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
-from gputop.reservations.store import StoreError, StoreState
+from gputop.reservations.store import Reservation, StoreError, StoreState
 from gputop.reservations.targets import check_targets, parse_targets
 from gputop.sources.shared_file import open_store
 from gputop.text import clean
@@ -94,10 +95,14 @@ class ToolFailure(Exception):
     ``refused`` (someone else's reservation, or the queue's claim), ``store`` (the shared
     file cannot be read or written)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, reason: str = "",
+                 holders: Sequence[Reservation] = ()) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
         self.message = message
+        #: The refusal's own reason (gputop.errors), e.g. ``queue`` or ``not-yours``.
+        self.reason = reason or kind
+        self.holders = tuple(holders)
 
 
 class FleetTools:
@@ -392,7 +397,7 @@ class FleetTools:
         try:
             return await self._off_loop(fn)
         except ToolFailure as exc:
-            if "the queue waits for" not in exc.message:
+            if exc.reason != "queue":
                 raise
             raise ToolFailure(exc.kind, exc.message + " For you (an agent): wait_for_gpus "
                               "joins the queue; the tools never skip it.") from None
@@ -450,9 +455,11 @@ class FleetTools:
         try:
             gone = await self._off_loop(lambda: release(self.store, targets))
         except ToolFailure as exc:
-            raise ToolFailure(exc.kind, exc.message.replace(
-                " (use --force to release someone else's)", "; only its holder releases it")
-                              ) from None
+            if exc.reason != "not-yours":
+                raise
+            now = utcnow()
+            raise ToolFailure("refused", "; ".join(describe(r, now) for r in exc.holders)
+                              + "; only its holder releases it", exc.reason) from None
         names = [r.target for r in gone]
         return {"summary": ("released " + ", ".join(names[:10]) + (", ..." if len(names) > 10
                                                                   else "")
@@ -538,8 +545,8 @@ def _classified() -> Iterator[None]:
     try:
         yield
     except Refused as exc:
-        raise ToolFailure("refused", str(exc)) from None
+        raise ToolFailure("refused", str(exc), exc.reason, exc.holders) from None
     except Invalid as exc:
-        raise ToolFailure("invalid", str(exc)) from None
+        raise ToolFailure("invalid", str(exc), exc.reason) from None
     except StoreError as exc:
-        raise ToolFailure("store", str(exc)) from None
+        raise ToolFailure("store", str(exc), exc.reason) from None

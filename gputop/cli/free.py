@@ -8,7 +8,6 @@ import asyncio
 import sys
 
 from gputop.cli.free_table import is_terminal, print_free
-from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import (
     check_reservable,
@@ -22,6 +21,7 @@ from gputop.cli.targets import (
 )
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
+from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (

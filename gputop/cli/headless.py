@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK
 from gputop.config import NO_CONFIG_HINT, Config, default_config_path
+from gputop.errors import EXIT_NO_HOST, EXIT_OK
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.pacing import set_pace
 from gputop.sources import Source

@@ -14,17 +14,9 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-EXIT_OK, EXIT_REFUSED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
-#: ``--json``/``--once`` where every host failed: a script can tell "all down" from data.
-EXIT_NO_HOST = 3
-#: The hub a reader was pointed at could not be read: one classified line, no output.
-EXIT_HUB = 4
-
 #: Signals that end ``--json``/``--once`` cleanly: every remote loop is ended first.
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
-class UsageError(Exception):
-    """A bad command line or argument: reported in one line, exit 2."""
 
 def run_until_signal(make: Callable[[], Coroutine[Any, Any, int]], *,
                      paced: bool = False) -> int:

@@ -11,14 +11,7 @@ from collections.abc import Sequence
 
 from gputop import __version__
 from gputop.cli.headless import fleet, json_output, table_output
-from gputop.cli.lifecycle import (
-    EXIT_ERROR,
-    EXIT_HUB,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    UsageError,
-    run_until_signal,
-)
+from gputop.cli.lifecycle import run_until_signal
 from gputop.cli.options import (
     ALL,
     DemoFirst,
@@ -29,9 +22,16 @@ from gputop.cli.options import (
     global_options,
 )
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, ConfigError, default_config_path, hub_url_problem, load_config
-from gputop.history.db import HistoryError
-from gputop.sources import HubError
+from gputop.config import Config, default_config_path, hub_url_problem, load_config
+from gputop.errors import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    GputopError,
+    UsageError,
+    help_epilog,
+)
+from gputop.reservations import Refused
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
@@ -43,10 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="gputop", root=True, allow_abbrev=False,
         description="One live board of every GPU on your team's servers.",
-        epilog="Exit codes: 0 done, 1 refused (conflict, nothing free, file exists), "
-        "2 usage, config or store error, 3 --json/--once/free: no host answered (the output "
-        "says why for each), 4 the hub (--hub, [hub] url) is down or answered garbage, "
-        "130 interrupted (143 SIGTERM, 129 SIGHUP).",
+        epilog=help_epilog(),
         parents=[global_options(sub=False)],
     )
     p.add_argument("--version", action="version", version=f"gputop {__version__}")
@@ -211,12 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_usage(args)
         _check_output_flags(args, argv)
         return _dispatch(args)
-    except (ConfigError, UsageError, HistoryError) as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except HubError as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_HUB
+    except GputopError as exc:
+        prefix = "refused: " if isinstance(exc, Refused) else ""
+        print(f"gputop: {prefix}{exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:

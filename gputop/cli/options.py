@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from gputop.cli.lifecycle import UsageError
 from gputop.config import default_config_path
+from gputop.errors import UsageError
 
 #: Every global option, in the order ``--help`` lists them.
 ALL = ("--config", "--interval", "--timeout", "--theme", "--hub")

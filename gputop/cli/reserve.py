@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from gputop.cli.lifecycle import EXIT_OK
 from gputop.cli.targets import (
     check_hosts,
     host_config,
@@ -23,6 +22,7 @@ from gputop.cli.targets import (
     validate_gpus,
 )
 from gputop.config import Config
+from gputop.errors import EXIT_OK
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import (

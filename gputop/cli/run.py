@@ -8,7 +8,6 @@ import asyncio
 import os
 import sys
 
-from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_reservable,
     host_config,
@@ -22,6 +21,7 @@ from gputop.cli.targets import (
 )
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
+from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.reservations import (
     Invalid,
     Reservation,

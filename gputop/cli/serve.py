@@ -7,8 +7,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_OK, run_until_signal
+from gputop.cli.lifecycle import run_until_signal
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
 from gputop.sources import Source
 

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TextIO
 
-from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import (
     check_hosts,
     host_config,
@@ -25,6 +24,7 @@ from gputop.cli.targets import (
     validate_gpus,
 )
 from gputop.config import Config
+from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target

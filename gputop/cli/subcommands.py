@@ -9,20 +9,13 @@ import sys
 from typing import Any
 
 from gputop.cli.free import cmd_free
-from gputop.cli.lifecycle import EXIT_ERROR, EXIT_HUB, EXIT_OK, EXIT_REFUSED
 from gputop.cli.options import for_subcommand
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config import Config
+from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
-from gputop.history.db import HistoryError
-from gputop.reservations import (
-    Invalid,
-    Refused,
-    StoreError,
-)
-from gputop.sources import HubError
 
 
 def recorder_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -213,20 +206,4 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     return sub
 
 def run_command(config: Config, args: argparse.Namespace) -> int:
-    try:
-        return COMMANDS[args.command](config, args)
-    except Refused as exc:
-        print(f"gputop: refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    except (Invalid, ValueError) as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except StoreError as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except HistoryError as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except HubError as exc:
-        print(f"gputop: {exc}", file=sys.stderr)
-        return EXIT_HUB
+    return COMMANDS[args.command](config, args)

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gputop.cli.lifecycle import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.cli.targets import max_wait_s
 from gputop.config import Config
+from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.reservations import (
     Invalid,
     Reservation,

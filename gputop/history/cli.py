@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from gputop.config import Config, parse_duration
+from gputop.errors import UsageError
 from gputop.history.db import HistoryDB
 from gputop.history.render import write_csv, write_plot, write_text
 from gputop.history.report import collect, summarise
@@ -23,7 +24,7 @@ def parse_when(text: str, flag: str) -> float:
     try:
         t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"{flag} {text}: not a date; use e.g. 2026-11-01 or "
+        raise UsageError(f"{flag} {text}: not a date; use e.g. 2026-11-01 or "
                          "2026-11-01T09:00") from None
     if t.tzinfo is None:
         t = t.astimezone()  # local time, as people read it
@@ -32,7 +33,7 @@ def parse_when(text: str, flag: str) -> float:
 
 def time_range(args: argparse.Namespace, now: float) -> tuple[float, float]:
     if args.since and (args.start or args.end):
-        raise ValueError("give --since, or --from/--to, not both")
+        raise UsageError("give --since, or --from/--to, not both")
     end = parse_when(args.end, "--to") if args.end else now
     if args.start:
         start = parse_when(args.start, "--from")
@@ -40,10 +41,10 @@ def time_range(args: argparse.Namespace, now: float) -> tuple[float, float]:
         try:
             start = end - parse_duration(args.since or DEFAULT_SINCE)
         except ValueError:
-            raise ValueError(f"--since {args.since}: not a duration; use e.g. 2h, 7d, "
+            raise UsageError(f"--since {args.since}: not a duration; use e.g. 2h, 7d, "
                              "4w") from None
     if start >= end:
-        raise ValueError("--from must be before --to")
+        raise UsageError("--from must be before --to")
     return start, end
 
 
@@ -55,7 +56,7 @@ def report(config: Config, args: argparse.Namespace) -> int:
     if args.plot:
         plot = Path(args.plot)
         if plot.suffix.lower() not in (".png", ".svg"):
-            raise ValueError(f"--plot {args.plot}: name a .png or .svg file")
+            raise UsageError(f"--plot {args.plot}: name a .png or .svg file")
         write_plot(doc, plot)
     if args.json:
         write_document(doc, sys.stdout)

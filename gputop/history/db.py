@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
+from gputop.errors import GputopError
 from gputop.history.names import OTHER_NAMES
 
 #: Bumped for every schema change; each step has a migration below.
@@ -92,8 +93,10 @@ MIGRATIONS: dict[int, list[str]] = {
 }
 
 
-class HistoryError(Exception):
+class HistoryError(GputopError):
     """The history database cannot be used: ``str()`` names the file. Exit code 2."""
+
+    reason = "history"
 
 
 def check_file(path: Path) -> None:

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from gputop.errors import UsageError
 from gputop.history.names import MAX_NAMED, OTHER_NAMES
 from gputop.text import clean
 
@@ -152,7 +153,7 @@ def write_plot(doc: dict[str, Any], path: Path) -> None:
     except ImportError:
         # Not `pip install 'gputop[plot]'`: gputop is installed from a checkout, and that
         # name on an index may be someone else's package.
-        raise ValueError("--plot needs matplotlib in gputop's own environment: pipx inject "
+        raise UsageError("--plot needs matplotlib in gputop's own environment: pipx inject "
                          "gputop matplotlib, or pip install '.[plot]' in the checkout "
                          "(uv tool install '.[plot]')") from None
     start = datetime.fromisoformat(doc["series"]["start"].replace("Z", "+00:00"))

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gputop.errors import UsageError
+
 UNIT = Path(__file__).resolve().parent / "gputop-record.service"
 _QUOTE = set(' \t"\'\\;')
 
@@ -24,7 +26,7 @@ def exec_word(word: str, *, program: bool = False) -> str:
     variables in the arguments (not in the program's path) and splits at spaces, so a word
     holding any of them is escaped and quoted."""
     if any(ord(c) < 32 or ord(c) == 127 for c in word):
-        raise ValueError(f"cannot put {word!r} in a systemd unit (a control character)")
+        raise UsageError(f"cannot put {word!r} in a systemd unit (a control character)")
     word = word.replace("%", "%%")
     if not program:
         word = word.replace("$", "$$")

@@ -17,11 +17,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gputop.errors import GputopError
+
 FILE_MODE = 0o664  # group-writable: the team shares the file (a setgid dir sets the group)
 
 
-class StoreError(Exception):
+class StoreError(GputopError):
     """The store cannot be used as it is: bad file, permissions, lock. Exit code 2."""
+
+    reason = "store"
 
 
 _THREAD_LOCKS: dict[str, threading.Lock] = {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
+from gputop.errors import EXIT_REFUSED, GputopError
 from gputop.model import iso
 from gputop.reservations.store import (
     MAX_NOTE,
@@ -23,16 +24,24 @@ from gputop.reservations.store import (
 from gputop.text import clean
 
 
-class Refused(Exception):
-    """The request conflicts with someone else's reservation (exit code 1)."""
+class Refused(GputopError):
+    """The request conflicts with someone else's reservation or the queue's claim (exit
+    code 1). ``reason``: ``conflict``, ``queue`` (a waiter could use it) or ``not-yours``
+    (releasing another's without --force)."""
 
-    def __init__(self, message: str, holders: Sequence[Reservation] = ()) -> None:
-        super().__init__(message)
+    exit_code = EXIT_REFUSED
+    reason = "conflict"
+
+    def __init__(self, message: str, holders: Sequence[Reservation] = (), *,
+                 reason: str | None = None) -> None:
+        super().__init__(message, reason=reason)
         self.holders = tuple(holders)
 
 
-class Invalid(ValueError):
+class Invalid(GputopError):
     """The request itself is wrong: bad note, duration, host or GPU (exit code 2)."""
+
+    reason = "invalid"
 
 
 def whoami(store: ReservationStore | None = None) -> tuple[str, str]:
@@ -241,7 +250,8 @@ def release(store: ReservationStore, targets: Sequence[Target] | None, *, force:
                 (gone if r.user == user or force else others).append(r)
             if others:
                 raise Refused("; ".join(describe(r, now) for r in others)
-                              + " (use --force to release someone else's)", others)
+                              + " (use --force to release someone else's)", others,
+                              reason="not-yours")
         events = list(state.events)
         for r in gone:
             if r.user != user:

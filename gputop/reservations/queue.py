@@ -231,7 +231,7 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
                    "anyway" if t.instance is not None else
                    f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
                    "--skip-queue to reserve it anyway")
-            raise Refused(
+            raise Refused(reason="queue", message=
                 f"{clean(t.label)} is one the queue waits for"
                 + (f" ({clean(t.host)} did not answer, so it cannot be checked)"
                    if g is None else "")
@@ -266,7 +266,7 @@ def share_claim(fleet: Collection[str] | None, hosts: Sequence[HostSnapshot], sh
             return []
         if skip:
             return [t.label]
-        raise Refused(
+        raise Refused(reason="queue", message=
             f"{clean(t.label)} is one the queue waits for: {len(queue)} waiting, first who "
             f"could use it: {clean(w.user)} (since {local_time(w.created)}, for "
             + (f"a {size_text(w.share_mib)} share" if w.share_mib else f"{w.count} GPU(s)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
+from gputop.errors import EXIT_HUB, GputopError
 from gputop.model import GpuInfo, HostError
 
 #: Why a hub could not be read (see gputop.sources.hub).
@@ -34,11 +35,13 @@ class Source(Protocol):
     async def close(self) -> None: ...
 
 
-class HubError(Exception):
-    """The hub could not be read: ``kind`` classifies why."""
+class HubError(GputopError):
+    """The hub could not be read: ``kind`` (also its ``reason``) classifies why. Exit 4."""
+
+    exit_code = EXIT_HUB
 
     def __init__(self, url: str, kind: HubErrorKind, message: str) -> None:
-        super().__init__(f"hub {url}: {kind}: {message}")
+        super().__init__(f"hub {url}: {kind}: {message}", reason=kind)
         self.url, self.kind, self.message = url, kind, message
 
     def host_error(self) -> HostError:

@@ -115,7 +115,7 @@ class ReserveScreen(Dialog[ReserveRequest | None]):
                 text = self.query_one("#reserve-share", Input).value.strip()
                 if text or self.share == "required":
                     share = parse_size_mib(text or "?")
-        except ValueError as exc:
+        except (ValueError, Invalid) as exc:
             error.update(Text(str(exc)))
             return
         self.dismiss(ReserveRequest(seconds, note, share))
