@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
+from gputop.history.known import known_gpus
 from gputop.model import HostSnapshot
 from gputop.poller import open_poller
 from gputop.reservations import (
@@ -107,7 +108,9 @@ def validate_gpus(config: Config, targets: list[Target],
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
-    out, warnings = check_targets(targets, snaps, me, logins(config))
+    down = {n for n, h in snaps.items() if not h.ok}
+    out, warnings = check_targets(targets, snaps, me, logins(config),
+                                  known_gpus(config, down) if down else None)
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
