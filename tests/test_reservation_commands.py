@@ -360,3 +360,16 @@ def test_a_host_that_does_not_answer_takes_only_gpus_it_is_known_to_have(
     assert gputop("reserve", "gpu-big:255", "--for", "7d").returncode == 0
     assert sorted(held(gputop)) == [("gpu-big", 255, "gtalice"), ("gpu-rec", 1, "gtbob"),
                                     ("gpu-said", 0, "gtalice"), ("gpu-said", 1, "gtalice")]
+
+
+def test_a_count_past_the_budget_is_refused_before_it_queues(gputop: Any) -> None:
+    """A waiter for more GPUs than one user may hold could never be granted (its claim
+    would be refused): refused at once, before it queues; a count to look at is fine."""
+    only(gputop, "gpu-h100")
+    for args in (("free", "--count", "65", "--wait"), ("free", "--count", "65", "--reserve"),
+                 ("run", "--count", "65", "--", "true")):
+        r = gputop(*args)
+        assert r.returncode == 2 and "--count 65: more than the 64 GPUs" in r.stderr, r.stderr
+    assert not gputop.path.exists() or "queue" not in json.loads(gputop.path.read_text())
+    r = gputop("free", "--count", "65")
+    assert r.returncode == 1 and "65 wanted" in r.stderr, r.stderr

@@ -25,6 +25,7 @@ from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
+from gputop.reservations.records import MAX_USER_ENTRIES
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
 from gputop.sources import shared_file
@@ -144,6 +145,10 @@ def queue_request(config: Config, args: argparse.Namespace, *, one_host: bool) -
     """``--count``, ``--min-free-memory``, ``--host`` / ``--tag`` as a queue request."""
     if args.count < 1:
         raise Invalid("--count must be at least 1")
+    if args.count > MAX_USER_ENTRIES and (getattr(args, "reserve", True)
+                                          or getattr(args, "wait", False)):
+        raise Invalid(f"--count {args.count}: more than the {MAX_USER_ENTRIES} GPUs one user "
+                      "may hold in the shared file")
     min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
     if args.host and args.tag:
         raise Invalid("give --host or --tag, not both")
