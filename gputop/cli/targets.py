@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
-from gputop.history.known import known_gpus
 from gputop.model import HostSnapshot
 from gputop.poller import open_poller
 from gputop.reservations import (
@@ -100,9 +99,11 @@ def reservation_seconds(config: Config, text: str | None) -> float:
 def validate_gpus(config: Config, targets: list[Target],
                    snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
     """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
-    A host that does not answer cannot be checked: say so and keep the index. A GPU that
-    someone else is using can be reserved, with a warning naming them. ``snaps`` receives
-    the hosts as polled."""
+    A host that does not answer is checked against its GPUs as the history or its
+    ``gpus = N`` know them (none known: refused); a warning says so and the index is kept.
+    A GPU that someone else is using can be reserved, with a warning naming them.
+    ``snaps`` receives the hosts as polled."""
+    from gputop.history.known import known_gpus
     from gputop.jobs.remote import logins
 
     me = whoami(open_store(config))[0]
