@@ -81,6 +81,10 @@ def host_problem(text: str, *, user_part: bool = True) -> str | None:
     return None
 
 
+#: ``[[hosts]] gpus`` at most: more than any one machine has.
+MAX_HOST_GPUS = 256
+
+
 @dataclass(frozen=True)
 class HostConfig:
     name: str
@@ -91,6 +95,9 @@ class HostConfig:
     tags: tuple[str, ...] = ()
     #: Read this host in-process through NVML instead of SSH.
     local: bool = False
+    #: ``gpus = N``: the host has GPUs 0..N-1. Lets a host that has never answered (nor is
+    #: in the history) be reserved on; without it nothing is known there to reserve.
+    gpus: int | None = None
 
 
 @dataclass(frozen=True)
@@ -350,13 +357,17 @@ def _host(path: Path, key: str, item: Any) -> HostConfig:
         if problem:
             raise ConfigError(path, t.key("address"), f"{address!r} {problem}")
     user = t.get("user", str)
+    gpus = t.get("gpus", int)
+    if gpus is not None and not 1 <= gpus <= MAX_HOST_GPUS:
+        raise ConfigError(path, t.key("gpus"), f"must be between 1 and {MAX_HOST_GPUS} (the "
+                          "number of GPUs the host has)")
     local = t.get("local", bool, False)
     if local:
         for key, value in (("address", address), ("port", port), ("user", user)):
             if value is not None:  # NVML reads this machine: an SSH setting would be ignored
                 raise ConfigError(path, t.key(key), "cannot be used with local = true")
     t.done()
-    return HostConfig(name, address, port, user, tuple(tags), local)
+    return HostConfig(name, address, port, user, tuple(tags), local, gpus)
 
 
 def parse_config(data: dict[str, Any], path: Path) -> Config:

@@ -58,9 +58,10 @@ def read_lines(proc: subprocess.Popen[str], n: int, seconds: float) -> list[str]
 
 
 def unreachable_config(tmp_path: Path) -> Path:
+    """A host that never answers; ``gpus = 2`` lets its GPUs 0 and 1 be reserved."""
     cfg = tmp_path / "hosts.toml"
     cfg.write_text(f'[reservations]\npath = "{tmp_path / "res.json"}"\n'
-                   '[[hosts]]\nname = "gpu-01"\naddress = "127.0.0.1"\nport = 1\n')
+                   '[[hosts]]\nname = "gpu-01"\naddress = "127.0.0.1"\nport = 1\ngpus = 2\n')
     return cfg
 
 

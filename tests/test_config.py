@@ -24,7 +24,7 @@ def test_example_config_is_valid_and_documents_every_key() -> None:
     assert [h.name for h in cfg.hosts][:2] == ["gpu-01", "gpu-02"]
     text = (ROOT / "hosts.example.toml").read_text()
     for key in ("interval", "timeout", "max_connecting", "ssh_config", "theme",
-                "idle_holder_after", "address", "port", "user", "tags", "local",
+                "idle_holder_after", "address", "port", "user", "tags", "local", "gpus",
                 "path", "default_duration", "max_duration", "idle_grace",
                 "keep_raw", "keep_minutes", "keep_hours", "url",
                 "fallback", "token_file", "listen"):
@@ -56,14 +56,15 @@ address = "10.0.0.5"
 port = 2222
 user = "me"
 tags = ["a100", "team-x"]
+gpus = 8
 [[hosts]]
 name = "workstation"
 local = true
 """)))
     h = cfg.hosts[0]
-    assert (h.address, h.port, h.user, h.tags, h.local) == ("10.0.0.5", 2222, "me",
-                                                            ("a100", "team-x"), False)
-    assert cfg.hosts[1].local
+    assert (h.address, h.port, h.user, h.tags, h.local, h.gpus) == (
+        "10.0.0.5", 2222, "me", ("a100", "team-x"), False, 8)
+    assert cfg.hosts[1].local and cfg.hosts[1].gpus is None
 
 
 @pytest.mark.parametrize(("text", "key", "words"), [
@@ -87,6 +88,12 @@ local = true
     ('hosts = ["a"]\n[history]\nkeep_hours = "always"\n', "history.keep_hours",
      "not a duration"),
     ('hosts = ["a"]\n[history]\nkeep_hours = true\n', "history.keep_hours", "boolean"),
+    ('[[hosts]]\nname = "a"\ngpus = 0\n', "hosts[0].gpus", "between 1 and 256"),
+    ('[[hosts]]\nname = "a"\ngpus = 65536\n', "hosts[0].gpus", "between 1 and 256"),
+    ('[[hosts]]\nname = "a"\ngpus = -1\n', "hosts[0].gpus", "between 1 and 256"),
+    ('[[hosts]]\nname = "a"\ngpus = "8"\n', "hosts[0].gpus", "must be an integer"),
+    ('[[hosts]]\nname = "a"\ngpus = 8.0\n', "hosts[0].gpus", "must be an integer"),
+    ('[[hosts]]\nname = "a"\ngpus = true\n', "hosts[0].gpus", "boolean"),
     ('hosts = ["a"]\n[history]\nkeep_hours = "12h"\n', "history.keep_hours", "at least 1d"),
     ('hosts = ["a"]\n[history]\nkeep_minutes = "60d"\nkeep_hours = "30d"\n',
      "history.keep_hours", "keep_minutes"),

@@ -7,6 +7,7 @@ is in test_history_fleet.py."""
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,13 @@ from typing import Any
 import pytest
 from test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
-from gputop.history.names import MAX_NAMED, NEW_NAMES_BURST, OTHER_NAMES
+from gputop.history.names import (
+    MAX_NAMED,
+    NEW_GPU_EVERY_S,
+    NEW_GPUS_BURST,
+    NEW_NAMES_BURST,
+    OTHER_NAMES,
+)
 from gputop.history.render import write_text
 from gputop.reservations.store import StoreState, new_reservation
 
@@ -294,3 +301,32 @@ def test_the_names_waiting_for_a_second_refresh_are_bounded() -> None:
     # a name seen at 1000 and again a refresh later is kept; the others are not
     gate.user_ids(["bob"], 10_000)
     assert gate.user_ids(["bob", "new"], 12_000) == [ids["bob"], ids[OTHERS]]
+
+
+def test_a_host_reporting_new_gpu_uuids_every_refresh_is_admitted_at_a_bounded_rate(
+        tmp_path: Path) -> None:
+    """A lying host: 64 new uuids every second for 70 s (4,480 uuids, a row each in
+    ``gpus`` before), then an hour more. Its first answer's GPUs are all kept; after that
+    one new GPU an hour, and the honest host beside it loses nothing."""
+    db = tmp_path / "h.sqlite3"
+    rec = open_recorder(db, interval=1.0)
+    honest = [gpu(0, 10, "alice"), gpu(1, 20)]
+    for i in range(70):
+        t = T0 + timedelta(seconds=i + 1)
+        lies = [replace(gpu(k, 50), uuid=f"GPU-lie-{i}-{k}") for k in range(64)]
+        rec.record(snap("liar", t, *lies))
+        rec.record(snap("good", t, *honest))
+    rec.flush()
+    assert count(db, "SELECT COUNT(*) FROM gpus g JOIN hosts h ON g.host = h.id "
+                     "WHERE h.name = 'liar'") == NEW_GPUS_BURST
+    for i in range(70, 70 + 3600, 60):  # an hour later, a minute apart: one more
+        t = T0 + timedelta(seconds=i + 1)
+        rec.record(snap("liar", t, *[replace(gpu(k, 50), uuid=f"GPU-lie-{i}-{k}")
+                                     for k in range(64)]))
+    rec.flush()
+    rec.db.close()
+    liar = count(db, "SELECT COUNT(*) FROM gpus g JOIN hosts h ON g.host = h.id "
+                     "WHERE h.name = 'liar'")
+    assert liar == NEW_GPUS_BURST + 3600 // int(NEW_GPU_EVERY_S)
+    assert count(db, "SELECT COUNT(*) FROM gpus g JOIN hosts h ON g.host = h.id "
+                     "WHERE h.name = 'good'") == 2

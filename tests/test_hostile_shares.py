@@ -193,13 +193,13 @@ def test_a_share_that_skips_the_queue_is_recorded(team: Team) -> None:
 def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
     """A careless config: gtalice copied gtbob's hosts file, which logs in to q1 as gtbob.
     She cannot (his keys are not hers): q1 does not answer her, and `reserve q1:0`
-    reserves by index with a warning. Her reservation recorded gtbob as her login there
-    all the same, so gtbob's own job on her GPU was hers for everyone: not flagged
-    `unreserved-use`, and credited to her. A login is recorded only for a host that
-    answered under it."""
+    reserves by index with a warning (her hosts file says it has a GPU 0). Her reservation
+    recorded gtbob as her login there all the same, so gtbob's own job on her GPU was hers
+    for everyone: not flagged `unreserved-use`, and credited to her. A login is recorded
+    only for a host that answered under it."""
     cfg = team.tmp / "alice.toml"
     cfg.write_text(team.config.read_text().replace(
-        'name = "q1"\n', 'name = "q1"\nuser = "gtbob"\n'))
+        'name = "q1"\n', 'name = "q1"\nuser = "gtbob"\ngpus = 1\n'))
     cfg.chmod(0o644)
     from as_user import run_as
 

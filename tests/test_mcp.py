@@ -229,6 +229,30 @@ async def test_remote_text_is_data_and_errors_are_classified(
         assert "reservations_error" in status and "could not be read" in status["summary"]
 
 
+async def test_reserve_takes_only_gpus_a_host_is_known_to_have(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    """Hosts where nothing listens: one never seen takes no GPU (the 5,000-index flood is
+    refused whole), one with ``gpus = 2`` in hosts.toml takes 0 and 1 only."""
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    down = 'address = "127.0.0.1"\nport = 1\n'
+    with cfg.open("a") as f:
+        f.write(f'[[hosts]]\nname = "mcp-gone"\n{down}\n[[hosts]]\nname = "mcp-said"\n'
+                f'{down}gpus = 2\n\n[history]\npath = "{tmp_path / "none.sqlite3"}"\n')
+    async with session(mcp_fleet, cfg) as s:
+        flood = "mcp-gone:" + ",".join(map(str, range(5000)))
+        with pytest.raises(ToolErr, match=r"^invalid: mcp-gone did not answer .*never seen "
+                                          r"its GPUs.*gpus = N"):
+            await call(s, "reserve", gpus=[flood], duration="7d", note="x" * 200)
+        with pytest.raises(ToolErr, match=r"^invalid: mcp-said did not answer .*no GPU 2 "
+                                          r"as far as gputop knows \(gpus = 2 in "):
+            await call(s, "reserve", gpus=["mcp-said:1,2"])
+        assert not res.exists() or holders(res) == []
+        got = await call(s, "reserve", gpus=["mcp-said:0,1"])
+        assert [d["gpu"] for d in got["reserved"]] == ["mcp-said:0", "mcp-said:1"]
+        assert any("could not check mcp-said:1" in w for w in got["warnings"])
+    assert holders(res) == [("mcp-said", 0, ME), ("mcp-said", 1, ME)]
+
+
 async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
         mcp_fleet: Fleet, tmp_path: Path) -> None:
     """A teammate waits for a GPU on the host: the agent is offered none there and may not

@@ -35,6 +35,7 @@ from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_ava
 from gputop.config import ConfigError, load_config
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
+from gputop.reservations.state import OverBudget
 from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
 from gputop.sources.shared_file import open_store
 
@@ -209,6 +210,20 @@ def test_me_is_the_account_the_store_host_authenticated(clean: World) -> None:
         reserve(clean.store("gtdave"), [Target("gpu", 0)], seconds=60, max_seconds=3600)
     assert release(st, None)[0].user == "gtcarol"
     assert clean.store("gtdave").read().reservations == ()
+
+
+def test_the_budget_holds_over_ssh_for_that_user_alone(clean: World) -> None:
+    """A flood written over SSH is refused by the per-user budget, as with a local file,
+    and the file is left as it was; a teammate over SSH still reserves."""
+    st = clean.store("gtcarol")
+    reserve(st, [Target("gpu", 0)], seconds=600, max_seconds=3600)
+    before = clean.path.read_bytes()
+    with pytest.raises(OverBudget, match=r"gtcarol would hold 201 .* at most 64"):
+        reserve(st, [Target("gpu", i) for i in range(1, 201)], seconds=600,
+                max_seconds=3600, note="x" * 500)
+    assert clean.path.read_bytes() == before
+    reserve(clean.store("gtdave"), [Target("gpu", 300)], seconds=600, max_seconds=3600)
+    assert sorted(r.user for r in st.read().reservations) == ["gtcarol", "gtdave"]
 
 
 def test_unchanged_file_is_not_fetched_again(clean: World) -> None:

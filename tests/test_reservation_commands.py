@@ -20,7 +20,9 @@ import pytest
 from as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
 from fleet import Fleet
 
-from gputop.model import iso, utcnow
+from gputop.history.db import HistoryDB
+from gputop.history.recorder import Recorder
+from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
 
 
 @pytest.fixture
@@ -316,3 +318,58 @@ def test_one_look_commands_query_once_and_start_no_loop(gputop: Any, fleet: Flee
     calls = fleet.calls(host)[before:]
     assert calls and not any("-lms" in c or "--loop" in c for c in calls), calls
     assert sum("--query-gpu" in c for c in calls) == 2, calls  # one query per command
+
+
+def test_a_host_that_does_not_answer_takes_only_gpus_it_is_known_to_have(
+        gputop: Any) -> None:
+    """Hosts where nothing listens: one never seen, one with ``gpus = N`` in hosts.toml,
+    one in the history database. Only GPUs known to exist are reserved there, and one
+    teammate's flood of 256 GPUs is refused by their budget while the other reserves."""
+    only(gputop, "gpu-h100")
+    team = gputop.path.parent
+    hist = team / "history.sqlite3"
+    rec = Recorder(HistoryDB(hist, writer=True), interval=10.0)
+    rec.record(HostSnapshot("gpu-rec", gpus=tuple(
+        GpuInfo(index=i, uuid=f"GPU-rec-{i}", name="H100") for i in range(2))))
+    rec.flush()
+    rec.db.close()
+    down = 'address = "127.0.0.1"\nport = 1\n'
+    with gputop.config.open("a") as f:
+        f.write(f'[[hosts]]\nname = "gpu-gone"\n{down}\n[[hosts]]\nname = "gpu-said"\n{down}'
+                f'gpus = 2\n\n[[hosts]]\nname = "gpu-rec"\n{down}\n[[hosts]]\n'
+                f'name = "gpu-big"\n{down}gpus = 256\n\n[history]\npath = "{hist}"\n')
+    r = gputop("reserve", "gpu-gone:0")
+    assert r.returncode == 2 and "never seen its GPUs" in r.stderr, r.stderr
+    assert "gpus = N" in r.stderr
+    r = gputop("reserve", "gpu-said:0,1")
+    assert r.returncode == 0 and "could not check gpu-said:1" in r.stderr, r.stderr
+    r = gputop("reserve", "gpu-said:2", user="gtbob")
+    assert r.returncode == 2 and "no GPU 2" in r.stderr and "gpus = 2 in" in r.stderr
+    r = gputop("reserve", "gpu-rec:1", user="gtbob")
+    assert r.returncode == 0, r.stderr
+    r = gputop("reserve", "gpu-rec:2", user="gtbob")
+    assert r.returncode == 2 and f"the history in {hist}: 0, 1" in r.stderr, r.stderr
+    r = gputop("reserve", "gpu-rec:0/3", user="gtbob")
+    assert r.returncode == 2 and "no MIG instance 3" in r.stderr, r.stderr
+    before = gputop.path.read_bytes()
+    r = gputop("reserve", "gpu-big:" + ",".join(map(str, range(256))), "--for", "7d",
+               "--note", "x" * 500, user="gtbob")
+    assert r.returncode == 2 and "gtbob would hold 257" in r.stderr, r.stderr
+    assert "at most 64" in r.stderr and "Traceback" not in r.stderr
+    assert gputop.path.read_bytes() == before
+    assert gputop("reserve", "gpu-big:255", "--for", "7d").returncode == 0
+    assert sorted(held(gputop)) == [("gpu-big", 255, "gtalice"), ("gpu-rec", 1, "gtbob"),
+                                    ("gpu-said", 0, "gtalice"), ("gpu-said", 1, "gtalice")]
+
+
+def test_a_count_past_the_budget_is_refused_before_it_queues(gputop: Any) -> None:
+    """A waiter for more GPUs than one user may hold could never be granted (its claim
+    would be refused): refused at once, before it queues; a count to look at is fine."""
+    only(gputop, "gpu-h100")
+    for args in (("free", "--count", "65", "--wait"), ("free", "--count", "65", "--reserve"),
+                 ("run", "--count", "65", "--", "true")):
+        r = gputop(*args)
+        assert r.returncode == 2 and "--count 65: more than the 64 GPUs" in r.stderr, r.stderr
+    assert not gputop.path.exists() or "queue" not in json.loads(gputop.path.read_text())
+    r = gputop("free", "--count", "65")
+    assert r.returncode == 1 and "65 wanted" in r.stderr, r.stderr

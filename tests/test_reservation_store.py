@@ -17,6 +17,8 @@ import pytest
 
 from gputop.model import iso, utcnow
 from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations.records import MAX_USER_BYTES, MAX_USER_ENTRIES
+from gputop.reservations.state import OverBudget
 from gputop.reservations.store import MAX_FILE_BYTES, nfs_lock_problem
 
 H = 3600.0
@@ -508,9 +510,15 @@ def test_release_by_id_removes_exactly_that_reservation(tmp_path: Path) -> None:
 # -- never write a file gputop would refuse to read ---------------------------------------
 
 
-def test_refuses_to_write_more_bytes_than_a_reader_accepts(tmp_path: Path) -> None:
+def test_refuses_to_write_more_bytes_than_a_reader_accepts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """500-character notes of emoji are 12 bytes a character once escaped: about 670 of
-    them pass every per-request check but would make a file no reader accepts."""
+    them pass every per-request check but would make a file no reader accepts (the
+    per-user budget, lifted here, is a separate guard: many users together)."""
+    import gputop.reservations.state as state_mod
+
+    monkeypatch.setattr(state_mod, "MAX_USER_ENTRIES", 10_000)
+    monkeypatch.setattr(state_mod, "MAX_USER_BYTES", 2 * MAX_FILE_BYTES)
     path = tmp_path / "r.json"
     store = Store(path)
     note = "\U0001f600" * 500
@@ -544,15 +552,15 @@ def test_cli_reserve_that_would_overflow_the_file_exits_2(tmp_path: Path) -> Non
     path = tmp_path / "r.json"
     big = "\U0001f600" * 500
     now = utcnow()
-    records = [rec(id=f"r{i}", host="h", gpu=i, note=big, created=iso(now),
-                   expires=iso(now + timedelta(hours=5))) for i in range(600)]
+    records = [rec(id=f"r{i}", host="g", gpu=i, note=big, created=iso(now),
+                   expires=iso(now + timedelta(hours=5))) for i in range(672)]
     path.write_bytes(doc(*records))
     assert Store(path).read()  # readable as it is
     cfg = tmp_path / "hosts.toml"
-    cfg.write_text(f'hosts = ["h"]\n[defaults]\ntimeout = 0.5\n[reservations]\n'
-                   f'path = "{path}"\n')
+    cfg.write_text('[[hosts]]\nname = "h"\ngpus = 16\n[defaults]\ntimeout = 0.5\n'
+                   f'[reservations]\npath = "{path}"\n')
     before = path.read_bytes()
-    spec = "h:" + ",".join(str(i) for i in range(700, 800))
+    spec = "h:" + ",".join(str(i) for i in range(10))  # within the user's budget
     r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), "reserve", spec,
                         "--note", big], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
@@ -574,3 +582,50 @@ def test_not_a_regular_file_is_a_store_error_not_a_hang(tmp_path: Path, kind: st
                            capture_output=True, text=True, timeout=20)
         assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
     assert path.is_dir() if kind == "directory" else path.is_fifo()
+
+
+def test_one_users_flood_is_refused_for_them_alone(tmp_path: Path) -> None:
+    """5,000 GPUs with 500-character notes for a week (the flood that made a 4 MB file and
+    then every other user's write fail): refused with the numbers, nothing written; the
+    others still reserve, and the flooder's own budget still takes what fits."""
+    path = tmp_path / "r.json"
+    store = Store(path)
+    make(store, "h", 0, "bob")
+    before = path.read_bytes()
+    flood = [Target("gpu-003", i) for i in range(5000)]
+    with pytest.raises(OverBudget) as exc:
+        reserve(store, flood, seconds=7 * 86400, max_seconds=7 * 86400, user="mallory",
+                note="x" * 500)
+    msg = str(exc.value)
+    assert "mallory would hold 5000" in msg and f"at most {MAX_USER_ENTRIES}" in msg
+    assert path.read_bytes() == before
+    # Within the budget in entries, past it in bytes: refused on bytes.
+    with pytest.raises(OverBudget, match=f"{MAX_USER_BYTES // 1024} kB"):
+        reserve(store, flood[:MAX_USER_ENTRIES], seconds=H, max_seconds=7 * 86400,
+                user="mallory", note="\U0001f600" * 500)
+    reserve(store, flood[:MAX_USER_ENTRIES], seconds=H, max_seconds=7 * 86400,
+            user="mallory", note="x" * 500)
+    with pytest.raises(OverBudget):  # one more
+        make(store, "gpu-003", MAX_USER_ENTRIES, "mallory")
+    make(store, "h", 1, "bob", "x" * 500)  # everyone else is unaffected
+    make(store, "gpu-003", 4999, "carol")
+    assert len(path.read_bytes()) < MAX_FILE_BYTES // 8
+    assert release(store, [Target("gpu-003", 0)], user="mallory")  # shrinking is never refused
+
+
+def test_a_user_already_past_the_budget_may_shrink_and_others_write(tmp_path: Path) -> None:
+    """A file from before the budget (an older gputop), one user far past it: nobody is
+    locked out, that user may release and extend, just not grow."""
+    path = tmp_path / "r.json"
+    now = utcnow()
+    path.write_text(json.dumps({"version": 1, "events": [], "reservations": [
+        {"id": f"r{i}", "host": "h", "gpu": i, "user": "mallory", "machine": "m",
+         "created": iso(now), "expires": iso(now + timedelta(hours=5)), "uuid": None,
+         "note": ""} for i in range(200)]}))
+    store = Store(path)
+    make(store, "h", 500, "bob")
+    release(store, [Target("h", 0)], user="mallory")
+    make(store, "h", 1, "mallory")  # extends one of hers: no growth
+    with pytest.raises(OverBudget, match="mallory would hold 200"):
+        make(store, "h", 300, "mallory")
+    assert len(store.read().reservations) == 200

@@ -37,6 +37,7 @@ from gputop.agents.views import (
     waiter_doc,
 )
 from gputop.config import Config, parse_duration
+from gputop.history.known import known_gpus
 from gputop.jobs.reap import check_jobs
 from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
@@ -354,8 +355,11 @@ class FleetTools:
             self._hosts_of(hosts=[t.host for t in targets])
             looked = await self.look([t.host for t in targets])
             snaps = {h.name: h for h in looked}
+            down = {h.name for h in looked if not h.ok}
+            known = await self._off_loop(lambda: known_gpus(self.config, down)) if down \
+                else None
             try:
-                targets, warnings = check_targets(targets, snaps, self.me, self.login)
+                targets, warnings = check_targets(targets, snaps, self.me, self.login, known)
             except Invalid as exc:
                 raise ToolFailure("invalid", str(exc)) from None
         else:

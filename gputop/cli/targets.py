@@ -24,6 +24,7 @@ from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
+from gputop.reservations.records import MAX_USER_ENTRIES
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
 from gputop.sources import shared_file
@@ -98,16 +99,20 @@ def reservation_seconds(config: Config, text: str | None) -> float:
 def validate_gpus(config: Config, targets: list[Target],
                    snaps: dict[str, HostSnapshot] | None = None) -> list[Target]:
     """Check GPU indices against the live hosts and record UUIDs (renumbering shows later).
-    A host that does not answer cannot be checked: say so and keep the index. A GPU that
-    someone else is using can be reserved, with a warning naming them. ``snaps`` receives
-    the hosts as polled."""
+    A host that does not answer is checked against its GPUs as the history or its
+    ``gpus = N`` know them (none known: refused); a warning says so and the index is kept.
+    A GPU that someone else is using can be reserved, with a warning naming them.
+    ``snaps`` receives the hosts as polled."""
+    from gputop.history.known import known_gpus
     from gputop.jobs.remote import logins
 
     me = whoami(open_store(config))[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
-    out, warnings = check_targets(targets, snaps, me, logins(config))
+    down = {n for n, h in snaps.items() if not h.ok}
+    out, warnings = check_targets(targets, snaps, me, logins(config),
+                                  known_gpus(config, down) if down else None)
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
@@ -141,6 +146,10 @@ def queue_request(config: Config, args: argparse.Namespace, *, one_host: bool) -
     """``--count``, ``--min-free-memory``, ``--host`` / ``--tag`` as a queue request."""
     if args.count < 1:
         raise Invalid("--count must be at least 1")
+    if args.count > MAX_USER_ENTRIES and (getattr(args, "reserve", True)
+                                          or getattr(args, "wait", False)):
+        raise Invalid(f"--count {args.count}: more than the {MAX_USER_ENTRIES} GPUs one user "
+                      "may hold in the shared file")
     min_mib = parse_size_mib(args.min_free_memory) if args.min_free_memory else 0
     if args.host and args.tag:
         raise Invalid("give --host or --tag, not both")

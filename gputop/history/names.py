@@ -14,6 +14,11 @@ per-hour and per-day sums). So:
 
 Time of a name not kept counts under ``OTHER_NAMES``: GPU totals and the names kept are
 exact, and only the names are lost. A name already in the database is kept at once.
+
+GPUs likewise (``GpuGate``): a host's new GPU uuids (a row each in ``gpus``) are admitted
+at most ``NEW_GPUS_BURST`` at once, then one per ``NEW_GPU_EVERY_S`` per host; a GPU not
+admitted is left out of its samples until it is. A host reporting new uuids every
+refresh grows the table by at most 24 rows a day.
 """
 
 from __future__ import annotations
@@ -31,6 +36,29 @@ NEW_NAME_EVERY_S = 60.0
 MAX_NAMED = 16
 #: Names waiting for their second refresh, at most (memory only).
 PENDING_MAX = 4096
+#: New GPUs per host: more than any machine has at once, then one an hour.
+NEW_GPUS_BURST = 64
+NEW_GPU_EVERY_S = 3600.0
+
+
+class GpuGate:
+    """Per-host token buckets for GPUs new to the database (see the module)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, tuple[float, int]] = {}  # host id -> (tokens, at ms)
+
+    def take(self, host: int, t_ms: int) -> bool:
+        """Whether a new GPU of ``host`` seen at ``t_ms`` gets its row now."""
+        tokens, at = self._buckets.get(host, (float(NEW_GPUS_BURST), t_ms))
+        if t_ms > at:
+            tokens = min(float(NEW_GPUS_BURST),
+                         tokens + (t_ms - at) / 1000 / NEW_GPU_EVERY_S)
+            at = t_ms
+        if tokens < 1.0:
+            self._buckets[host] = (tokens, at)
+            return False
+        self._buckets[host] = (tokens - 1.0, at)
+        return True
 
 
 class NameGate:

@@ -9,7 +9,9 @@ drops raw samples, minutes and hours past their keep windows.
 Which user names get rows of their own is ``names``' rule: a name seen for a single
 refresh, or beyond the new-name limit, counts under ``(other names)``, and a rollup keeps
 the 16 busiest names per GPU and bucket, so history's size does not grow with the names
-that arrive. A host that is down before any of its GPUs was seen is recorded as one
+that arrive; new GPUs of a host are admitted at a bounded rate (``names.GpuGate``), so
+that a host reporting new uuids every refresh does not grow the ``gpus`` table without
+bound. A host that is down before any of its GPUs was seen is recorded as one
 pseudo GPU with key ``""`` (no uuid is empty): the report counts it as the host's time with
 no data and GPUs unknown, not as GPU-hours.
 
@@ -34,7 +36,7 @@ from itertools import groupby
 
 from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
-from gputop.history.names import MAX_NAMED, OTHER_NAMES, NameGate, fold
+from gputop.history.names import MAX_NAMED, OTHER_NAMES, GpuGate, NameGate, fold
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Reservation, StoreState
 
@@ -100,6 +102,7 @@ class Recorder:
         except HistoryError:
             db.abandon()
             raise
+        self.new_gpus = GpuGate()
         self.names = NameGate(self._users, lambda n: self._id("users", self._users, n),
                               interval_ms=int(interval * 1000), max_gap_ms=self.max_gap_ms)
 
@@ -308,8 +311,9 @@ class Recorder:
             ids = []
             for g in snap.gpus:
                 key = g.uuid or (f"index:{g.index}" if g.index is not None else None)
-                if key is None:
-                    continue
+                if key is None or ((hid, key) not in self._gpus and (
+                        current is not None or not self.new_gpus.take(hid, t_ms))):
+                    continue  # not admitted (yet): see names.GpuGate
                 gid = self._gpu_id(hid, key, g.index, g.name, g.memory_total_mib)
                 ids.append(gid)
                 util = None if g.lost else g.utilization_percent

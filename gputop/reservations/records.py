@@ -31,6 +31,11 @@ MAX_WAITERS = 1_000
 MAX_FILE_BYTES = 4 * 1024 * 1024
 MAX_NOTE = 500
 MAX_RESERVATIONS = 10_000
+#: Each user's budget in the file: reservations and queue places together, and the bytes
+#: they take there. One user's flood is refused for that user alone, and 32 users at
+#: their full budget still fit in MAX_FILE_BYTES beside the audit trail (docs/security.md).
+MAX_USER_ENTRIES = 64
+MAX_USER_BYTES = 64 * 1024
 #: The audit trail's bound, per kind: force-releases, skip-queues and queue removals each
 #: keep their own last MAX_EVENTS, apart from routine events (``job-ended``, a waiter
 #: removing its own place), so that cheap actions repeated in a loop can never push out

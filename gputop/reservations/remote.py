@@ -252,7 +252,7 @@ class RemoteStore:
             ch, nonce, state = self._call(self._begin(left), left + self.timeout * 2 + 1)
             try:
                 now = utcnow()
-                new = settle(change(state, now), now)
+                new = settle(change(state, now), now, state)
                 data = None if new == state else encode(new, self._named)
                 if self._call(self._finish(ch, nonce, data), self.timeout + 1):
                     return new

@@ -22,6 +22,8 @@ from gputop.reservations.records import (
     MAX_FILE_BYTES,
     MAX_LEASE_S,
     MAX_RESERVATIONS,
+    MAX_USER_BYTES,
+    MAX_USER_ENTRIES,
     MAX_WAITERS,
     READ_VERSIONS,
     SHARES_VERSION,
@@ -30,6 +32,7 @@ from gputop.reservations.records import (
     _jtype,
     check_event,
 )
+from gputop.text import clean
 
 
 @dataclass(frozen=True)
@@ -312,11 +315,53 @@ def kept(w: Waiter, now: datetime) -> bool:
         seconds=MAX_LEASE_S)
 
 
-def settle(new: StoreState, now: datetime) -> StoreState:
-    """What every write prunes: ended reservations, old events, long-lapsed waiters."""
-    return replace(new, reservations=tuple(r for r in new.reservations
-                                           if new.ends(r, now) > now),
-                   events=bounded_events(new.events),
-                   queue=tuple(w for w in new.queue if kept(w, now)))
+class OverBudget(StoreError):
+    """A write would take a user past their budget in the file (``MAX_USER_ENTRIES``,
+    ``MAX_USER_BYTES``); nothing was written."""
+
+
+def entry_bytes(record: Reservation | Waiter) -> int:
+    """The bytes a reservation or queue place takes in the file (as ``to_json`` writes
+    it: two more spaces a line, and the comma and newline after it)."""
+    text = json.dumps(record.to_dict(), indent=1, ensure_ascii=True)
+    return len(text) + 2 * (text.count("\n") + 1) + 2
+
+
+def usage(state: StoreState, user: str) -> tuple[int, int]:
+    """``user``'s reservations and queue places in the file, and the bytes they take."""
+    mine = [r for r in state.reservations if r.user == user] + [
+        w for w in state.queue if w.user == user]
+    return len(mine), sum(entry_bytes(e) for e in mine)
+
+
+def check_budgets(before: StoreState, after: StoreState) -> None:
+    """Refuse (OverBudget) a write that grows a user's part of the file past their budget.
+    Only users whose entries changed are measured; one already past it may still shrink."""
+    old_rs, old_ws = set(before.reservations), set(before.queue)
+    users = {r.user for r in after.reservations if r not in old_rs} | {
+        w.user for w in after.queue if w not in old_ws}
+    for user in sorted(users):
+        n, size = usage(after, user)
+        if n <= MAX_USER_ENTRIES and size <= MAX_USER_BYTES:
+            continue
+        n0, size0 = usage(before, user)
+        if (n > MAX_USER_ENTRIES and n > n0) or (size > MAX_USER_BYTES and size > size0):
+            raise OverBudget(
+                f"{clean(user[:64])} would hold {n} reservations and queue places taking {size} "
+                f"bytes in the shared file; each user may hold at most {MAX_USER_ENTRIES} "
+                f"taking {MAX_USER_BYTES // 1024} kB (now {n0}, {size0} bytes): release "
+                "some, or shorten notes; nothing was changed")
+
+
+def settle(new: StoreState, now: datetime, before: StoreState | None = None) -> StoreState:
+    """What every write prunes: ended reservations, old events, long-lapsed waiters.
+    ``before``: the file as read; a user's growth past their budget is refused."""
+    out = replace(new, reservations=tuple(r for r in new.reservations
+                                          if new.ends(r, now) > now),
+                  events=bounded_events(new.events),
+                  queue=tuple(w for w in new.queue if kept(w, now)))
+    if before is not None:
+        check_budgets(before, out)
+    return out
 
 

@@ -246,7 +246,7 @@ class Store:
             with self._locked(max(deadline - time.monotonic(), 0.0)) as held:
                 state = self.read()
                 now = utcnow()
-                new = settle(change(state, now), now)
+                new = settle(change(state, now), now, state)
                 if new == state:
                     return new
                 data = encode(new, self.path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from gputop.model import HostSnapshot
 from gputop.reservations.flags import instance_view, other_users
@@ -20,6 +21,22 @@ _SPEC = re.compile(rf"^(?P<host>[^:\s]+):(?P<gpus>{_ITEM}(?:,{_ITEM})*)$")
 
 #: A target given by MIG uuid, until ``resolve_uuids`` finds its GPU and instance.
 BY_UUID = -1
+
+
+@dataclass(frozen=True)
+class Known:
+    """A host's GPUs as known without its answer now: from the history database (its
+    latest good answer there) or from ``gpus = N`` in hosts.toml. ``instances``: the MIG
+    instances (GI ids) of each GPU where known; a GPU not in it cannot be checked, so an
+    instance of it is refused."""
+
+    gpus: frozenset[int]
+    source: str
+    instances: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+#: How to make a host that never answered reservable (said with each refusal).
+GPUS_HINT = "give its [[hosts]] entry gpus = N (its number of GPUs), or reserve once it answers"
 
 
 def parse_targets(specs: Sequence[str]) -> list[Target]:
@@ -68,22 +85,51 @@ def resolve_uuids(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot]
     return out
 
 
+def _check_known(t: Target, h: HostSnapshot, known: Known | None) -> None:
+    """A target on a host that did not answer: refused (Invalid) unless ``known`` says the
+    host has that GPU (and instance), so that nobody can fill the shared file with GPUs
+    that do not exist."""
+    assert h.error is not None
+    why = f"{t.host} did not answer ({h.error.kind})"
+    if known is None:
+        raise Invalid(f"{why} and gputop has never seen its GPUs (not in the history "
+                      f"either), so it cannot reserve {t.label} there: {GPUS_HINT}")
+    if t.gpu not in known.gpus:
+        raise Invalid(f"{why}; it has no GPU {t.gpu} as far as gputop knows ({known.source}: "
+                      + ", ".join(str(i) for i in sorted(known.gpus)) + f"): {GPUS_HINT}")
+    if t.instance is not None and t.instance not in known.instances.get(t.gpu, ()):
+        insts = known.instances.get(t.gpu)
+        raise Invalid(f"{why}; " + (
+            f"its GPU {t.gpu} has no MIG instance {t.instance} as far as gputop knows "
+            f"({known.source}: " + (", ".join(f"{t.gpu}/{i}" for i in sorted(insts))
+                                    or "not split") + ")"
+            if insts is not None else
+            f"gputop does not know the MIG instances of its GPU {t.gpu} ({known.source})")
+            + "; reserve the whole GPU, or the instance once the host answers")
+
+
 def check_targets(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot], me: str,
-                  login: Callable[[str], str | None] | None = None
+                  login: Callable[[str], str | None] | None = None,
+                  known: Mapping[str, Known] | None = None
                   ) -> tuple[list[Target], list[str]]:
     """Check GPU indices (and MIG instances) against the hosts as looked at and record
     UUIDs (renumbering shows later): (the targets, warnings to show). A host that did not
-    answer cannot be checked: a warning, and the index is kept. A GPU someone else uses
-    may be reserved, with a warning naming them (not your own login on that host,
-    ``login(host)``). Refuses (Invalid) a GPU or instance the
-    host does not have, naming the ones it has."""
+    answer is checked against ``known`` (its GPUs as the history or hosts.toml know them):
+    a warning, and the index is kept; a GPU not known there is refused. A GPU someone
+    else uses may be reserved, with a warning naming them (not your own login on that
+    host, ``login(host)``). Refuses (Invalid) a GPU or instance the host does not have,
+    naming the ones it has."""
     out, warnings = [], []
     for t in resolve_uuids(targets, snaps):
         h = snaps[t.host]
         if not h.ok:
             assert h.error is not None
+            k = (known or {}).get(t.host)
+            _check_known(t, h, k)
+            assert k is not None
             warnings.append(f"could not check {t.label} ({h.error.kind}: "
-                            f"{clean(h.error.message)}); reserving by index only")
+                            f"{clean(h.error.message)}); reserving by index, as known "
+                            f"from {k.source}")
             out.append(t)
             continue
         by_index = {g.index: g for g in h.gpus if g.index is not None}
