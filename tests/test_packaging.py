@@ -114,10 +114,18 @@ def test_the_core_alone_has_no_servers(core_venv: Path) -> None:
     assert "textual==" in names and "asyncssh==" in names
 
 
-def test_the_core_alone_runs_the_board_and_json(core_venv: Path, tmp_path: Path) -> None:
+def test_the_core_alone_runs_the_board_json_and_reserve(core_venv: Path, tmp_path: Path) -> None:
     r = _core(core_venv, tmp_path, "--demo", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["hosts"]
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text('[defaults]\ntimeout = 1\n[reservations]\npath = "r.json"\n'
+                   '[[hosts]]\nname = "box"\naddress = "127.0.0.1"\nport = 1\ngpus = 2\n')
+    r = _core(core_venv, tmp_path, "reserve", "box:1", "--for", "1h", "--config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "reserved box:1" in r.stdout
+    r = _core(core_venv, tmp_path, "reservations", "--config", str(cfg))
+    assert r.returncode == 0 and "box:1" in r.stdout, r.stderr
     code = "import gputop.ui.app, gputop.reservations.store; print('ok')"
     r = subprocess.run([str(core_venv / "bin" / "python"), "-c", code], cwd=tmp_path,
                        capture_output=True, text=True, timeout=60)
