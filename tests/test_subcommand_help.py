@@ -127,9 +127,15 @@ def test_a_unit_after_for_says_for_takes_one_word(capsys: pytest.CaptureFixture[
     """`--for 2` alone is two minutes: the word `hours` after it gets a hint, not only
     "unrecognized"."""
     for argv in (["reserve", "gpu-01:0", "--for", "2", "hours"],
-                 ["free", "--reserve", "--for", "3", "h"]):
+                 ["free", "--reserve", "--for", "3", "h"],
+                 # (run's command is all that follows: `hours` would have been run)
+                 ["run", "--for", "2", "hours", "--", "python", "train.py"]):
         with pytest.raises(SystemExit):
             main(argv)
         err = capsys.readouterr().err
+        assert err.startswith(f"usage: gputop {argv[0]} "), err
         assert "--for takes one word, e.g. --for 2h" in err, err
         assert "a bare number is minutes" in err
+    # A `--` and a unit-like word inside run's command are the command's own.
+    args = _parser().parse_args(["run", "--for", "2h", "--", "sh", "-c", "x", "--", "h"])
+    assert args.cmd == ["--", "sh", "-c", "x", "--", "h"]

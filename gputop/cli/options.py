@@ -135,6 +135,9 @@ class Parser(argparse.ArgumentParser):
             # What it does not know is its own error, with its own usage (`reserve X --for
             # 2 hours`): left to the whole command, it got gputop's usage instead.
             namespace, extras = super().parse_known_args(args, namespace)
+            cmd = getattr(namespace, "cmd", None) or []  # run's command (all that is left)
+            if cmd and "--" in cmd[1:] and _duration_hint(args, cmd[0]):
+                extras = cmd[:cmd.index("--")]  # `run --for 2 hours -- CMD`: not the command
             if extras:
                 self.error(f"unrecognized arguments: {' '.join(extras)}"
                            + _duration_hint(args, extras[0]))
