@@ -83,3 +83,17 @@ def test_a_range_recorded_throughout_reads_as_asked(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     doc = json.loads(r.stdout)
     assert doc["recorded"] == {"from": doc["from"], "to": doc["to"], "gaps": []}
+
+
+def test_a_gap_inside_a_range_recorded_to_both_edges_is_named(tmp_path: Path) -> None:
+    db = tmp_path / "h.sqlite3"
+    _record(db, rolled_up=False)
+    r = subprocess.run([sys.executable, "-m", "gputop", "report", "--db", str(db), "--from",
+                        "2026-11-02T08:00Z", "--to", "2026-11-02T08:38Z"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "TZ": "UTC"})
+    head = r.stdout.splitlines()
+    assert head[0] == ("GPU-hours from 2026-11-02 08:00 to 2026-11-02 08:38 (local time): "
+                       "recorded 18m of the 38m asked (from 2026-11-02 08:00 to 2026-11-02 "
+                       "08:38)"), head[0]
+    assert head[1] == ("not recorded from 2026-11-02 08:10 to 2026-11-02 08:29 (20m): no "
+                       "recorder was running"), head[1]

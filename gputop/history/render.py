@@ -89,7 +89,7 @@ def _header(doc: dict[str, Any], out: TextIO) -> None:
     it (no recorder running), so a short or broken record never reads as the whole range."""
     rec = doc.get("recorded")
     gaps = rec["gaps"] if rec else []
-    if not rec or (rec["from"], rec["to"]) == (doc["from"], doc["to"]):
+    if not rec or (not gaps and (rec["from"], rec["to"]) == (doc["from"], doc["to"])):
         print(f"GPU-hours from {_local(doc['from'])} to {_local(doc['to'])} (local time)",
               file=out)
     else:
