@@ -387,6 +387,29 @@ async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Pat
         assert line.endswith("▂▅▇")  # 10 %, 50 %, 90 % on a fixed 0-100 scale
 
 
+async def test_detail_pane_says_a_run_reservation_ends_with_its_job(tmp_path: Path) -> None:
+    """A `gputop run` reservation read like a plain one of its full time in the details."""
+    from gputop.reservations.store import Job, StoreState
+
+    store = Store(tmp_path / "reservations.json")
+    seed(store)
+
+    def tie(state: StoreState, _now: object) -> StoreState:
+        return replace(state, reservations=tuple(
+            replace(r, job=Job(4242, session=True)) if r.user == "bob" else r
+            for r in state.reservations))
+
+    store.update(tie)
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        table = await load(app, pilot)
+        goto(app, table, gk("gpu-h100", 1))
+        await pilot.press("enter")
+        await pilot.pause()
+        head = str(app.query_one(DetailPane).query_one("#detail-head").render())
+        assert "reserved by bob" in head and "ends with job 4242 on gpu-h100" in head, head
+
+
 async def test_help_and_themes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gputop.ui.themes as themes
 

@@ -141,3 +141,26 @@ def test_a_command_whose_extra_is_missing_says_what_to_install(
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("gputop: ") and f"pip install 'gputop[{extra}]'" in line, line
     assert "Traceback" not in r.stderr
+
+
+def test_serve_prints_the_shipped_deploy_files_from_an_install(wheels: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    """After pipx install the scrape job and dashboard sit deep in site-packages: `gputop
+    serve --print-...` prints them, equal to the shipped files, from an installed copy run
+    elsewhere (no checkout, no hosts file)."""
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheels["direct"]).extractall(site)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    env.pop("GPUTOP_CONFIG", None)
+    deploy = ROOT / "gputop" / "hub" / "deploy"
+    for flag, name in (("--print-scrape-config", "prometheus-scrape.yml"),
+                       ("--print-grafana-dashboard", "grafana-dashboard.json")):
+        r = subprocess.run([sys.executable, "-c", "import gputop, sys; "
+                            f"assert gputop.__file__.startswith({str(site)!r}); "
+                            "from gputop.cli import main; sys.exit(main(sys.argv[1:]))",
+                            "serve", flag], cwd=elsewhere, env=env, capture_output=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == (deploy / name).read_bytes(), flag

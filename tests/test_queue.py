@@ -167,6 +167,25 @@ def test_run_forwards_sigterm_and_releases(team: Team) -> None:
     assert team.held() == {}
 
 
+def test_reservations_say_a_run_reservation_ends_with_its_job(team: Team) -> None:
+    """A run's reservation read like a plain one of max_duration in `gputop reservations`:
+    it says what it ends with (job PID on HOST), and its time as the most it lasts."""
+    pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
+                               "echo up; while :; do sleep 0.1; done", user="gtalice", tag="run")
+    until(lambda: "up" in text(out), what="job started")
+    job = until(lambda: _job_pid(team), what="the job's pid recorded")
+    r = team.run("reservations", user="gtbob")
+    assert r.returncode == 0, r.stderr
+    (row,) = [ln for ln in r.stdout.splitlines() if ln.startswith("q2:0")]
+    assert f"ends with job {job} on q2" in row and "at most " in row, r.stdout
+    listed = json.loads(team.run("reservations", "--json", user="gtbob").stdout)
+    (res,) = listed["reservations"]
+    assert (res["host"], res["job"]["pid"], res["job"]["session"]) == ("q2", job, True)
+    os.kill(pid, signal.SIGTERM)
+    wait_as(pid, 20)
+    assert team.held() == {}, err.read_text()
+
+
 def test_run_sigkilled_is_released_when_the_job_ends(team: Team) -> None:
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 2",
                                user="gtalice", tag="run")

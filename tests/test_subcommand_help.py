@@ -88,3 +88,54 @@ def test_completion_offers_each_subcommands_own_options() -> None:
     script = bootstrap.script("bash")
     assert "record) opts=\"--config --interval --timeout --db --print-unit\"" in script
     assert "report) opts=\"--config --db --since" in script and "reserve|release|" in script
+
+
+#: Each subcommand with one word too many (what a newcomer types).
+EXTRA_WORD = {
+    "reserve": ["gpu-01:0", "--for", "2", "hours"],
+    "release": ["gpu-01:0", "--mine", "please"],
+    "reservations": ["all"],
+    "free": ["--count", "2", "gpus"],
+    "run": ["--count", "1", "--bogus", "--", "true"],
+    "record": ["now"],
+    "report": ["--since", "1", "h"],
+    "mcp": ["stdio"],
+    "serve": ["0.0.0.0:9847"],
+    "init-config": ["hosts.toml"],
+    "completion": ["bash", "zsh"],
+}
+
+
+def test_every_subcommand_has_an_extra_word_case() -> None:
+    assert set(EXTRA_WORD) == set(GLOBALS)
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA_WORD))
+def test_a_word_too_many_gets_the_subcommands_own_usage(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gputop reserve gpu-01:0 --for 2 hours` printed gputop's top-level usage, which
+    says nothing of reserve's options: the subcommand's own usage and error now."""
+    with pytest.raises(SystemExit) as done:
+        main([name, *EXTRA_WORD[name]])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: gputop {name} ") and "COMMAND ..." not in err, err
+    assert f"gputop {name}: error: unrecognized arguments: " in err, err
+
+
+def test_a_unit_after_for_says_for_takes_one_word(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--for 2` alone is two minutes: the word `hours` after it gets a hint, not only
+    "unrecognized"."""
+    for argv in (["reserve", "gpu-01:0", "--for", "2", "hours"],
+                 ["free", "--reserve", "--for", "3", "h"],
+                 # (run's command is all that follows: `hours` would have been run)
+                 ["run", "--for", "2", "hours", "--", "python", "train.py"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert err.startswith(f"usage: gputop {argv[0]} "), err
+        assert "--for takes one word, e.g. --for 2h" in err, err
+        assert "a bare number is minutes" in err
+    # A `--` and a unit-like word inside run's command are the command's own.
+    args = _parser().parse_args(["run", "--for", "2h", "--", "sh", "-c", "x", "--", "h"])
+    assert args.cmd == ["--", "sh", "-c", "x", "--", "h"]

@@ -172,6 +172,10 @@ def _check_output_flags(args: argparse.Namespace, argv: Sequence[str]) -> None:
                              f"{', '.join(takes)} (see gputop {args.command} --help)")
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve" and args.print_shipped:  # (a file of gputop's: no config)
+        from gputop.cli.serve import print_shipped
+
+        return print_shipped(args.print_shipped)
     if args.command == "serve" and args.serve_demo:  # (no hosts file read: the demo's own)
         if args.config is not None:
             raise UsageError("serve --demo serves the simulated fleet and reads no hosts "

@@ -8,6 +8,7 @@ the board's alone. The completion scripts offer the same sets.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -131,7 +132,16 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if not self.root:  # a subcommand's parse, within the whole command's
-            return super().parse_known_args(args, namespace)
+            # What it does not know is its own error, with its own usage (`reserve X --for
+            # 2 hours`): left to the whole command, it got gputop's usage instead.
+            namespace, extras = super().parse_known_args(args, namespace)
+            cmd = getattr(namespace, "cmd", None) or []  # run's command (all that is left)
+            if cmd and "--" in cmd[1:] and _duration_hint(args, cmd[0]):
+                extras = cmd[:cmd.index("--")]  # `run --for 2 hours -- CMD`: not the command
+            if extras:
+                self.error(f"unrecognized arguments: {' '.join(extras)}"
+                           + _duration_hint(args, extras[0]))
+            return namespace, extras
         token = _DEMO_FIRST.set(False)
         try:
             return super().parse_known_args(args, namespace)
@@ -142,6 +152,20 @@ class Parser(argparse.ArgumentParser):
         if _DEMO_FIRST.get() and not self.root:
             raise UsageError(demo_refusal(self.prog.rsplit(" ", 1)[-1]))
         super().error(message)
+
+
+#: A unit written as a word of its own after ``--for N``.
+_UNIT_WORD = re.compile(r"(?i)(s|secs?|seconds?|m|mins?|minutes?|h|hrs?|hours?|d|days?|"
+                        r"w|weeks?)")
+
+
+def _duration_hint(args: Any, extra: str) -> str:
+    """``--for 2 hours``: the unit is a word of its own, and ``--for 2`` alone would be
+    two minutes."""
+    words = list(args or ())
+    if "--for" in words and _UNIT_WORD.fullmatch(extra):
+        return " (--for takes one word, e.g. --for 2h, 90m or 1d; a bare number is minutes)"
+    return ""
 
 
 def for_subcommand(name: str) -> list[argparse.ArgumentParser]:

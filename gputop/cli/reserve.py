@@ -34,6 +34,7 @@ from gputop.reservations import (
 )
 from gputop.reservations.ops import (
     Outcome,
+    ends_with,
     format_duration,
     local_time,
     reserve_outcomes,
@@ -182,8 +183,9 @@ def cmd_reservations(config: Config, args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [("GPU", "USER", "UNTIL", "LEFT", "NOTE")] + [
         (clean(r.target) + ("" if r.share_mib is None else f" ({size_text(r.share_mib)})"),
-         clean(r.user), local_time(r.expires),
-         format_duration((r.expires - now).total_seconds())
+         clean(r.user), ends_with(r) or local_time(r.expires),
+         ("" if r.job is None else "at most ")
+         + format_duration((r.expires - now).total_seconds())
          + (" (beyond-max)" if r.beyond_max else ""), clean(r.note)[:60])
         for r in active]
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -140,6 +140,29 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--demo", dest="serve_demo", action="store_true",
                    help="serve the built-in simulated fleet instead (no hosts file, no SSH): "
                    "the web board, /metrics and the event stream to try")
-    p.add_argument("--print-unit", action="store_true",
-                   help="print a systemd user unit that runs this gputop's hub (with this "
-                   "--config, --listen, --interval, --timeout) and exit")
+    prints = p.add_mutually_exclusive_group()
+    prints.add_argument("--print-unit", action="store_true",
+                        help="print a systemd user unit that runs this gputop's hub (with "
+                        "this --config, --listen, --interval, --timeout) and exit")
+    prints.add_argument("--print-scrape-config", dest="print_shipped", action="store_const",
+                        const=SCRAPE_CONFIG,
+                        help="print the Prometheus scrape job that ships with gputop and exit")
+    prints.add_argument("--print-grafana-dashboard", dest="print_shipped",
+                        action="store_const", const=GRAFANA_DASHBOARD,
+                        help="print the Grafana dashboard (JSON) that ships with gputop and "
+                        "exit")
+
+
+#: The hub's deploy files that ``serve --print-...`` prints (in gputop/hub/deploy/).
+SCRAPE_CONFIG = "prometheus-scrape.yml"
+GRAFANA_DASHBOARD = "grafana-dashboard.json"
+
+
+def print_shipped(name: str) -> int:
+    """Print a file of gputop/hub/deploy/ as installed: read through importlib.resources,
+    so it works from a wheel (pipx, uv tool) as from a checkout, and nobody has to find
+    site-packages."""
+    from importlib.resources import files
+
+    sys.stdout.write(files("gputop.hub").joinpath("deploy").joinpath(name).read_text(encoding="utf-8"))
+    return EXIT_OK

@@ -72,13 +72,52 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} %"
 
 
+def _span_words(seconds: float) -> str:
+    m = round(seconds / 60)
+    if m < 1:
+        return f"{round(seconds)}s"
+    return f"{m // 1440}d{m % 1440 // 60}h" if m >= 1440 else (
+        f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m")
+
+
+def _since(a: str, b: str) -> float:
+    return (datetime.fromisoformat(b.replace("Z", "+00:00"))
+            - datetime.fromisoformat(a.replace("Z", "+00:00"))).total_seconds()
+
+
+def _header(doc: dict[str, Any], out: TextIO) -> None:
+    """The span the numbers are for: what was recorded of the range asked, and the gaps in
+    it (no recorder running), so a short or broken record never reads as the whole range."""
+    rec = doc.get("recorded")
+    gaps = rec["gaps"] if rec else []
+    if not rec or (not gaps and (rec["from"], rec["to"]) == (doc["from"], doc["to"])):
+        print(f"GPU-hours from {_local(doc['from'])} to {_local(doc['to'])} (local time)",
+              file=out)
+    else:
+        missed = sum(_since(g["from"], g["to"]) for g in gaps)
+        print(f"GPU-hours from {_local(rec['from'])} to {_local(rec['to'])} (local time): "
+              f"recorded {_span_words(_since(rec['from'], rec['to']) - missed)} of the "
+              f"{_span_words(_since(doc['from'], doc['to']))} asked (from "
+              f"{_local(doc['from'])} to {_local(doc['to'])})", file=out)
+    for g in gaps[:MAX_GAPS]:
+        print(f"not recorded from {_local(g['from'])} to {_local(g['to'])} "
+              f"({_span_words(_since(g['from'], g['to']))}): no recorder was running", file=out)
+    if len(gaps) > MAX_GAPS:
+        more = sum(_since(g["from"], g["to"]) for g in gaps[MAX_GAPS:])
+        print(f"and {len(gaps) - MAX_GAPS} more gaps ({_span_words(more)} in all; --json "
+              "lists them)", file=out)
+
+
+#: Gaps named in the text form (--json has them all).
+MAX_GAPS = 5
+
+
 def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
     hl = doc["headline"]
-    print(f"GPU-hours from {_local(doc['from'])} to {_local(doc['to'])} (local time)",
-          file=out)
+    _header(doc, out)
     print(f"of {_num(hl['gpu_hours'])} GPU-hours, {_pct(hl['busy_percent'])} busy, "
           f"{_pct(hl['idle_percent'])} idle, {_pct(hl['held_idle_percent'])} held idle "
-          f"({_num(hl['no_data_hours'])} GPU-hours with no data)", file=out)
+          f"({_num(hl['no_data_hours'])} GPU-hours with no data while recording)", file=out)
     if hl.get("hosts_with_unknown_gpus"):
         print(f"and {hl['hosts_with_unknown_gpus']} host(s) down before any of their GPUs "
               f"was seen: {_num(hl['unknown_gpus_hours'])} host-hours with no data, not "

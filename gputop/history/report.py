@@ -69,6 +69,8 @@ class History:
     series: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     user_tot: dict[int, list[float]] = field(default_factory=dict)
     gpu_user: dict[int, list[float]] = field(default_factory=dict)
+    #: The spans the recorder was running in, merged: what the range has data for.
+    recorded: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def n_buckets(self) -> int:
@@ -136,9 +138,48 @@ def _collect(db: HistoryDB, start: float, end: float) -> History:
         for tier, a, z in parts:
             if tier == "raw":
                 _raw(h, c, a, z)
+        interval = max(1.0, (db.meta("interval_ms") or 10_000) / 1000)
+        h.recorded = _recorded(c, parts, start, end, GAP_INTERVALS * interval)
     finally:
         c.execute("COMMIT")
     return h
+
+
+#: Time without a sample longer than this many intervals is a gap: the recorder was not
+#: running. A shorter one is a late refresh.
+GAP_INTERVALS = 3
+_SIZES = {"day": 86400, "hour": 3600, "minute": 60}
+
+
+def _recorded(c: Any, parts: list[tuple[str, float, float]], start: float, end: float,
+              gap: float) -> list[tuple[float, float]]:
+    """The spans of ``[start, end)`` something was recorded in: each raw sample stands for
+    the ``dt`` before it, a rollup row for its bucket; holes and edges up to ``gap`` long
+    count as recorded. The rollups answer to their bucket only: an hour with a sample
+    counts whole."""
+    spans: list[tuple[float, float]] = []
+    for tier, a, z in parts:
+        if a >= z:
+            continue
+        if tier == "raw":
+            spans += [(max(a, (t - dt) / 1000), t / 1000) for t, dt in c.execute(
+                "SELECT DISTINCT t, dt FROM samples WHERE t >= ? AND t < ?",
+                (int(a * 1000), int(z * 1000)))]
+        else:
+            size = _SIZES[tier]
+            spans += [(b, min(z, b + size)) for (b,) in c.execute(
+                f"SELECT DISTINCT b FROM gpu_{tier} WHERE b >= ? AND b < ?", (a, z))]
+    merged: list[tuple[float, float]] = []
+    for a, z in sorted(spans):
+        if merged and a - merged[-1][1] <= gap:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], z))
+        else:
+            merged.append((a, z))
+    if merged and merged[0][0] - start <= gap:
+        merged[0] = (start, merged[0][1])
+    if merged and end - merged[-1][1] <= gap:
+        merged[-1] = (merged[-1][0], end)
+    return merged
 
 
 #: (tier, bucket size, the mark it is rolled up to, the mark its finer tier is kept from)
@@ -321,6 +362,11 @@ def summarise(h: History) -> dict[str, Any]:
     return {
         "version": 1,
         "from": _iso(h.start), "to": _iso(h.end),
+        # What of it has data (null: nothing), and the gaps inside that (no recorder).
+        "recorded": None if not h.recorded else {
+            "from": _iso(h.recorded[0][0]), "to": _iso(h.recorded[-1][1]),
+            "gaps": [{"from": _iso(z), "to": _iso(a)}
+                     for (_, z), (a, _) in zip(h.recorded, h.recorded[1:])]},
         "headline": {"gpu_hours": _hours(data), "busy_percent": pct(fleet[BUSY]),
                      "idle_percent": pct(fleet[IDLE]),
                      "held_idle_percent": pct(fleet[HELD_IDLE]),

@@ -72,6 +72,20 @@ def describe(r: Reservation, now: datetime) -> str:
             f"{local_time(r.expires)} ({format_duration(left)} left){note}")
 
 
+def ends_with(r: Reservation) -> str | None:
+    """What a job-tied reservation ends with, or None for one that runs to its time: a
+    ``run`` reservation otherwise reads like a plain one of max_duration."""
+    job = r.job
+    if job is None:
+        return None
+    host = clean(r.host)
+    if job.pid is None:  # gputop run has not recorded its job's pid yet
+        return f"ends with its job on {host} (gputop run is starting it)"
+    what = "job" if job.session else "process"
+    return (f"ends with {what} {job.pid} on {host}"
+            + (" (gone: released soon)" if job.gone_since is not None else ""))
+
+
 def size_text(mib: int) -> str:
     """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
     down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100

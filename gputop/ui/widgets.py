@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from gputop.model import GpuInfo
-from gputop.reservations.ops import format_duration, local_time
+from gputop.reservations.ops import ends_with, format_duration, local_time
 from gputop.reservations.shares import holder_use_mib, room_mib, size_text
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel
@@ -211,6 +211,9 @@ class DetailPane(Vertical):
             left = format_duration((r.expires - now).total_seconds())
             t.append(f"\nreserved by {clean(r.user)} (from {clean(r.machine)}) until "
                      f"{local_time(r.expires)}, {left} left")
+            job = ends_with(r)
+            if job:
+                t.append(f"; it {job}, if that comes first")
             if r.note:
                 t.append(f"\nnote: {clean(r.note)}")
         elif row.shares or row.share is not None:
