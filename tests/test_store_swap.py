@@ -11,6 +11,7 @@ import grp
 import multiprocessing
 import os
 import pwd
+import re
 import shutil
 import socket
 import tempfile
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
-from test_remote_store import World, _alias, _script_pids
+from test_remote_store import World, _alias, _script_pids, _under
 
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.store import ReservationStore, Store, StoreError
@@ -275,3 +276,62 @@ def test_a_fifo_or_socket_at_a_remote_stores_name_is_refused_at_once(
     while _script_pids(VICTIM, clean.root) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _script_pids(VICTIM, clean.root) == []  # no writer shell left on the host
+
+
+def _flip(path: str, sources: list[str], stop: Event) -> None:
+    """Each of ``sources`` hard-linked in turn over ``path``, as fast as it goes."""
+    tmp = path + ".flip"
+    while not stop.is_set():
+        for src in sources:
+            with contextlib.suppress(FileExistsError):
+                os.link(src, tmp)
+            os.rename(tmp, path)
+
+
+def test_a_fifo_swapped_in_while_reading_over_ssh_never_holds_the_reader(
+        clean: World) -> None:
+    """Two versions of the file and a FIFO renamed in turn over the path while a reader
+    asks: each answer is a version or "not a regular file", never a reader waiting on the
+    FIFO (the sum and the bytes are one file's)."""
+    reserve(Store(clean.path), [Target("gpu", 0)], seconds=600, max_seconds=3600)
+    one, two, fifo = clean.team / "one", clean.team / "two", clean.team / "fifo"
+    os.link(clean.path, one)
+    reserve(Store(clean.path), [Target("gpu", 1)], seconds=600, max_seconds=3600)
+    os.link(clean.path, two)
+    os.mkfifo(fifo)
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    swapper = ctx.Process(target=_flip, args=(str(clean.path), [str(fifo), str(one),
+                                                                str(fifo), str(two)], stop))
+    st = clean.store(VICTIM, timeout=2)
+    answers: set[str] = set()
+    swapper.start()
+    try:
+        for _ in range(150):
+            try:
+                answers.add(str(sorted(r.gpu for r in st.read().reservations)))
+            except StoreError as exc:
+                assert re.search("not a regular file|was replaced while", str(exc)), exc
+                answers.add("refused")
+    finally:
+        stop.set()
+        swapper.join(10)
+        st.close()
+    assert answers & {"[0]", "[0, 1]"}  # and the file is read whenever it is there
+    deadline = time.monotonic() + 5
+    while _reader_pids(clean.root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _reader_pids(clean.root) == []
+
+
+def _reader_pids(root: Path) -> list[int]:
+    """``VICTIM``'s reader scripts under this fleet's sshd."""
+    uid = pwd.getpwnam(VICTIM).pw_uid
+    out = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if d.name.isdigit() and d.stat().st_uid == uid \
+                    and b"cksum" in (d / "cmdline").read_bytes() \
+                    and _under(int(d.name), str(root).encode()):
+                out.append(int(d.name))
+    return out

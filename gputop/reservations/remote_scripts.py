@@ -20,9 +20,10 @@ _HEX = "case $n in *[!0-9a-f]*|'') exit 0 ;; esac"
 #: for a changed file its bytes and an end marker.
 READER_SCRIPT = (
     f"IFS= read -r n || exit 0; {_HEX}; IFS= read -r p || exit 0; "
-    "case $p in /*) ;; *) exit 0 ;; esac; exec 2>/dev/null; set -f; "
+    "case $p in /*) ;; *) exit 0 ;; esac; exec 2>/dev/null; set -f; umask 002; "
     f"M={MARK}; u=$(id -un) || u=-; "
     'printf "%s %s start %s %s\\n" "$M" "$n" "$$" "$u"; '
+    'odd() { [ -e "$1" ] && [ ! -f "$1" ] && [ ! -L "$1" ]; }; '
     "while IFS= read -r q; do "
     "set -- $q; n=$1; "
     f"{_HEX}; "
@@ -30,13 +31,23 @@ READER_SCRIPT = (
     'if [ ! -e "$p" ]; then printf "%s %s none\\n" "$M" "$n"; continue; fi; '
     'if [ ! -f "$p" ]; then printf "%s %s err notfile\\n" "$M" "$n"; continue; fi; '
     'if [ ! -r "$p" ]; then printf "%s %s err denied\\n" "$M" "$n"; continue; fi; '
-    's=$(cksum < "$p") || { printf "%s %s err denied\\n" "$M" "$n"; continue; }; '
+    # Opened once (read-write where it may: a FIFO swapped in meanwhile is not waited on)
+    # and checked through the fd; the sum and the bytes are then that one file's.
+    'if [ -w "$p" ]; then command exec 8<>"$p"; else command exec 8<"$p"; fi || '
+    '{ odd "$p" && e=notfile || e=changed; printf "%s %s err %s\\n" "$M" "$n" "$e"; '
+    "continue; }; "
+    '[ -f /dev/fd/8 ] || { exec 8<&-; printf "%s %s err notfile\\n" "$M" "$n"; '
+    "continue; }; "
+    's=$(cksum < /dev/fd/8) || { exec 8<&-; printf "%s %s err denied\\n" "$M" "$n"; '
+    "continue; }; "
     'set -- $s; c=$1; z=$2; set -- $q; '
-    'if [ "$2" = sum ]; then printf "%s %s sum %s %s\\n" "$M" "$n" "$c" "$z"; continue; fi; '
-    'if [ "$3 $4" = "$c $z" ]; then printf "%s %s same\\n" "$M" "$n"; continue; fi; '
-    f'if [ "$z" -gt {MAX_FILE_BYTES} ]; then printf "%s %s big %s\\n" "$M" "$n" "$z"; '
+    'if [ "$2" = sum ]; then exec 8<&-; printf "%s %s sum %s %s\\n" "$M" "$n" "$c" "$z"; '
     "continue; fi; "
-    'printf "%s %s data %s %s\\n" "$M" "$n" "$c" "$z"; cat "$p"; '
+    'if [ "$3 $4" = "$c $z" ]; then exec 8<&-; printf "%s %s same\\n" "$M" "$n"; '
+    "continue; fi; "
+    f'if [ "$z" -gt {MAX_FILE_BYTES} ]; then exec 8<&-; '
+    'printf "%s %s big %s\\n" "$M" "$n" "$z"; continue; fi; '
+    'printf "%s %s data %s %s\\n" "$M" "$n" "$c" "$z"; cat /dev/fd/8; exec 8<&-; '
     'printf "\\n%s %s end\\n" "$M" "$n"; '
     "done"
 )
@@ -99,7 +110,7 @@ WRITER_SCRIPT = (
     'if [ -e "$p" ]; then '
     '[ -f "$p" ] || { say err notfile; end; }; [ -r "$p" ] || { say err denied; end; }; '
     'if [ -w "$p" ]; then command exec 8<>"$p"; else command exec 8<"$p"; fi || '
-    '{ odd "$p" && say err notfile || say err denied; end; }; '
+    '{ odd "$p" && say err notfile || say err changed; end; }; '
     '[ -f /dev/fd/8 ] || { say err notfile; end; }; '
     'set -- $(wc -c < /dev/fd/8); '
     f'[ "$1" -le {MAX_FILE_BYTES} ] || {{ say err big "$1"; end; }}; '
@@ -152,6 +163,8 @@ ERRORS = {
     "link": "is a symbolic link on {host}; gputop does not follow links for its files",
     "notfile": "not a regular file on {host}; gputop reads and writes only a plain file "
                "there (it was left untouched)",
+    "changed": "was replaced while gputop opened it on {host} (it had been checked to be a "
+               "plain file it may read); it was left untouched",
     "denied": "permission denied trying to read it on {host}. Ask the owner to make it "
               "group-readable for your team, or set [reservations] path elsewhere",
     "short": "the new file did not arrive whole on {host}; nothing was written",
