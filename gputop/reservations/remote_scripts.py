@@ -76,7 +76,8 @@ WRITER_SCRIPT = (
     'odd() { [ -e "$1" ] && [ ! -f "$1" ] && [ ! -L "$1" ]; }; '
     # Whether "." is a directory only we can change names in: ours (the owner of the
     # file we just made in it) and writable by nobody else.
-    'mine() { set -- $(ls -dn .) $(ls -dn "$1") || return 1; '
+    # (One `ls`: "." sorts before the file's name, so its line comes first.)
+    'mine() { set -- $(ls -dn . "$1"); '
     'case $1 in d????-??-*) [ "$3" = "${12}" ] ;; *) return 1 ;; esac; }; '
     "command -v flock >/dev/null || { say err noflock; exit 0; }; "
     'd=${p%/*}; b=${p##*/}; [ -n "$d" ] || d=/; umask 002; '
