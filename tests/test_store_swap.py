@@ -20,13 +20,13 @@ from collections.abc import Callable, Iterator
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 from test_remote_store import World, _alias, _script_pids, _under
 
 from gputop.reservations.ops import Target, reserve
+from gputop.reservations.remote import RemoteStore
 from gputop.reservations.store import ReservationStore, Store, StoreError
 
 STORE_IP = "127.0.61.2"
@@ -240,18 +240,25 @@ def clean(world: World) -> World:
 def test_a_teammate_swapping_links_over_temp_names_cannot_turn_a_remote_writer(
         clean: World) -> None:
     victim = _victim_file(clean.root, VICTIM)
-    stores: list[Any] = []
+    stores: list[RemoteStore] = []
 
     def store() -> ReservationStore:
         stores.append(clean.store(VICTIM))
-        return stores[-1]  # type: ignore[no-any-return]
+        return stores[-1]
 
     try:
         _race(store, clean.team, victim, VICTIM)
     finally:
         for st in stores:
             st.close()
-    assert _script_pids(VICTIM, clean.root) == []
+    _no_writer_left(clean.root)
+
+
+def _no_writer_left(root: Path) -> None:
+    deadline = time.monotonic() + 5
+    while _script_pids(VICTIM, root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _script_pids(VICTIM, root) == []  # no writer shell left on the host
 
 
 @pytest.mark.parametrize("kind", ["fifo", "socket"])
@@ -272,10 +279,7 @@ def test_a_fifo_or_socket_at_a_remote_stores_name_is_refused_at_once(
         st.close()
         if planted is not None:
             planted.close()
-    deadline = time.monotonic() + 5
-    while _script_pids(VICTIM, clean.root) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _script_pids(VICTIM, clean.root) == []  # no writer shell left on the host
+    _no_writer_left(clean.root)
 
 
 def _flip(path: str, sources: list[str], stop: Event) -> None:
