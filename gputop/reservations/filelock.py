@@ -77,10 +77,7 @@ class WriterLock:
 
     def _lock_fd(self, deadline: float, timeout: float) -> int:
         """The lock file, open and locked (waiting until ``deadline``)."""
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        fd = open_lock_file(self.lock_path)
         try:
             make_group_writable(fd)
             while True:
@@ -132,10 +129,7 @@ class SshWritersLock:
             os.close(fd)  # releases the flock
 
     def _lock_fd(self, deadline: float, timeout: float) -> int:
-        try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise StoreError(os_message(exc, self.lock_path, "open it")) from None
+        fd = open_lock_file(self.lock_path)
         try:
             make_group_writable(fd)
             while True:
@@ -152,6 +146,37 @@ class SshWritersLock:
         except BaseException:
             os.close(fd)
             raise
+
+
+def open_lock_file(path: Path) -> int:
+    """The lock file, open read-write, created if missing; a FIFO, socket or device planted
+    at its path is refused at once: looked at first (a device is never opened), and opened
+    non-blocking (a FIFO swapped in meanwhile cannot hang the open) then checked again."""
+    refuse_special(path, "locks")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_NOCTTY, FILE_MODE)
+    except OSError as exc:
+        raise StoreError(os_message(exc, path, "open it")) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StoreError(not_a_file(path, "locks"))
+    return fd
+
+
+def refuse_special(path: Path, does: str) -> None:
+    """A StoreError if something other than a plain file or a link is at ``path``."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return  # missing (or unreadable): the open says what is wrong
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise StoreError(not_a_file(path, does))
+
+
+def not_a_file(path: Path, does: str) -> str:
+    return (f"{path}: not a regular file; gputop {does} only a plain file there (it was "
+            "left untouched); nothing was written")
 
 
 def _same_file(path: Path, fd: int) -> bool:
@@ -180,6 +205,8 @@ def os_message(exc: OSError, path: Path, what: str) -> str:
                 "[reservations] path to a place you can write.")
     if exc.errno == errno.ELOOP:
         return f"{path}: is a symbolic link; gputop does not follow links for its files"
+    if exc.errno == errno.ENXIO:  # a socket (or a device without its driver)
+        return not_a_file(path, "uses")
     if exc.errno == errno.EROFS:
         return f"{path}: read-only filesystem; set [reservations] path elsewhere"
     return f"{path}: cannot {what}: {exc.strerror}"

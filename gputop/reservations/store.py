@@ -3,11 +3,12 @@
 Writers take an exclusive POSIX lock on a separate, permanent lock file (``filelock``: it
 stays a lock when that file is removed or replaced), and a ``flock`` on a second one (the
 lock a writer over SSH takes on the file's host, :mod:`gputop.reservations.remote`),
-re-read the file under the lock, write a temp file in the same directory, fsync it,
-``os.replace`` it over the old one and fsync the directory. Readers need no lock: they see
-the old file or the new one, whole. A ``kill -9`` at any instant leaves one of the two. A
-file that does not validate is reported and left byte-for-byte untouched; nothing here
-ever "repairs" it.
+re-read the file under the lock, write a new file in a private directory of the
+writer's made inside the file's own, fsync it, rename it from there over the old one and
+fsync the directory (no name in the shared directory is trusted: see ``Store._write``).
+Readers need no lock: they see the old file or the new one, whole. A ``kill -9`` at any
+instant leaves one of the two. A file that does not validate is reported and left
+byte-for-byte untouched; nothing here ever "repairs" it.
 """
 
 from __future__ import annotations
@@ -277,14 +278,46 @@ class Store:
             yield lambda: held() and fheld()
 
     def _write(self, data: bytes) -> None:
+        """Write ``data`` to a new file in a fresh private directory of ours (0700, inside
+        the shared one: one filesystem) and rename it from there over the file. Everyone in
+        the team can rename names in the shared directory, so no name there is trusted:
+        the directory is held by an fd (a teammate who renames it moves nothing that we
+        then use), and only we can change names inside it."""
         d = self.path.parent
-        tmp = d / f".{self.path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
-            raise StoreError(os_message(exc, d, "write a file in it")) from None
+            raise StoreError(os_message(exc, d, "open it")) from None
+        try:
+            private = f".{self.path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            try:
+                os.mkdir(private, 0o700, dir_fd=dfd)
+            except OSError as exc:
+                raise StoreError(os_message(exc, d, "write a file in it")) from None
+            try:
+                self._write_from(dfd, private, data)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.rmdir(private, dir_fd=dfd)  # (only ever an empty directory)
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _write_from(self, dfd: int, private: str, data: bytes) -> None:
+        try:
+            pfd = os.open(private, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        except OSError:
+            raise StoreError(_moved(self.path.parent)) from None
+        try:
+            fd = os.open(TEMP_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         FILE_MODE, dir_fd=pfd)
+        except OSError as exc:
+            os.close(pfd)
+            raise StoreError(os_message(exc, self.path.parent, "write a file in it")) from None
         try:
             try:
+                if not _private(pfd, fd):
+                    raise StoreError(_moved(self.path.parent))
                 make_group_writable(fd)
                 view = memoryview(data)
                 while view:
@@ -292,26 +325,28 @@ class Store:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, self.path)
+            os.replace(TEMP_NAME, self.path.name, src_dir_fd=pfd, dst_dir_fd=dfd)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise StoreError(os_message(exc, self.path, "write it")) from None
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
         finally:
-            os.close(dfd)
+            with contextlib.suppress(OSError):
+                os.unlink(TEMP_NAME, dir_fd=pfd)
+            os.close(pfd)
 
     def _remove_stale_temps(self) -> None:
         """Temp files exist only while their writer holds the lock; we hold it now, so any
-        left over belong to a writer that was killed."""
+        left over belong to a writer that was killed. Another user's private directory
+        cannot be emptied by us: it waits for its owner's next write."""
         prefix = f".{self.path.name}.tmp."
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.path.parent):
-                if entry.name.startswith(prefix) and entry.is_file(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
+                if not entry.name.startswith(prefix):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        _remove_private(self.path.parent, entry.name)
+                    else:
+                        os.unlink(entry.path)  # a file from an older gputop: never followed
 
     def _check_nfs_once(self) -> None:
         if self._nfs_checked:
@@ -320,6 +355,41 @@ class Store:
         problem = nfs_lock_problem(self.path.parent)
         if problem:
             self._warn(problem)
+
+#: The new file's name inside a writer's private directory.
+TEMP_NAME = "gputop-new-file"
+
+
+def _private(pfd: int, fd: int) -> bool:
+    """Whether the directory ``pfd`` is one only we can change names in: ours (the same
+    owner as the file we just made in it, which holds under NFS root squashing too) and
+    writable by nobody else."""
+    dst, fst = os.fstat(pfd), os.fstat(fd)
+    return dst.st_uid == fst.st_uid and not dst.st_mode & 0o022
+
+
+def _moved(d: Path) -> str:
+    return (f"{d}: gputop's private directory for the new file was replaced while it "
+            "wrote (someone renaming names in the shared directory?); nothing was written")
+
+
+def _remove_private(d: Path, name: str) -> None:
+    """A killed writer's private directory, if it is ours: its one file by that name only
+    (never recursive: a directory of ours renamed here by someone keeps what it holds)."""
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        pfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        try:
+            st = os.fstat(pfd)
+            if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(TEMP_NAME, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+        os.rmdir(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
 
 def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
                     seconds: float, uuid: str | None, note: str,
