@@ -15,7 +15,9 @@ from typing import Any, Literal
 #: 2: GPUs gained ``instances`` (MIG) and processes their GPU / compute instance ids.
 #: 3: memory shares (``shares``, ``unshared_mib``, ``share_mib``, the ``over-share`` flag).
 #: 3 also: the document may carry the wait queue (``queue``), so a hub's readers see waiters.
-SCHEMA_VERSION = 4
+#: 4: every active reservation (``reservations``), also those of hosts that are down.
+#: 5: the fleet's ``summary``, counted once (``reservations.summary``) for every reader.
+SCHEMA_VERSION = 5
 
 #: Classified reasons a host produced no (or partial) data. The JSON schema lists the same.
 ErrorKind = Literal[

@@ -20,6 +20,7 @@ from board_data import NOW, fixed_snapshots
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.reservations.flags import instance_index, reservation_index
 from gputop.reservations.store import Reservation, StoreState, new_reservation
+from gputop.reservations.summary import gpu_class, instance_class
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import Summary
 
@@ -66,12 +67,12 @@ def _reservations(rnd: random.Random, hosts: list[str], now: datetime) -> StoreS
 def _summary_from_rows(model: BoardModel) -> Summary:
     """The summary as each host's rows say it (the counts are worked out without making
     the rows: they must agree): a GPU counts once (not its instances' or shares' rows),
-    reserved when held or shared, else free or busy as its row says."""
+    in the class the summary's rule gives its row and its instances' rows."""
     s = Summary()
     util: list[int] = []
     for host in model.host_order:
         snap = model.snapshots.get(host)
-        if snap is None:
+        if snap is None or (snap.error is not None and snap.error.kind == "starting"):
             s.hosts_waiting += 1
             continue
         if not snap.ok:
@@ -79,17 +80,21 @@ def _summary_from_rows(model: BoardModel) -> Summary:
             continue
         s.hosts_up += 1
         now = model.clock()
-        for r in model.gpu_rows(host, now, reservation_index(model.state, now),
-                                instance_index(model.state, now)):
+        rows = model.gpu_rows(host, now, reservation_index(model.state, now),
+                              instance_index(model.state, now))
+        for i, r in enumerate(rows):
             if r.instance is not None or r.share is not None:
                 continue
             s.gpus += 1
-            if r.reservation is not None or r.shares:
-                s.reserved += 1
-            elif r.free:
-                s.free += 1
-            else:
-                s.busy += 1
+            insts = []
+            for ir in rows[i + 1:]:
+                if ir.instance is None:
+                    break
+                c = instance_class(r.gpu, ir.gpu, ir.reservation is not None)
+                s.instances[c] = s.instances.get(c, 0) + 1
+                insts.append(c)
+            c = gpu_class(r.gpu, r.reservation is not None, bool(r.shares), insts)
+            setattr(s, c, getattr(s, c) + 1)
             if r.gpu.utilization_percent is not None:
                 util.append(r.gpu.utilization_percent)
             s.mem_used_mib += r.gpu.memory_used_mib or 0

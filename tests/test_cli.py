@@ -122,7 +122,8 @@ def test_no_board_into_a_pipe_but_the_table(env: dict[str, str]) -> None:
     lines = r.stdout.splitlines()
     assert lines[0].split()[:3] == ["HOST", "GPU", "MODEL"]
     assert sum(1 for ln in lines if ln.startswith("atlas ")) == 8  # one line per GPU
-    assert lines[-1].startswith("fornax") and "unreachable" in lines[-1]
+    assert lines[-2].startswith("fornax") and "unreachable" in lines[-2]
+    assert lines[-1] == "5 up · 1 down | 10 free · 10 busy · 2 reserved of 22 GPUs"
     assert "\x1b" not in r.stdout  # no colour, no screen switching into a pipe
     assert os.listdir(env["TMPDIR"]) == []
 
@@ -153,7 +154,7 @@ def test_once_colours_only_a_terminal_and_fits_its_width(env: dict[str, str]) ->
     plain = SGR.sub("", text)
     assert "\x1b" not in plain  # and nothing but colour
     lines = [ln for ln in plain.replace("\r\n", "\n").splitlines() if ln]
-    assert len(lines) == 24 and max(len(ln) for ln in lines) <= 60, lines
+    assert len(lines) == 25 and max(len(ln) for ln in lines) <= 60, lines
 
 
 @pytest.mark.parametrize("args", [["--demo", "--record"],

@@ -31,7 +31,7 @@ def _doc(text: str) -> dict[str, object]:
                                                 "command": "train" + text,
                                                 "gpu_memory_mib": 1}],
            "instances": [], "reservation": None, "flags": []}
-    return {"version": 4, "time": "2026-01-01T00:00:00Z", "hosts": [
+    return {"version": 5, "time": "2026-01-01T00:00:00Z", "hosts": [
         {"name": "a" + text, "status": "ok", "error": None, "gpus": [gpu]}], "queue": []}
 
 

@@ -84,7 +84,7 @@ def test_snapshot_is_the_json_document(hub: Hub, hub_fleet: Fleet, config: Path,
                                        schema: dict) -> None:
     doc = hub.json("api/v1/snapshot")
     jsonschema.validate(doc, schema)
-    assert doc["version"] == 4
+    assert doc["version"] == 5
     by = {h["name"]: h for h in doc["hosts"]}
     assert [h["name"] for h in doc["hosts"]] == ["alpha", "weird", "hung"]
     assert by["alpha"]["status"] == "ok" and len(by["alpha"]["gpus"]) == 2
@@ -230,7 +230,7 @@ def test_events_snapshot_then_updates_then_resume(hub: Hub, schema: dict) -> Non
         up = json.loads(ev["data"])
         assert set(up) == {"time", "hosts", "removed", "set"}
         for h in up["hosts"]:
-            jsonschema.validate({"version": 4, "time": up["time"], "hosts": [h]}, schema)
+            jsonschema.validate({"version": 5, "time": up["time"], "hosts": [h]}, schema)
         updates.append(up)
         if len(updates) == 3:
             break
@@ -384,9 +384,9 @@ def _http(body: bytes, status: str = "200 OK", length: int | None = None) -> byt
 
 @pytest.mark.parametrize("answer", [
     _http(b"nope!"),
-    _http(b'{"version": 4, "time": NaN, "hosts": []}'),
-    _http(b'{"version": 4, "time": "2026-01-01T00:00:00Z", "hosts": [1]}'),
-    _http(b'{"version": 4, "time": "2026-01-01T00:00:00Z", "hosts": [], "evil": 1}'),
+    _http(b'{"version": 5, "time": NaN, "hosts": []}'),
+    _http(b'{"version": 5, "time": "2026-01-01T00:00:00Z", "hosts": [1]}'),
+    _http(b'{"version": 5, "time": "2026-01-01T00:00:00Z", "hosts": [], "evil": 1}'),
     _http(b"[" * 100000),
     _http(b"{", length=99999999999),
     _http(b"", "401 Unauthorized"),

@@ -157,7 +157,7 @@ def _break(r: random.Random, hosts: list[Any]) -> tuple[list[Any], bool, str]:
 
 
 def _schema_takes(hosts: list[Any]) -> bool:
-    return bool(VALIDATOR.is_valid({"version": 4, "time": T, "hosts": hosts}))
+    return bool(VALIDATOR.is_valid({"version": 5, "time": T, "hosts": hosts}))
 
 
 def _ours(hosts: list[Any]) -> Any:
@@ -220,7 +220,7 @@ def test_documents_and_updates_go_through_it() -> None:
     hosts = [_host(r) for _ in range(3)]
     for i, h in enumerate(hosts):  # (a document names each host once)
         h["name"] = f"h{i}"
-    doc = {"version": 4, "time": T, "hosts": hosts, "queue": []}
+    doc = {"version": 5, "time": T, "hosts": hosts, "queue": []}
     assert check_document(copy.deepcopy(doc))["hosts"] == check(copy.deepcopy(hosts), "hosts")
     assert list(check_document(copy.deepcopy(doc))) == list(doc)
     broken = copy.deepcopy(hosts)
@@ -230,7 +230,7 @@ def test_documents_and_updates_go_through_it() -> None:
     with pytest.raises(Invalid, match=r"^update\.hosts\[1\]\.status: "):
         check_update({"time": T, "hosts": broken, "removed": [], "set": {}})
     with pytest.raises(Invalid, match="missing 'hosts'"):
-        check_document({"version": 4, "time": T})
+        check_document({"version": 5, "time": T})
 
 
 @pytest.mark.parametrize("where,key,value", [("share", "share_mib", 0),

@@ -158,7 +158,7 @@ def _doc() -> dict:
            "power_draw_w": 1.5, "processes": [{"pid": 1, "user": "u", "command":
                                                 "evil \x1b]0;x\x07 \u202e", "gpu_memory_mib": 1}],
            "instances": [], "reservation": None, "flags": []}
-    return {"version": 4, "time": "2026-01-01T00:00:00Z", "hosts": [
+    return {"version": 5, "time": "2026-01-01T00:00:00Z", "hosts": [
         {"name": "a", "status": "ok", "error": None, "gpus": [gpu]}], "queue": []}
 
 

@@ -52,7 +52,7 @@ def doc(mig_fleet: Fleet) -> dict:
 
 def test_instances_are_rows_under_their_gpu(doc: dict, mig_fleet: Fleet, schema: dict) -> None:
     jsonschema.validate(doc, schema)
-    assert doc["version"] == 4
+    assert doc["version"] == 5
     h = doc["hosts"][0]
     assert h["status"] == "ok", h["error"]
     g0, g1, g2 = h["gpus"]

@@ -42,7 +42,7 @@ def test_hostile_strings_stay_inert_and_columns_aligned(bad_at: int, width: int 
     snap, state = fleet(bad_at)
     text = render(snap, state, width=width, now=NOW)
     lines = text.splitlines()
-    assert len(lines) == 1 + 3 + 1  # header, one line per GPU, the failed host
+    assert len(lines) == 1 + 3 + 1 + 1  # header, one line per GPU, the failed host, summary
     for ch in ("\x1b", "\x07", "\x9b", "\u202e", "\r"):
         assert ch not in text
     if width is not None:
@@ -50,8 +50,8 @@ def test_hostile_strings_stay_inert_and_columns_aligned(bad_at: int, width: int 
     # The MEMORY column ends at the same cell on every GPU line, hostile or not.
     ends = {cell_width(ln[: ln.index("/80G") + 4]) for ln in lines[1:4]}
     assert len(ends) == 1, lines
-    assert lines[-1].startswith("down") and "ssh:" in lines[-1]
-    assert "never answered" in lines[-1] or width is not None
+    assert lines[-2].startswith("down") and "ssh:" in lines[-2]
+    assert "never answered" in lines[-2] or width is not None
 
 
 def test_colour_is_only_sgr_and_only_when_asked() -> None:

@@ -244,8 +244,12 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
                           {id: 'd', user: 'v', host: 'h', gpu: 5, expires: '1970-01-01T00:00:00Z'},
                           {id: 'e', user: 'x', host: 'h', gpu: 2}, {id: 'f', user: 'u',
                           host: 'elsewhere', gpu: 1}]),
-          summary: d.summary([{name: 'h', status: 'ok', gpus: [
-            {index: 1, memory_used_mib: 0, processes: [], shares: [{user: 's'}]}]}]),
+          // The hub's count, as it sent it; junk in it is 0, never markup or NaN.
+          summary: d.summaryText({hosts: {up: 1, down: '<b>', waiting: 0},
+            gpus: {total: 2, free: 1, busy: 0, reserved: 0, shared: 1, down: 0,
+                   unknown: 0}, instances: {total: 0}},
+            [{name: 'h', status: 'ok', gpus: [{utilization_percent: 40}, {}]}]),
+          nosummary: d.summaryText(null, []),
         }), (e) => done(String(e)));
     """)
     assert got["num"] == [None, None, None, None, 3.5]
@@ -261,7 +265,9 @@ def test_the_page_reads_hostile_values_defensively(page: Any) -> None:
     assert got["held"] == [
         {"user": "m", "held": [{"label": "h:2/3", "left": None}], "using": 0},
         {"user": "s", "held": [{"label": "h:1 (16 GiB share)", "left": None}], "using": 0}]
-    assert got["summary"]["free"] == 0 and got["summary"]["reserved"] == 1
+    assert got["summary"] == ("1 hosts \u00b7 2 GPUs \u00b7 1 free \u00b7 0 busy \u00b7 "
+                              "0 reserved \u00b7 1 shared \u00b7 40% mean load")
+    assert got["nosummary"] == ""
     assert got["down"] == [
         {"user": "u", "held": [{"label": "elsewhere:1 (not polled here)", "left": None}],
          "using": 0},

@@ -16,6 +16,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from gputop.reservations.summary import fleet_summary
+from gputop.sources.hub import fleet_from_document
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
@@ -131,10 +134,13 @@ def fleet_doc(hosts: int, gpus: int, seed: int = 1, failing: int = 0) -> dict[st
     hs = [host_doc(f"gpu-{i:03d}", gpus, rnd, now,
                    ("unreachable", "connection refused") if i < failing else None, i // 3)
           for i in range(hosts)]
-    return {"version": 4, "time": iso(now), "hosts": hs, "queue": [
+    doc = {"version": 5, "time": iso(now), "hosts": hs, "queue": [
         {"id": "q1", "user": "erin", "machine": "ws", "count": 2, "created": iso(now),
          "lease": iso(now + timedelta(minutes=5)), "min_free_mib": 40000, "hosts": [],
          "want": "2 GPUs, 40 GiB free", "one_host": True}]}
+    # The hub's count, by its own rule (the page shows it, never counts).
+    doc["summary"] = fleet_summary(fleet_from_document(doc).hosts, None, now)
+    return doc
 
 
 def churn(doc: dict[str, Any], rnd: random.Random,

@@ -131,8 +131,10 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
         """Every host and GPU now: load, memory, processes (user, command), the reservation
         (who, until when, note), misuse flags, each down host's classified error, and how
         many wait in the queue. state per GPU: free, queued (idle but kept for a waiter),
-        busy, reserved (by someone else), mine, lost. A long fleet is counted per host:
-        name a host or a tag for each GPU."""
+        busy, reserved (by someone else), mine, lost. fleet: every GPU and MIG instance in
+        exactly one class (free, busy, reserved, shared, down, unknown), the count every
+        gputop view shows. A long fleet is counted per host: name a host or a tag for each
+        GPU."""
         return await _call(tools, lambda: tools.fleet_status(host, tag), anyone=True)
 
     @tool(_READ)

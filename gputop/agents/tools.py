@@ -71,6 +71,7 @@ from gputop.reservations.queue import (
 )
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
 from gputop.reservations.store import Reservation, StoreError, StoreState
+from gputop.reservations.summary import fleet_summary
 from gputop.reservations.targets import check_targets, parse_targets
 from gputop.sources.shared_file import open_store
 from gputop.text import clean
@@ -264,21 +265,26 @@ class FleetTools:
             out.append(doc)
         down = [h.name for h in hosts if not h.ok]
         queue = state.waiting(now) if state else []
+        fleet = fleet_summary(hosts, state, now)
+        g = fleet["gpus"]
+        extra = [f"{g[c]} {c}" for c in ("shared", "down", "unknown") if g[c]]
+        insts = fleet["instances"]
         summary = (f"{len(hosts)} host(s), {len(hosts) - len(down)} up"
                    + (f", {len(down)} down ({', '.join(down[:5])}"
                       + (", ...)" if len(down) > 5 else ")") if down else "")
-                   + f"; {ngpus} GPU(s): {counts['free']} free, "
-                   + (f"{counts['queued']} idle but kept for the queue, " if counts["queued"]
+                   + f"; {ngpus} GPU(s): {g['free']} free, {g['busy']} busy, "
+                   f"{g['reserved']} reserved" + "".join(f", {e}" for e in extra)
+                   + (f"; MIG instances: {insts['free']} free of {insts['total']}"
+                      if insts["total"] else "")
+                   + f"; for you: {counts['free']} free"
+                   + (f", {counts['queued']} idle but kept for the queue" if counts["queued"]
                       else "")
-                   + f"{counts['busy']} busy, "
-                   f"{counts['reserved']} reserved by others, {counts['mine']} yours"
-                   + (f", {counts['shared']} shared" if counts["shared"] else "")
-                   + (f", {counts['lost']} lost" if counts["lost"] else "")
+                   + f", {counts['mine']} yours"
                    + f"; {len(queue)} waiting in the queue"
                    + ("" if detail else "; counts only: name a host or tag for each GPU")
                    + ("; the reservations file could not be read" if problem else ""))
-        doc = {"summary": summary, "time": iso(now), "you": data(self.me, 64), "hosts": out,
-               "queue_waiting": len(queue)}
+        doc = {"summary": summary, "fleet": fleet, "time": iso(now), "you": data(self.me, 64),
+               "hosts": out, "queue_waiting": len(queue)}
         if problem:
             doc["reservations_error"] = data(problem, 400)
         return doc

@@ -66,6 +66,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
     from gputop.output import write_document
     from gputop.poller import open_poller
     from gputop.reservations.flags import IdleTracker, annotate
+    from gputop.reservations.summary import fleet_summary
 
     # One document: one query per host is cheaper for the hosts than starting streams.
     poller = open_poller(config, sources, one_look=not watch, say=_say)
@@ -89,6 +90,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
             reaping.kick()
         state, problem = reservations.read()
         doc = annotate(snap, state, tracker)
+        doc["summary"] = fleet_summary(snap.hosts, state, snap.time)
         if problem:
             doc["reservations_error"] = problem
         write_document(doc, sys.stdout, pretty=pretty)

@@ -1,7 +1,10 @@
 """The one-shot, human-readable table (``gputop --once``, and ``gputop`` into a pipe).
 
 One line per GPU, like ``gpustat``: host, index, model, load, memory, users, reservation and
-flags; a failed host is one line with its error. Every string from elsewhere goes through
+flags; a MIG instance has a line of its own under its GPU (its holder on it); a failed host
+is one line with its error, then one per reservation on it (from the shared file: a down
+host reports no GPU to hang them on). The fleet's summary (``summary.fleet_summary``, the
+one every reader shows) is the last line. Every string from elsewhere goes through
 :func:`gputop.text.clean`, and widths are counted in terminal cells (a wide or zero-width
 character cannot shift the columns). Colour is the caller's choice (a terminal only).
 """
@@ -11,11 +14,15 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
-from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot
+from gputop.model import FleetSnapshot, GpuInfo, HostSnapshot, MigInstance
 from gputop.reservations.flags import (
     IdleTracker,
     gpu_flags,
+    instance_index,
+    instance_reservation,
+    instance_view,
     is_free,
     reservation_index,
     share_flags,
@@ -24,6 +31,7 @@ from gputop.reservations.flags import (
 from gputop.reservations.ops import format_duration
 from gputop.reservations.shares import holder_use_mib, share_index, size_text
 from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.summary import CLASSES, INSTANCE_CLASSES, fleet_summary
 from gputop.text import clean
 
 HEADER = ("HOST", "GPU", "MODEL", "UTIL", "MEMORY", "USERS", "RESERVED", "FLAGS")
@@ -96,6 +104,7 @@ Row = tuple[list[str], list[str]]  # (cells, styles)
 def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracker | None,
           now: datetime) -> tuple[list[Row], list[tuple[str, str]]]:
     held = reservation_index(state, now)
+    inst_held = instance_index(state, now)
     shared = share_index(state, now)
     rows: list[Row] = []
     errors: list[tuple[str, str]] = []  # placed after the GPU lines' widths are known
@@ -108,6 +117,7 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
             text = (f"{message[:-1]}; {ago})" if message.endswith(")") and "(" in message
                     else f"{message} ({ago})")
             errors.append((name, f"{host.error.kind}: {text}"))
+            rows.extend(_down_rows(host.name, state, now))
             continue
         if not host.gpus:
             rows.append(([name], ["dim"]))
@@ -131,7 +141,55 @@ def _rows(snapshot: FleetSnapshot, state: StoreState | None, tracker: IdleTracke
             rows.append(([name, idx, _model(g.name), util, _memory(g), users, _reserved(r, now),
                           flags], ["host", "", "", load, "", "", "reserved" if r else "",
                                    "flag"]))
+            for inst in g.instances:
+                rows.append(_instance_row(host.name, g, inst, held, inst_held, tracker, now))
     return rows, errors
+
+
+def _instance_row(host: str, g: GpuInfo, inst: MigInstance,
+                  held: dict[tuple[str, int], Reservation],
+                  inst_held: dict[tuple[str, int, int], Reservation],
+                  tracker: IdleTracker | None, now: datetime) -> Row:
+    """A MIG instance's line under its GPU: its profile, memory, users and holder (its own
+    reservation, else its GPU's)."""
+    view = instance_view(g, inst)
+    r = instance_reservation(held, inst_held, host, g, inst)
+    unused = (r is not None and tracker is not None
+              and tracker.reservation_idle(host, view, r, now))
+    gi = "?" if inst.gpu_instance_id is None else str(inst.gpu_instance_id)
+    users = ",".join(clean(u) for u in view.users) or "-"
+    return (["", f"/{gi}", clean(inst.profile) or "MIG", "", _memory(view), users,
+             _reserved(r, now), ",".join(gpu_flags(view, r, False, unused))],
+            ["", "", "dim", "", "", "", "reserved" if r else "", "flag"])
+
+
+def _down_rows(host: str, state: StoreState | None, now: datetime) -> list[Row]:
+    """A host in error: every active reservation on it, one line each, under its error."""
+    if state is None:
+        return []
+    out: list[Row] = []
+    for r in state.active(now):
+        if r.host != host:
+            continue
+        what = (f"/{r.instance}" if r.instance is not None
+                else f"share {size_text(r.share_mib)}" if r.share_mib is not None else "")
+        out.append((["", str(r.gpu), what, "", "", "", _reserved(r, now), ""],
+                    ["", "", "dim", "", "", "", "reserved", ""]))
+    return out
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The document's ``summary`` in one line: hosts, then whole GPUs by class (a class
+    with none left out, but free, busy and reserved), then MIG instances."""
+    hosts, gpus, insts = summary["hosts"], summary["gpus"], summary["instances"]
+    parts = [f"{hosts['up']} up"] + [f"{hosts[k]} {k}" for k in ("down", "waiting") if hosts[k]]
+    classes = [f"{gpus[c]} {c}" for c in CLASSES
+               if gpus[c] or c in ("free", "busy", "reserved")]
+    line = f"{' · '.join(parts)} | {' · '.join(classes)} of {gpus['total']} GPUs"
+    if insts["total"]:
+        line += (" | MIG: " + " · ".join(f"{insts[c]} {c}" for c in INSTANCE_CLASSES
+                                         if insts[c]) + f" of {insts['total']}")
+    return line
 
 
 def _shared_rows(name: str, host: str, g: GpuInfo, shares: tuple[Reservation, ...],
@@ -183,6 +241,8 @@ def render(snapshot: FleetSnapshot, state: StoreState | None = None, *,
             lines.append(f"{head}  {text}")
             continue
         lines.append(_line(cells, styles, widths, color))
+    text = summary_line(fleet_summary(snapshot.hosts, state, now))
+    lines.append(fit(text, width) if width is not None else text)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 

@@ -31,10 +31,11 @@ from gputop.reservations.flags import (
     reservations_document,
 )
 from gputop.reservations.store import StoreState
+from gputop.reservations.summary import Tally, host_tally, indexes
 from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
-OTHER_KEYS = ("queue", "reservations", "reservations_error")
+OTHER_KEYS = ("queue", "reservations", "reservations_error", "summary")
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Collector:
         self._latest: dict[str, HostSnapshot] = {}
         self._dirty: set[str] = set()
         self._hosts: dict[str, dict[str, Any]] = {}
+        #: Each host's part of the summary, counted again only when the host is refolded.
+        self._tallies: dict[str, Tally] = {}
         self._state: StoreState | None = None
         self._state_key: object = None
         self._read_sig: object = None
@@ -163,10 +166,13 @@ class Collector:
         patches = self.patches_wanted()
         whole: list[dict[str, Any]] = []  # (for patches: the hosts that go complete)
         changes = []
+        idx = indexes(state, now) if dirty else None
         for n in self.names:
             if n not in dirty:
                 continue
             latest = self._latest[n]
+            assert idx is not None
+            self._tallies[n] = host_tally(latest, idx)
             if latest.error is None or latest.error.kind != "starting":
                 # Ready counts what the document shows, not what is still to be folded.
                 self.stats[n].answered = True
@@ -180,6 +186,8 @@ class Collector:
                     whole.append(h)
                 else:
                     changes.append(change)
+        # (Counted again only when a host was: most folds of a quiet fleet change nothing.)
+        other["summary"] = self._summary() if dirty else self._other.get("summary")
         was = self._other
         self._other = other
         moved = {k: other[k] for k in OTHER_KEYS if other.get(k) != was.get(k)}
@@ -199,9 +207,19 @@ class Collector:
         state, problem = self._read_reservations()
         now = utcnow()
         self._state_changed(state)
+        idx = indexes(state, now)
         for n in self.names:
             self._hosts[n] = annotated_host(self._latest[n], state, self.tracker, now)
+            self._tallies[n] = host_tally(self._latest[n], idx)
         self._other = self._other_keys(state, problem, now)
+        self._other["summary"] = self._summary()
+
+    def _summary(self) -> dict[str, Any]:
+        """The document's ``summary``: the hosts' parts as last counted."""
+        total = Tally()
+        for n in self.names:
+            total.add(self._tallies[n])
+        return total.to_dict()
 
     def refresh_store(self) -> bool:
         """Read the shared file again if it changed (its signature: inode, size and mtime

@@ -104,6 +104,13 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
                 break
             held.add(labels)
             g.reservation.add_metric(list(labels), 1.0)
+    summary = doc.get("summary")
+    if isinstance(summary, Mapping):  # (the document's one count, not one of its own)
+        for fam, part in ((g.fleet_hosts, "hosts"), (g.fleet_gpus, "gpus"),
+                          (g.fleet_mig, "instances")):
+            for cls, n in (summary.get(part) or {}).items():
+                if cls != "total":
+                    fam.add_metric([_label(cls)], float(n))
     queue = doc.get("queue")
     if queue is not None:
         g.queue_len.add_metric([], float(len(queue)))
@@ -259,6 +266,16 @@ class _Gauges:
                          labels=["host"])
         self.errors = C("gputop_host_errors", "Error answers from the host, by kind.",
                         labels=["host", "kind"])
+        self.fleet_hosts = G("gputop_fleet_hosts",
+                             "Hosts by state (up, down, waiting): the document's summary.",
+                             labels=["state"])
+        self.fleet_gpus = G("gputop_fleet_gpus",
+                            "GPUs by class, each in exactly one (free, busy, reserved, "
+                            "shared, down, unknown): the document's summary.",
+                            labels=["class"])
+        self.fleet_mig = G("gputop_fleet_mig_instances",
+                           "MIG instances by class: the document's summary.",
+                           labels=["class"])
         self.queue_len = G("gputop_queue_waiters", "Waiters in the queue.")
         self.waiter = G("gputop_queue_waiter_gpus",
                         "GPUs a waiter asks for, by queue position.",

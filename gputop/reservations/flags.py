@@ -285,7 +285,7 @@ def annotate(snapshot: FleetSnapshot, state: StoreState | None,
              tracker: IdleTracker | None = None) -> dict[str, Any]:
     """The ``--json`` document: the snapshot plus, per GPU, its reservation and flags (and
     a shared GPU's shares), and the wait queue, in order, when the reservations file could
-    be read."""
+    be read. (Its ``summary`` is the caller's: ``summary.fleet_summary``.)"""
     now = snapshot.time
     doc: dict[str, Any] = {"version": SCHEMA_VERSION, "time": iso(snapshot.time),
            "hosts": [annotated_host(host, state, tracker, now) for host in snapshot.hosts]}

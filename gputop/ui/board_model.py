@@ -33,6 +33,8 @@ from gputop.reservations.flags import (
 from gputop.reservations.ops import format_duration
 from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.summary import CLASSES
+from gputop.reservations.summary import classes as gpu_classes
 from gputop.text import clean
 from gputop.ui.board_history import BoardHistory
 from gputop.ui.board_rows import (
@@ -193,7 +195,8 @@ class BoardModel:
             keys = self._keys[host] = (snap, self._gpu_keys(host, snap.gpus))
         gkeys = keys[1]
         shared = self._share_index(now)
-        counts, row_keys, has_shares = self._tally(host, snap, gkeys, shared, held)
+        counts, row_keys, has_shares = self._tally(host, snap, gkeys, shared, held,
+                                                   inst_held or {})
         # A GPU whose object is the one before (a hub's patch left it as it was) with the
         # same inputs keeps its row object: the table then skips it at once.
         before = cached.plain if cached is not None else {}
@@ -210,34 +213,34 @@ class BoardModel:
 
     def _tally(self, host: str, snap: HostSnapshot, gkeys: list[str],
                shared: dict[tuple[str, int], tuple[Reservation, ...]],
-               held: dict[tuple[str, int], Reservation]) -> tuple[Counts, list[str], bool]:
+               held: dict[tuple[str, int], Reservation],
+               inst_held: dict[tuple[str, int, int], Reservation],
+               ) -> tuple[Counts, list[str], bool]:
         """The host's share of the summary and its rows' keys, from its answer alone (no
         rows: those are made when looked at, see ``_build_rows``), with locals (as
-        attributes it was a fifth of drawing a frame at 200 x 8). What a row counts as
-        is what ``_build_rows`` makes it: reserved (held or shared), else free or busy.
-        The last item: whether any of its GPUs is shared."""
-        gpus = reserved = free = busy = util_sum = util_n = used = total = insts = 0
+        attributes it was a fifth of drawing a frame at 200 x 8), each GPU in its class by
+        the rule of the document's ``summary``. Last: whether any of its GPUs is shared."""
+        gpus = util_sum = util_n = used = total = insts = 0
+        classes = dict.fromkeys(CLASSES, 0)
+        inst_classes: dict[str, int] = {}
         has_shares = has_instances = False
+        idx = (held, inst_held, shared)
         for g in snap.gpus:
             gpus += 1
-            index = g.index
-            if shared and index is not None and (host, index) in shared:
-                reserved += 1
-                has_shares = True
-            elif held and index is not None and (host, index) in held:
-                reserved += 1
-            elif is_free(g):
-                free += 1
-            else:
-                busy += 1
+            has_shares = has_shares or (bool(shared) and (host, g.index) in shared)
+            has_instances = has_instances or bool(g.instances)
+            c, ics = gpu_classes(host, g, idx)
+            classes[c] += 1
+            for ic in ics:
+                inst_classes[ic] = inst_classes.get(ic, 0) + 1
             if g.utilization_percent is not None:
                 util_sum += g.utilization_percent
                 util_n += 1
             used += g.memory_used_mib or 0
             total += g.memory_total_mib or 0
-            if g.instances:
-                has_instances = True
-        counts = Counts(gpus, reserved, free, busy, util_sum, util_n, used, total, 0)
+        counts = Counts(gpus, classes["reserved"], classes["free"], classes["busy"], util_sum,
+                        util_n, used, total, 0, classes["shared"], classes["down"],
+                        classes["unknown"], inst_classes)
         if not has_shares and not has_instances:  # (nearly always: the keys are the GPUs')
             return counts, [host, *gkeys], False
         keys = [host]
@@ -529,7 +532,7 @@ class BoardModel:
         util_sum = util_n = 0
         for host in self.host_order:
             snap = self.snapshots.get(host)
-            if snap is None:
+            if snap is None or (snap.error is not None and snap.error.kind == "starting"):
                 s.hosts_waiting += 1
                 continue
             if not snap.ok:
@@ -541,6 +544,11 @@ class BoardModel:
             s.reserved += c.reserved
             s.free += c.free
             s.busy += c.busy
+            s.shared += c.shared
+            s.down += c.down
+            s.unknown += c.unknown
+            for k, v in c.instance_classes.items():
+                s.instances[k] = s.instances.get(k, 0) + v
             util_sum += c.util_sum
             util_n += c.util_n
             s.mem_used_mib += c.mem_used_mib

@@ -197,6 +197,11 @@ class Summary:
     free: int = 0
     busy: int = 0
     reserved: int = 0
+    shared: int = 0
+    down: int = 0  # GPUs the driver lost
+    unknown: int = 0
+    #: MIG instances by class (none: no MIG instance anywhere).
+    instances: dict[str, int] = field(default_factory=dict)
     util_percent: float | None = None
     mem_used_mib: int = 0
     mem_total_mib: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import overload
 
 from gputop.model import HostSnapshot
@@ -33,6 +33,11 @@ class Counts:
     mem_used_mib: int = 0
     mem_total_mib: int = 0
     instances: int = 0  # MIG instance rows
+    shared: int = 0
+    down: int = 0
+    unknown: int = 0
+    #: MIG instances by class (``summary.instance_class``).
+    instance_classes: dict[str, int] = field(default_factory=dict)
 
 
 #: What makes a host's rows when they are first looked at, and what it is given: (its rows,

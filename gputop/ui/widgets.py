@@ -26,9 +26,9 @@ __all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
 
 
 class SummaryBar(Static):
-    """One line: hosts up/down, GPUs free/busy/reserved, load, memory. When the terminal
-    is narrower than the whole line, its words shorten ("resv", no "GPUs"); what still does
-    not fit ends in ``…``, never cut silently."""
+    """One line: hosts up/down, GPUs by class (the document's summary rule), load,
+    memory. When the terminal is narrower than the whole line, its words shorten ("resv",
+    no "GPUs"); what still does not fit ends in ``…``, never cut silently."""
 
     _last: tuple[Summary, Palette, str, str | None, str | None] | None = None
     _shown: Text | None = None
@@ -77,7 +77,18 @@ class SummaryBar(Static):
         t.append(f"{s.busy} busy", style=palette.busy)
         t.append(f" {dot} ")
         t.append(f"{s.reserved} {'resv' if short else 'reserved'}", style=palette.reserved)
+        # The other classes of the document's summary, when there are any: every GPU is
+        # in exactly one, so the counts add up to the total.
+        for n, word, style in ((s.shared, "shared", palette.reserved),
+                               (s.down, "down", palette.error),
+                               (s.unknown, "unknown", palette.muted)):
+            if n:
+                t.append(f" {dot} ")
+                t.append(f"{n} {word}", style=style)
         t.append(f" of {s.gpus}" if short else f" of {s.gpus} GPUs")
+        if s.instances:
+            mig = sum(s.instances.values())
+            t.append(f" {dot} MIG {s.instances.get('free', 0)} free of {mig}", style=palette.muted)
         util = "n/a" if s.util_percent is None else f"{s.util_percent:.0f}%"
         t.append(bar, style=palette.muted)
         t.append(f"util {util}")

@@ -5,7 +5,7 @@
 
 import {
   clock, compareRows, duration, hostName, list, obj, parseTime, patched, readState, str,
-  summary, terms, writeState,
+  summaryText, terms, writeState,
 } from "./data.js";
 import { renderPeople, renderQueue, renderWaste } from "./panels.js";
 import { HostView } from "./view.js";
@@ -28,6 +28,7 @@ const board = {
   views: new Map(), // name -> HostView
   queue: null,
   reservations: null, // every active reservation (the document's top-level list)
+  summary: null, // the fleet's count, as the hub made it (the document's summary)
   resError: null,
   conn: "connecting",
   since: null, // when the current connection state began (ms)
@@ -268,6 +269,7 @@ function applySnapshot(doc) {
   }
   board.queue = doc.queue ?? null;
   board.reservations = doc.reservations ?? null;
+  board.summary = doc.summary ?? null;
   board.resError = typeof doc.reservations_error === "string" ? doc.reservations_error : null;
   $("loading").hidden = true;
   refresh(board.order, true);
@@ -327,6 +329,7 @@ function takeRest(up) {
   const set = obj(up.set) || {};
   if ("queue" in set) board.queue = set.queue;
   if ("reservations" in set) board.reservations = set.reservations;
+  if ("summary" in set) board.summary = set.summary;
   if ("reservations_error" in set) {
     board.resError = typeof set.reservations_error === "string" ? set.reservations_error : null;
   }
@@ -414,10 +417,7 @@ function placeFlat() {
 
 function drawSummary() {
   const hosts = board.order.map((n) => board.hosts.get(n));
-  const s = summary(hosts);
-  const util = s.utilN ? ` \u00b7 ${Math.round(s.util / s.utilN)}% mean load` : "";
-  $("summary").textContent = `${s.hosts} hosts${s.down ? ` (${s.down} failing)` : ""} \u00b7 ` +
-    `${s.gpus} GPUs \u00b7 ${s.free} free \u00b7 ${s.busy} in use \u00b7 ${s.reserved} reserved${util}`;
+  $("summary").textContent = summaryText(board.summary, hosts);
   $("asof").textContent = board.lastEvent ? `updated ${clock(board.lastEvent)}` : "";
   const rp = $("resproblem");
   rp.hidden = board.resError === null;

@@ -243,25 +243,35 @@ export function people(hosts, now, reservations = null) {
     b.held.length + b.using - (a.held.length + a.using) || (a.user < b.user ? -1 : 1));
 }
 
-/** Counts for the summary line. */
-export function summary(hosts) {
-  const s = { hosts: 0, down: 0, gpus: 0, free: 0, reserved: 0, busy: 0, util: 0, utilN: 0 };
-  for (const h of hosts) {
-    s.hosts += 1;
-    if (h.status !== "ok") s.down += 1;
-    for (const g of list(h.gpus).map(obj).filter(Boolean)) {
-      s.gpus += 1;
-      if (anyFree(g)) s.free += 1;
-      if (obj(g.reservation) || shares(g).length) s.reserved += 1;  // as gputop_gpu_reserved
-      if (list(g.processes).length) s.busy += 1;
-      const u = num(g.utilization_percent);
+/** The summary line: the document's ``summary``, which the hub counts once by the rule
+ * every gputop view shows (docs/json.md: each GPU in exactly one class), never a count of
+ * the page's own; then the mean load of the GPUs that report one. "" without a summary. */
+export function summaryText(sum, hosts) {
+  const s = obj(sum);
+  const h = obj(s?.hosts);
+  const g = obj(s?.gpus);
+  const m = obj(s?.instances);
+  if (h === null || g === null) return "";
+  const n = (o, k) => Math.max(0, Math.trunc(num(o?.[k]) ?? 0));
+  const all = n(h, "up") + n(h, "down") + n(h, "waiting");
+  const hostNote = [n(h, "down") ? `${n(h, "down")} down` : "",
+    n(h, "waiting") ? `${n(h, "waiting")} waiting` : ""].filter(Boolean).join(", ");
+  let text = `${all} hosts${hostNote ? ` (${hostNote})` : ""} \u00b7 ${n(g, "total")} GPUs` +
+    ` \u00b7 ${n(g, "free")} free \u00b7 ${n(g, "busy")} busy \u00b7 ${n(g, "reserved")} reserved`;
+  for (const k of ["shared", "down", "unknown"]) if (n(g, k)) text += ` \u00b7 ${n(g, k)} ${k}`;
+  if (m !== null && n(m, "total")) text += ` \u00b7 MIG ${n(m, "free")} free of ${n(m, "total")}`;
+  let util = 0;
+  let utilN = 0;
+  for (const host of hosts) {
+    for (const gpu of list(host?.gpus).map(obj).filter(Boolean)) {
+      const u = num(gpu.utilization_percent);
       if (u !== null) {
-        s.util += u;
-        s.utilN += 1;
+        util += u;
+        utilN += 1;
       }
     }
   }
-  return s;
+  return text + (utilN ? ` \u00b7 ${Math.round(util / utilN)}% mean load` : "");
 }
 
 /** ``fields`` written onto ``target`` as own data keys (as a spread writes them: a
