@@ -34,6 +34,8 @@ for (const e of document.querySelectorAll('.wall [data-host]')) {
     cut: n.scrollWidth > n.clientWidth, seen: inView(n.getBoundingClientRect()) &&
       !e.classList.contains('offpage'),
     lines: e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).fontSize),
+    top: e.getBoundingClientRect().top,
+    load: e.querySelector('.tile .tl')?.textContent ?? null,
     width: e.getBoundingClientRect().width};
 }
 const tiles = [...document.querySelectorAll('.wall .tile')];
@@ -167,7 +169,7 @@ def test_hostile_names_stay_inside_their_tile(fifty: tuple[DocHub, Any, dict[str
 
 
 def test_a_far_larger_fleet_pages(tmp_path: Path) -> None:
-    for _, b, _doc in wall(fleet_doc(200, 8, seed=9, failing=4), tmp_path, "?tv=1&every=3"):
+    for h, b, _doc in wall(fleet_doc(200, 8, seed=9, failing=4), tmp_path, "?tv=1&every=3"):
         first = read(b)
         assert first["size"][0] <= first["size"][1], first["size"]
         # (a page turns every 3 s: on a loaded machine the first read may be past page 1)
@@ -177,9 +179,20 @@ def test_a_far_larger_fleet_pages(tmp_path: Path) -> None:
         assert len(on_first) >= 50 or m.group(1) == m.group(2)  # (the last page: the rest)
         assert all(not x["cut"] for x in first["hosts"].values())
         assert first["panels"] == [True, True, True, True]
+        # A host on the next page changes while it is not shown: its page shows it as it is
+        # now (rows off the page are drawn when their page comes, not at each update).
+        rows = [(x["top"], n) for n, x in first["hosts"].items() if not x["seen"] and not x["down"]]
+        target = min([r for r in rows if r[0] > 0] or rows)[1]
+        host = copy.deepcopy(next(x for x in _doc["hosts"] if x["name"] == target))
+        load = 42 if host["gpus"][0]["utilization_percent"] != 42 else 43
+        host["gpus"][0]["utilization_percent"] = load
+        updates = b.execute_script("return window.gputopBoard.updates")
+        h.publish([host])
+        wait(b, "return window.gputopBoard.updates > arguments[0]", "the update", 10, updates)
         wait(b, "return document.getElementById('tvpage').textContent !== arguments[0]",
              "the next page", 10, first["page"])
         second = read(b)
         on_second = {n for n, x in second["hosts"].items() if x["seen"]}
         assert on_second and not on_first & on_second
+        assert target in on_second and second["hosts"][target]["load"] == str(load)
         assert second["size"][0] <= second["size"][1]

@@ -29,10 +29,17 @@ const FLAG_WORDS = {
   renumbered: "renumbered",
 };
 
+/** Text set as text; an element holding one text node has that node's data changed (no
+ * node made or dropped: the cheap path, taken by most numbers of most updates). */
 function setText(node, text) {
-  if (node.gtText !== text) {
-    node.gtText = text;
+  if (node.gtText === text) return;
+  node.gtText = text;
+  const t = node.firstChild;
+  if (t !== null && t.nodeType === Node.TEXT_NODE && t.nextSibling === null) {
+    t.data = text;
+  } else {
     node.textContent = text;
+    if (text === "") node.append(document.createTextNode(""));
   }
 }
 
@@ -69,10 +76,25 @@ class Tile {
     this.look = "";
     this.frac = -1;
     this.last = null;
+    this.free = false;
+    this.titleText = "";
+    this.pending = null;
+  }
+
+  /** On a page not shown: what the filter and the label need now, the rest when shown. */
+  defer(g) {
+    if (g === this.last) return;
+    this.pending = g;
+    this.free = anyFree(g);
+  }
+
+  flush(host) {
+    if (this.pending !== null) this.update(this.pending, host);
   }
 
   update(g, host) {
-    if (g === this.last) return;
+    this.pending = null;
+    if (g === this.last) return; // (a patch left this GPU as it was)
     this.last = g;
     const index = num(g.index);
     setText(this.idx, index === null ? "?" : String(index));
@@ -89,8 +111,7 @@ class Tile {
     setText(this.who, h.who);
     const flags = list(g.flags).filter((x) => typeof x === "string");
     if (g.lost === true && !flags.includes("lost")) flags.push("lost");
-    const words = flags.map((x) => (Object.hasOwn(FLAG_WORDS, x) ? FLAG_WORDS[x] : str(x, 40)));
-    const free = anyFree(g);
+    const free = (this.free = anyFree(g));
     const bucket = util === null ? "un" : util < 10 ? "u0" : util < 40 ? "u1" : util < 70 ? "u2"
       : util < 90 ? "u3" : "u4";
     const bad = flags.includes("unreserved-use") || g.lost === true;
@@ -105,9 +126,13 @@ class Tile {
         `${wide ? " wide" : ""}`;
     }
     const model = str(g.name, 120) || "unknown GPU";
+    const words = flags.map((x) => (Object.hasOwn(FLAG_WORDS, x) ? FLAG_WORDS[x] : str(x, 40)));
     const title = `${host}:${index ?? "?"} ${model}` + (h.who ? ` \u00b7 ${h.who}` : "") +
       (words.length ? ` \u00b7 ${words.join(", ")}` : "");
-    if (this.el.title !== title) this.el.title = title;
+    if (this.titleText !== title) {
+      this.titleText = title;
+      this.el.title = title;
+    }
   }
 }
 
@@ -137,6 +162,7 @@ class WallHost {
     this.gpus = 0;
     this.lastOk = null;
     this.shown = true;
+    this.off = false; // on a page not shown: its tiles are drawn when it is
   }
 
   /** Whether the host's place changed (it went down or came back, or its GPUs changed). */
@@ -172,10 +198,10 @@ class WallHost {
         t = new Tile();
         this.byKey.set(k, t);
       }
-      t.update(g, this.name);
-      const isFree = anyFree(g);
-      if (isFree) free += 1;
-      const on = (!freeOnly || isFree) && (hostHit || matches(rest, gpuWords(g)));
+      if (this.off && t.last !== null) t.defer(g);
+      else t.update(g, this.name);
+      if (t.free) free += 1;
+      const on = (!freeOnly || t.free) && (hostHit || !rest.length || matches(rest, gpuWords(g)));
       if (t.el.hidden === on) t.el.hidden = !on;
       order.push(t.el);
     });
@@ -190,6 +216,10 @@ class WallHost {
     setText(this.info, gpus.length ? `${free} free` : "no GPUs");
     const any = order.some((e) => !e.hidden) || (!freeOnly && hostHit && !gpus.length);
     return this.show(any) || moved;
+  }
+
+  flush() {
+    for (const t of this.byKey.values()) t.flush(this.name);
   }
 
   show(on) {
@@ -328,7 +358,15 @@ export class Wall {
     this.page = (this.page + step) % starts.length;
     const top = starts[this.page];
     this.box.scrollTop = top;
-    for (const it of items) toggle(it.e, "offpage", it.top < top || it.bottom > top + height + 1);
+    for (const it of items) {
+      const off = it.top < top || it.bottom > top + height + 1;
+      toggle(it.e, "offpage", off);
+      const w = this.hosts.get(it.e.dataset.host);
+      if (w && w.off !== off) {
+        w.off = off;
+        if (!off) w.flush(); // (drawn before its page shows, not after)
+      }
+    }
     setText(this.pageText, starts.length > 1 ? `page ${this.page + 1} of ${starts.length}` : "");
     this.setPaging(starts.length > 1);
   }
