@@ -169,6 +169,27 @@ def churn(doc: dict[str, Any], rnd: random.Random,
     return out
 
 
+def history_db(path: Path) -> None:
+    """A day's history at ``path`` in which alice held gpu-000:1 idle for an hour (so the
+    page's waste panel has something to show)."""
+    from gputop.history.db import HistoryDB
+    from gputop.history.recorder import Recorder
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.reservations.store import StoreState, new_reservation
+
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
+    rec.set_reservations(StoreState(reservations=(new_reservation(
+        "gpu-000", 1, "alice", "m", now - timedelta(hours=3), 86400, None, ""),)))
+    for i in range(120):
+        t = now - timedelta(hours=1) + timedelta(seconds=30 * i)
+        rec.record(HostSnapshot(name="gpu-000", time=t, gpus=tuple(
+            GpuInfo(index=k, uuid=f"GPU-w{k}", name="H100", utilization_percent=0,
+                    memory_used_mib=0, memory_total_mib=81559) for k in range(2))))
+    rec.flush()
+    rec.db.close()
+
+
 # --- a hub serving that document -------------------------------------------------------------
 
 
@@ -193,13 +214,15 @@ class DocHub:
     """``gputop.hub.server.Hub``'s real app on loopback, in a thread with its own loop."""
 
     def __init__(self, doc: dict[str, Any], config_dir: Path, address: str = "127.0.0.1",
-                 token: str | None = None) -> None:
+                 token: str | None = None, history: bool = False) -> None:
+        """``history``: the hub reads ``config_dir/history.sqlite3`` (see ``history_db``)."""
         from gputop.config import load_config
         from gputop.hub.server import Hub
 
         cfg = config_dir / "hosts.toml"
+        db = "history.sqlite3" if history else "none.sqlite3"
         cfg.write_text(f'[reservations]\npath = "{config_dir / "res.json"}"\n'
-                       f'[history]\npath = "{config_dir / "none.sqlite3"}"\n'
+                       f'[history]\npath = "{config_dir / db}"\n'
                        '[[hosts]]\nname = "x"\nlocal = true\n')
         self.collector = DocCollector(doc)
         #: Each host as last sent (what a patch is worked out against).

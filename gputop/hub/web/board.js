@@ -8,6 +8,7 @@ import {
   summaryText, terms, writeState,
 } from "./data.js";
 import { renderPeople, renderQueue, renderWaste } from "./panels.js";
+import { Wall } from "./tv.js";
 import { HostView } from "./view.js";
 
 const $ = (id) => document.getElementById(id);
@@ -43,7 +44,6 @@ const board = {
   resyncWait: 0, // ms the page waits before the last start again (0: at once)
   epoch: null,
   flatKey: "",
-  page: 0,
 };
 window.gputopBoard = board; // what the browser tests read: counters and the state
 
@@ -273,7 +273,6 @@ function applySnapshot(doc) {
   board.resError = typeof doc.reservations_error === "string" ? doc.reservations_error : null;
   $("loading").hidden = true;
   refresh(board.order, true);
-  if (state.tv) setTimeout(() => turnPage(0), 0);
 }
 
 /** An ``update``: each host complete. */
@@ -340,6 +339,13 @@ function takeRest(up) {
 
 /** Update the views of ``names``; place them; filter; redraw the summary and panels. */
 function refresh(names, all) {
+  if (wall !== null) {
+    wall.update(names, board.hosts, board.order, state.q, state.free, all);
+    drawSummary();
+    drawPanels();
+    drawConn();
+    return;
+  }
   const hostsBox = $("hosts");
   let placed = all;
   for (const n of names) {
@@ -485,46 +491,9 @@ function controls() {
   $("tokenform").addEventListener("submit", useToken);
 }
 
-// --- wall-screen mode: large type, pages through the fleet ---------------------------------
+// --- wall-screen mode: every GPU a tile, sized to fit; paged only past that -----------------
 
-function pages() {
-  const box = $("board");
-  const height = box.clientHeight;
-  const items = [];
-  for (const parent of [$("flat"), $("hosts")]) {
-    if (parent.hidden) continue;
-    for (const e of parent.children) {
-      if (!e.hidden) items.push({ e, top: e.offsetTop, bottom: e.offsetTop + e.offsetHeight });
-    }
-  }
-  items.sort((a, b) => a.top - b.top);
-  const starts = [items.length ? items[0].top : 0];
-  for (;;) {
-    const start = starts[starts.length - 1];
-    const next = items.find((it) => it.top > start && it.bottom > start + height);
-    if (!next || starts.length > 100) break;
-    starts.push(next.top);
-  }
-  return { box, height, items, starts };
-}
-
-function turnPage(step) {
-  const { box, height, items, starts } = pages();
-  board.page = (board.page + step) % starts.length;
-  const top = starts[board.page];
-  box.scrollTop = top;
-  for (const it of items) {
-    const off = it.top < top || it.bottom > top + height + 1;
-    it.e.classList.toggle("offpage", off);
-    if (!off) {
-      const v = board.views.get(it.e.dataset.host) ?? null;
-      if (v && v.el === it.e) v.flush(); // this page is drawn before it shows, not after
-    }
-  }
-  if (state.sort !== "host") for (const v of board.views.values()) v.flush();
-  $("tvpage").textContent = starts.length > 1
-    ? `page ${board.page + 1} of ${starts.length} \u00b7 next in ${state.every} s` : "";
-}
+const wall = state.tv ? new Wall($("board"), $("tvpage")) : null;
 
 // --- start -------------------------------------------------------------------------------
 
@@ -532,14 +501,17 @@ controls();
 if (state.tv) {
   document.documentElement.classList.add("tv");
   document.body.classList.add("tv");
-  $("tvbar").hidden = false;
-  setInterval(() => turnPage(1), state.every * 1000);
-  addEventListener("resize", () => turnPage(0));
-  setTimeout(() => turnPage(0), 1000);
+  setInterval(() => wall.turn(1), state.every * 1000);
+  let resized = null;
+  addEventListener("resize", () => {
+    clearTimeout(resized);
+    resized = setTimeout(() => wall.layout(), 200);
+  });
 }
 setInterval(() => {
   const now = Date.now();
   for (const v of board.views.values()) v.tick(now);
+  wall?.tick(now);
   drawConn();
   watchdog();
 }, 5000);
