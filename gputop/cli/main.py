@@ -21,6 +21,7 @@ from gputop.cli.lifecycle import (
 )
 from gputop.cli.options import (
     ALL,
+    FLAGS,
     DemoFirst,
     Parser,
     demo_refusal,
@@ -99,6 +100,8 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
         if args.timeout < 0.5:
             raise UsageError("--timeout must be at least 0.5 seconds")
         config = replace(config, timeout=args.timeout)
+    if getattr(args, "wait_all", False):
+        config = replace(config, wait_all=True)
     if getattr(args, "hub", None) is not None:
         problem = hub_url_problem(args.hub)
         if problem:
@@ -146,7 +149,7 @@ def _command_at(argv: Sequence[str], command: str) -> int | None:
     i = 0
     while i < len(argv):
         word = argv[i]
-        if word in ALL:  # (each takes a value: the next word)
+        if word in ALL and word not in FLAGS:  # (each takes a value: the next word)
             i += 2
             continue
         if word == command:
