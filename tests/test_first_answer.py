@@ -124,3 +124,21 @@ async def test_mcp_find_gpus_answers_without_the_hung_host(hung_fleet: Fleet) ->
             assert {g["gpu"] for g in doc["found"]} == {"fa-one:0", "fa-two:0"}
             assert doc["hosts_not_answering"] == [
                 {"host": "fa-hung", "kind": "slow", "message": "no answer in 1.0 s"}]
+
+
+def test_reserve_and_run_do_not_wait_for_the_hung_host(hung_fleet: Fleet, tmp_path: Path
+                                                       ) -> None:
+    """reserve's check of the GPUs and run's placement take the same deadline: reserve
+    says it could not check the slow host's GPU; run places its job on an answering one."""
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(config(hung_fleet).read_text().replace(
+        str(hung_fleet.root / "reservations.json"), str(tmp_path / "reservations.json")))
+    took, proc = gputop(hung_fleet, "reserve", "fa-one:0", "fa-hung:0", "--for", "5m",
+                        "--config", str(cfg))
+    assert proc.returncode == 0 and took < 10, (took, proc.stderr)
+    assert "could not check fa-hung:0 (slow: no answer in 1.0 s" in proc.stderr, proc.stderr
+    took, proc = gputop(hung_fleet, "release", "fa-one:0", "fa-hung:0", "--config", str(cfg))
+    assert proc.returncode == 0, proc.stderr
+    took, proc = gputop(hung_fleet, "run", "--config", str(cfg), "--", "true")
+    assert proc.returncode == 0 and took < 10, (took, proc.stderr)
+    assert "running on fa-one:0" in proc.stderr or "running on fa-two:0" in proc.stderr
