@@ -53,7 +53,7 @@ def main() -> int:
     hosts.append(Host("hung", "127.0.73.9", scenario="hang"))
     fleet = Fleet(root, hosts).start()
     try:
-        cfg = fleet.write_config(timeout=10.0, interval=2.0)
+        cfg = fleet.write_config(timeout=10.0, interval=2.0, wait_all=False)
         env = fleet.env() | {"COLUMNS": "200"}
         out: dict[str, object] = {"hosts": "4 healthy + 1 hung", "timeout_s": 10.0,
                                   "first_answer_s": 2.0, "runs": args.runs,

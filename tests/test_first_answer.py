@@ -36,7 +36,7 @@ def hung_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def config(fleet: Fleet, extra: str = 'first_answer = "1s"') -> Path:
-    return fleet.write_config(timeout=TIMEOUT, extra=extra)
+    return fleet.write_config(timeout=TIMEOUT, extra=extra, wait_all=False)
 
 
 def gputop(fleet: Fleet, *args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
@@ -83,7 +83,7 @@ def test_free_offers_the_answering_hosts_and_names_the_slow_one(hung_fleet: Flee
 
 def test_wait_all_waits_for_the_hung_host(hung_fleet: Fleet) -> None:
     """--wait-all (or [defaults] wait_all) keeps waiting up to the timeout."""
-    short = hung_fleet.write_config(timeout=3.0, extra='first_answer = "1s"')
+    short = hung_fleet.write_config(timeout=3.0, extra='first_answer = "1s"', wait_all=False)
     took, proc = gputop(hung_fleet, "--config", str(short), "--json", "--wait-all")
     assert proc.returncode == 0, proc.stderr
     hosts = {h["name"]: h for h in json.loads(proc.stdout)["hosts"]}
