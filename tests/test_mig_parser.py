@@ -171,7 +171,8 @@ def test_tags_sharing_lines_parse_as_one_per_line() -> None:
     ("<nvidia_smi_log>" + "<gpu>" * 1000, "not well-formed"),
     ("<nvidia_smi_log>" + " " * (8 * 1024 * 1024 + 1) + "</nvidia_smi_log>", "larger than"),
     ('<!DOCTYPE x [<!ENTITY e SYSTEM "file:///etc/passwd">]><x>&e;</x>', "internal subset"),
-], ids=["unclosed", "deep-unclosed", "huge", "external-entity"])
+    ("<nvidia_smi_log>\udcff</nvidia_smi_log>", "not well-formed"),
+], ids=["unclosed", "deep-unclosed", "huge", "external-entity", "undecodable"])
 def test_hostile_documents_are_refused_with_a_reason(doc: str, why: str) -> None:
     with pytest.raises(ParseError, match=why):
         mig.parse_xml(doc)

@@ -146,7 +146,7 @@ def parse_document(text: str) -> ET.Element:
         for at in range(0, len(text), _CHUNK):
             parser.Parse(text[at:at + _CHUNK], False)
         parser.Parse("", True)
-    except expat.ExpatError as exc:
+    except (expat.ExpatError, ValueError) as exc:  # (ValueError: text that is not UTF-8)
         raise ParseError(f"nvidia-smi -q -x is not well-formed XML: {excerpt(str(exc))}"
                          ) from None
     return builder.close()
