@@ -109,6 +109,12 @@ class Config:
     #: How long a host's nvidia-smi stream may take to its first sample (a GPU without
     #: persistence mode can take tens of seconds to initialise); meanwhile it is "starting".
     first_sample_timeout: float = 60.0
+    #: How long a one-shot look (``--once``, ``--json``, ``free``, ...) waits for the
+    #: hosts' first answers: a host past it is ``slow`` and left out, so one hung host
+    #: never holds the answer for the whole ``timeout``.
+    first_answer: float = 2.0
+    #: Wait for every host up to its ``timeout`` instead (``--wait-all``).
+    wait_all: bool = False
     #: "stream": long-running nvidia-smi loops per host; "query": two nvidia-smi and a ps
     #: per refresh (the old model; also what a host that cannot stream falls back to).
     collection: str = "stream"
@@ -376,6 +382,13 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     interval = d.number("interval", 2.0, minimum=0.1)
     timeout = d.number("timeout", 10.0, minimum=0.5)
     first_sample_timeout = d.number("first_sample_timeout", max(60.0, timeout), minimum=0.5)
+    # (a number is seconds, as timeout's; a string a duration: "2s", "1.5s")
+    answer = d.get("first_answer", (str, int, float), min(2.0, timeout))
+    first_answer = float(answer) if not isinstance(answer, str) else d.duration("first_answer", 0)
+    if not 0 < first_answer <= timeout:
+        raise ConfigError(path, d.key("first_answer"), "must be more than zero and at most "
+                          f"the timeout ({timeout:g}s)")
+    wait_all = d.get("wait_all", bool, False)
     collection = d.get("collection", str, "stream")
     if collection not in ("stream", "query"):
         raise ConfigError(path, d.key("collection"), 'must be "stream" or "query"')
@@ -465,6 +478,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         interval=interval,
         timeout=timeout,
         first_sample_timeout=first_sample_timeout,
+        first_answer=first_answer,
+        wait_all=wait_all,
         collection=collection,
         max_connecting=max_connecting,
         ssh_config=ssh_paths,

@@ -31,6 +31,7 @@ ErrorKind = Literal[
     "parse",  # output that is not what was asked for
     "no-nvml",  # local host: the NVML library is missing
     "starting",  # nvidia-smi's stream has not sent its first sample yet (not a timeout)
+    "slow",  # a one-shot look's first-answer deadline passed first (not yet a timeout)
     "ssh",  # any other SSH protocol failure
     "error",  # anything else, with the message
 ]

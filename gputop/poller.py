@@ -53,6 +53,19 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
 STOP_RETRY_S = 0.5
 
 
+def first_answer_s(config: Config) -> float | None:
+    """How long a one-shot look waits for the hosts (``[defaults] first_answer``, at most
+    the timeout); None: for every host, up to its timeout (``--wait-all``). Every command
+    that answers once takes its deadline from here."""
+    if config.wait_all:
+        return None
+    return min(config.first_answer, config.timeout)
+
+
+def slow_error(deadline: float) -> HostError:
+    return HostError("slow", f"no answer in {deadline:.1f} s")
+
+
 def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -94,10 +107,32 @@ class Poller:
             first_sample_s=getattr(source, "first_sample_s", None),
         )
 
-    async def snapshot(self) -> FleetSnapshot:
-        """Every host once, concurrently; hosts in config order."""
-        hosts = await asyncio.gather(*(self.poll_host(s) for s in self.sources))
-        return FleetSnapshot(hosts=tuple(hosts))
+    async def snapshot(self, deadline: float | None = None) -> FleetSnapshot:
+        """Every host once, concurrently; hosts in config order. With a ``deadline``
+        (:func:`first_answer_s`), a host that has not answered by then is ``slow``: its
+        query is cancelled (the remote command killed, see the sources' cancel paths)."""
+        if deadline is None:
+            hosts = await asyncio.gather(*(self.poll_host(s) for s in self.sources))
+            return FleetSnapshot(hosts=tuple(hosts))
+        tasks = [asyncio.ensure_future(self.poll_host(s)) for s in self.sources]
+        if tasks:
+            await asyncio.wait(tasks, timeout=deadline)
+        late = [t for t in tasks if not t.done()]
+        for t in late:
+            t.cancel()
+        if late:  # (a cancelled query kills its remote command: bounded, see kill_group)
+            await asyncio.wait(late, timeout=2 * STOP_RETRY_S + 1.5)
+        out: list[HostSnapshot] = []
+        for source, task in zip(self.sources, tasks):
+            if task.done() and not task.cancelled():
+                out.append(task.result())
+                continue
+            host = self._hosts.get(source.name)
+            out.append(HostSnapshot(
+                name=source.name, time=utcnow(), error=slow_error(deadline),
+                last_ok=self._last_ok.get(source.name), source=source.kind,
+                tags=host.tags if host else ()))
+        return FleetSnapshot(hosts=tuple(out))
 
     async def updates(self) -> AsyncIterator[HostSnapshot]:
         """Host snapshots forever, each as soon as its host answers."""
@@ -252,7 +287,9 @@ class HubPoller:
             self._direct = Poller(dataclasses.replace(self.config, hub_url=None))
         return self._direct
 
-    async def snapshot(self) -> FleetSnapshot:
+    async def snapshot(self, deadline: float | None = None) -> FleetSnapshot:
+        """The hub's document (its hosts answer the hub, not this look: ``deadline`` only
+        bounds the hosts polled directly after a fallback)."""
         from gputop.sources import HubError
         from gputop.sources.hub import fleet_from_document
 
@@ -262,7 +299,7 @@ class HubPoller:
             self.error = exc
             if not self.fallback:
                 raise
-            return await self._go_direct(exc).snapshot()
+            return await self._go_direct(exc).snapshot(deadline)
         self.connects += 1
         fleet = fleet_from_document(doc)
         by_name = {h.name: h for h in fleet.hosts}

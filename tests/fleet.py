@@ -656,14 +656,19 @@ class Fleet:
 
     def write_config(self, names: Iterable[str] | None = None, *, timeout: float = 3.0,
                      interval: float = 1.0, extra: str = "",
-                     first_sample_timeout: float | None = None) -> Path:
+                     first_sample_timeout: float | None = None, wait_all: bool = True
+                     ) -> Path:
         """A hosts.toml for these hosts. The first sample may take ``timeout`` unless told
-        otherwise: a hung stand-in is then a timeout in the tests' short time."""
+        otherwise: a hung stand-in is then a timeout in the tests' short time. One-shots
+        wait for every host (``wait_all``) unless told otherwise: on a loaded machine a
+        healthy host's first connection can take longer than the first-answer deadline,
+        which tests/test_first_answer.py tests."""
         path = self.root / "hosts.toml"
         names = list(names) if names is not None else list(self.hosts)
         first = timeout if first_sample_timeout is None else first_sample_timeout
         body = (f"[defaults]\ntimeout = {timeout}\ninterval = {interval}\n"
-                f"first_sample_timeout = {first}\n{extra}\n")
+                f"first_sample_timeout = {first}\n"
+                + ("wait_all = true\n" if wait_all else "") + f"{extra}\n")
         body += f"[reservations]\npath = \"{self.root / 'reservations.json'}\"\n\n"
         body += "".join(f'[[hosts]]\nname = "{n}"\n\n' for n in names)
         path.write_text(body)

@@ -60,7 +60,8 @@ class Team:
         self.path = team_dir(tmp) / "reservations.json"
         self.config = tmp / "hosts.toml"
         self.config.write_text(
-            f"[defaults]\ntimeout = 20.0\ninterval = {INTERVAL}\n\n"
+            # (wait_all: as tests/fleet.py's write_config, see there)
+            f"[defaults]\ntimeout = 20.0\ninterval = {INTERVAL}\nwait_all = true\n\n"
             f'[reservations]\npath = "{self.path}"\njob_grace = "{GRACE:g}s"\n\n'
             '[[hosts]]\nname = "q1"\ntags = ["big"]\n\n'
             '[[hosts]]\nname = "q2"\ntags = ["small"]\n')

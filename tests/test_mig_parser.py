@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,15 +133,51 @@ def test_hostile_names_are_inert(name: str) -> None:
 
 
 def test_entities_are_never_expanded() -> None:
-    """An internal DTD (a billion-laughs bomb) is not nvidia-smi's one-line DOCTYPE: its
-    line, and every line that uses an entity, is dropped before parsing."""
+    """An internal DTD (a billion-laughs bomb) is not nvidia-smi's one-line DOCTYPE: the
+    document is refused, saying why, before anything is expanded; the inventory keeps what
+    -L says."""
+    laughs = "".join(f'<!ENTITY l{i} "{f"&l{i - 1};" * 10}">' for i in range(1, 10))
     bomb = A100_80.replace('<!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd">',
-                           '<!DOCTYPE nvidia_smi_log [<!ENTITY a "aaaaaaaaaa">]>')
-    bomb = bomb.replace("<timestamp>", "<timestamp>&a;")
-    devs, _, warnings = mig.parse_xml(bomb)
-    assert len(devs[A100_80_UUID]) == 4
-    assert warnings == ["MIG inventory: 2 malformed line(s) of nvidia-smi -q -x ignored "
-                        "(a process name?)"]
+                           f'<!DOCTYPE nvidia_smi_log [<!ENTITY l0 "lol">{laughs}]>')
+    bomb = bomb.replace("<timestamp>", "<timestamp>&l9;")
+    with pytest.raises(ParseError, match="internal subset"):
+        mig.parse_xml(bomb)
+    one_line = bomb.replace("\n", "")  # (and no line-dropping fallback lets it through)
+    with pytest.raises(ParseError, match="internal subset"):
+        mig.parse_xml(one_line)
+    listed = f"GPU 0: X (UUID: {A100_80_UUID})\n  MIG 1g.20gb Device 0: (UUID: MIG-1)\n"
+    inv = mig.build_inventory(listed, bomb)
+    assert [d.profile for d in inv.devices[A100_80_UUID]] == ["1g.20gb"]
+    assert any("refused" in w and "internal subset" in w for w in inv.warnings)
+
+
+def test_tags_sharing_lines_parse_as_one_per_line() -> None:
+    """Valid XML laid out otherwise (all on one line; several tags per line) is the same
+    document: the same instances and placement, and no "malformed line" warning."""
+    doc = _with_processes(_proc(100, 3) + _proc(200, 6))
+    expected = mig.parse_xml(doc)
+    assert len(expected[0][A100_80_UUID]) == 4 and expected[2] == []
+    one_line = re.sub(r">\s*\n\s*<", "><", doc)
+    assert one_line.count("\n") <= 2
+    paired = re.sub(r"(</[a-z_]+>)\s*\n\s*(<[a-z_]+>)", r"\1 \2", doc)
+    for text in (one_line, paired):
+        assert mig.parse_xml(text) == expected
+        inv = mig.build_inventory(None, text)
+        assert inv.warnings == () and len(inv.devices[A100_80_UUID]) == 4
+
+
+@pytest.mark.parametrize("doc, why", [
+    ("<nvidia_smi_log><gpu><uuid>GPU-1</uuid>", "not well-formed"),
+    ("<nvidia_smi_log>" + "<gpu>" * 1000, "not well-formed"),
+    ("<nvidia_smi_log>" + " " * (8 * 1024 * 1024 + 1) + "</nvidia_smi_log>", "larger than"),
+    ('<!DOCTYPE x [<!ENTITY e SYSTEM "file:///etc/passwd">]><x>&e;</x>', "internal subset"),
+    ("<nvidia_smi_log>\udcff</nvidia_smi_log>", "not well-formed"),
+], ids=["unclosed", "deep-unclosed", "huge", "external-entity", "undecodable"])
+def test_hostile_documents_are_refused_with_a_reason(doc: str, why: str) -> None:
+    with pytest.raises(ParseError, match=why):
+        mig.parse_xml(doc)
+    inv = mig.build_inventory(None, doc)  # what the poller calls: a warning, never a crash
+    assert inv.devices == {} and any(why in w for w in inv.warnings)
 
 
 def test_attach_places_processes_and_leaves_utilisation_unknown() -> None:

@@ -42,7 +42,7 @@ from gputop.jobs.reap import check_jobs
 from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
-from gputop.poller import Poller
+from gputop.poller import Poller, first_answer_s, slow_error
 from gputop.reservations.flags import (
     IdleTracker,
     gpu_annotation,
@@ -128,6 +128,8 @@ class FleetTools:
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
         self._asking: dict[str, asyncio.Lock] = {}
+        #: Queries past a look's deadline, left to finish (their answers feed the tracker).
+        self._late: set[asyncio.Task[HostSnapshot]] = set()
 
     async def identity(self) -> str:
         """``me``, found once: a store over SSH asks its host (off the event loop)."""
@@ -140,6 +142,10 @@ class FleetTools:
         return self.me
 
     async def aclose(self) -> None:
+        for t in self._late:
+            t.cancel()
+        if self._late:
+            await asyncio.wait(self._late, timeout=3.0)
         await self.poller.aclose()
 
     # -- what every tool needs ------------------------------------------------------------
@@ -162,9 +168,12 @@ class FleetTools:
                                   + (", ".join(tags[:50]) or "none"))
         return tuple(dict.fromkeys(names))
 
-    async def look(self, names: Sequence[str] = ()) -> list[HostSnapshot]:
+    async def look(self, names: Sequence[str] = (), deadline: float | None = None
+                   ) -> list[HostSnapshot]:
         """One query per host asked for (all: ``names`` empty), concurrently, in config
-        order; each host fails alone with its classified reason."""
+        order; each host fails alone with its classified reason. With a ``deadline``, a
+        host that has not answered by then is ``slow``; its query goes on (the server keeps
+        its connection), bounded by the timeout."""
         want = set(names) if names else None
         sources = [s for s in self.poller.sources if want is None or s.name in want]
 
@@ -175,7 +184,23 @@ class FleetTools:
             self.tracker.observe(h)
             return h
 
-        return list(await asyncio.gather(*(ask(s) for s in sources)))
+        if deadline is None:
+            return list(await asyncio.gather(*(ask(s) for s in sources)))
+        tasks = [asyncio.ensure_future(ask(s)) for s in sources]
+        if tasks:
+            await asyncio.wait(tasks, timeout=deadline)
+        out: list[HostSnapshot] = []
+        for source, task in zip(sources, tasks):
+            if task.done():
+                out.append(task.result())
+                continue
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
+            host = self.config.host(source.name)
+            out.append(HostSnapshot(name=source.name, time=utcnow(), source=source.kind,
+                                    tags=host.tags if host else (),
+                                    error=slow_error(deadline)))
+        return out
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """A store read or write (file locks) off the event loop, its errors classified."""
@@ -296,7 +321,7 @@ class FleetTools:
         req = self._request(count, min_free_memory_gib, hosts, tag)
         share = self._share(share_gib, count, whole_only)
         await self._reap()
-        looked = await self.look(req.hosts)
+        looked = await self.look(req.hosts, first_answer_s(self.config))
         state = await self._state()
         now = utcnow()
         waiting = len(state.waiting(now))

@@ -64,7 +64,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
                 pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
     from gputop.output import write_document
-    from gputop.poller import open_poller
+    from gputop.poller import first_answer_s, open_poller
     from gputop.reservations.flags import IdleTracker, annotate
     from gputop.reservations.summary import fleet_summary
 
@@ -97,7 +97,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
 
     try:
         if not watch:
-            snap = await poller.snapshot()
+            snap = await poller.snapshot(first_answer_s(config))
             for host in snap.hosts:
                 tracker.observe(host)
             if reaping is not None:
@@ -190,12 +190,12 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     import shutil
 
     from gputop.cli.table import render
-    from gputop.poller import open_poller
+    from gputop.poller import first_answer_s, open_poller
     from gputop.reservations.flags import IdleTracker
 
     poller = open_poller(config, sources, one_look=True, say=_say)  # one query
     try:
-        snap = await poller.snapshot()
+        snap = await poller.snapshot(first_answer_s(config))
     finally:
         await poller.aclose()
     state, _ = ReservationsReader(config).read()

@@ -14,6 +14,7 @@ from gputop.cli.headless import fleet, json_output, table_output
 from gputop.cli.lifecycle import run_until_signal
 from gputop.cli.options import (
     ALL,
+    FLAGS,
     DemoFirst,
     Parser,
     demo_refusal,
@@ -96,6 +97,8 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
         if args.timeout < 0.5:
             raise UsageError("--timeout must be at least 0.5 seconds")
         config = replace(config, timeout=args.timeout)
+    if getattr(args, "wait_all", False):
+        config = replace(config, wait_all=True)
     if getattr(args, "hub", None) is not None:
         problem = hub_url_problem(args.hub)
         if problem:
@@ -143,7 +146,7 @@ def _command_at(argv: Sequence[str], command: str) -> int | None:
     i = 0
     while i < len(argv):
         word = argv[i]
-        if word in ALL:  # (each takes a value: the next word)
+        if word in ALL and word not in FLAGS:  # (each takes a value: the next word)
             i += 2
             continue
         if word == command:

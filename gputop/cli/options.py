@@ -17,22 +17,25 @@ from gputop.config import default_config_path
 from gputop.errors import UsageError
 
 #: Every global option, in the order ``--help`` lists them.
-ALL = ("--config", "--interval", "--timeout", "--theme", "--hub")
+ALL = ("--config", "--interval", "--timeout", "--wait-all", "--theme", "--hub")
+#: Those of them that take no value.
+FLAGS = ("--wait-all",)
 #: What a subcommand takes when it is not named below: it reads the config and hosts.
 DEFAULT = ("--config", "--interval", "--timeout")
 #: ``--hub``: where a command reads the live GPUs (a hub instead of the hosts).
 #: Per subcommand: ``--interval`` only where it loops (waits, records); ``--timeout``
 #: where it asks hosts (a one-shot query, or the job check that ``ps``-es a job's host).
+#: ``--wait-all`` where a command answers from one look at the hosts.
 BY_COMMAND: dict[str, tuple[str, ...]] = {
-    "reserve": ("--config", "--timeout", "--hub"),
+    "reserve": ("--config", "--timeout", "--wait-all", "--hub"),
     "release": ("--config", "--timeout", "--hub"),
     "reservations": ("--config", "--timeout"),
-    "free": ("--config", "--interval", "--timeout", "--hub"),
-    "run": ("--config", "--interval", "--timeout", "--hub"),
+    "free": ("--config", "--interval", "--timeout", "--wait-all", "--hub"),
+    "run": ("--config", "--interval", "--timeout", "--wait-all", "--hub"),
     "serve": ("--config", "--interval", "--timeout"),
     "record": ("--config", "--interval", "--timeout"),
     "report": ("--config",),
-    "mcp": ("--config", "--interval", "--timeout"),
+    "mcp": ("--config", "--interval", "--timeout", "--wait-all"),
     "init-config": ("--config",),
     "completion": ("--config",),
 }
@@ -57,6 +60,10 @@ def global_options(names: Sequence[str] = ALL, *, sub: bool, demo: bool = False
     if "--timeout" in names:
         p.add_argument("--timeout", type=float, metavar="SECONDS", **kw,
                        help="per-host timeout for connect + one query (overrides the config)")
+    if "--wait-all" in names:
+        p.add_argument("--wait-all", action="store_true", **kw,
+                       help="a one-shot look waits for every host up to its timeout, not "
+                       "just until the first-answer deadline ([defaults] first_answer)")
     if "--hub" in names:
         p.add_argument("--hub", metavar="URL", **kw,
                        help="read the live GPUs from this hub (gputop serve) instead of "

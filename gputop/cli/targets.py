@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
 from gputop.model import HostSnapshot
-from gputop.poller import open_poller
+from gputop.poller import first_answer_s, open_poller
 from gputop.reservations import (
     Invalid,
     Reservation,
@@ -65,7 +65,8 @@ def nobody_answered(hosts: Sequence[HostSnapshot]) -> str | None:
             "known to be free (gputop --once says why)")
 
 async def poll_hosts(config: Config, names: set[str] | None = None) -> list[HostSnapshot]:
-
+    """One look at the hosts (``names``: only those), answered by the first-answer
+    deadline: a host past it is ``slow``, and none of its GPUs is offered."""
     if names is not None:
         config = replace(config, hosts=tuple(h for h in config.hosts if h.name in names))
     # One look: one query per host, as `--json` does (starting streams and waiting for
@@ -73,7 +74,7 @@ async def poll_hosts(config: Config, names: set[str] | None = None) -> list[Host
     poller = open_poller(config, one_look=True,
                          say=lambda m: print(f"gputop: {m}", file=sys.stderr))
     try:
-        return list((await poller.snapshot()).hosts)
+        return list((await poller.snapshot(first_answer_s(config))).hosts)
     finally:
         await poller.aclose()
 

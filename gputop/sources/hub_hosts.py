@@ -266,7 +266,7 @@ GPU_PLAIN_NUMBERS: dict[str, bool] = {**dict.fromkeys(_GPU_KINDS["ints"], False)
                                       **dict.fromkeys(_GPU_KINDS["nums"], True)}
 _error = _object({"kind": _enum("unreachable", "timeout", "auth", "host-key",
                                 "no-nvidia-smi", "driver", "no-devices", "parse", "no-nvml",
-                                "starting", "ssh", "error"), "message": _string},
+                                "starting", "slow", "ssh", "error"), "message": _string},
                  ("kind", "message"))
 _HOST_KINDS: dict[str, Any] = dict(
     fields={"name": _string, "status": _enum("ok", "error"), "error": _one_of_null(_error),

@@ -5,12 +5,16 @@ Pure (text in, records out). Two real outputs are read:
 - ``nvidia-smi -L``: per GPU its MIG devices, each with its profile (``3g.40gb``) and MIG
   uuid. No user-chosen text is in it.
 - ``nvidia-smi -q -x``: per GPU its ``<mig_devices>`` (GPU / compute instance ids, memory)
-  and, per process, ``gpu_instance_id`` / ``compute_instance_id``. ``<process_name>`` is
-  text a user chooses (argv[0]), printed unescaped: it can break the XML or forge elements.
-  So lines that are not one well-formed element are dropped before parsing, two ``<gpu>``
-  elements with one uuid reject the whole document, and a pid placed on two instances is
-  placed on none. A forged entry can therefore hide a placement, never invent one for a
-  process that ``--query-compute-apps`` (which holds no user text) does not list.
+  and, per process, ``gpu_instance_id`` / ``compute_instance_id``. It is parsed as XML
+  (expat, however its tags are laid out on lines), bounded in size, and a DOCTYPE with
+  an internal subset (entity declarations: a billion-laughs bomb) refuses the document:
+  nothing is ever expanded. ``<process_name>`` is text a user chooses (argv[0]), printed
+  unescaped: it can break the XML or forge elements. So each one's text is blanked before
+  parsing (it is never used); where a name still breaks the document, lines that are not
+  one well-formed element are dropped and it is parsed again. Two ``<gpu>`` elements with
+  one uuid reject the whole document, and a pid placed on two instances is placed on
+  none. A forged entry can therefore hide a placement, never invent one for a process
+  that ``--query-compute-apps`` (which holds no user text) does not list.
 
 The per-refresh query reports a MIG GPU's processes under the parent GPU's uuid (some
 drivers: under the MIG device's uuid); the inventory says on which instance each runs.
@@ -22,6 +26,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from xml.parsers import expat
 
 from gputop.model import GpuInfo, MigInstance
 from gputop.sources.protocol import ParseError
@@ -97,6 +102,56 @@ _NUM = re.compile(r"\s*(\d{1,9})(?:\s*MiB)?\s*")
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufffe\uffff]")
 
 
+#: Larger than any real ``-q -x`` (8 GPUs with many processes: well under 1 MiB); the
+#: remote read stops at the same size (gputop.sources.ssh).
+MAX_XML_CHARS = 8 * 1024 * 1024
+#: A process name's element, up to its first closing tag (the name itself may hold one).
+_PROCESS_NAME = re.compile(r"<process_name>.*?</process_name>", re.DOTALL)
+_CHUNK = 64 * 1024
+
+
+class _Refused(Exception):
+    """A document that is refused, not retried: an internal DTD (entities), too large."""
+
+
+def parse_document(text: str) -> ET.Element:
+    """``text`` as an XML tree, by expat fed a chunk at a time. An internal DTD subset or
+    an entity declaration is refused (no entity is ever defined, so none is expanded; an
+    external DTD is never read); a document that is not well-formed is a ParseError."""
+    builder = ET.TreeBuilder()
+    parser = expat.ParserCreate()
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+
+    def doctype(name: str, sysid: str | None, pubid: str | None, internal: int) -> None:
+        if internal:
+            raise _Refused("it declares a DOCTYPE with an internal subset (entities), "
+                           "which nvidia-smi never prints")
+
+    def entity(*_: object) -> None:
+        raise _Refused("it declares an entity, which nvidia-smi never prints")
+
+    def start(tag: str, attrs: dict[str, str]) -> None:
+        builder.start(tag, attrs)
+
+    def end(tag: str) -> None:
+        builder.end(tag)
+
+    parser.StartDoctypeDeclHandler = doctype
+    parser.EntityDeclHandler = entity
+    parser.UnparsedEntityDeclHandler = entity
+    parser.StartElementHandler = start
+    parser.EndElementHandler = end
+    parser.CharacterDataHandler = builder.data
+    try:
+        for at in range(0, len(text), _CHUNK):
+            parser.Parse(text[at:at + _CHUNK], False)
+        parser.Parse("", True)
+    except (expat.ExpatError, ValueError) as exc:  # (ValueError: text that is not UTF-8)
+        raise ParseError(f"nvidia-smi -q -x is not well-formed XML: {excerpt(str(exc))}"
+                         ) from None
+    return builder.close()
+
+
 def _int(e: ET.Element | None, tag: str) -> int | None:
     node = e.find(tag) if e is not None else None
     m = _NUM.fullmatch(node.text or "") if node is not None else None
@@ -107,16 +162,29 @@ def parse_xml(text: str) -> tuple[dict[str, list[MigDevice]], dict[str, dict[int
                                   list[str]]:
     """``nvidia-smi -q -x``: MIG devices and process placement per GPU uuid, and warnings.
 
-    Raises ParseError for a document that is not nvidia-smi's (after dropping lines that
-    are not one element each) or that names a GPU twice.
+    Raises ParseError for a document that is refused (too large, an internal DTD), is not
+    nvidia-smi's (also after dropping lines that are not one element each) or names a GPU
+    twice.
     """
-    kept = [ln for ln in text.splitlines()
-            if _XML_LINE.fullmatch(ln) and not _CONTROL.search(ln)]
-    dropped = len(text.splitlines()) - len(kept)
+    if len(text) > MAX_XML_CHARS:
+        raise ParseError(f"nvidia-smi -q -x: document larger than {MAX_XML_CHARS >> 20} MiB: "
+                         "refused")
+    dropped = 0
     try:
-        root = ET.fromstring("\n".join(kept))  # noqa: S314 - no DTD/entities: _XML_LINE
-    except ET.ParseError as exc:
-        raise ParseError(f"nvidia-smi -q -x is not well-formed XML: {excerpt(str(exc))}") from None
+        root = parse_document(_PROCESS_NAME.sub("<process_name></process_name>",
+                                                _CONTROL.sub(" ", text)))
+    except _Refused as exc:
+        raise ParseError(f"nvidia-smi -q -x refused: {exc}") from None
+    except ParseError:
+        # A process name that still breaks the document: keep the lines that are one
+        # well-formed element each (nvidia-smi prints one per line) and try once more.
+        kept = [ln for ln in text.splitlines()
+                if _XML_LINE.fullmatch(ln) and not _CONTROL.search(ln)]
+        dropped = len(text.splitlines()) - len(kept)
+        try:
+            root = parse_document("\n".join(kept))
+        except _Refused as exc:
+            raise ParseError(f"nvidia-smi -q -x refused: {exc}") from None
     if root.tag != "nvidia_smi_log":
         raise ParseError(f"nvidia-smi -q -x: unexpected root element {excerpt(root.tag)}")
     devices: dict[str, list[MigDevice]] = {}

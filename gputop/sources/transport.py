@@ -67,6 +67,15 @@ class PhaseTimeout(Exception):
     """A connection phase did not finish in time; the message says which."""
 
 
+class KeyLoadError(Exception):
+    """A private key the SSH config names (``IdentityFile``) could not be loaded: the
+    host was never asked, so this is the client's set-up, not the network."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"cannot load the key {path} (an IdentityFile of the SSH config): "
+                         f"{why}")
+
+
 def classify_exception(exc: BaseException) -> HostError:
     """Map what asyncssh / the socket layer raised to a classified host error."""
     msg = excerpt(str(exc) or type(exc).__name__)
@@ -99,8 +108,14 @@ def classify_exception(exc: BaseException) -> HostError:
         return HostError("ssh", f"the remote script ended early: {msg}")
     if isinstance(exc, ParseError):
         return HostError("parse", msg)
-    if isinstance(exc, FileNotFoundError):
-        return HostError("auth", f"cannot read {exc.filename}: {exc.strerror}")
+    if isinstance(exc, KeyLoadError):
+        return HostError("auth", msg)
+    if isinstance(exc, OSError) and exc.filename:
+        # A local file the SSH set-up reads (a key, the config, known_hosts): never the
+        # host's fault ("unreachable: [Errno 13] Permission denied" sent people to the
+        # network).
+        return HostError("auth", f"cannot read {excerpt(str(exc.filename))}: "
+                         f"{exc.strerror or type(exc).__name__}")
     if isinstance(exc, OSError):
         return HostError("unreachable", msg)
     return HostError("error", msg)
@@ -131,7 +146,7 @@ def resolve_options(
         kwargs["port"] = port
     if user:
         kwargs["username"] = user
-    opts = asyncssh.SSHClientConnectionOptions(**kwargs)
+    opts = _options(**kwargs)
     overrides: dict[str, Any] = {}
     if opts.known_hosts is None:  # "UserKnownHostsFile none": never silently accept
         overrides["known_hosts"] = ["~/.ssh/known_hosts"]
@@ -149,7 +164,33 @@ def resolve_options(
     if not overrides:
         return opts
     # Derived from opts: the config file already read is reused, not parsed again.
-    return asyncssh.SSHClientConnectionOptions(opts, host=destination, **overrides)
+    return _options(opts, host=destination, **overrides)
+
+
+def _options(*args: Any, **kwargs: Any) -> asyncssh.SSHClientConnectionOptions:
+    """asyncssh's options, which load the config's keys: one it cannot load is a
+    :class:`KeyLoadError` naming the file (asyncssh's own error names none)."""
+    try:
+        return asyncssh.SSHClientConnectionOptions(*args, **kwargs)
+    except asyncssh.KeyImportError as exc:
+        raise KeyLoadError(_unloadable_key(args, kwargs), str(exc)) from None
+
+
+def _unloadable_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Which IdentityFile asyncssh could not load (best effort: "an IdentityFile")."""
+    try:
+        opts = asyncssh.SSHClientConnectionOptions(*args, **kwargs, client_keys=[])
+        paths: Any = opts.config.get("IdentityFile", None) or ()
+        for path in paths:
+            try:
+                asyncssh.read_private_key(os.path.expanduser(str(path)))
+            except asyncssh.KeyImportError:
+                return str(path)
+            except Exception:  # noqa: S112 - unreadable or encrypted: not the one asked
+                continue
+    except Exception:  # noqa: S110 - the name is a courtesy; the error stands without it
+        pass
+    return "an IdentityFile"
 
 
 class _MemoShlex:
