@@ -118,10 +118,17 @@ class BoardSource:
 
     kind: Literal["demo"] = "demo"
     connects = 0
+    #: Not a stream, nothing odd to report, no backoff to forget (see ``Source``).
+    warnings: tuple[str, ...] = ()
+    first_sample_s: float | None = None
+    paced = False
 
     def __init__(self, name: str, latest: Callable[[str], HostSnapshot | None]) -> None:
         self.name = name
         self._latest = latest
+
+    def reset(self) -> None:
+        """Nothing to forget: every query tries the host anew."""
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]:
         snap = self._latest(self.name)
