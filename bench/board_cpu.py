@@ -116,14 +116,14 @@ def main() -> None:
     reference = reference_ms()
     app = GputopApp(cfg, sources=sources, user="bench", long_running=not args.default_gc)
     updates = 0
-    original = app.ingest
+    original = app.intake.ingest
 
     def counting(snap):  # type: ignore[no-untyped-def]
         nonlocal updates
         updates += 1
         original(snap)
 
-    app.ingest = counting  # type: ignore[method-assign]
+    app.intake.ingest = counting  # type: ignore[method-assign]
     marks: dict[str, float] = {}
     threads: dict[str, dict[int, float]] = {}
 
@@ -155,7 +155,7 @@ def main() -> None:
     # sources, see gputop.ui.feed) and Textual's others (input, output).
     t0, t1 = threads["start"], threads["end"]
     spent = {tid: t1[tid] - t0.get(tid, 0.0) for tid in t1}
-    feed = app._feed_thread._thread.native_id if app._feed_thread else None
+    feed = app.intake.feed._thread.native_id if app.intake.feed else None
     ui = threading.main_thread().native_id
     by_thread = {"ui": spent.get(ui, 0.0), "feed": spent.get(feed, 0.0)}  # type: ignore[arg-type]
     by_thread["other"] = sum(spent.values()) - by_thread["ui"] - by_thread["feed"]

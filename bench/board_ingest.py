@@ -60,7 +60,7 @@ def main() -> None:
         gc.collect()
         model = BoardModel(list(names), interval=2.0)
         start = time.perf_counter()
-        for snap in snaps:  # as GputopApp._drain does
+        for snap in snaps:  # as Intake.drain does
             model.ingest(snap)
             model.warmer()((snap.name,), *warm_args)
         ingest_s.append((time.perf_counter() - start) / len(snaps))

@@ -103,8 +103,8 @@ class Poller:
             last_ok=self._last_ok.get(source.name),
             source=source.kind,
             tags=host.tags if host else (),
-            warnings=tuple(getattr(source, "warnings", ())) if err is None else (),
-            first_sample_s=getattr(source, "first_sample_s", None),
+            warnings=tuple(source.warnings) if err is None else (),
+            first_sample_s=source.first_sample_s,
         )
 
     async def snapshot(self, deadline: float | None = None) -> FleetSnapshot:
@@ -156,7 +156,7 @@ class Poller:
             # A new streamed sample: the next query waits for the next one, so no sleep
             # (unless samples come more often than every half interval).
             since, answered = now - answered, now
-            if since >= self.config.interval / 2 and getattr(source, "paced", False):
+            if since >= self.config.interval / 2 and source.paced:
                 continue
             left = self.config.interval - (now - started)
             if left > 0 and name not in self._woken:
@@ -178,13 +178,11 @@ class Poller:
                 del self._naps[name]
 
     def reconnect(self, name: str) -> bool:
-        """Query host ``name`` now: its source forgets its backoff (``reset``, where it has
-        one) and its loop stops waiting. False when no such host is polled."""
+        """Query host ``name`` now: its source forgets its backoff (``reset``) and its loop
+        stops waiting. False when no such host is polled."""
         for source in self.sources:
             if source.name == name:
-                reset = getattr(source, "reset", None)
-                if callable(reset):
-                    reset()
+                source.reset()
                 self._woken.add(name)
                 if (nap := self._naps.get(name)) is not None:
                     _settle(nap)
@@ -258,12 +256,18 @@ class HubPoller:
         self.sources: list[_Named] = [_Named(n) for n in self.only or ()]
         self.fallback = config.hub_fallback == "direct"
         self.say = say
+        #: Why the hub could not be read last (None while it answers): the board's bar.
         self.error: HubError | None = None
         self._direct: Poller | None = None
         self._last: dict[str, HostSnapshot] = {}
         self._doc: Any = None  # the hub's document as last read (gputop.sources.hub.Document)
         self._wake: asyncio.Future[None] | None = None
         self.connects = 0
+
+    @property
+    def direct(self) -> bool:
+        """The hub failed and ``[hub] fallback = "direct"`` polls the hosts from here."""
+        return self._direct is not None
 
     def _names(self, doc_hosts: Sequence[str]) -> list[str]:
         have = set(doc_hosts)

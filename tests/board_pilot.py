@@ -32,7 +32,7 @@ async def load_fixed(app: GputopApp, pilot: Pilot[Any]) -> BoardTable:
     """The fixed fleet's snapshots ingested and the store read: the board drawn."""
     for snap in fixed_snapshots():
         app.ingest(snap)
-    app.reload_store()
+    app.reservations.reload()
     app.render_board()
     await pilot.pause()
     return app.query_one(BoardTable)

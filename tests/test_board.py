@@ -32,7 +32,7 @@ def make_app(tmp_path: Path, user: str = "ann", clock: object = lambda: NOW,
 async def load(app: GputopApp, pilot: object) -> BoardTable:
     for snap in fixed_snapshots():
         app.ingest(snap)
-    app.reload_store()
+    app.reservations.reload()
     app.render_board()
     await pilot.pause()  # type: ignore[attr-defined]
     return app.query_one(BoardTable)
@@ -473,7 +473,7 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
                             "reserve", "gpu-h100:1", "--note", "from the CLI"],
                            env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         me = pwd.getpwuid(os.getuid()).pw_name
@@ -705,16 +705,16 @@ async def test_a_lasting_problem_stays_in_the_bar_not_over_the_rows(tmp_path: Pa
         app.notify = notify  # type: ignore[method-assign, assignment]
         await load(app, pilot)
         path.write_text('{"version": 1, "reservations": [{"host": 7}]}')
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         assert "reservations unreadable" in str(app.query_one(SummaryBar).render())
         assert timeouts and max(timeouts) <= 6
-        app.reload_store()  # still broken: no second notification, the bar keeps saying it
+        app.reservations.reload()  # still broken: no second notification, the bar keeps saying it
         app.render_board()
         assert len(timeouts) == 1
         path.write_text('{"version": 1, "reservations": []}')
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         assert "reservations unreadable" not in str(app.query_one(SummaryBar).render())
@@ -1115,20 +1115,20 @@ async def test_with_no_answers_the_screen_still_follows_the_clock(tmp_path: Path
         table = app.query_one(BoardTable)
         assert "stale" not in on_screen(app, table, snap.name)
         clock[0] = NOW + timedelta(seconds=30)  # no answer since
-        app._last_ingest -= 30
-        app._last_render -= 1
-        app._tick()
+        app.intake._last_ingest -= 30
+        app.intake._last_render -= 1
+        app.intake.tick()
         await pilot.pause()
         assert "stale: seen 31s ago" in on_screen(app, table, snap.name)
         clock[0] = NOW + timedelta(seconds=31)
-        app._last_render -= 1
-        app._tick()
+        app.intake._last_render -= 1
+        app.intake.tick()
         await pilot.pause()
         assert "stale: seen 32s ago" in on_screen(app, table, snap.name)
         # Answers flowing: the tick draws only what they changed (none here: no redraw).
-        app._last_ingest = app._last_render = time.monotonic()
+        app.intake._last_ingest = app.intake._last_render = time.monotonic()
         clock[0] = NOW + timedelta(seconds=40)
-        app._tick()
+        app.intake.tick()
         await pilot.pause()
         assert "stale: seen 32s ago" in on_screen(app, table, snap.name)
 
@@ -1147,26 +1147,26 @@ async def test_a_burst_taken_in_slices_is_drawn_once_it_is_all_in(tmp_path: Path
         real = app.render_board
 
         def counted() -> None:
-            frames.append(app._inbox.qsize())
+            frames.append(app.intake._inbox.qsize())
             real()
 
         app.render_board = counted  # type: ignore[method-assign]
         for snap in fixed_snapshots():
-            app._inbox.put(snap)
-        app._dirty = True
-        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
-        app._tick()  # the burst is still in the inbox: no frame yet
-        assert frames == [] and app._frame_waits
+            app.intake._inbox.put(snap)
+        app.intake.dirty = True
+        app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
+        app.intake.tick()  # the burst is still in the inbox: no frame yet
+        assert frames == [] and app.intake._frame_waits
         for _ in range(100):  # (one slice takes these few, unless the machine is loaded:
-            app._drain()  # then more; the slice that finds the inbox empty draws)
+            app.intake.drain()  # then more; the slice that finds the inbox empty draws)
             if frames:
                 break
-        assert frames == [0] and not app._frame_waits
+        assert frames == [0] and not app.intake._frame_waits
         # A stream that never lets the inbox empty is still drawn, BURST_WAIT_S late at most.
-        app._inbox.put(fixed_snapshots()[0])
-        app._dirty = True
-        app._last_render -= intake_module.RENDER_PERIOD + intake_module.BURST_WAIT_S
-        app._tick()
+        app.intake._inbox.put(fixed_snapshots()[0])
+        app.intake.dirty = True
+        app.intake._last_render -= intake_module.RENDER_PERIOD + intake_module.BURST_WAIT_S
+        app.intake.tick()
         assert frames == [0, 1]
         app.render_board = real  # type: ignore[method-assign]
 
@@ -1267,29 +1267,29 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
             app.ingest(replace(base, name=name, time=base.time + timedelta(seconds=2)))
 
         answer("n29")  # off screen: waits...
-        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
-        app._tick()
-        assert frames == [] and app._dirty
-        app._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
-        app._tick()  # ...an interval at most
-        assert frames == ["frame"] and not app._dirty
+        app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
+        app.intake.tick()
+        assert frames == [] and app.intake.dirty
+        app.intake._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
+        app.intake.tick()  # ...an interval at most
+        assert frames == ["frame"] and not app.intake.dirty
         answer("n29")
         answer("n00")  # on screen: this tick
-        app._tick()
+        app.intake.tick()
         assert frames == ["frame"] * 2
         answer("n29")
-        app._dirty = True  # anything but an answer (a reservation, a theme): this tick
-        app._tick()
+        app.intake.dirty = True  # anything but an answer (a reservation, a theme): this tick
+        app.intake.tick()
         assert frames == ["frame"] * 3
         table.scroll_end(animate=False)  # scrolled: what is on screen now counts
         await pilot.pause()
         assert "n29" in table.hosts_on_screen()
         answer("n29")
-        app._tick()
+        app.intake.tick()
         assert frames == ["frame"] * 4
         app.model.sort_mode = "utilization"  # a sorted view: any answer can move rows
         answer("n00")
-        app._tick()
+        app.intake.tick()
         assert frames == ["frame"] * 5
         app.render_board = real  # type: ignore[method-assign]
 

@@ -127,46 +127,46 @@ async def test_a_key_holds_the_feed_the_drain_and_the_collector(
     app = GputopApp(cfg, sources=sources, user="amira")
     async with app.run_test(size=(120, 30)) as pilot:
         for _ in range(100):
-            if len(app.model.snapshots) == len(sources) and app._feed_thread is not None:
+            if len(app.model.snapshots) == len(sources) and app.intake.feed is not None:
                 break
             await asyncio.sleep(0.05)
-        feed = app._feed_thread
+        feed = app.intake.feed
         assert feed is not None
         monkeypatch.setattr(gc, "freeze", lambda: collected.append(-1))
-        app._collect_young()
+        app.intake.collect_young()
         assert collected == [2, -1]  # once, with the first answers in: collect, freeze
-        app._last_gc -= intake_module.GC_PERIOD_S
+        app.intake._last_gc -= intake_module.GC_PERIOD_S
         collected.clear()
-        app._collect_young()
+        app.intake.collect_young()
         assert collected == [0]  # no key: the board collects young garbage itself
         t = time.monotonic()
         await pilot.press("j")
         assert feed.hold_until >= t + intake_module.KEY_HOLD_S  # the key holds the feed...
-        assert app._key_hold_until == feed.hold_until
-        app._key_hold_until = time.monotonic() + 1  # (pilot.press waited past it: idle)
-        app._collect_young()
+        assert app.intake._key_hold_until == feed.hold_until
+        app.intake._key_hold_until = time.monotonic() + 1  # (pilot.press waited past it: idle)
+        app.intake.collect_young()
         assert collected == [0]  # ...and the collector
         # (no await from here on: the drain's own timer cannot run in between)
         snap = HostSnapshot(name="node00", gpus=app.model.snapshots["node00"].gpus)
-        app._inbox.put(snap)
-        app._key_hold_until = time.monotonic() + 1
-        app._last_drain = time.perf_counter()
-        app._drain()
+        app.intake._inbox.put(snap)
+        app.intake._key_hold_until = time.monotonic() + 1
+        app.intake._last_drain = time.perf_counter()
+        app.intake.drain()
         assert app.model.snapshots["node00"] is not snap  # ...and the drain
-        app._key_hold_until = 0.0
-        app._drain()
+        app.intake._key_hold_until = 0.0
+        app.intake.drain()
         assert app.model.snapshots["node00"] is snap
-        app._collect_young()
+        app.intake.collect_young()
         assert collected == [0]  # (its period, GC_PERIOD_S, has not passed)
-        app._last_gc -= intake_module.GC_PERIOD_S
-        app._collect_young()
+        app.intake._last_gc -= intake_module.GC_PERIOD_S
+        app.intake.collect_young()
         assert collected == [0, 0]
         # Answers count only up to the fleet's size (a collection walks at most every
         # host's last answer): a fleet smaller than GC_ANSWERS is collected by time.
-        app._answers_since_gc = 10 * intake_module.GC_ANSWERS
-        app._collect_young()
+        app.intake._answers_since_gc = 10 * intake_module.GC_ANSWERS
+        app.intake.collect_young()
         assert collected == [0, 0]
         monkeypatch.setattr(intake_module, "GC_ANSWERS", len(app.model.snapshots))
-        app._collect_young()
+        app.intake.collect_young()
         assert collected == [0, 0, 0]
     assert intake_module.KEY_HOLD_S < feed_module.MAX_HOLD_S

@@ -63,12 +63,12 @@ async def test_the_first_answers_of_hosts_a_hub_names_are_drawn_at_once(
         frames = _frames(app)
         for snap in _fleet(3):
             app.ingest(snap)
-        app._tick()
+        app.intake.tick()
         assert frames == [1]
         assert table.row_count == 3 * 5
         # ...and a host the hub adds later, in the room below the last row.
         app.ingest(replace(BASE, name="n99"))
-        app._tick()
+        app.intake.tick()
         assert frames == [1, 1]
         assert "n99" in on_screen(app, table, table.row_keys[-5])
 
@@ -87,14 +87,14 @@ async def test_a_host_above_the_screen_that_goes_down_moves_the_rows_on_it_now(
         bottom = table.row_keys[-1]
         app.ingest(HostSnapshot(name="n00", time=LATER, error=HostError(
             "timeout", "no answer"), last_ok=BASE.time))  # its 5 rows become 1
-        app._tick()
+        app.intake.tick()
         assert frames == [1]
         await pilot.pause()
         assert on_screen(app, table, bottom).rstrip().endswith(
             table.get_cell(bottom, table.column_keys[-1]).plain.rstrip())
         # Back with its GPUs: the rows move again, drawn now too.
         app.ingest(replace(BASE, name="n00", time=LATER))
-        app._tick()
+        app.intake.tick()
         assert frames == [1, 1]
         # A GPU's MIG instances appear (a row each, under it): the rows below move.
         gpus = list(BASE.gpus)
@@ -103,12 +103,12 @@ async def test_a_host_above_the_screen_that_goes_down_moves_the_rows_on_it_now(
             profile="1g.10gb", memory_used_mib=0, memory_total_mib=9856,
             utilization_percent=None, processes=()),))
         app.ingest(replace(BASE, name="n01", time=LATER, gpus=tuple(gpus)))
-        app._tick()
+        app.intake.tick()
         assert frames == [1, 1, 1]
         # Only numbers moved on a host above: nothing on screen changes; it waits.
         app.ingest(replace(BASE, name="n02", time=LATER + timedelta(seconds=2)))
-        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
-        app._tick()
+        app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
+        app.intake.tick()
         assert frames == [1, 1, 1]
 
 
@@ -129,7 +129,7 @@ async def test_in_a_filtered_or_free_only_view_an_answer_is_drawn_at_once(
         gpus = list(BASE.gpus)
         gpus[2] = gpus[2].with_processes((ProcessInfo(99, "zed", "python z.py", 100, 5),))
         app.ingest(replace(BASE, name="n29", time=LATER, gpus=tuple(gpus)))
-        app._tick()
+        app.intake.tick()
         assert frames == [1]
         assert table.row_count == 2 and "zed" in on_screen(app, table, table.row_keys[1])
         app.model.filter_text = ""
@@ -141,7 +141,7 @@ async def test_in_a_filtered_or_free_only_view_an_answer_is_drawn_at_once(
         gpus = [g.with_processes(()) for g in BASE.gpus]
         gpus = [replace(g, utilization_percent=0, memory_used_mib=0) for g in gpus]
         app.ingest(replace(BASE, name="n29", time=LATER, gpus=tuple(gpus)))  # all free now
-        app._tick()
+        app.intake.tick()
         assert frames == [1]
         assert table.row_count > free_rows
 
@@ -161,12 +161,12 @@ async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_scre
         gpus = list(BASE.gpus)
         gpus[0] = replace(gpus[0], utilization_percent=7)
         app.ingest(replace(BASE, name="n29", time=LATER, gpus=tuple(gpus)))
-        app._last_render = time.monotonic()  # (the last frame just now, whatever the load)
-        app._tick()
+        app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
+        app.intake.tick()
         assert frames == []  # (off screen: put off)
         table.scroll_end(animate=False)
         await pilot.pause()
-        app._tick()
+        app.intake.tick()
         assert frames == [1]
         await pilot.pause()
         key = next(k for k in table.row_keys if k.startswith("n29\x00"))
@@ -176,12 +176,12 @@ async def test_answers_put_off_are_drawn_once_a_scroll_brings_their_rows_on_scre
         await pilot.pause()
         assert "n00" not in table.hosts_on_screen()
         app.ingest(replace(BASE, name="n00", time=LATER, gpus=tuple(gpus)))
-        app._last_render = time.monotonic()
-        app._tick()
+        app.intake._last_render = time.monotonic()
+        app.intake.tick()
         assert frames == [1]
         table.move_cursor(row=0)
         await pilot.pause()
-        app._tick()
+        app.intake.tick()
         assert frames == [1, 1]
 
 
@@ -197,8 +197,8 @@ async def test_rows_of_hosts_off_screen_are_made_when_they_come_on_screen(
         table = await _board(app, pilot, fleet)
         for snap in fleet:  # a refresh, as the feed delivers it: through the drain
             gpus = (replace(snap.gpus[0], utilization_percent=37), *snap.gpus[1:])
-            app._inbox.put(replace(snap, gpus=gpus, time=LATER))
-        app._drain()
+            app.intake._inbox.put(replace(snap, gpus=gpus, time=LATER))
+        app.intake.drain()
         app.render_board()
         await pilot.pause()
         shown = table.hosts_on_screen()

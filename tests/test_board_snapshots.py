@@ -41,7 +41,7 @@ def loader(select: str | None = None, keys: tuple[str, ...] = ()):  # type: igno
         app = pilot.app
         for snap in fixed_snapshots():
             app.ingest(snap)
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         if select is not None:

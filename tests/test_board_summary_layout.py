@@ -20,7 +20,7 @@ async def test_a_changed_summary_is_drawn_without_a_layout(tmp_path: Path) -> No
     async with app.run_test(size=(120, 40)) as pilot:
         for snap in fixed_snapshots():
             app.ingest(snap)
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         screen = app.screen

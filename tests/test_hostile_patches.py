@@ -177,25 +177,25 @@ async def test_a_held_key_puts_the_drain_off_until_after_it_without_spinning(
     app = GputopApp(board_config(tmp_path), feed=False, clock=lambda: NOW, user="ann")
     async with app.run_test(size=(120, 40)):
         loop = asyncio.get_running_loop()
-        if app._drain_timer is not None:
-            app._drain_timer.cancel()
-            app._drain_timer = None
-        app._inbox.put(fixed_snapshots()[0])
+        if app.intake._drain_timer is not None:
+            app.intake._drain_timer.cancel()
+            app.intake._drain_timer = None
+        app.intake._inbox.put(fixed_snapshots()[0])
         since = 0.2  # the last drain this long ago (past KEY_HOLD_S: where it spun)
-        app._last_drain = time.perf_counter() - since
-        app._key_hold_until = time.monotonic() + KEY_HOLD_S  # a key just came
-        app._drain()
-        assert app._inbox.qsize() == 1  # held: not taken during the key
-        timer = app._drain_timer
+        app.intake._last_drain = time.perf_counter() - since
+        app.intake._key_hold_until = time.monotonic() + KEY_HOLD_S  # a key just came
+        app.intake.drain()
+        assert app.intake._inbox.qsize() == 1  # held: not taken during the key
+        timer = app.intake._drain_timer
         assert timer is not None
         wait = timer.when() - loop.time()
         # After the key, or KEY_DRAIN_MAX_S after the last drain: here about 0.1 s.
         assert 0.5 * (KEY_DRAIN_MAX_S - since) < wait <= KEY_DRAIN_MAX_S - since, wait
         for _ in range(200):  # then it does drain (not put off for good)
-            if app._inbox.empty():
+            if app.intake._inbox.empty():
                 break
             await asyncio.sleep(0.025)
-        assert app._inbox.empty()
+        assert app.intake._inbox.empty()
 
 
 # --- the board: rows kept, times left counting down ---------------------------------------------

@@ -273,6 +273,25 @@ def test_a_reader_needs_no_hosts_only_the_hub(tmp_path: Path) -> None:
         load_config(str(cfg))
 
 
+async def test_a_hub_reader_says_when_it_fell_back_to_polling_directly(tmp_path: Path) -> None:
+    """The board asks ``direct`` whether ``c`` reconnects a host itself or only asks the
+    hub again, and shows ``error`` in its bar: both public on the hub's reader."""
+    from gputop.poller import HubPoller
+
+    cfg = tmp_path / "reader.toml"
+    cfg.write_text('[hub]\nurl = "http://127.0.0.1:9/"\nfallback = "direct"\n'
+                   '[[hosts]]\nname = "here"\nlocal = true\n')
+    poller = HubPoller(load_config(str(cfg)))
+    assert not poller.direct and poller.error is None
+    try:
+        fleet = await poller.snapshot()  # nothing listens on port 9: polled directly
+    finally:
+        await poller.aclose()
+    assert poller.direct and poller.error is not None
+    assert poller.error.kind == "unreachable"
+    assert [h.name for h in fleet.hosts] == ["here"]
+
+
 def test_the_token_is_required_and_sent(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret-token\n")

@@ -654,14 +654,14 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
     cfg = replace(board_config(clean.root), interval=0.5, reservations_path=clean.path,
                   reservations_host="store-as-gtcarol")
     app = GputopApp(cfg, feed=False, clock=lambda: NOW)
-    assert app.store.remote
+    assert app.reservations.store.remote
     async with app.run_test(size=(120, 40)) as pilot:
         for snap in fixed_snapshots():
             app.ingest(snap)
         app.render_board()
         await app.workers.wait_for_complete()
         await pilot.pause()
-        assert app.me == "gtcarol"  # the store host's login, not this process's root
+        assert app.reservations.me == "gtcarol"  # the store host's login, not this process's root
         assert {r.user for r in app.model.state.reservations} == {"bob", "erin"}
         table = app.query_one(BoardTable)
         await reserve_row(app, pilot)
@@ -671,16 +671,17 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
         with _store_host_down(clean):
             for _ in range(100):
                 await pilot.pause(0.1)
-                if app._store_problem:
+                if app.reservations.problem:
                     break
-            assert app._store_problem and "reservations are unknown" in app._store_problem
-            assert "store-as-gtcarol" in app._store_problem
+            problem = app.reservations.problem
+            assert problem and "reservations are unknown" in problem
+            assert "store-as-gtcarol" in problem
             assert table.row_count == rows and app.is_running  # the GPUs are still shown
         for _ in range(100):  # back on its own once the host answers again
             await pilot.pause(0.1)
-            if not app._store_problem:
+            if not app.reservations.problem:
                 break
-        assert app._store_problem is None
+        assert app.reservations.problem is None
 
 
 def test_run_and_free_over_ssh_hold_and_release_as_the_store_login(clean: World) -> None:

@@ -368,6 +368,10 @@ async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
 
     class Broken:
         name, connects, kind = "broken", 0, "ssh"
+        warnings, first_sample_s, paced = (), None, False
+
+        def reset(self) -> None:
+            return None
 
         async def query(self) -> tuple[list[GpuInfo], HostError | None]:
             raise RuntimeError("boom")

@@ -43,7 +43,7 @@ async def test_board_shows_a_hostile_store_and_keeps_running(tmp_path: Path, kin
         # Someone fixes the file: the board picks it up at the next re-read.
         path.unlink()
         seed(Store(path))
-        app.reload_store()
+        app.reservations.reload()
         app.render_board()
         await pilot.pause()
         assert app.model.state.reservations
@@ -63,13 +63,13 @@ async def test_the_periodic_reread_is_off_the_ui_thread_and_once_per_change(
     cfg = replace(board_config(tmp_path), interval=0.5)
     app = GputopApp(cfg, feed=False, clock=lambda: NOW, user="ann")
     reads: list[str] = []
-    read = app.store.read
+    read = app.reservations.store.read
 
     def counted() -> Any:
         reads.append(threading.current_thread().name)
         return read()
 
-    app.store.read = counted  # type: ignore[method-assign]
+    app.reservations.store.read = counted  # type: ignore[method-assign]
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.2)
         reads.clear()  # the first read, at start, is made on the UI thread
@@ -86,4 +86,4 @@ async def test_the_periodic_reread_is_off_the_ui_thread_and_once_per_change(
         await pilot.pause(1.2)
         assert len(reads) == 1, reads
         assert reads[0] != threading.main_thread().name
-        assert app._store_problem is not None and app.is_running
+        assert app.reservations.problem is not None and app.is_running

@@ -233,6 +233,9 @@ class _Gated:
     """A source whose query waits for the test; ``paced`` as a stream's would be."""
 
     kind = "ssh"
+    connects = 0
+    warnings: tuple[str, ...] = ()
+    first_sample_s = None
 
     def __init__(self, name: str, paced: bool) -> None:
         self.name = name
@@ -311,10 +314,16 @@ class _Swallows:
 
     kind = "ssh"
     connects = 0
+    warnings: tuple[str, ...] = ()
+    first_sample_s = None
+    paced = False
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.swallowed = 0
+
+    def reset(self) -> None:
+        pass
 
     async def query(self) -> tuple[list[object], None]:
         try:

@@ -12,22 +12,41 @@ HubErrorKind = Literal["unreachable", "timeout", "auth", "parse", "error"]
 
 
 class Source(Protocol):
-    """One host. ``query`` never raises for the host's own failures: it returns them.
-
-    A source may also have ``warnings: tuple[str, ...]``, what its last query found odd in
-    data it still returned, and ``first_sample_s`` (its stream's time to first sample); the
-    poller copies both onto the host snapshot. One whose ``paced`` is true after a query
-    waited for its host's own next sample, so the poller asks again without sleeping.
+    """One host, as the poller drives it: every source implements all of this (a plain
+    source answers with the defaults: no warnings, no stream, nothing to reset), so the
+    poller reads each member directly. ``query`` never raises for the host's own
+    failures: it returns them.
     """
 
     name: str
+
     @property
     def kind(self) -> Literal["ssh", "nvml", "demo"]:
         """Where the data comes from, as the snapshot reports it."""
         ...
+
     @property
     def connects(self) -> int:
         """Connections this source opened so far (SSH); lets tests and the bench prove reuse."""
+        ...
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the last query found odd in data it still returned (onto the snapshot)."""
+        ...
+
+    @property
+    def first_sample_s(self) -> float | None:
+        """Seconds its stream took to the first sample (onto the snapshot); None: none."""
+        ...
+
+    @property
+    def paced(self) -> bool:
+        """The last query waited for the host's own next sample: ask again, no sleep."""
+        ...
+
+    def reset(self) -> None:
+        """Forget any backoff: the next query tries at once (the board's ``c``)."""
         ...
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]: ...

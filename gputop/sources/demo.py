@@ -39,6 +39,10 @@ class DemoSource:
     """One simulated host; each query advances its own clock a step."""
 
     kind: Literal["demo"] = "demo"
+    #: Not a stream, nothing odd to report, no backoff to forget (see ``Source``).
+    warnings: tuple[str, ...] = ()
+    first_sample_s: float | None = None
+    paced = False
 
     def __init__(self, name: str, model: str, count: int, memory: int, power: float,
                  seed: int = 0) -> None:
@@ -62,6 +66,9 @@ class DemoSource:
                            command=r.choice(JOBS), gpu_memory_mib=r.randint(4000,
                                                                              self._memory - 2000),
                            elapsed_s=r.randint(60, 200000))
+
+    def reset(self) -> None:
+        """Nothing to forget: every query tries the host anew."""
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]:
         if self.name == DOWN:

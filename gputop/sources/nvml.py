@@ -33,6 +33,10 @@ class NvmlSource:
     """The local machine. ``nvml`` may be given for tests (no GPU here), else pynvml."""
 
     kind: Literal["nvml"] = "nvml"
+    #: Not a stream, nothing odd to report, no backoff to forget (see ``Source``).
+    warnings: tuple[str, ...] = ()
+    first_sample_s: float | None = None
+    paced = False
 
     def __init__(self, name: str, *, timeout: float, nvml: ModuleType | None = None,
                  proc_root: str = "/proc") -> None:
@@ -42,6 +46,9 @@ class NvmlSource:
         self._initialised = False
         self._proc = proc_root
         self.connects = 0
+
+    def reset(self) -> None:
+        """Nothing to forget: every query tries the host anew."""
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]:
         try:

@@ -1,10 +1,11 @@
 """The Textual app: one live board of every GPU, fed by the poller as hosts answer.
 
 This module holds the board's composition, its feed's start and end, its drawing and its
-keys for looking around. How answers reach the model (the inbox, the drain, the tick, the
-board's own garbage collection) is in :mod:`gputop.ui.intake`, and reading the shared file
-and the keys that write it (reserve, release, the queue) in :mod:`gputop.ui.store_actions`,
-its base classes.
+keys. The app owns two plain objects and delegates to them: how answers reach the model
+(the inbox, the drain, the tick, the board's own garbage collection) is an
+:class:`~gputop.ui.intake.Intake`, and reading the shared file and writing it (reserve,
+release, the queue) a :class:`~gputop.ui.store_actions.StoreActions`. Textual dispatches
+keys and messages to the app, so their handlers stay here, thin.
 """
 
 from __future__ import annotations
@@ -12,27 +13,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import queue
 import signal
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from textual import work
-from textual.app import ComposeResult
+from textual import events, work
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.color import Color, ColorParseError
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Input
-from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
 from gputop.reservations.ops import whoami
-from gputop.reservations.store import StoreState
 from gputop.sources import Source
 from gputop.sources.shared_file import open_store
 from gputop.text import clean
@@ -40,11 +37,9 @@ from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, HostRow
 from gputop.ui.cells import Palette
 from gputop.ui.feed import FeedThread
-from gputop.ui.intake import RENDER_PERIOD, BoardIntake, tune_gc
-from gputop.ui.screens import (
-    HelpScreen,
-    UsersScreen,
-)
+from gputop.ui.intake import RENDER_PERIOD, Intake, tune_gc
+from gputop.ui.screens import HelpScreen, UsersScreen
+from gputop.ui.store_actions import StoreActions
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
 from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
 
@@ -70,7 +65,7 @@ def arm_exit_watchdog(code: int, after: float | None = None) -> threading.Timer:
     return timer
 
 
-class GputopApp(BoardIntake):
+class GputopApp(App[int]):
     CSS_PATH = "gputop.tcss"
     TITLE = "gputop"
     NOTIFICATION_TIMEOUT = 3  # toasts cover rows: short, and problems that last go in the bar
@@ -107,33 +102,27 @@ class GputopApp(BoardIntake):
         long_running: bool = False,
     ) -> None:
         super().__init__()
-        self._long_running = long_running
         self.config = config
-        #: ``--record``: every snapshot also goes into the history database.
-        self.recorder = recorder
+        self.clock = clock
         self._sources = sources
         self._feed = feed
-        self.clock = clock
-        self.store = open_store(config, warn=self._warn)
-        #: For a store over SSH, "me" is the account its host authenticated: learnt with
-        #: the first answer (until then, and if it never answers, this machine's account).
-        self._me_given = user is not None
-        self.me = user or whoami(None if self.store.remote else self.store)[0]
+        store = open_store(config, warn=self._warn)
+        # For a store over SSH, "me" is the account its host authenticated: learnt with the
+        # first answer (until then, and if it never answers, this machine's account).
+        me = user or whoami(None if store.remote else store)[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
                                 interval=config.interval, idle_holder_s=config.idle_holder_s,
                                 idle_grace_s=config.idle_grace_s,
-                                share_grace_s=config.share_grace_s, clock=clock, me=self.me)
-        self._store_sig: object = None
-        self._state: StoreState | None = None
-        self._waiting: Worker[None] | None = None
-        self._store_problem: str | None = None
-        self._store_reading = False
-        #: The hosts whose answers wait for a frame with something on screen (_frame_due).
-        self._put_off: set[str] = set()
-        self._dirty = True
-        #: What is to be drawn is only answers from hosts not on screen (see _frame_due).
-        self._offscreen = False
-        self._board_table: BoardTable | None = None
+                                share_grace_s=config.share_grace_s, clock=clock, me=me)
+        self.intake = Intake(self.model, interval=config.interval, long_running=long_running,
+                             table=lambda: self.query_one(BoardTable),
+                             render=lambda: self.render_board(), notify_error=self._error,
+                             recorder=recorder)
+        self.reservations = StoreActions(
+            self, store, self.model, config=config, clock=clock, me=me,
+            me_given=user is not None, selected=self._selected, redraw=lambda: self.render_board(),
+            changed=self._changed,
+            given_hosts=None if sources is None else [s.name for s in sources])
         self._wanted_theme = theme or config.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
@@ -142,21 +131,6 @@ class GputopApp(BoardIntake):
         #: Armed by the first signal; cancelled once the board has exited (see run_board).
         self.watchdog: threading.Timer | None = None
         self._feed_closed = asyncio.Event()
-        self._feed_thread: FeedThread | None = None
-        self._inbox: queue.SimpleQueue[HostSnapshot] = queue.SimpleQueue()
-        self._shapes: dict[str, tuple[HostSnapshot, tuple[bool, int, int]]] = {}
-        self._key_hold_until = 0.0
-        self._last_drain = 0.0
-        self._gc_runs = 0
-        self._last_gc = 0.0
-        self._answers_since_gc = 0
-        self._refrozen = False
-        #: The feed woke the drain and it has not run since (set on the feed's thread).
-        self._drain_woken = False
-        self._frame_waits = False  # a tick left its frame for a burst's last slice
-        self._drain_timer: asyncio.TimerHandle | None = None
-        self._last_ingest = self._last_render = time.monotonic()
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         """The gpu-* colours exist under every theme (Textual's own ones too)."""
@@ -193,7 +167,7 @@ class GputopApp(BoardIntake):
         self._update_palette()
         self.query_one(DetailPane).history_path = self.config.history_path
         self.query_one(DetailPane).via_hub = self.config.hub_url is not None
-        self.reload_store()
+        self.reservations.reload()
         self.set_focus(self.query_one(BoardTable))  # now, not after a refresh
         if self.config.implicit and self.config.hub_url is None:  # (a hub names the hosts)
             from gputop.config import NO_CONFIG_HINT, default_config_path
@@ -201,14 +175,14 @@ class GputopApp(BoardIntake):
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
                         timeout=8)
         # One timer for the frame and the board's own GC; answers wake the drain (see
-        # _deliver), so a board whose hosts are quiet wakes twice a second, not 25 times.
-        self._loop = asyncio.get_running_loop()
-        self.set_interval(RENDER_PERIOD, self._tick)
-        self.set_interval(max(0.5, self.config.interval), self._reload_store_if_changed)
+        # Intake.deliver), so a board whose hosts are quiet wakes twice a second, not 25.
+        self.intake.start(asyncio.get_running_loop())
+        self.set_interval(RENDER_PERIOD, self.intake.tick)
+        self.set_interval(max(0.5, self.config.interval), self.reservations.reload_if_changed)
         self.render_board()
         if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
             self.call_after_refresh(self._run_feed)
-        if self._long_running:
+        if self.intake.long_running:
             self.call_after_refresh(tune_gc)
 
     async def on_unmount(self) -> None:
@@ -221,6 +195,11 @@ class GputopApp(BoardIntake):
         for sig in EXIT_SIGNALS:
             with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
                 loop.remove_signal_handler(sig)
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            self.intake.key_in()
+        await super().on_event(event)
 
     def _on_signal(self, signum: int) -> None:
         if self.watchdog is None:
@@ -237,10 +216,10 @@ class GputopApp(BoardIntake):
     @work(exclusive=True, group="feed")
     async def _run_feed(self) -> None:
         """Poll on the feed thread (see feed.py) until the app exits; its snapshots wait in
-        ``_inbox`` for the next frame."""
+        the intake's inbox for the next frame."""
         self._feed_started = True
         poller = self.poller = open_poller(self.config, self._sources)
-        feed = self._feed_thread = FeedThread(poller, self._deliver)
+        feed = self.intake.feed = FeedThread(poller, self.intake.deliver)
         feed.start()
         try:
             await asyncio.Event().wait()
@@ -248,23 +227,26 @@ class GputopApp(BoardIntake):
             try:
                 feed.stop()  # every remote loop ended, every connection closed
             finally:
-                if self.recorder is not None:
-                    self.recorder.close()
-                    self.recorder = None
+                self.intake.close_recorder()
                 self._feed_closed.set()
 
     def _warn(self, message: str) -> None:
         self.notify(message, severity="warning", markup=False, timeout=8)
 
+    def _error(self, message: str) -> None:
+        self.notify(message, severity="error", markup=False, timeout=10)
+
+    def ingest(self, snap: HostSnapshot) -> None:
+        """One host's answer into the board, as the drain takes it in (drawn next tick)."""
+        self.intake.ingest(snap)
+
+    def _changed(self) -> None:
+        self.intake.dirty = True
+
     # -- drawing -------------------------------------------------------------------------
 
-    def _render_if_dirty(self) -> None:
-        if self._dirty:
-            self.render_board()
-
     def render_board(self) -> None:
-        self._dirty = False
-        self._last_render = time.monotonic()
+        self.intake.drawn()
         now = self.clock()
         table = self.query_one(BoardTable)
         rows, keys, summary = self.model.frame()
@@ -276,12 +258,13 @@ class GputopApp(BoardIntake):
             note += ": nothing matches"
         if self.model.sort_mode != "host":
             note = (note + f"  sort: {self.model.sort_mode}").strip()
-        waiting = len(self._state.waiting(now)) if self._state is not None else 0
+        state = self.reservations.state
+        waiting = len(state.waiting(now)) if state is not None else 0
         if waiting:
             note = (note + f"  queue: {waiting} waiting (Q)").strip()
         # A hub that is down (or answers garbage) stays in the summary bar until it is back.
-        hub_error = getattr(self.poller, "error", None)
-        self.query_one(SummaryBar).show(summary, self.palette, note, self._store_problem,
+        hub_error = self.poller.error if isinstance(self.poller, HubPoller) else None
+        self.query_one(SummaryBar).show(summary, self.palette, note, self.reservations.problem,
                                         hub_error.kind if hub_error is not None else None)
         detail = self.query_one(DetailPane)
         if detail.display:
@@ -306,7 +289,7 @@ class GputopApp(BoardIntake):
 
     def watch_theme(self, _theme: str) -> None:
         self._update_palette()
-        self._dirty = True
+        self.intake.dirty = True
 
     def _selected(self) -> GpuRow | HostRow | None:
         table = self.query_one(BoardTable)
@@ -355,6 +338,15 @@ class GputopApp(BoardIntake):
         elif box.display or self.model.filter_text:
             self.action_clear_filter()
 
+    def action_reserve(self) -> None:
+        self.reservations.reserve()
+
+    def action_release(self) -> None:
+        self.reservations.release()
+
+    def action_queue(self) -> None:
+        self.reservations.queue()
+
     def action_users(self) -> None:
         self.push_screen(UsersScreen(self.model.users()))
 
@@ -368,11 +360,12 @@ class GputopApp(BoardIntake):
         if row is None:
             self.notify("select a host or one of its GPUs to reconnect", severity="warning")
             return
-        if self._feed_thread is None or not self._feed_thread.reconnect(row.host):
+        feed = self.intake.feed
+        if feed is None or not feed.reconnect(row.host):
             self.notify(f"{clean(row.host)} is not polled here", severity="warning",
                         markup=False)
             return
-        if self.config.hub_url is not None and getattr(self.poller, "_direct", None) is None:
+        if isinstance(self.poller, HubPoller) and not self.poller.direct:
             # (The hub polls its hosts: what can be done from here is ask the hub again.)
             self.notify(f"the hub polls {clean(row.host)}: asking the hub again now",
                         markup=False)

@@ -3,7 +3,7 @@
 At 1,000 hosts the poller's own work (SSH packets, parsing, a task step per host) comes in
 bursts, and on the UI's loop a key pressed during one waited for all of it. Here the poller
 runs on a private loop in a daemon thread and only hands finished snapshots over, through
-a thread-safe queue the board drains once per frame (see ``BoardIntake._drain`` in
+a thread-safe queue the board drains once per frame (see ``Intake.drain`` in
 ``gputop.ui.intake``). Python's GIL switches threads every few milliseconds, so a burst no
 longer holds a keypress.
 
@@ -118,10 +118,17 @@ class BoardSource:
 
     kind: Literal["demo"] = "demo"
     connects = 0
+    #: Not a stream, nothing odd to report, no backoff to forget (see ``Source``).
+    warnings: tuple[str, ...] = ()
+    first_sample_s: float | None = None
+    paced = False
 
     def __init__(self, name: str, latest: Callable[[str], HostSnapshot | None]) -> None:
         self.name = name
         self._latest = latest
+
+    def reset(self) -> None:
+        """Nothing to forget: every query tries the host anew."""
 
     async def query(self) -> tuple[list[GpuInfo], HostError | None]:
         snap = self._latest(self.name)

@@ -1,8 +1,7 @@
 """How answers reach the board: the feed's thread puts each in an inbox, the drain takes
 them in slices between keys, and a tick draws what they changed; and the board's own
-garbage collection, timed between keys. A base class of :class:`GputopApp`: these share
-its state (the model, the table, the feed), and live apart so that the app module holds
-the board's composition, drawing and key bindings.
+garbage collection, timed between keys. :class:`Intake` owns all of that state; the app
+owns one, hands it the feed's answers and its keys, and is asked to draw.
 """
 
 from __future__ import annotations
@@ -13,14 +12,14 @@ import gc
 import queue
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from textual import events
 from textual.css.query import NoMatches
 
 from gputop.model import HostSnapshot
+from gputop.ui.board_model import BoardModel
 from gputop.ui.feed import FeedThread
-from gputop.ui.store_actions import StoreActions
 from gputop.ui.widgets import BoardTable
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ DRAIN_BUDGET_S = 0.008  # ...for at most this long each time (rows worked out in
 #: A frame waits for a burst's last slice at most this much past RENDER_PERIOD (answers
 #: that never stop arriving are still drawn at least this often).
 BURST_WAIT_S = 0.5
-#: The board's own young-generation collections (see _collect_young): their period, and
+#: The board's own young-generation collections (see collect_young): their period, and
 #: how often (in collections) the next generation is collected too.
 GC_PERIOD_S = 20.0
 GC_ANSWERS = 400
@@ -47,33 +46,64 @@ KEY_HOLD_S = 0.12
 KEY_DRAIN_MAX_S = 0.3
 
 
-class BoardIntake(StoreActions):
-    """The board's intake; :class:`GputopApp` sets the state."""
+class Intake:
+    """The board's intake: the inbox the feed's thread fills, the drain that takes it in,
+    the tick that draws, and the board's own garbage collection. The app calls ``tick``
+    on its timer, ``key_in`` for each key, and ``drawn`` once it drew a frame; it draws
+    when ``render`` is called (only ever with something to draw)."""
 
-    recorder: LiveRecorder | None
-    _long_running: bool
-    _inbox: queue.SimpleQueue[HostSnapshot]
-    _shapes: dict[str, tuple[HostSnapshot, tuple[bool, int, int]]]
-    _put_off: set[str]
-    _dirty_flag: bool
-    _offscreen: bool
-    _board_table: BoardTable | None
-    _feed_thread: FeedThread | None
-    _key_hold_until: float
-    _last_drain: float
-    _gc_runs: int
-    _last_gc: float
-    _answers_since_gc: int
-    _refrozen: bool
-    _drain_woken: bool
-    _frame_waits: bool
-    _drain_timer: asyncio.TimerHandle | None
-    _last_ingest: float
-    _last_render: float
-    _loop: asyncio.AbstractEventLoop | None
+    def __init__(self, model: BoardModel, *, interval: float, long_running: bool,
+                 table: Callable[[], BoardTable], render: Callable[[], None],
+                 notify_error: Callable[[str], None],
+                 recorder: LiveRecorder | None = None) -> None:
+        self.model = model
+        self.interval = interval
+        self.long_running = long_running
+        self._find_table = table
+        self._render = render
+        self._notify_error = notify_error
+        #: ``--record``: every answer taken in also goes into the history database.
+        self.recorder = recorder
+        #: The feed's thread, once started: a key holds it (see ``key_in``).
+        self.feed: FeedThread | None = None
+        self._inbox: queue.SimpleQueue[HostSnapshot] = queue.SimpleQueue()
+        self._shapes: dict[str, tuple[HostSnapshot, tuple[bool, int, int]]] = {}
+        #: The hosts whose answers wait for a frame with something on screen (_frame_due).
+        self._put_off: set[str] = set()
+        self._dirty_flag = True
+        #: What is to be drawn is only answers from hosts not on screen (see _frame_due).
+        self._offscreen = False
+        self._board_table: BoardTable | None = None
+        self._key_hold_until = 0.0
+        self._last_drain = 0.0
+        self._gc_runs = 0
+        self._last_gc = 0.0
+        self._answers_since_gc = 0
+        self._refrozen = False
+        #: The feed woke the drain and it has not run since (set on the feed's thread).
+        self._drain_woken = False
+        self._frame_waits = False  # a tick left its frame for a burst's last slice
+        self._drain_timer: asyncio.TimerHandle | None = None
+        self._last_ingest = self._last_render = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    if TYPE_CHECKING:
-        def _render_if_dirty(self) -> None: ...
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The board's loop, where the feed's thread wakes the drain from now on."""
+        self._loop = loop
+
+    def drawn(self) -> None:
+        """The app drew a frame: nothing is left to draw."""
+        self.dirty = False
+        self._last_render = time.monotonic()
+
+    def close_recorder(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+
+    def _render_if_dirty(self) -> None:
+        if self.dirty:
+            self._render()
 
     def _record(self, snap: HostSnapshot) -> None:
         from gputop.history.db import HistoryError
@@ -82,33 +112,27 @@ class BoardIntake(StoreActions):
         try:
             self.recorder.observe(snap)
         except HistoryError as exc:  # the board goes on; recording stops, and says why
-            self.notify(f"recording stopped: {exc}", severity="error", markup=False,
-                        timeout=10)
+            self._notify_error(f"recording stopped: {exc}")
             self.recorder.close()
             self.recorder = None
 
-    async def on_event(self, event: events.Event) -> None:
-        if isinstance(event, events.Key) and not event.is_forwarded:
-            self._key_in()
-        await super().on_event(event)
-
-    def _key_in(self) -> None:
+    def key_in(self) -> None:
         """A key arrived: hold the feed (its thread waits before its next answer), the
         drain and the board's own garbage collection for KEY_HOLD_S, long enough for the
         key's work and frame (15-40 ms at 1,000 x 8), so that they run alone instead of
         beside a burst of answers. The feed waits at most MAX_HOLD_S in a row (feed.py)."""
         self._key_hold_until = time.monotonic() + KEY_HOLD_S
-        if self._feed_thread is not None:
-            self._feed_thread.hold(self._key_hold_until)
+        if self.feed is not None:
+            self.feed.hold(self._key_hold_until)
 
     @property
-    def _dirty(self) -> bool:
+    def dirty(self) -> bool:
         """Something is to be drawn. Set by anything but an answer (``ingest``), it is
         drawn with the next tick."""
         return self._dirty_flag
 
-    @_dirty.setter
-    def _dirty(self, value: bool) -> None:
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
         self._dirty_flag = value
         self._offscreen = False
         self._put_off.clear()
@@ -118,11 +142,11 @@ class BoardIntake(StoreActions):
         OFFSCREEN_WAIT_INTERVALS (see ``ingest`` for which answers count as on screen), or
         a scroll or the cursor brought the rows of a host whose answer waits on screen."""
         if not self._offscreen or now - self._last_render >= (
-                OFFSCREEN_WAIT_INTERVALS * self.config.interval):
+                OFFSCREEN_WAIT_INTERVALS * self.interval):
             return True
         return not self._put_off.isdisjoint(self._table().hosts_on_screen())
 
-    def _collect_young(self) -> None:
+    def collect_young(self) -> None:
         """Every frame Textual draws leaves reference cycles behind (a ``Strip`` caches
         itself: its crop of its whole width is itself), and only the garbage collector
         frees them: at 1,000 hosts an automatic collection found 20,000+ such objects
@@ -160,15 +184,15 @@ class BoardIntake(StoreActions):
         self._gc_runs += 1
         gc.collect(1 if self._gc_runs % GC_OLDER_EVERY == 0 else 0)
 
-    def _tick(self) -> None:
+    def tick(self) -> None:
         # Nothing answered for a while (a hung hub, every host hung): draw anyway, once a
         # second, for what time alone changes (stale marks, "seen Xs ago", time left).
         now = time.monotonic()
-        if now - self._last_ingest > self.config.interval + 1 and now - self._last_render >= 1:
-            self._dirty = True
-        if self._dirty and not self._frame_due(now):
+        if now - self._last_ingest > self.interval + 1 and now - self._last_render >= 1:
+            self.dirty = True
+        if self.dirty and not self._frame_due(now):
             pass  # only hosts off screen answered: drawn later (see _frame_due)
-        elif (self._dirty and not self._inbox.empty()
+        elif (self.dirty and not self._inbox.empty()
                 and now - self._last_render < RENDER_PERIOD + BURST_WAIT_S):
             # A burst of answers is being taken in slices: drawn once it is all in (by the
             # drain that finds the inbox empty), not half now and the rest next tick.
@@ -178,12 +202,12 @@ class BoardIntake(StoreActions):
                 self._render_if_dirty()
             except NoMatches:  # (a tick while the app shuts down: its widgets are gone)
                 return
-        if self._long_running:
-            self._collect_young()
+        if self.long_running:
+            self.collect_young()
         if self._drain_timer is None and not self._inbox.empty():
             self._drain_soon(0.0)  # (a wake-up lost at start or shutdown: never stuck)
 
-    def _deliver(self, snap: HostSnapshot) -> None:
+    def deliver(self, snap: HostSnapshot) -> None:
         """On the feed's thread: an answer for the inbox, and the drain woken unless it
         already was (put first, then look: a drain that cleared the flag takes it)."""
         self._inbox.put(snap)
@@ -205,14 +229,14 @@ class BoardIntake(StoreActions):
 
     def _drain_due(self) -> None:
         self._drain_timer = None
-        self._drain()
+        self.drain()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Ingest what the feed delivered (each answer is a sample of its GPUs' history)
         and work out those hosts' rows, for at most DRAIN_BUDGET_S: a thousand hosts
         answering at once are taken in slices, DRAIN_PERIOD apart, and a key pressed
         meanwhile waits for one slice, not the whole burst. While a key is handled,
-        nothing (see ``_key_in``): it is tried again after the key. The next frame draws
+        nothing (see ``key_in``): it is tried again after the key. The next frame draws
         them all at once."""
         self._drain_woken = False
         start = time.perf_counter()
@@ -278,7 +302,7 @@ class BoardIntake(StoreActions):
     def _table(self) -> BoardTable:
         table = self._board_table
         if table is None:
-            table = self._board_table = self.query_one(BoardTable)
+            table = self._board_table = self._find_table()
         return table
 
 

@@ -1,8 +1,8 @@
 """The board and the shared reservations file: reading it (re-read when it changes, on a
 worker thread, or over SSH), and the keys that write it: ``r`` reserve (a whole GPU or a
-share of one), ``u`` release, ``Q`` the queue. A base class of :class:`GputopApp`: these
-share its state (the store, the selection, the model), and live apart so that the app
-module holds the board's composition, feed and key bindings.
+share of one), ``u`` release, ``Q`` the queue. :class:`StoreActions` owns the store and
+what was last read of it; the app owns one, keeps the key bindings (Textual dispatches
+them to the app) and delegates to it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
 
 from rich.text import Text
-from textual import work
 from textual.app import App
 from textual.worker import Worker
 
@@ -23,7 +21,6 @@ from gputop.poller import Poller
 from gputop.reservations import Invalid, Refused, StoreError, Target, release
 from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
 from gputop.reservations.store import ReservationStore, StoreState
-from gputop.sources import Source
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import (
@@ -40,34 +37,45 @@ from gputop.ui.feed import BoardSource
 from gputop.ui.screens import ConfirmScreen, ReserveRequest, ReserveScreen
 
 
-class StoreActions(App[int]):
-    """What the board does with the shared file; :class:`GputopApp` sets the state."""
+class StoreActions:
+    """What the board does with the shared file: read it (``reload``, and on the app's
+    timer ``reload_if_changed``), show what it read (``state``, ``problem``, via the
+    model), and write it from the ``r``/``u``/``Q`` keys (``reserve``, ``release``,
+    ``queue``). Dialogs, toasts and workers are the app's."""
 
-    config: Config
-    clock: Callable[[], datetime]
-    store: ReservationStore
-    me: str
-    model: BoardModel
-    _me_given: bool
-    _sources: Sequence[Source] | None
-    _store_sig: object
-    _state: StoreState | None
-    _store_problem: str | None
-    _store_reading: bool
-    _dirty: bool
-    _waiting: Worker[None] | None
-
-    if TYPE_CHECKING:
-        def _selected(self) -> GpuRow | HostRow | None: ...
-
-        def render_board(self) -> None: ...
+    def __init__(self, app: App[int], store: ReservationStore, model: BoardModel, *,
+                 config: Config, clock: Callable[[], datetime], me: str, me_given: bool,
+                 selected: Callable[[], GpuRow | HostRow | None],
+                 redraw: Callable[[], None], changed: Callable[[], None],
+                 given_hosts: Sequence[str] | None = None) -> None:
+        self.app = app
+        self.store = store
+        self.model = model
+        self.config = config
+        self.clock = clock
+        #: Who "me" is; for a store over SSH, the account its host authenticated (learnt
+        #: with its first answer) unless ``me_given`` (``--user``).
+        self.me = me
+        self._me_given = me_given
+        self._selected = selected
+        self._redraw = redraw  # draw now (after our own write)
+        self._changed = changed  # something to draw with the next tick
+        #: The hosts of sources the board was given (the demo): the queue waits on those
+        #: as the board shows them, never polling hosts of the same names itself.
+        self._given_hosts = given_hosts
+        #: The reservations as last read, and why the file could not be read (or None).
+        self.state: StoreState | None = None
+        self.problem: str | None = None
+        self._store_sig: object = None
+        self._store_reading = False
+        self._waiting: Worker[None] | None = None
 
     # -- reading the file ----------------------------------------------------------------
 
     def _store_stat(self) -> object:
         return self.store.signature()
 
-    def reload_store(self) -> None:
+    def reload(self) -> None:
         """Re-read the shared file now (after our own write, or when asked)."""
         if self.store.remote:
             self._read_remote_store()
@@ -79,7 +87,7 @@ class StoreActions(App[int]):
             result = exc
         self._apply_store(sig, result)
 
-    def _reload_store_if_changed(self) -> None:
+    def reload_if_changed(self) -> None:
         """Every interval: when the file changed (a teammate reserved something), read it
         on a worker thread. A large or hostile file (up to 4 MiB, 10,000 records) costs
         that thread a tenth of a second, never the screen; an unchanged file, broken or not,
@@ -97,9 +105,9 @@ class StoreActions(App[int]):
                 result: StoreState | StoreError = self.store.read()
             except StoreError as exc:
                 result = exc
-            self.call_from_thread(self._apply_store, sig, result)
+            self.app.call_from_thread(self._apply_store, sig, result)
 
-        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+        self.app.run_worker(read, thread=True, group="store", exit_on_error=False)
 
     def _read_remote_store(self) -> None:
         """A store over SSH, always on a worker thread: one short round trip when the file
@@ -116,16 +124,16 @@ class StoreActions(App[int]):
                 me = self.store.whoami()[0]
             except StoreError as exc:
                 result = exc
-            self.call_from_thread(self._apply_remote_store, result, me)
+            self.app.call_from_thread(self._apply_remote_store, result, me)
 
-        self.run_worker(read, thread=True, group="store", exit_on_error=False)
+        self.app.run_worker(read, thread=True, group="store", exit_on_error=False)
 
     def _apply_remote_store(self, result: StoreState | StoreError, me: str | None) -> None:
         if me is not None and not self._me_given and me != self.me:
             self.me = self.model.me = me
             self.model.state_version += 1  # every row's "is it mine" may change
-            self._dirty = True
-        if result is self._state and self._store_problem is None:
+            self._changed()
+        if result is self.state and self.problem is None:
             self._store_reading = False  # unchanged: nothing to redo
             return
         self._apply_store(None, result)
@@ -135,70 +143,70 @@ class StoreActions(App[int]):
         self._store_reading = False
         self._store_sig = sig
         if isinstance(result, StoreError):
-            if str(result) != self._store_problem:  # stays in the summary bar until fixed
-                self._store_problem = str(result)
-                self.notify(str(result), title="reservations", severity="error",
+            if str(result) != self.problem:  # stays in the summary bar until fixed
+                self.problem = str(result)
+                self.app.notify(str(result), title="reservations", severity="error",
                             markup=False, timeout=6)
-                self._dirty = True
+                self._changed()
             return
-        if self._store_problem is not None:
-            self._store_problem = None
-        self._state = result
+        if self.problem is not None:
+            self.problem = None
+        self.state = result
         self.model.set_state(result)
-        self._dirty = True
+        self._changed()
 
     # -- the queue -----------------------------------------------------------------------
 
-    def action_queue(self) -> None:
+    def queue(self) -> None:
         from gputop.ui.screens import QueueScreen
 
-        waiting = self._state.waiting(self.clock()) if self._state is not None else []
-        self.push_screen(QueueScreen(waiting, self.clock(), self.me), self._join_queue)
+        waiting = self.state.waiting(self.clock()) if self.state is not None else []
+        self.app.push_screen(QueueScreen(waiting, self.clock(), self.me), self._join_queue)
 
     def _join_queue(self, count: int | None) -> None:
         if count is None:
             return
         if self._waiting is not None and not self._waiting.is_finished:
-            self.notify("you are already waiting in the queue", severity="warning")
+            self.app.notify("you are already waiting in the queue", severity="warning")
             return
-        self._waiting = self._wait(count)
+        self._waiting = self.app.run_worker(self._wait(count), name="_wait", group="queue",
+                                            exclusive=True)
 
-    @work(group="queue", exclusive=True)
     async def _wait(self, count: int) -> None:
         """Wait in the queue like ``free --wait``; quitting the board leaves the queue."""
         from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
         from gputop.reservations.queue import DEFAULT_LEASE_S, Request
 
         def say(msg: str) -> None:
-            self.notify(msg, title="queue", markup=False, timeout=6)
+            self.app.notify(msg, title="queue", markup=False, timeout=6)
             self._store_sig = None
 
         poller = None
-        if self._sources is not None:  # the demo (or given sources): what the board shows,
+        if self._given_hosts is not None:  # the demo (or given sources): what the board shows,
             poller = Poller(dataclasses.replace(self.config, collection="query"), [
-                BoardSource(s.name, self.model.snapshots.get) for s in self._sources])
+                BoardSource(name, self.model.snapshots.get) for name in self._given_hosts])
         try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
             got = await wait_for_gpus(self.config, self.store, Request(count), note="",
                                       seconds=self.config.reservation_default_s,
                                       lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
                                       poller=poller)
         except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
+            self.app.notify(str(exc), severity="error", markup=False, timeout=6)
             return
         finally:
             if poller is not None:
                 await poller.aclose()
-        self.bell()
+        self.app.bell()
         self._store_changed("granted: " + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in got))
 
     # -- reserve and release -------------------------------------------------------------
 
-    def action_reserve(self) -> None:
+    def reserve(self) -> None:
         """Reserve the selected GPU: refuse at once if someone else holds it, ask first if
         someone else runs on it, and check again on submit that it is still that GPU."""
         row = self._selected()
         if not isinstance(row, GpuRow) or row.gpu.index is None:
-            self.notify("select a GPU row to reserve", severity="warning")
+            self.app.notify("select a GPU row to reserve", severity="warning")
             return
         if row.shares or row.share is not None:  # a shared GPU: `r` offers a share of it
             self._ask_share(row)
@@ -206,7 +214,7 @@ class StoreActions(App[int]):
         holder = row.reservation
         if holder is not None and holder.user != self.me:
             note = f" ({clean(holder.note)})" if holder.note else ""
-            self.notify(f"{row.label} is reserved by {clean(holder.user)} for "
+            self.app.notify(f"{row.label} is reserved by {clean(holder.user)} for "
                         f"{time_left(holder.expires, self.clock())} more{note}",
                         severity="warning", markup=False, timeout=6)
             return
@@ -220,7 +228,7 @@ class StoreActions(App[int]):
         shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
 
         def ask() -> None:
-            self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
+            self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
                                            self.config.reservation_max_s, about,
                                            "optional" if shareable else None), done)
 
@@ -240,7 +248,7 @@ class StoreActions(App[int]):
         if len(others) > 5:
             q.append(f"  … and {len(others) - 5} more\n")
         q.append("\nReserve it anyway? Your reservation will not stop their jobs.")
-        self.push_screen(ConfirmScreen(q, "Reserve anyway"),
+        self.app.push_screen(ConfirmScreen(q, "Reserve anyway"),
                          lambda yes: ask() if yes else None)
 
     def _ask_share(self, row: GpuRow) -> None:
@@ -257,7 +265,7 @@ class StoreActions(App[int]):
             if req is not None:
                 self._reserve_checked(key, label, req)
 
-        self.push_screen(ReserveScreen(label, self.config.reservation_default_s,
+        self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
                                        self.config.reservation_max_s, about, "required",
                                        rest), done)
 
@@ -281,11 +289,12 @@ class StoreActions(App[int]):
         elif req.share_mib is not None and gpu.memory_total_mib is None:
             problem = f"{label} does not report its memory"
         else:
-            self._reserve(Target(host, gpu.index, gpu.uuid, gi), req, gpu.memory_total_mib)
+            self.app.run_worker(self._reserve(Target(host, gpu.index, gpu.uuid, gi), req,
+                                              gpu.memory_total_mib),
+                                name="_reserve", group="store")
             return
-        self.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
+        self.app.notify(f"not reserved: {problem}", severity="error", markup=False, timeout=6)
 
-    @work(group="store")
     async def _reserve(self, target: Target, req: ReserveRequest,
                        total_mib: int | None = None) -> None:
         from gputop.jobs.remote import answered_logins
@@ -315,47 +324,48 @@ class StoreActions(App[int]):
                     max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
                     check=check, login=answered_logins(self.config, self.model.snapshots))
         except Refused as exc:
-            self.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
+            self.app.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
         except (Invalid, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
+            self.app.notify(str(exc), severity="error", markup=False, timeout=6)
             return
         self._store_changed(f"reserved {clean(target.label)}" + (
             "" if req.share_mib is None else f" (a {size_text(req.share_mib)} share)"))
 
-    def action_release(self) -> None:
+    def release(self) -> None:
         row = self._selected()
         if isinstance(row, GpuRow) and row.gpu.index is not None and (
                 row.shares or row.share is not None):  # a shared GPU: your share of it
             shares = row.shares or ((row.share,) if row.share else ())
             if not any(r.user == self.me for r in shares) and (
                     row.share is None or row.share.user != self.me):
-                self.notify("you hold no share of the selected GPU", severity="warning")
+                self.app.notify("you hold no share of the selected GPU", severity="warning")
                 return
-            self._release(Target(row.host, row.gpu.index))
+            self.app.run_worker(self._release(Target(row.host, row.gpu.index)),
+                                name="_release", group="store")
             return
         if not isinstance(row, GpuRow) or row.reservation is None:
-            self.notify("no reservation on the selected GPU", severity="warning")
+            self.app.notify("no reservation on the selected GPU", severity="warning")
             return
         if row.reservation.user != self.me:
-            self.notify(f"reserved by {clean(row.reservation.user)}, not you; use "
+            self.app.notify(f"reserved by {clean(row.reservation.user)}, not you; use "
                         "`gputop release --force` to take it back", severity="warning",
                         markup=False)
             return
-        self._release(Target(row.host, row.reservation.gpu, instance=row.reservation.instance))
+        target = Target(row.host, row.reservation.gpu, instance=row.reservation.instance)
+        self.app.run_worker(self._release(target), name="_release", group="store")
 
-    @work(group="store")
     async def _release(self, target: Target) -> None:
         try:
             await asyncio.to_thread(release, self.store, [target], user=self.me)
         except (Refused, StoreError) as exc:
-            self.notify(str(exc), severity="error", markup=False, timeout=6)
+            self.app.notify(str(exc), severity="error", markup=False, timeout=6)
             return
         self._store_changed(f"released {clean(target.label)}")
 
     def _store_changed(self, message: str) -> None:
         """We wrote the shared file: show it now rather than at the next re-read."""
-        self.notify(message, markup=False)
+        self.app.notify(message, markup=False)
         self._store_sig = None
-        self.reload_store()
-        self.render_board()
+        self.reload()
+        self._redraw()
