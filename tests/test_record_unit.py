@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gputop.errors import UsageError
 from gputop.history.unit import exec_word, unit_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def test_words_are_escaped_for_systemd() -> None:
     assert exec_word("50%") == "50%%" and exec_word("$x") == "$$x"
     assert exec_word("/opt/$x/gputop", program=True) == "/opt/$x/gputop"  # no variables there
     assert exec_word("") == '""'
-    with pytest.raises(ValueError, match="control character"):
+    with pytest.raises(UsageError, match="control character"):
         exec_word("/tmp/x\nExecStartPre=/bin/evil")
     assert exec_start(unit_text(["/x/gputop", "record"])) == "/x/gputop record"
 
