@@ -8,10 +8,10 @@ from the client library and brought a second loop's worth of machinery).
 Every response carries a Content-Security-Policy that allows only the hub itself (no
 inline script, no other origin) and ``X-Content-Type-Options: nosniff``. Requests are
 bounded: request line and header sizes, header count, no bodies (``client_max_size``),
-at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams. With a
-token file, every route but ``/-/healthy``, ``/-/ready`` and the web page's own files
-needs ``Authorization: Bearer <token>`` (or, from the web board, the ``gputop_token``
-cookie holding it).
+at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams; a client
+that stops reading is cut off (gputop.hub.conn). With a token file, every route but
+``/-/healthy``, ``/-/ready`` and the web page's own files needs ``Authorization: Bearer
+<token>`` (or, from the web board, the ``gputop_token`` cookie holding it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 from gputop.hub.collector import Collector
-from gputop.hub.events import KEEPALIVE, EventLog, frame
+from gputop.hub.conn import Throttled, cut_stalled, limit_connections
+from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.waste import WasteCache
 from gputop.output import dumps
@@ -50,8 +51,11 @@ KEEPALIVE_S = 15.0
 #: the machine could hold the hub's file descriptors (which its SSH connections and its
 #: history need too) with sockets that never finish a request.
 IDLE_S = 30.0
-#: A subscriber whose socket takes longer than this to take one write is dropped.
+#: A connection whose socket takes no bytes for this long is closed (``--write-timeout``).
 WRITE_TIMEOUT_S = 10.0
+#: Events are written in pieces this size, each awaiting the socket: a stream that stops
+#: reading holds at most one piece in the hub, never a copy of what it was sent.
+CHUNK = 64 * 1024
 WEB_DIR = Path(__file__).resolve().parent / "web"
 _STATIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
 _TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
@@ -122,16 +126,20 @@ class Hub:
 
     def __init__(self, config: Config, *, collector: Collector | None = None,
                  token: str | None = None, max_subscribers: int = 64, backlog: int = 64,
-                 retain: int = 256, keepalive_s: float = KEEPALIVE_S,
+                 retain: int = 256, retain_bytes: int = RETAIN_BYTES,
+                 keepalive_s: float = KEEPALIVE_S, write_timeout_s: float | None = None,
                  web_dir: Path = WEB_DIR) -> None:
         self.config = config
         self.collector = collector or Collector(config)
-        self.events = EventLog(retain=retain, max_subscribers=max_subscribers, backlog=backlog)
+        self.events = EventLog(retain=retain, retain_bytes=retain_bytes,
+                               max_subscribers=max_subscribers, backlog=backlog)
         self.collector.on_update = self._published
         self.collector.patches_wanted = self.events.patch_readers
         self.token = token
         self.keepalive_s = keepalive_s
+        self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
+        self.connections_stalled = 0  # closed: stopped reading (cut_stalled)
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
@@ -207,7 +215,8 @@ class Hub:
                         subscribers=len(self.events.subscribers), dropped=self.events.dropped,
                         refused=self.events.refused,
                         retained_bytes=self.events.retained_bytes,
-                        connections_refused=self.connections_refused)
+                        connections_refused=self.connections_refused,
+                        connections_stalled=self.connections_stalled)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
         return await self._send(request, body, CONTENT_TYPE_LATEST)
@@ -223,7 +232,7 @@ class Hub:
 
     async def _send(self, request: web.Request, body: bytes, ctype: str
                     ) -> web.StreamResponse:
-        """A body written within the handler, each write bounded by ``WRITE_TIMEOUT_S``:
+        """A body written within the handler, each write bounded by ``write_timeout_s``:
         a client that stops reading is cut off (and counts toward ``MAX_REQUESTS`` while
         it is written). A plain Response is written after the handler returns with no
         bound at all, so a socket that never reads held a copy of the document for as
@@ -231,24 +240,29 @@ class Hub:
         resp = web.StreamResponse(headers={"Content-Type": ctype, "Cache-Control": "no-store"})
         resp.content_length = len(body)
         try:
-            await asyncio.wait_for(resp.prepare(request), WRITE_TIMEOUT_S)
+            await asyncio.wait_for(resp.prepare(request), self.write_timeout_s)
             if request.method != "HEAD":  # (HEAD: the headers, Content-Length, no body)
                 await self._write(resp, body)
-            await asyncio.wait_for(resp.write_eof(), WRITE_TIMEOUT_S)
+            await asyncio.wait_for(resp.write_eof(), self.write_timeout_s)
         except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()  # (close() would wait to flush the stuck body)
+            _abort(request)
         return resp
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
         # Nothing awaits between reading the document and subscribing: no update can fall
         # between the snapshot (or the missed updates) and the live stream.
+        # A client far behind (its missed events more than the document itself) gets the
+        # snapshot instead: the retained events are never copied out per client.
         patches = request.query.get("patches") == "1"  # (hub/patches.py)
-        missed = self.events.missed(request.headers.get("Last-Event-ID"), patches=patches)
-        first = b"".join(missed) if missed is not None else self.snapshot()[1]
+        first: list[bytes] | None = self.events.missed(request.headers.get("Last-Event-ID"),
+                                                       patches=patches)
+        if first is None or sum(map(len, first)) > len(self.snapshot()[1]):
+            first = [self.snapshot()[1]]
         task = asyncio.current_task()
         assert task is not None
-        def kill() -> None:
+
+        def kill() -> None:  # (it fell too far behind: its connection ends, not just it)
+            _abort(request)
             task.cancel()
 
         sub = self.events.subscribe(kill, patches=patches)
@@ -260,7 +274,10 @@ class Hub:
                                            "X-Accel-Buffering": "no"})
         try:
             await resp.prepare(request)
-            await self._write(resp, b"retry: 2000\n\n" + first)
+            await self._write(resp, b"retry: 2000\n\n")
+            for data in first:
+                await self._write(resp, data)
+            del first
             while not sub.dropped:
                 try:
                     await asyncio.wait_for(sub.ready.wait(), self.keepalive_s)
@@ -271,13 +288,20 @@ class Hub:
                     break
                 await self._write(resp, b"".join(sub.take()))
         except (ConnectionError, asyncio.TimeoutError):
-            pass  # the client went, or stopped reading: its stream ends
+            _abort(request)  # the client went, or stopped reading: its connection ends
         finally:
             self.events.unsubscribe(sub)
         return resp
 
     async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
-        await asyncio.wait_for(resp.write(data), WRITE_TIMEOUT_S)
+        """``data`` in pieces (each waits for the socket only when it is full), all of
+        it within ``write_timeout_s``."""
+        async def pieces() -> None:
+            view = memoryview(data)
+            for at in range(0, len(view), CHUNK):
+                await resp.write(view[at:at + CHUNK])
+
+        await asyncio.wait_for(pieces(), self.write_timeout_s)
 
     async def ready(self, request: web.Request) -> web.Response:
         c = self.collector
@@ -306,6 +330,12 @@ class Hub:
         ctype = _TYPES[path.suffix]
         return web.Response(body=body, content_type=ctype,
                             charset="utf-8" if path.suffix in _TEXT else None)
+
+
+def _abort(request: web.Request) -> None:
+    """End a connection now, its unsent bytes dropped (a close would wait to send them)."""
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _loopback_host(header: str) -> bool:
@@ -375,35 +405,19 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
                          keepalive_timeout=idle_s)
 
 
-def limit_connections(hub: Hub, runner: web.AppRunner, limit: int) -> None:
-    """Close a connection at once when ``limit`` are already open (counted in
-    ``gputop_hub_connections_refused``). aiohttp has no such bound of its own; its server
-    tells each new connection to ``connection_made``, which this wraps."""
-    server = runner.server
-    assert server is not None  # (after runner.setup())
-    made = server.connection_made
-
-    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
-        made(handler, transport)
-        if len(server.connections) > limit:
-            hub.connections_refused += 1
-            transport.close()
-
-    server.connection_made = connection_made  # type: ignore[method-assign]
-
-
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None,
-                max_connections: int = HUB_MAX_CONNECTIONS,
+                max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
                 **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
     hub.loopback_names_only = is_loopback(host)
-    runner = make_runner(hub)
+    runner = make_runner(hub, idle_s=idle_s)
     await runner.setup()
-    limit_connections(hub, runner, max_connections)
+    limit_connections(hub, runner, max_connections, Throttled())
+    cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled()))
     collecting = asyncio.create_task(hub.collector.run())
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
@@ -420,6 +434,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     finally:
         hub.events.close_all()
         collecting.cancel()
+        cutting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collecting
         await runner.cleanup()
