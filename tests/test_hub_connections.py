@@ -151,3 +151,60 @@ def test_streams_resuming_from_far_back_that_never_read_are_closed_and_cost_litt
     finally:
         h.stop()
 
+
+# --- the token: a header, never a cookie; tickets for the event stream ---------------------
+
+
+def test_no_cookie_authenticates_and_a_ticket_opens_one_stream(tmp_path: Path) -> None:
+    """On main the page kept the token in a cookie the hub accepted: a browser sends a
+    host's cookies to every port of it, so another service there could take and replay
+    it. Now nothing sets or reads a cookie; the header is the key, and the event stream's
+    ticket (bought with the header) opens that one stream once."""
+    import http.client
+    import json
+
+    secret = "s3cret-token"
+    tf = tmp_path / "token"
+    tf.write_text(secret + "\n")
+    h = DemoHub(tmp_path, ADDR, "--hosts", "2", "--gpus", "1", "--token-file", str(tf))
+    bearer = {"Authorization": f"Bearer {secret}"}
+    cookie = {"Cookie": f"gputop_token={secret}"}
+
+    def ask(method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str],
+                                                                      bytes]:
+        c = http.client.HTTPConnection(ADDR, h.port, timeout=10)
+        try:
+            c.request(method, path, headers=headers)
+            r = c.getresponse()
+            if r.status != 200 or not path.startswith("/api/v1/events"):
+                return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+            body = b""
+            while b"event: snapshot" not in body and (chunk := r.read1(1 << 16)):
+                body += chunk  # (a stream: read until its first event)
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, body
+        finally:
+            c.close()
+
+    try:
+        seen: list[dict[str, str]] = []
+        for method, path, headers in (("GET", "/", {}), ("GET", "/static/board.js", {}),
+                                      ("GET", "/api/v1/snapshot", bearer),
+                                      ("GET", "/metrics", bearer), ("GET", "/-/healthy", {})):
+            status, got, _ = ask(method, path, headers)
+            assert status == 200, path
+            seen.append(got)
+        for path in ("/api/v1/snapshot", "/metrics", "/api/v1/events", "/api/v1/waste"):
+            assert ask("GET", path, cookie)[0] == 401, path
+        assert ask("POST", "/api/v1/ticket", cookie)[0] == 401
+        status, got, body = ask("POST", "/api/v1/ticket", bearer)
+        assert status == 200
+        seen.append(got)
+        ticket = json.loads(body)["ticket"]
+        assert ask("GET", f"/api/v1/snapshot?ticket={ticket}", {})[0] == 401  # one purpose
+        status, _, body = ask("GET", f"/api/v1/events?ticket={ticket}", {})
+        assert status == 200 and b"event: snapshot" in body
+        assert ask("GET", f"/api/v1/events?ticket={ticket}", {})[0] == 401  # spent
+        assert ask("GET", "/api/v1/events?ticket=made-up", {})[0] == 401
+        assert all("set-cookie" not in got for got in seen)
+    finally:
+        h.stop()

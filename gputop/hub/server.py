@@ -11,7 +11,10 @@ bounded: request line and header sizes, header count, no bodies (``client_max_si
 at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams; a client
 that stops reading is cut off (gputop.hub.conn). With a token file, every route but
 ``/-/healthy``, ``/-/ready`` and the web page's own files needs ``Authorization: Bearer
-<token>`` (or, from the web board, the ``gputop_token`` cookie holding it).
+<token>``. No cookie authenticates: a browser sends a host's cookies to every port of it,
+so another service there could take one and replay it. The web board holds the token in
+memory and, for its event stream (an EventSource sends no header), trades it for a
+ticket: single-use, valid ``TICKET_S`` seconds, good for ``/api/v1/events`` only.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import hmac
 import ipaddress
 import logging
 import re
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -56,6 +59,9 @@ WRITE_TIMEOUT_S = 10.0
 #: Events are written in pieces this size, each awaiting the socket: a stream that stops
 #: reading holds at most one piece in the hub, never a copy of what it was sent.
 CHUNK = 64 * 1024
+#: How long an event-stream ticket stays good, and how many may be outstanding.
+TICKET_S = 10.0
+MAX_TICKETS = 256
 WEB_DIR = Path(__file__).resolve().parent / "web"
 _STATIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
 _TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
@@ -71,8 +77,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
-#: The cookie the web board keeps the token in (set by the page when a hub asks for one).
-TOKEN_COOKIE = "gputop_token"  # noqa: S105 - a cookie name, not a secret
 #: Routes anyone may ask without the token: liveness, readiness and the page's own files.
 _OPEN = ("/-/healthy", "/-/ready", "/", "/static/")
 
@@ -140,6 +144,7 @@ class Hub:
         self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
         self.connections_stalled = 0  # closed: stopped reading (cut_stalled)
+        self.tickets: dict[str, float] = {}  # event-stream ticket: when it expires
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
@@ -170,6 +175,7 @@ class Hub:
         # (No HEAD for the stream: it would hold a subscriber's place and send nothing.)
         app.router.add_get("/api/v1/events", self.events_route, allow_head=False)
         app.router.add_get("/api/v1/waste", self.waste_route)
+        app.router.add_post("/api/v1/ticket", self.ticket_route)
         app.router.add_get("/-/ready", self.ready)
         app.router.add_get("/-/healthy", self.healthy)
         app.router.add_get("/", self.index)
@@ -185,14 +191,11 @@ class Hub:
         if self.token is not None and not _open(request.path):
             got = request.headers.get("Authorization", "")
             want = f"Bearer {self.token}"
-            # The web board's EventSource cannot send a header: the page keeps the token
-            # in a SameSite=Strict cookie that only this hub's own pages send.
-            cookie = unquote(request.cookies.get(TOKEN_COOKIE, ""))
             # (aiohttp keeps a header's non-UTF-8 bytes as surrogates: encoded back as
             # they came, so a forged byte is a refusal, never an encoding error's 500.)
             if not (hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want.encode())
-                    or hmac.compare_digest(cookie.encode("utf-8", "surrogateescape"),
-                                           self.token.encode())):
+                    or (request.path == "/api/v1/events"
+                        and self._use_ticket(request.query.get("ticket", "")))):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead
@@ -229,6 +232,26 @@ class Hub:
         """The last day's waste from the history database, for the web board's panel."""
         return await self._send(request, dumps(await self.waste.get()).encode(),
                                 "application/json")
+
+    async def ticket_route(self, request: web.Request) -> web.StreamResponse:
+        """A ticket for one event stream (the web board's EventSource cannot send the
+        token): asked with the token in the header, so only its holder gets one."""
+        now = time.monotonic()
+        for t, until in list(self.tickets.items()):
+            if until <= now:
+                del self.tickets[t]
+        if len(self.tickets) >= MAX_TICKETS:
+            raise web.HTTPServiceUnavailable(text="too many tickets outstanding\n",
+                                             headers={"Retry-After": "10"})
+        ticket = secrets.token_urlsafe(24)
+        self.tickets[ticket] = now + TICKET_S
+        return await self._send(request, dumps({"ticket": ticket, "expires_s": TICKET_S})
+                                .encode(), "application/json")
+
+    def _use_ticket(self, ticket: str) -> bool:
+        """Whether ``ticket`` is one outstanding and unexpired; it is spent either way."""
+        until = self.tickets.pop(ticket, None) if 0 < len(ticket) <= 64 else None
+        return until is not None and until > time.monotonic()
 
     async def _send(self, request: web.Request, body: bytes, ctype: str
                     ) -> web.StreamResponse:
