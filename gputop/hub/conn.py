@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import sys
 import time
 from typing import Any, Protocol
@@ -45,6 +46,18 @@ class Throttled:
         more = f" ({self.skipped} more since)" if self.skipped else ""
         self.skipped = 0
         print(f"gputop: hub: {excerpt(line, 160)}{more}", file=sys.stderr, flush=True)
+
+
+def abort(transport: asyncio.Transport) -> None:
+    """End a connection now with a reset, its unsent bytes dropped here and in the
+    kernel. (asyncio's own abort closes the socket with a FIN, which waits behind the
+    unsent bytes: a client that never reads would keep that connection, and the
+    kernel's copy of them, for minutes.)"""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _peer(transport: asyncio.BaseTransport) -> str:
@@ -114,7 +127,7 @@ async def cut_stalled(counts: Counts, runner: web.AppRunner, write_timeout_s: fl
                 counts.connections_stalled += 1
                 log.say(f"closed a connection from {_peer(transport)} that stopped reading "
                         f"({size} bytes unsent for {write_timeout_s:g} s)")
-                transport.abort()
+                abort(transport)
                 live.discard(key)
             else:
                 seen[key] = (transport, size, was[2])

@@ -37,7 +37,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 from gputop.hub.collector import Collector
-from gputop.hub.conn import Throttled, cut_stalled, limit_connections
+from gputop.hub.conn import Throttled, abort, cut_stalled, limit_connections
 from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.waste import WasteCache
@@ -268,6 +268,7 @@ class Hub:
                 await self._write(resp, body)
             await asyncio.wait_for(resp.write_eof(), self.write_timeout_s)
         except asyncio.TimeoutError:
+            self.connections_stalled += 1
             _abort(request)
         return resp
 
@@ -310,8 +311,11 @@ class Hub:
                 if sub.dropped:
                     break
                 await self._write(resp, b"".join(sub.take()))
-        except (ConnectionError, asyncio.TimeoutError):
-            _abort(request)  # the client went, or stopped reading: its connection ends
+        except ConnectionError:
+            _abort(request)  # the client went: its connection ends
+        except asyncio.TimeoutError:
+            self.connections_stalled += 1  # it stopped reading: its connection ends
+            _abort(request)
         finally:
             self.events.unsubscribe(sub)
         return resp
@@ -358,7 +362,7 @@ class Hub:
 def _abort(request: web.Request) -> None:
     """End a connection now, its unsent bytes dropped (a close would wait to send them)."""
     if request.transport is not None:
-        request.transport.abort()
+        abort(request.transport)
 
 
 def _loopback_host(header: str) -> bool:
