@@ -298,9 +298,7 @@ class Hub:
                                            "X-Accel-Buffering": "no"})
         try:
             await resp.prepare(request)
-            await self._write(resp, b"retry: 2000\n\n")
-            for data in first:
-                await self._write(resp, data)
+            await self._write(resp, b"retry: 2000\n\n", *first)
             del first
             while not sub.dropped:
                 try:
@@ -310,7 +308,8 @@ class Hub:
                     continue
                 if sub.dropped:
                     break
-                await self._write(resp, b"".join(sub.take()))
+                # (each event the one framed copy every stream shares, never joined)
+                await self._write(resp, *sub.take())
         except ConnectionError:
             _abort(request)  # the client went: its connection ends
         except asyncio.TimeoutError:
@@ -320,13 +319,14 @@ class Hub:
             self.events.unsubscribe(sub)
         return resp
 
-    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
-        """``data`` in pieces (each waits for the socket only when it is full), all of
-        it within ``write_timeout_s``."""
+    async def _write(self, resp: web.StreamResponse, *datas: bytes) -> None:
+        """Each of ``datas`` in pieces (each waits for the socket only when it is full),
+        all of them within ``write_timeout_s``."""
         async def pieces() -> None:
-            view = memoryview(data)
-            for at in range(0, len(view), CHUNK):
-                await resp.write(view[at:at + CHUNK])
+            for data in datas:
+                view = memoryview(data)
+                for at in range(0, len(view), CHUNK):
+                    await resp.write(view[at:at + CHUNK])
 
         await asyncio.wait_for(pieces(), self.write_timeout_s)
 
