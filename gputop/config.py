@@ -159,6 +159,8 @@ class Config:
     hub_token_file: Path | None = None
     #: Where ``gputop serve`` listens (``[hub] listen``; ``--listen`` overrides).
     hub_listen: str | None = None
+    #: The hub's retained window of events, in MiB (``[hub] retain_mb``; ``--retain-mb``).
+    hub_retain_mb: int | None = None
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -451,6 +453,9 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
     hub_listen = hub.get("listen", str)
     if hub_listen is not None and listen_problem(hub_listen):
         raise ConfigError(path, "hub.listen", str(listen_problem(hub_listen)))
+    hub_retain_mb = hub.get("retain_mb", int)
+    if hub_retain_mb is not None and not 1 <= hub_retain_mb <= 65536:
+        raise ConfigError(path, "hub.retain_mb", "must be between 1 and 65536 (MiB)")
     hub.done()
 
     raw_hosts = top.get("hosts", list, [])
@@ -500,6 +505,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         hub_fallback=hub_fallback,
         hub_token_file=token_file,
         hub_listen=hub_listen,
+        hub_retain_mb=hub_retain_mb,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -92,6 +93,56 @@ class Hub:
         status, _, body = get(self.url + path)
         assert status == 200, (status, body[:200])
         return json.loads(body)
+
+
+class DemoHub:
+    """tests/demo_hub.py as a process; its stderr kept."""
+
+    def __init__(self, tmp: Path, address: str, *args: str) -> None:
+        self.port = free_port(address)
+        self.url = f"http://{address}:{self.port}/"
+        self.err = tmp / f"hub-{self.port}.stderr"
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "demo_hub.py"),
+                                          "--listen", f"{address}:{self.port}", *args],
+                                         stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.stderr()
+            try:
+                if get(self.url + "-/ready", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"demo hub not ready: {self.stderr()}")
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def rss_mib(self) -> float:
+        text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024  # type: ignore[union-attr]
+
+    def metric(self, name: str, via: socket.socket | None = None) -> float:
+        """One of /metrics' values; ``via``: asked over that open connection, not a new one
+        (which a hub at its --max-connections would refuse)."""
+        if via is None:
+            body = get(self.url + "metrics")[2].decode()
+        else:
+            c = http.client.HTTPConnection("unused", timeout=10)
+            c.sock = via
+            c.request("GET", "/metrics", headers={"Host": self.url.split("/")[2]})
+            body = c.getresponse().read().decode()
+        return float(re.search(rf"^{name} (\S+)$", body, re.M).group(1))  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
 
 
 class Sse:

@@ -253,6 +253,8 @@ def test_the_scrape_config_is_valid_prometheus(tmp_path: Path) -> None:
     ('[hub]\nlisten = "everywhere"\n', "hub.listen"),
     ('[hub]\ntoken = "inline"\n', "hub.token"),
     ('[hub]\ntoken_file = ""\n', "hub.token_file"),
+    ('[hub]\nretain_mb = 0\n', "hub.retain_mb"),
+    ('[hub]\nretain_mb = "64"\n', "hub.retain_mb"),
 ])
 def test_hub_config_mistakes_name_file_and_key(tmp_path: Path, extra: str, key: str) -> None:
     cfg = local_config(tmp_path, extra)

@@ -544,8 +544,9 @@ def test_sorted_views_keep_their_order_without_moving_rows(tmp_path: Path) -> No
 
 
 def test_a_hub_with_a_token_asks_for_it_once(tmp_path: Path) -> None:
-    """EventSource sends no header: the page asks for the token, keeps it in a
-    SameSite=Strict cookie, and the hub takes it from there; a wrong one is asked again."""
+    """The page asks for the token, holds it in memory only (no cookie: a browser sends
+    those to every port of the host) and sends it in a header, its stream trading it for
+    a ticket; a wrong one is asked again."""
     _need_chromium()
     h = DocHub(fleet_doc(3, 2), tmp_path, token="s3cret token;=")
     b = browser(1200, 800)
@@ -562,11 +563,40 @@ def test_a_hub_with_a_token_asks_for_it_once(tmp_path: Path) -> None:
             else:
                 time.sleep(0.3)
                 wait(b, "return !document.getElementById('tokenform').hidden", "asked again")
-        cookie = [c for c in b.get_cookies() if c["name"] == "gputop_token"]
-        assert cookie and cookie[0]["sameSite"] == "Strict"
+        assert b.get_cookies() == [] and b.execute_script("return document.cookie") == ""
         assert len(read(b)) == 3
-        # The cookie is this hub's key, not anyone's: without it, nothing.
-        assert get(h.url + "api/v1/events", {"Cookie": "gputop_token=wrong"})[0] == 401
+        assert get(h.url + "api/v1/events", {"Cookie": "gputop_token=s3cret token;="})[0] == 401
+    finally:
+        b.quit()
+        h.stop()
+
+
+def test_a_token_in_the_address_fragment_goes_live_and_is_kept_nowhere(
+        tmp_path: Path) -> None:
+    """``/#token=...`` on a real hub process with a token: the page takes the token, takes
+    it out of the address at once, goes live over a ticket-opened stream, and keeps it
+    nowhere a script on another port of the host could read (no cookie, no storage)."""
+    from urllib.parse import quote
+
+    from hubs import DemoHub
+
+    _need_chromium()
+    secret = "fr4gment token&=#"
+    tf = tmp_path / "token"
+    tf.write_text(secret + "\n")
+    h = DemoHub(tmp_path, "127.0.24.9", "--hosts", "3", "--gpus", "2", "--token-file",
+                str(tf))
+    b = browser(1200, 800)
+    try:
+        b.get(h.url + "#token=" + quote(secret, safe=""))
+        wait(b, "return window.gputopBoard && window.gputopBoard.conn === 'live'", "live")
+        assert len(read(b)) == 3
+        assert "token" not in b.current_url and "#" not in b.current_url
+        assert b.get_cookies() == [] and b.execute_script(
+            "return document.cookie + localStorage.length + sessionStorage.length") == "00"
+        assert b.execute_script("return document.getElementById('tokenform').hidden")
+        b.refresh()  # (held in memory only: a reload asks again)
+        wait(b, "return !document.getElementById('tokenform').hidden", "the token form")
     finally:
         b.quit()
         h.stop()

@@ -33,6 +33,10 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
         cmd += ["--max-subscribers", str(args.max_subscribers)]
     if args.max_connections != HUB_MAX_CONNECTIONS:
         cmd += ["--max-connections", str(args.max_connections)]
+    for flag, value in (("--retain-mb", args.retain_mb), ("--write-timeout", args.write_timeout),
+                        ("--idle-timeout", args.idle_timeout)):
+        if value is not None:
+            cmd += [flag, f"{value:g}"]
     return cmd
 
 
@@ -72,6 +76,14 @@ def cmd_serve(config: Config, args: argparse.Namespace,
     if not 1 <= args.max_connections <= 100_000:
         print("gputop: --max-connections must be between 1 and 100000", file=sys.stderr)
         return EXIT_ERROR
+    if args.retain_mb is not None and not 1 <= args.retain_mb <= 65536:
+        print("gputop: --retain-mb must be between 1 and 65536", file=sys.stderr)
+        return EXIT_ERROR
+    for flag, value in (("--write-timeout", args.write_timeout),
+                        ("--idle-timeout", args.idle_timeout)):
+        if value is not None and not 0.1 <= value <= 3600:
+            print(f"gputop: {flag} must be between 0.1 and 3600 seconds", file=sys.stderr)
+            return EXIT_ERROR
     if args.print_unit:
         from pathlib import Path
 
@@ -101,6 +113,13 @@ def cmd_serve(config: Config, args: argparse.Namespace,
 
     async def main() -> int:
         extra: dict[str, Any] = {}
+        retain_mb = args.retain_mb or cfg.hub_retain_mb
+        if retain_mb is not None:
+            extra["retain_bytes"] = retain_mb << 20
+        if args.write_timeout is not None:
+            extra["write_timeout_s"] = args.write_timeout
+        if args.idle_timeout is not None:
+            extra["idle_s"] = args.idle_timeout
         if sources is not None:
             from gputop.hub.collector import Collector
             from gputop.poller import Poller
@@ -137,6 +156,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--max-connections", type=int, default=HUB_MAX_CONNECTIONS, metavar="N",
                    help=f"HTTP connections open at once (default {HUB_MAX_CONNECTIONS}); one "
                    "more is closed at once (each idle one closes after 30 s)")
+    p.add_argument("--retain-mb", type=int, metavar="MIB",
+                   help="MiB of recent events kept for streams that resume (default: [hub] "
+                   "retain_mb, else 64); a reader further behind gets a snapshot")
+    p.add_argument("--write-timeout", type=float, metavar="S",
+                   help="close a connection whose client takes no bytes for S seconds "
+                   "(default 10)")
+    p.add_argument("--idle-timeout", type=float, metavar="S",
+                   help="close a kept-alive connection with no request for S seconds "
+                   "(default 30)")
     p.add_argument("--demo", dest="serve_demo", action="store_true",
                    help="serve the built-in simulated fleet instead (no hosts file, no SSH): "
                    "the web board, /metrics and the event stream to try")

@@ -67,6 +67,7 @@ class HubCounts:
     refused: int
     retained_bytes: int = 0
     connections_refused: int = 0
+    connections_stalled: int = 0
 
 
 def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
@@ -129,6 +130,7 @@ def families(doc: Mapping[str, Any], hosts: Mapping[str, HostCounts],
     g.refused.add_metric([], float(hub.refused))
     g.retained.add_metric([], float(hub.retained_bytes))
     g.conn_refused.add_metric([], float(hub.connections_refused))
+    g.conn_stalled.add_metric([], float(hub.connections_stalled))
     return g.all()
 
 
@@ -298,6 +300,8 @@ class _Gauges:
                           "Bytes of events kept for streams that resume (bounded).")
         self.conn_refused = C("gputop_hub_connections_refused",
                               "HTTP connections closed at once: too many open.")
+        self.conn_stalled = C("gputop_hub_connections_stalled",
+                              "HTTP connections closed for not reading their answers.")
 
     def all(self) -> list[Metric]:
         return [v for v in vars(self).values() if isinstance(v, Metric)]

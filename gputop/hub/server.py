@@ -8,10 +8,13 @@ from the client library and brought a second loop's worth of machinery).
 Every response carries a Content-Security-Policy that allows only the hub itself (no
 inline script, no other origin) and ``X-Content-Type-Options: nosniff``. Requests are
 bounded: request line and header sizes, header count, no bodies (``client_max_size``),
-at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams. With a
-token file, every route but ``/-/healthy``, ``/-/ready`` and the web page's own files
-needs ``Authorization: Bearer <token>`` (or, from the web board, the ``gputop_token``
-cookie holding it).
+at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams; a client
+that stops reading is cut off (gputop.hub.conn). With a token file, every route but
+``/-/healthy``, ``/-/ready`` and the web page's own files needs ``Authorization: Bearer
+<token>``. No cookie authenticates: a browser sends a host's cookies to every port of it,
+so another service there could take one and replay it. The web board holds the token in
+memory and, for its event stream (an EventSource sends no header), trades it for a
+ticket: single-use, valid ``TICKET_S`` seconds, good for ``/api/v1/events`` only.
 """
 
 from __future__ import annotations
@@ -22,19 +25,20 @@ import hmac
 import ipaddress
 import logging
 import re
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 from gputop.hub.collector import Collector
-from gputop.hub.events import KEEPALIVE, EventLog, frame
+from gputop.hub.conn import Throttled, abort, cut_stalled, limit_connections
+from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.waste import WasteCache
 from gputop.output import dumps
@@ -50,8 +54,14 @@ KEEPALIVE_S = 15.0
 #: the machine could hold the hub's file descriptors (which its SSH connections and its
 #: history need too) with sockets that never finish a request.
 IDLE_S = 30.0
-#: A subscriber whose socket takes longer than this to take one write is dropped.
+#: A connection whose socket takes no bytes for this long is closed (``--write-timeout``).
 WRITE_TIMEOUT_S = 10.0
+#: Events are written in pieces this size, each awaiting the socket: a stream that stops
+#: reading holds at most one piece in the hub, never a copy of what it was sent.
+CHUNK = 64 * 1024
+#: How long an event-stream ticket stays good, and how many may be outstanding.
+TICKET_S = 10.0
+MAX_TICKETS = 256
 WEB_DIR = Path(__file__).resolve().parent / "web"
 _STATIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
 _TYPES = {".html": "text/html", ".css": "text/css", ".js": "text/javascript",
@@ -67,8 +77,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
-#: The cookie the web board keeps the token in (set by the page when a hub asks for one).
-TOKEN_COOKIE = "gputop_token"  # noqa: S105 - a cookie name, not a secret
 #: Routes anyone may ask without the token: liveness, readiness and the page's own files.
 _OPEN = ("/-/healthy", "/-/ready", "/", "/static/")
 
@@ -122,16 +130,21 @@ class Hub:
 
     def __init__(self, config: Config, *, collector: Collector | None = None,
                  token: str | None = None, max_subscribers: int = 64, backlog: int = 64,
-                 retain: int = 256, keepalive_s: float = KEEPALIVE_S,
+                 retain: int = 256, retain_bytes: int = RETAIN_BYTES,
+                 keepalive_s: float = KEEPALIVE_S, write_timeout_s: float | None = None,
                  web_dir: Path = WEB_DIR) -> None:
         self.config = config
         self.collector = collector or Collector(config)
-        self.events = EventLog(retain=retain, max_subscribers=max_subscribers, backlog=backlog)
+        self.events = EventLog(retain=retain, retain_bytes=retain_bytes,
+                               max_subscribers=max_subscribers, backlog=backlog)
         self.collector.on_update = self._published
         self.collector.patches_wanted = self.events.patch_readers
         self.token = token
         self.keepalive_s = keepalive_s
+        self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
+        self.connections_stalled = 0  # closed: stopped reading (cut_stalled)
+        self.tickets: dict[str, float] = {}  # event-stream ticket: when it expires
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
@@ -162,6 +175,7 @@ class Hub:
         # (No HEAD for the stream: it would hold a subscriber's place and send nothing.)
         app.router.add_get("/api/v1/events", self.events_route, allow_head=False)
         app.router.add_get("/api/v1/waste", self.waste_route)
+        app.router.add_post("/api/v1/ticket", self.ticket_route)
         app.router.add_get("/-/ready", self.ready)
         app.router.add_get("/-/healthy", self.healthy)
         app.router.add_get("/", self.index)
@@ -177,14 +191,11 @@ class Hub:
         if self.token is not None and not _open(request.path):
             got = request.headers.get("Authorization", "")
             want = f"Bearer {self.token}"
-            # The web board's EventSource cannot send a header: the page keeps the token
-            # in a SameSite=Strict cookie that only this hub's own pages send.
-            cookie = unquote(request.cookies.get(TOKEN_COOKIE, ""))
             # (aiohttp keeps a header's non-UTF-8 bytes as surrogates: encoded back as
             # they came, so a forged byte is a refusal, never an encoding error's 500.)
             if not (hmac.compare_digest(got.encode("utf-8", "surrogateescape"), want.encode())
-                    or hmac.compare_digest(cookie.encode("utf-8", "surrogateescape"),
-                                           self.token.encode())):
+                    or (request.path == "/api/v1/events"
+                        and self._use_ticket(request.query.get("ticket", "")))):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead
@@ -207,7 +218,8 @@ class Hub:
                         subscribers=len(self.events.subscribers), dropped=self.events.dropped,
                         refused=self.events.refused,
                         retained_bytes=self.events.retained_bytes,
-                        connections_refused=self.connections_refused)
+                        connections_refused=self.connections_refused,
+                        connections_stalled=self.connections_stalled)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
         return await self._send(request, body, CONTENT_TYPE_LATEST)
@@ -221,9 +233,29 @@ class Hub:
         return await self._send(request, dumps(await self.waste.get()).encode(),
                                 "application/json")
 
+    async def ticket_route(self, request: web.Request) -> web.StreamResponse:
+        """A ticket for one event stream (the web board's EventSource cannot send the
+        token): asked with the token in the header, so only its holder gets one."""
+        now = time.monotonic()
+        for t, until in list(self.tickets.items()):
+            if until <= now:
+                del self.tickets[t]
+        if len(self.tickets) >= MAX_TICKETS:
+            raise web.HTTPServiceUnavailable(text="too many tickets outstanding\n",
+                                             headers={"Retry-After": "10"})
+        ticket = secrets.token_urlsafe(24)
+        self.tickets[ticket] = now + TICKET_S
+        return await self._send(request, dumps({"ticket": ticket, "expires_s": TICKET_S})
+                                .encode(), "application/json")
+
+    def _use_ticket(self, ticket: str) -> bool:
+        """Whether ``ticket`` is one outstanding and unexpired; it is spent either way."""
+        until = self.tickets.pop(ticket, None) if 0 < len(ticket) <= 64 else None
+        return until is not None and until > time.monotonic()
+
     async def _send(self, request: web.Request, body: bytes, ctype: str
                     ) -> web.StreamResponse:
-        """A body written within the handler, each write bounded by ``WRITE_TIMEOUT_S``:
+        """A body written within the handler, each write bounded by ``write_timeout_s``:
         a client that stops reading is cut off (and counts toward ``MAX_REQUESTS`` while
         it is written). A plain Response is written after the handler returns with no
         bound at all, so a socket that never reads held a copy of the document for as
@@ -231,24 +263,30 @@ class Hub:
         resp = web.StreamResponse(headers={"Content-Type": ctype, "Cache-Control": "no-store"})
         resp.content_length = len(body)
         try:
-            await asyncio.wait_for(resp.prepare(request), WRITE_TIMEOUT_S)
+            await asyncio.wait_for(resp.prepare(request), self.write_timeout_s)
             if request.method != "HEAD":  # (HEAD: the headers, Content-Length, no body)
                 await self._write(resp, body)
-            await asyncio.wait_for(resp.write_eof(), WRITE_TIMEOUT_S)
+            await asyncio.wait_for(resp.write_eof(), self.write_timeout_s)
         except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()  # (close() would wait to flush the stuck body)
+            self.connections_stalled += 1
+            _abort(request)
         return resp
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
         # Nothing awaits between reading the document and subscribing: no update can fall
         # between the snapshot (or the missed updates) and the live stream.
+        # A client far behind (its missed events more than the document itself) gets the
+        # snapshot instead: the retained events are never copied out per client.
         patches = request.query.get("patches") == "1"  # (hub/patches.py)
-        missed = self.events.missed(request.headers.get("Last-Event-ID"), patches=patches)
-        first = b"".join(missed) if missed is not None else self.snapshot()[1]
+        first: list[bytes] | None = self.events.missed(request.headers.get("Last-Event-ID"),
+                                                       patches=patches)
+        if first is None or sum(map(len, first)) > len(self.snapshot()[1]):
+            first = [self.snapshot()[1]]
         task = asyncio.current_task()
         assert task is not None
-        def kill() -> None:
+
+        def kill() -> None:  # (it fell too far behind: its connection ends, not just it)
+            _abort(request)
             task.cancel()
 
         sub = self.events.subscribe(kill, patches=patches)
@@ -260,7 +298,8 @@ class Hub:
                                            "X-Accel-Buffering": "no"})
         try:
             await resp.prepare(request)
-            await self._write(resp, b"retry: 2000\n\n" + first)
+            await self._write(resp, b"retry: 2000\n\n", *first)
+            del first
             while not sub.dropped:
                 try:
                     await asyncio.wait_for(sub.ready.wait(), self.keepalive_s)
@@ -269,15 +308,27 @@ class Hub:
                     continue
                 if sub.dropped:
                     break
-                await self._write(resp, b"".join(sub.take()))
-        except (ConnectionError, asyncio.TimeoutError):
-            pass  # the client went, or stopped reading: its stream ends
+                # (each event the one framed copy every stream shares, never joined)
+                await self._write(resp, *sub.take())
+        except ConnectionError:
+            _abort(request)  # the client went: its connection ends
+        except asyncio.TimeoutError:
+            self.connections_stalled += 1  # it stopped reading: its connection ends
+            _abort(request)
         finally:
             self.events.unsubscribe(sub)
         return resp
 
-    async def _write(self, resp: web.StreamResponse, data: bytes) -> None:
-        await asyncio.wait_for(resp.write(data), WRITE_TIMEOUT_S)
+    async def _write(self, resp: web.StreamResponse, *datas: bytes) -> None:
+        """Each of ``datas`` in pieces (each waits for the socket only when it is full),
+        all of them within ``write_timeout_s``."""
+        async def pieces() -> None:
+            for data in datas:
+                view = memoryview(data)
+                for at in range(0, len(view), CHUNK):
+                    await resp.write(view[at:at + CHUNK])
+
+        await asyncio.wait_for(pieces(), self.write_timeout_s)
 
     async def ready(self, request: web.Request) -> web.Response:
         c = self.collector
@@ -306,6 +357,12 @@ class Hub:
         ctype = _TYPES[path.suffix]
         return web.Response(body=body, content_type=ctype,
                             charset="utf-8" if path.suffix in _TEXT else None)
+
+
+def _abort(request: web.Request) -> None:
+    """End a connection now, its unsent bytes dropped (a close would wait to send them)."""
+    if request.transport is not None:
+        abort(request.transport)
 
 
 def _loopback_host(header: str) -> bool:
@@ -375,35 +432,19 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
                          keepalive_timeout=idle_s)
 
 
-def limit_connections(hub: Hub, runner: web.AppRunner, limit: int) -> None:
-    """Close a connection at once when ``limit`` are already open (counted in
-    ``gputop_hub_connections_refused``). aiohttp has no such bound of its own; its server
-    tells each new connection to ``connection_made``, which this wraps."""
-    server = runner.server
-    assert server is not None  # (after runner.setup())
-    made = server.connection_made
-
-    def connection_made(handler: Any, transport: asyncio.Transport) -> None:
-        made(handler, transport)
-        if len(server.connections) > limit:
-            hub.connections_refused += 1
-            transport.close()
-
-    server.connection_made = connection_made  # type: ignore[method-assign]
-
-
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None,
-                max_connections: int = HUB_MAX_CONNECTIONS,
+                max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
                 **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
     hub.loopback_names_only = is_loopback(host)
-    runner = make_runner(hub)
+    runner = make_runner(hub, idle_s=idle_s)
     await runner.setup()
-    limit_connections(hub, runner, max_connections)
+    limit_connections(hub, runner, max_connections, Throttled())
+    cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled()))
     collecting = asyncio.create_task(hub.collector.run())
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
@@ -420,6 +461,7 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     finally:
         hub.events.close_all()
         collecting.cancel()
+        cutting.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collecting
         await runner.cleanup()

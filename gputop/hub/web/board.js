@@ -23,6 +23,11 @@ const RESYNC_QUIET_S = 120;
 const RESYNC_MAX_S = 30;
 
 const state = readState(location.search);
+// A hub's token (docs/web.md) is held here only: never in a cookie or the browser's
+// storage (a browser sends a host's cookies to every port of it, where another service
+// could take them). It comes from the address (#token=..., removed from the address bar
+// at once) or from the form; a reload needs it again.
+let token = takeToken();
 const board = {
   hosts: new Map(), // name -> the host object, as the hub sent it
   order: [],
@@ -58,6 +63,23 @@ for (const id of ["queue", "people", "waste"]) {
 let source = null;
 let liveTimer = null;
 let resyncTimer = null;
+let connects = 0; // each start of the stream: a ticket that comes late is for an old one
+
+function takeToken() {
+  const m = /^#(?:.*&)?token=([^&]*)/.exec(location.hash);
+  if (!m) return "";
+  history.replaceState(null, "", location.pathname + location.search);
+  try {
+    return decodeURIComponent(m[1]).trim();
+  } catch {
+    return "";
+  }
+}
+
+/** ``init`` for fetch, with the token in the header when the page holds one. */
+function authed(init = {}) {
+  return token ? { ...init, headers: { Authorization: `Bearer ${token}` } } : init;
+}
 
 function setConn(conn) {
   if (board.conn === conn) return;
@@ -90,9 +112,35 @@ function connect() {
   // nothing is current until it comes (the browser's own reconnects of one stream resume
   // it instead, and are current once open: the 1.5 s moment below).
   board.awaitingSnapshot = true;
+  source = null;
+  const attempt = ++connects;
+  if (!token) {
+    stream("");
+    return;
+  }
+  // An EventSource sends no header: the token buys a ticket, good for one stream and a
+  // few seconds (the browser's own reconnect of that stream is refused: see onerror).
+  fetch("/api/v1/ticket", authed({ method: "POST", cache: "no-store" }))
+    .then(async (r) => {
+      if (attempt !== connects) return;
+      if (r.status === 401) {
+        $("tokenform").hidden = false;
+        return;
+      }
+      const ticket = r.ok ? str(obj(await r.json())?.ticket) : "";
+      if (attempt !== connects) return;
+      if (!ticket) throw new Error(`ticket: ${r.status}`);
+      stream(`&ticket=${encodeURIComponent(ticket)}`);
+    })
+    .catch(() => {
+      if (attempt === connects) resyncTimer = setTimeout(connect, 5000);
+    });
+}
+
+function stream(ticket) {
   // Patches (docs/hub.md): a host whose GPUs only moved comes as what moved, about a
   // fifth of its complete object, and its unchanged GPUs keep their objects.
-  const es = (source = new EventSource("/api/v1/events?patches=1"));
+  const es = (source = new EventSource(`/api/v1/events?patches=1${ticket}`));
   es.onopen = () => {
     // A restarted hub's snapshot (or a resumed stream's missed updates) comes at once;
     // a resumed stream that missed nothing sends nothing: current, then, after a moment.
@@ -135,9 +183,11 @@ function connect() {
   }));
   es.onerror = () => {
     setConn("stale");
-    if (es.readyState === EventSource.CLOSED) {
+    if (es.readyState === EventSource.CLOSED || ticket) {
       // A refusal (503: too many streams, 401) ends an EventSource for good: start anew,
-      // unless the hub wants a token this page does not have yet.
+      // unless the hub wants a token this page does not have yet. (A ticket is spent:
+      // the browser's own reconnect would be refused, so the page starts anew at once.)
+      es.close();
       refused(es);
     }
   };
@@ -169,7 +219,8 @@ async function refused(es) {
   let status = 0;
   try {
     status = (await fetch("/-/healthy", { cache: "no-store" })).ok
-      ? (await fetch("/api/v1/snapshot", { cache: "no-store", method: "HEAD" })).status : 0;
+      ? (await fetch("/api/v1/snapshot", authed({ cache: "no-store", method: "HEAD" })))
+        .status : 0;
   } catch {
     status = 0;
   }
@@ -178,16 +229,14 @@ async function refused(es) {
     $("tokenform").hidden = false;
     return;
   }
-  setTimeout(() => { if (source === es) connect(); }, 5000);
+  setTimeout(() => { if (source === es) connect(); }, token ? 2000 : 5000);
 }
 
 function useToken(e) {
   e.preventDefault();
-  const token = $("token").value.trim();
-  if (!token) return;
-  const secure = location.protocol === "https:" ? "; Secure" : "";
-  document.cookie = `gputop_token=${encodeURIComponent(token)}; path=/; max-age=31536000; ` +
-    `SameSite=Strict${secure}`;
+  const typed = $("token").value.trim();
+  if (!typed) return;
+  token = typed;
   $("token").value = "";
   $("tokenform").hidden = true;
   connect();
@@ -449,7 +498,7 @@ function drawPanels() {
 
 async function loadWaste() {
   try {
-    const r = await fetch("/api/v1/waste", { cache: "no-store" });
+    const r = await fetch("/api/v1/waste", authed({ cache: "no-store" }));
     renderWaste(panes.waste, r.ok ? await r.json() : null);
   } catch {
     // the hub is away: the stream says so; the panel keeps what it had
