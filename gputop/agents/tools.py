@@ -520,8 +520,8 @@ class FleetTools:
                                           max_wait=max_wait_s, say=say)
         except ToolFailure as exc:
             if exc.kind == "invalid":  # never possible as asked: waiting again cannot help
-                raise ToolFailure(exc.kind, exc.message + " Calling wait_for_gpus again "
-                                  "cannot help: ask for fewer GPUs or less memory.") from None
+                raise ToolFailure(exc.kind, exc.message + ". Calling wait_for_gpus again "
+                                  "cannot help.") from None
             raise
         except WaitedTooLong:
             status = await self.queue_status()
