@@ -80,11 +80,13 @@ def test_a_request_that_ends_before_the_waiters_turn_is_backfilled(team: Team) -
     _hold(team, "q2:0", "gtcarol", 2)
     a = team.start("free", "--wait", "--count", "3", "--lease", "5", user="gtalice", tag="a")
     until(lambda: team.queue_users() == ["gtalice"], what="A queued")
-    for args in (["reserve", "q1:0", "--for", "3h"],
-                 ["free", "--count", "1", "--reserve", "--for", "3h"]):
-        r = team.run(*args, user="gtbob")
-        assert r.returncode == 1, r.stderr
-        assert "q1:0" not in team.held()
+    r = team.run("reserve", "q1:0", "--for", "3h", user="gtbob")
+    assert r.returncode == 1, r.stderr
+    assert "gtalice" in r.stderr and "their turn comes" in r.stderr, r.stderr
+    assert "(a shorter --for) is granted" in r.stderr
+    r = team.run("free", "--count", "1", "--reserve", "--for", "3h", user="gtbob")
+    assert r.returncode == 1, r.stderr
+    assert "q1:0" not in team.held()
     r = team.run("free", "--count", "1", "--reserve", "--for", "1h", user="gtbob")
     assert (r.returncode, r.stdout) == (0, "q1:0\n"), r.stderr
     assert team.held()["q1:0"] == "gtbob" and team.queue_users() == ["gtalice"]

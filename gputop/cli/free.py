@@ -65,10 +65,9 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     me = whoami(open_store(config))[0]
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
-    # GPUs that no waiter could use.
+    # what delays none of them; how long you would hold it counts (backfill).
     waiters = [w for w in state.waiting() if w.user != me]
     fleet = [h.name for h in config.hosts]
-    # What a reservation would last decides what backfill lets you take (docs/reservations.md)
     found = offered(state, hosts, req, me, fleet, whole=args.whole,
                     seconds=reservation_seconds(config, args.duration))
     if not every:
@@ -82,7 +81,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
             print_free(found, state, utcnow())                   # test for all or nothing
-        print(f"gputop: {len(found)} free, {args.count} wanted"
+        print(f"gputop: {len(found)} free" + ("" if every else f", {args.count} wanted")
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
                  " (--wait to queue for them)") + not_answering(hosts), file=sys.stderr)
         if args.json:

@@ -113,10 +113,10 @@ def could_use(waiters: Sequence[Waiter], hosts: Sequence[HostSnapshot],
 
 def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostSnapshot],
                now: datetime, fleet: Collection[str] | None
-               ) -> Callable[[FreeGpu, datetime | None], Waiter | None]:
+               ) -> Callable[[FreeGpu, datetime | None], tuple[Waiter, Turn] | None]:
     """The first of ``ahead`` that taking a GPU until a time (None: for good) could keep
-    waiting longer (the order rule, with backfill): one that could use the GPU
-    (:func:`could_use`) and whose turn is now or cannot be told, or whose turn
+    waiting longer (the order rule, with backfill), with its turn: one that could use the
+    GPU (:func:`could_use`) and whose turn is now or cannot be told, or whose turn
     (:func:`~gputop.reservations.backfill.turn`) takes this GPU before that time."""
     when = free_at(state, hosts, now, free_gpus(hosts, state, 0, now, user=None))
     plans = []
@@ -127,9 +127,9 @@ def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostS
         held_after(t, state, when)
         plans.append((w, req, on, t))
 
-    def first(f: FreeGpu, end: datetime | None) -> Waiter | None:
+    def first(f: FreeGpu, end: datetime | None) -> tuple[Waiter, Turn] | None:
         key = (f.host, f.gpu.index or 0)
-        return next((w for w, r, on, t in plans
+        return next(((w, t) for w, r, on, t in plans
                      if f.host in on and r.fits(f) and delays(t, key, now, end)), None)
 
     return first
@@ -137,7 +137,7 @@ def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostS
 
 def claimant(state: StoreState, now: datetime, host: str, gpu: GpuInfo | None,
              hosts: Sequence[HostSnapshot], fleet: Collection[str] | None,
-             me: str, end: datetime | None = None) -> Waiter | None:
+             me: str, end: datetime | None = None) -> tuple[Waiter, Turn] | None:
     """The order rule for one GPU taken by hand (``reserve HOST:GPU``, ``free --reserve``,
     ``run``, the board's ``r``) until ``end`` (None: for good): the first waiter (not
     ``me``) it could keep waiting longer (:func:`in_the_way`), judged as if it were empty
@@ -145,8 +145,8 @@ def claimant(state: StoreState, now: datetime, host: str, gpu: GpuInfo | None,
     host did not answer, so it is anyone's who can be granted there."""
     others = [w for w in state.waiting(now) if w.user != me]
     if gpu is None:
-        return next((w for w in others if (host in w.sees if w.sees is not None
-                                           else request_of(w).accepts(host))), None)
+        return next(((w, Turn(None)) for w in others if (
+            host in w.sees if w.sees is not None else request_of(w).accepts(host))), None)
     empty = FreeGpu(host, replace(gpu, memory_used_mib=0, processes=()))
     return in_the_way(state, others, hosts, now, fleet)(empty, end)
 
@@ -175,10 +175,11 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
             if (t.host, t.gpu) in mine:
                 continue
             g = gpu_of(t)
-            w = claimant(state, now, t.host, g, hosts, fleet, me,
-                         None if seconds is None else now + timedelta(seconds=seconds))
-            if w is None:
+            found = claimant(state, now, t.host, g, hosts, fleet, me,
+                             None if seconds is None else now + timedelta(seconds=seconds))
+            if found is None:
                 continue
+            w, turn_of = found
             if skip:
                 skipped.append(t.label)
                 continue
@@ -193,7 +194,11 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
                    if g is None else "")
                 + f": {waiting} waiting, first who could use it: {clean(w.user)} "
                 f"(since {local_time(w.created)}, for {w.count} GPU(s)"
-                + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
+                + (f", {excerpt(w.want, 60)}" if w.want else "") + ")"
+                + (f"; their turn comes {local_time(turn_of.at)} at the earliest, and a "
+                   "reservation that ends before then (a shorter --for) is granted"
+                   if turn_of.at is not None and turn_of.at > now else "")
+                + f". {how}; that is "
                 "recorded in the file with your name" + (")" if t.instance is None
                                                           else ""))
         return skipped

@@ -90,23 +90,21 @@ def _size(h: HostSnapshot) -> str:
     return f"{h.name} has {len(gpus)}" + (f", the largest {big / 1024:.3g}G" if big else "")
 
 
-def ceiling(req: Request, hosts: Sequence[HostSnapshot], fleet: Collection[str] | None,
-            known: Iterable[HostSnapshot] = ()) -> str | None:
+def ceiling(req: Request, hosts: Sequence[HostSnapshot],
+            fleet: Collection[str] | None) -> str | None:
     """Why ``req`` asks for more GPUs than its hosts' known GPUs could ever give, or None.
-    A host that did not answer counts with its last answer in ``known`` (seen earlier by
-    this gputop), else with none: a waiter never waits on GPUs nobody has seen. None too
-    when no host answered (nothing is known: the waiter says so and gives up later)."""
+    A host that did not answer has none known: a waiter never waits on GPUs nobody has
+    seen (it may ask again once the host answers). None too when no host answered
+    (nothing is known: the waiter says so and gives up later)."""
     if req.share_mib or not any(h.ok for h in hosts):
         return None
-    last = {h.name: h for h in known if h.ok}
     accepted = list(req.hosts) if req.hosts else list(fleet or [h.name for h in hosts])
     seen = {h.name: h for h in hosts}
     counts: dict[str, int] = {}
     unknown: list[str] = []
     for name in dict.fromkeys(accepted):
         h = seen.get(name)
-        h = h if h is not None and h.ok else last.get(name)
-        if h is None:
+        if h is None or not h.ok:
             unknown.append(name)
         else:
             counts[name] = sum(1 for g in h.gpus if req.sized(g))
