@@ -14,6 +14,7 @@ could use waits for it, as without backfill.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -58,33 +59,46 @@ def free_at(state: StoreState, hosts: Iterable[HostSnapshot], now: datetime,
     return out
 
 
-def turn(count: int, one_host: bool, sized: Callable[[GpuInfo], bool], on: set[str],
-         hosts: Iterable[HostSnapshot], when: Mapping[Key, datetime]) -> Turn:
-    """The turn of a waiter for ``count`` GPUs (``one_host``: all on one host) that are
-    ``sized`` for it, on hosts ``on``, given when each GPU is free (``when``)."""
-    ends: dict[str, list[tuple[datetime, Key]]] = {}
+def candidates(hosts: Iterable[HostSnapshot], when: Mapping[Key, datetime]
+               ) -> dict[str, list[tuple[Key, GpuInfo | None]]]:
+    """The whole GPUs the queue could ever hand out whose free time is known, by host
+    (worked out once for every waiter's :func:`turn`): those of the hosts that answered,
+    and the reserved ones of hosts not asked (what the file tells; size unknown)."""
+    out: dict[str, list[tuple[Key, GpuInfo | None]]] = {}
     asked = set()
     for h in hosts:
         asked.add(h.name)
-        if not h.ok or h.name not in on:
-            continue
-        for g in h.gpus:
-            k = (h.name, g.index or 0)
-            if g.index is not None and sized(g) and not mig_mode(g) and k in when:
-                ends.setdefault(h.name, []).append((when[k], k))
-    for k, t in when.items():  # reserved GPUs of hosts not asked: what the file tells
-        if k[0] in on and k[0] not in asked:
-            ends.setdefault(k[0], []).append((t, k))
-    groups = list(ends.values()) if one_host else [[e for v in ends.values() for e in v]]
-    best: datetime | None = None
+        if h.ok:
+            out[h.name] = [((h.name, g.index), g) for g in h.gpus if g.index is not None
+                           and (h.name, g.index) in when and not mig_mode(g)]
+    for k in when:
+        if k[0] not in asked:
+            out.setdefault(k[0], []).append((k, None))
+    return out
+
+
+def sized_keys(gpus: Mapping[str, list[tuple[Key, GpuInfo | None]]],
+               sized: Callable[[GpuInfo], bool]) -> frozenset[Key]:
+    """The GPUs of ``gpus`` that are ``sized`` for a request (one of unknown size is)."""
+    return frozenset(k for v in gpus.values() for k, g in v if g is None or sized(g))
+
+
+def turn(count: int, one_host: bool, sized: frozenset[Key], on: set[str],
+         gpus: Mapping[str, list[tuple[Key, GpuInfo | None]]],
+         when: Mapping[Key, datetime]) -> Turn:
+    """The turn of a waiter for ``count`` GPUs (``one_host``: all on one host) among
+    those ``sized`` for it (:func:`sized_keys`) on hosts ``on``, of ``gpus``
+    (:func:`candidates`), given when each is free (``when``)."""
+    ends = [[(when[k], k) for k, _ in gpus.get(h, ()) if k in sized] for h in on]
+    groups = ends if one_host else [[e for v in ends for e in v]]
+    firsts: list[tuple[datetime, list[tuple[datetime, Key]]]] = []
     for group in groups:
         if len(group) >= count:
-            t = sorted(e for e, _ in group)[count - 1]
-            best = t if best is None else min(best, t)
-    if best is None:
+            firsts.append((heapq.nsmallest(count, group)[-1][0], group))
+    if not firsts:
         return Turn(None)
-    return Turn(best, frozenset(k for group in groups if len(group) >= count
-                                and sorted(e for e, _ in group)[count - 1] == best
+    best = min(t for t, _ in firsts)
+    return Turn(best, frozenset(k for t, group in firsts if t == best
                                 for e, k in group if e <= best))
 
 

@@ -48,7 +48,15 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
-from gputop.reservations.backfill import Turn, delays, free_at, held_after, turn
+from gputop.reservations.backfill import (
+    Turn,
+    candidates,
+    delays,
+    free_at,
+    held_after,
+    sized_keys,
+    turn,
+)
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
 from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
 from gputop.reservations.requests import Request as Request
@@ -119,11 +127,17 @@ def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostS
     GPU (:func:`could_use`) and whose turn is now or cannot be told, or whose turn
     (:func:`~gputop.reservations.backfill.turn`) takes this GPU before that time."""
     when = free_at(state, hosts, now, free_gpus(hosts, state, 0, now, user=None))
+    gpus = candidates(hosts, when)
+    sized: dict[int, frozenset[tuple[str, int]]] = {}  # by memory asked for
     plans = []
     for w in ahead:
         req, on = request_of(w), grantable_on(w, hosts, fleet)
-        t = Turn(None) if req.share_mib else turn(req.count, req.one_host, req.sized, on,
-                                                  hosts, when)
+        if req.share_mib:
+            t = Turn(None)
+        else:
+            if req.min_free_mib not in sized:
+                sized[req.min_free_mib] = sized_keys(gpus, req.sized)
+            t = turn(req.count, req.one_host, sized[req.min_free_mib], on, gpus, when)
         held_after(t, state, when)
         plans.append((w, req, on, t))
 
