@@ -79,6 +79,8 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
     from as_user import wait_as
 
     assert wait_as(a[0], 30) == 0, text(a[2])
+    # Nothing more until the grant: the host's error is not repeated.
+    assert text(a[2]).startswith(first) and text(a[2]).count("\n") == 2, text(a[2])
 
 
 def test_a_waiter_says_each_host_error_only_with_verbose(team: Team) -> None:

@@ -91,15 +91,17 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                         job: Callable[[str], Job | None] | None = None,
                         poller: Poller | HubPoller | None = None,
                         reaper: Callable[[], object] | None = None,
-                        verbose: bool = False) -> list[Reservation]:
+                        verbose: bool | None = None) -> list[Reservation]:
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
     SIGTERM) and every error leave the queue at once; nothing is half-reserved. A request
     no host could ever meet, or for more GPUs than the known GPUs of its hosts, is refused
     before joining (Invalid, exit 2); one that becomes so while waiting leaves the queue
     the same way. It starts with one line (what it waits for, its place, the hosts not
-    answering by name); ``verbose``: each such host's error too. A lock held by another writer for
-    less than the lease costs nothing: the lease is renewed on its own task, which waits
-    for the lock up to the lease's end, and a grant that times out is tried again."""
+    answering by name); ``verbose``: each such host's error too (False: the line says
+    that -v does that; None, for callers without one: says nothing of it). A lock held
+    by another writer for less than the lease costs nothing: the lease is renewed on its
+    own task, which waits for the lock up to the lease's end, and a grant that times out
+    is tried again."""
     problem = reserving_problem(config)
     if problem:  # (the CLI says so before; the board's Q learns it here)
         raise Invalid(f"the queue grants GPUs, and {problem}")
@@ -256,7 +258,7 @@ class Sight:
     once and again whenever that changes."""
 
     def __init__(self, req: Request, fleet: list[str], say: Callable[[str], None], *,
-                 verbose: bool = False) -> None:
+                 verbose: bool | None = None) -> None:
         self.req, self.fleet, self.say, self.verbose = req, fleet, say, verbose
         self.accepted = set(req.hosts) if req.hosts else set(fleet)
         self.said: frozenset[str] | None = None
@@ -269,7 +271,7 @@ class Sight:
         if not self.down:
             return ""
         return (f"; {len(self.down)} host(s) not answering: " + _names(self.down)
-                + ("" if self.verbose else " (-v says why)"))
+                + (" (-v says why)" if self.verbose is False else ""))
 
     def details(self) -> None:
         """With ``verbose``: each host not answering and its error, a line each."""
