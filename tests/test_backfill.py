@@ -1,6 +1,6 @@
 """A waiter asks only for what can exist, does not hold GPUs it would not be given before
 they are free again (backfill), and `free` lists every free GPU, your own reservations
-marked yours, whoever waits (issue 32 finding 8, issue 33).
+marked yours, whoever waits.
 
 Against real sshd hosts (q1 with two idle GPUs, q2 with one) and real users."""
 
