@@ -158,7 +158,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     p.add_argument("--wait", action="store_true",
                    help="not enough free: wait your turn in the team's queue, then reserve "
                    "(implies --reserve)")
-    p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
+    p.add_argument("--for", dest="duration", metavar="DURATION",
+                   help="how long you would hold them (--reserve, --wait); what is offered "
+                   "depends on it when people wait (default from the config)")
     p.add_argument("--note", help="with --reserve")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = add("run", "reserve GPUs on one host, run CMD there on them, release them",
