@@ -90,12 +90,12 @@ def test_a_waiter_says_each_host_error_only_with_verbose(team: Team) -> None:
     _known_only(team, "gtalice", "q2")
     team.block("q2:0", user="gtcarol")
     a = team.start("free", "--wait", "-v", "--lease", "5", user="gtalice", tag="a")
-    until(lambda: "q1: host-key" in text(a[2]), what="A told why")
+    until(lambda: "\ngputop: q1: host-key: " in text(a[2]), what="A told why")
     lines = text(a[2]).splitlines()
     assert lines[0].endswith("1 host(s) not answering: q1"), lines
     assert lines[1].startswith("gputop: q1: host-key: "), lines
     os.kill(a[0], signal.SIGINT)
-    assert wait_as(a[0], 20) == 130
+    assert wait_as(a[0], 20) == 130, text(a[2])
 
 
 def test_a_waiter_who_reaches_no_host_blocks_nobody(team: Team) -> None:
