@@ -38,7 +38,8 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "removed, `init-config` over an existing file"),
     ExitCode(EXIT_ERROR, "usage, config or store error",
              "usage, config, reservations-file or history-database error; a request no host "
-             "can ever meet (`free --wait --count 3` where no host set has 3), or one that "
+             "can ever meet (`free --wait --count 3` where no host set has 3, or more GPUs "
+             "than the known GPUs of the hosts that answer), or one that "
              "stopped being possible while it waited; a command whose extra is not installed "
              "(`gputop mcp` without `gputop[mcp]`, `gputop serve` without `gputop[hub]`: the "
              "line says what to install)"),

@@ -69,14 +69,33 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
     assert sorted(r.stdout.split()) == ["q1:0", "q1:1"]
     assert team.queue_users() == ["gtalice"]
     assert team.state().waiting()[0].sees == ("q2",)
-    until(lambda: "cannot reach 1 of the 2 hosts" in text(a[2]), what="A told")
-    assert "q1: host-key" in text(a[2]), text(a[2])
+    # Told in one line which host she cannot reach (-v says why: not repeated unasked).
+    first = until(lambda: text(a[2]), what="A told")
+    assert first == ("gputop: waiting for 1 GPU: position 1 in the queue; 1 host(s) not "
+                     "answering: q1 (-v says why)\n"), first
     # What she can be granted on is still hers: q2:0 freed goes to her, not to gtbob.
     team.free("q2:0")
     until(lambda: team.held().get("q2:0") == "gtalice", what="A granted q2:0")
     from as_user import wait_as
 
     assert wait_as(a[0], 30) == 0, text(a[2])
+    # Nothing more until the grant: the host's error is not repeated.
+    assert text(a[2]).startswith(first) and text(a[2]).count("\n") == 2, text(a[2])
+
+
+def test_a_waiter_says_each_host_error_only_with_verbose(team: Team) -> None:
+    """With -v the waiter's first line is followed by each host not answering and why."""
+    from as_user import wait_as
+
+    _known_only(team, "gtalice", "q2")
+    team.block("q2:0", user="gtcarol")
+    a = team.start("free", "--wait", "-v", "--lease", "5", user="gtalice", tag="a")
+    until(lambda: "\ngputop: q1: host-key: " in text(a[2]), what="A told why")
+    lines = text(a[2]).splitlines()
+    assert lines[0].endswith("1 host(s) not answering: q1"), lines
+    assert lines[1].startswith("gputop: q1: host-key: "), lines
+    os.kill(a[0], signal.SIGINT)
+    assert wait_as(a[0], 20) == 130, text(a[2])
 
 
 def test_a_waiter_who_reaches_no_host_blocks_nobody(team: Team) -> None:

@@ -219,6 +219,11 @@ async def test_remote_text_is_data_and_errors_are_classified(
         waited = await call(s, "wait_for_gpus", count=1, max_wait_s=1, hosts=["mcp-free"])
         assert waited["granted"] is False and "not granted within 1s" in waited["summary"]
         assert json.loads(res.read_text()).get("queue", []) == []
+        # More than the fleet has: refused at once, never a wait (an agent would loop).
+        with pytest.raises(ToolErr, match=r"^invalid: not joining the queue: no host can ever "
+                           r"give 25 GPU\(s\) in all .* again cannot help"):
+            await call(s, "wait_for_gpus", count=25, max_wait_s=60)
+        assert json.loads(res.read_text()).get("queue", []) == []
 
         # A broken shared file: a classified error, and the file left as it was.
         res.write_text("{not json")

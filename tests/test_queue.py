@@ -658,6 +658,58 @@ def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
     assert got is not None and got[0].host == "a"
 
 
+def _held_for(state: StoreState, **hours: float) -> StoreState:
+    """``a_1=2``: a:1 held by someone else for 2 hours."""
+    now = utcnow()
+    return replace(state, reservations=tuple(
+        new_reservation(k.split("_")[0], int(k.split("_")[1]), "x", "m", now, h * 3600,
+                        None, "") for k, h in hours.items()))
+
+
+def test_backfill_grants_what_ends_before_the_head_waiters_turn() -> None:
+    """Head wants 3 GPUs: a:0 is free, a:1 held 2h, b:0 held 1h, so its turn is in 2h and
+    takes all three. a:0 goes to a request that ends before then, not to a longer one (nor
+    to one that names no end)."""
+    from gputop.reservations.queue import Request, grantable
+
+    now, fleet = utcnow(), ["a", "b"]
+    hosts = _hosts({"a": [24, 24], "b": [24]})
+    state = _held_for(_queue(Request(3)), a_1=2, b_0=1)
+    got = grantable(state, None, hosts, now, Request(1), fleet, seconds=3600)
+    assert got is not None and [f.label for f in got] == ["a:0"]
+    for seconds in (3 * 3600, None):
+        assert grantable(state, None, hosts, now, Request(1), fleet, seconds=seconds) is None
+    # A later waiter is judged the same way.
+    state = replace(state, queue=_queue(Request(3), Request(1)).queue)
+    got = grantable(state, "w1", hosts, now, fleet=fleet, seconds=1800)
+    assert got is not None and [f.label for f in got] == ["a:0"]
+    assert grantable(state, "w1", hosts, now, fleet=fleet, seconds=4 * 3600) is None
+
+
+def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> None:
+    """Head: 2 GPUs on one host. a's second GPU frees in 1h, c's in 3h: its turn is on a,
+    in 1h. c:0 is free and not part of that turn: anyone's, for good; a:0 only until
+    then. A GPU busy without a reservation has no known end: a head that needs it keeps
+    every GPU it could use, as without backfill."""
+    from gputop.model import GpuInfo, HostSnapshot
+    from gputop.reservations.queue import Request, grantable
+
+    now, fleet = utcnow(), ["a", "c"]
+    hosts = _hosts({"a": [24, 24], "c": [24, 24]})
+    state = _held_for(_queue(Request(2, 0, (), True)), a_1=1, c_1=3)
+    got = grantable(state, None, hosts, now, Request(1, 0, ("c",)), fleet)
+    assert got is not None and [f.label for f in got] == ["c:0"]
+    assert grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=7200) \
+        is None
+    got = grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=1800)
+    assert got is not None and [f.label for f in got] == ["a:0"]
+    busy = GpuInfo(index=1, uuid="GPU-a-1", memory_used_mib=9000,
+                   memory_total_mib=24 * 1024, utilization_percent=90)
+    unknown = [HostSnapshot(name="a", gpus=(hosts[0].gpus[0], busy))]
+    state = _queue(Request(2))
+    assert grantable(state, None, unknown, now, Request(1), ["a"], seconds=60) is None
+
+
 def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
     must not hold the queue; a host that did not answer keeps the doubt on the head's side."""

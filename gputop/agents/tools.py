@@ -560,6 +560,11 @@ class FleetTools:
                                           seconds=seconds,
                                           note=note, lease_s=DEFAULT_LEASE_S,
                                           max_wait=max_wait_s, say=say)
+        except ToolFailure as exc:
+            if exc.kind == "invalid":  # never possible as asked: waiting again cannot help
+                raise ToolFailure(exc.kind, exc.message + ". Calling wait_for_gpus again "
+                                  "cannot help.") from None
+            raise
         except WaitedTooLong:
             status = await self.queue_status()
             return {"summary": f"not granted within {max_wait_s:g}s, left the queue (nothing "

@@ -1,4 +1,5 @@
-"""``gputop free``: idle, unreserved GPUs, best first; ``--reserve`` and ``--wait``.
+"""``gputop free``: every idle GPU nobody else holds, best first (your own reservations
+marked yours); ``--count N`` picks the best N, ``--reserve`` takes them, ``--wait`` queues.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import argparse
 import asyncio
 import sys
 
-from gputop.cli.free_table import is_terminal, print_free
+from gputop.cli.free_table import is_terminal, print_free, yours
 from gputop.cli.reserve import print_outcomes
 from gputop.cli.targets import (
     check_reservable,
@@ -32,6 +33,9 @@ from gputop.reservations.queue import offered, queue_claim
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
+    every = args.count is None and not (args.reserve or args.wait)
+    if args.count is None:
+        args.count = 1
     if args.reserve or args.wait:
         check_reservable(config, f"free --{'wait' if args.wait else 'reserve'}")
     if getattr(args, "share", None) is not None:
@@ -61,10 +65,13 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     me = whoami(open_store(config))[0]
     state = store.read()
     # The order rule: without --wait you come after every waiter, so you may take only
-    # GPUs that no waiter could use.
+    # what delays none of them; how long you would hold it counts (backfill).
     waiters = [w for w in state.waiting() if w.user != me]
     fleet = [h.name for h in config.hosts]
-    found = offered(state, hosts, req, me, fleet, whole=args.whole)[: args.count]
+    found = offered(state, hosts, req, me, fleet, whole=args.whole,
+                    seconds=reservation_seconds(config, args.duration))
+    if not every:
+        found = found[: args.count]
     if len(found) < args.count and (nobody := nobody_answered(hosts)):
         # Not "0 free": nothing is known. Said first, with why, and told apart by its code.
         print(f"gputop: {nobody}", file=sys.stderr)
@@ -74,7 +81,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
             print_free(found, state, utcnow())                   # test for all or nothing
-        print(f"gputop: {len(found)} free, {args.count} wanted"
+        print(f"gputop: {len(found)} free" + ("" if every else f", {args.count} wanted")
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
                  " (--wait to queue for them)") + not_answering(hosts), file=sys.stderr)
         if args.json:
@@ -91,7 +98,8 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         made = reserve_outcomes(
             store, targets, seconds=seconds, max_seconds=config.reservation_max_s,
             note=args.note or "", login=logins(config),
-            check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me))
+            check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me,
+                              seconds=seconds))
         print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts
         # An instance covered by your whole-GPU reservation: that one's expiry.
         for f in found:
@@ -99,15 +107,16 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                 or next((o.reservation for o in made
                          if o.reservation.target == f"{f.host}:{f.gpu.index}"), None)
             expires[f.label] = iso(r.expires) if r else None
+    now = utcnow()
     if args.json:
         write_document({"version": 1, "reserved": bool(args.reserve), "free": [
             {"host": f.host, "gpu": f.gpu.index, "uuid": f.gpu.uuid, "name": f.gpu.name,
-             "memory_free_mib": f.free_mib}
+             "memory_free_mib": f.free_mib, "yours": yours(f, state, now) is not None}
             | ({"instance": f.instance.gpu_instance_id, "profile": f.instance.profile,
                 "mig_uuid": f.instance.uuid} if f.instance else {})
             | ({"expires": expires.get(f.label)} if args.reserve else {})
             for f in found]}, sys.stdout)
     else:
-        print_free(found, store.read() if args.reserve else state, utcnow())
+        print_free(found, store.read() if args.reserve else state, now)
     return EXIT_OK
 

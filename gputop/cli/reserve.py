@@ -88,7 +88,7 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     from gputop.jobs.remote import answered_logins
 
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
-                        skip=args.skip_queue)
+                        skip=args.skip_queue, seconds=seconds)
     made = reserve_outcomes(store, targets, seconds=seconds,
                             max_seconds=config.reservation_max_s, note=args.note or "",
                             job=job, check=check, event="skip-queue",

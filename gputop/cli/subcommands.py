@@ -86,6 +86,8 @@ def _queue_options(p: argparse.ArgumentParser) -> None:
                    help="with --wait: run this shell command when the wait ends "
                    "(GPUTOP_RESULT, GPUTOP_GPUS, GPUTOP_UUIDS in its environment)")
     p.add_argument("--lease", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="with --wait: say each host's error, not only which do not answer")
 
 def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     """The reservation, queue, run and history subcommands, each with a description and
@@ -137,12 +139,14 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "--json in UTC.")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = add("free", "list idle, unreserved GPUs (and MIG instances), best first",
-            "List idle GPUs (and MIG instances) nobody else holds, most free memory first. "
-            "On a terminal: a table with model, free memory, load and your own reservations; "
-            "in a pipe: HOST:GPU lines, for scripts. Fewer than --count free: exit 1 "
-            "(--wait queues for them). --reserve reserves what was found in one write; "
+            "List every idle GPU (and MIG instance) nobody else holds, most free memory "
+            "first. On a terminal: a table with model, free memory, load and your own "
+            "reservations; in a pipe: HOST:GPU lines, for scripts. --count N picks the best "
+            "N; fewer free: exit 1 (--wait queues for them). --reserve reserves the first N "
+            "(default 1) in one write; "
             "--wait waits your turn in the team's queue, then reserves.")
     _queue_options(p)
+    p.set_defaults(count=None)  # none given: list every free GPU
     p.add_argument("--whole", action="store_true", help="whole GPUs only, no MIG instances")
     p.add_argument("--share", metavar="SIZE",
                    help="a GPU with SIZE to share (best fit: one already shared first)")
@@ -150,7 +154,9 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     p.add_argument("--wait", action="store_true",
                    help="not enough free: wait your turn in the team's queue, then reserve "
                    "(implies --reserve)")
-    p.add_argument("--for", dest="duration", metavar="DURATION", help="with --reserve")
+    p.add_argument("--for", dest="duration", metavar="DURATION",
+                   help="how long you would hold them (--reserve, --wait); what is offered "
+                   "depends on it when people wait (default from the config)")
     p.add_argument("--note", help="with --reserve")
     p.add_argument("--json", action="store_true", help="print JSON")
     p = add("run", "reserve GPUs on one host, run CMD there on them, release them",

@@ -58,7 +58,7 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
             got.extend(await wait_for_gpus(
                 config, store, req, seconds=seconds, note=args.note or "", lease_s=lease,
                 max_wait=max_wait, say=say, job=(lambda h: job) if job else None,
-                reaper=reaper))
+                reaper=reaper, verbose=bool(getattr(args, "verbose", False))))
         except WaitedTooLong as exc:
             say(str(exc))
             # (no host it waits on answered for minutes: as free says when none answers)

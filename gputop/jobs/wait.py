@@ -26,6 +26,7 @@ from gputop.reservations.queue import (
     Queue,
     Request,
     capacity,
+    ceiling,
     grantable,
     removed_by,
     unsatisfiable,
@@ -89,13 +90,18 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                         say: Callable[[str], None],
                         job: Callable[[str], Job | None] | None = None,
                         poller: Poller | HubPoller | None = None,
-                        reaper: Callable[[], object] | None = None) -> list[Reservation]:
+                        reaper: Callable[[], object] | None = None,
+                        verbose: bool | None = None) -> list[Reservation]:
     """Join the queue and return the reservations once granted. Cancellation (Ctrl-C,
     SIGTERM) and every error leave the queue at once; nothing is half-reserved. A request
-    no host could ever meet is refused before joining (Invalid, exit 2); one that becomes
-    so while waiting leaves the queue the same way. A lock held by another writer for
-    less than the lease costs nothing: the lease is renewed on its own task, which waits
-    for the lock up to the lease's end, and a grant that times out is tried again."""
+    no host could ever meet, or for more GPUs than the known GPUs of its hosts, is refused
+    before joining (Invalid, exit 2); one that becomes so while waiting leaves the queue
+    the same way. It starts with one line (what it waits for, its place, the hosts not
+    answering by name); ``verbose``: each such host's error too (False: the line says
+    that -v does that; None, for callers without one: says nothing of it). A lock held
+    by another writer for less than the lease costs nothing: the lease is renewed on its
+    own task, which waits for the lock up to the lease's end, and a grant that times out
+    is tried again."""
     problem = reserving_problem(config)
     if problem:  # (the CLI says so before; the board's Q learns it here)
         raise Invalid(f"the queue grants GPUs, and {problem}")
@@ -119,11 +125,12 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     joining: asyncio.Future[int] | None = None
     try:
         snap = await poller.snapshot()
-        why = unsatisfiable(req, list(snap.hosts), fleet)
+        why = unsatisfiable(req, list(snap.hosts), fleet) or ceiling(req, list(snap.hosts),
+                                                                     fleet)
         if why:
             raise Invalid(f"not joining the queue: {why}; ask for fewer GPUs or less memory "
                           "(or name other hosts)")
-        sight = Sight(req, fleet, say)
+        sight = Sight(req, fleet, say, verbose=verbose)
         q.sees = sight.look(list(snap.hosts))
         # Shielded: a cancel while the join's write is under way (it cannot be stopped on
         # its thread) must not let the leave below run before the place is in the file.
@@ -134,7 +141,9 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
             joined, now = await asyncio.to_thread(store.read), utcnow()
             if any(w.id == q.id for w in joined.waiting(now)):
                 ahead = f"; {_ahead(joined, q, now)}"
-        say(f"waiting for {describe_request(req)}: position {pos} in the queue{ahead}")
+        say(f"waiting for {describe_request(req)}: position {pos} in the queue{ahead}"
+            + sight.first_line())
+        sight.details()
         renewing: set[str] = set()
         poke = asyncio.Event()  # what it sees changed: renew (and record it) now
         keeper = asyncio.create_task(keep_lease(q, say, renewing, poke))
@@ -186,7 +195,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                     "again at the end")
                 last = await asyncio.to_thread(q.join)
                 continue
-            if grantable(state, q.id, hosts, now, fleet=fleet) is not None:
+            if grantable(state, q.id, hosts, now, fleet=fleet, seconds=seconds) is not None:
                 got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
                 if got is not None:
                     return got
@@ -248,12 +257,29 @@ class Sight:
     its place, see ``grantable_on``), and which hosts it cannot reach, said on stderr at
     once and again whenever that changes."""
 
-    def __init__(self, req: Request, fleet: list[str], say: Callable[[str], None]) -> None:
-        self.req, self.fleet, self.say = req, fleet, say
+    def __init__(self, req: Request, fleet: list[str], say: Callable[[str], None], *,
+                 verbose: bool | None = None) -> None:
+        self.req, self.fleet, self.say, self.verbose = req, fleet, say, verbose
         self.accepted = set(req.hosts) if req.hosts else set(fleet)
         self.said: frozenset[str] | None = None
         self.why = ""
+        self.down: list[HostSnapshot] = []
         self.blind_since: float | None = None
+
+    def first_line(self) -> str:
+        """The hosts not answering, by name, for the waiter's first line."""
+        if not self.down:
+            return ""
+        return (f"; {len(self.down)} host(s) not answering: " + _names(self.down)
+                + (" (-v says why)" if self.verbose is False else ""))
+
+    def details(self) -> None:
+        """With ``verbose``: each host not answering and its error, a line each."""
+        if self.verbose:
+            for h in self.down:
+                if h.error is not None:
+                    self.say(f"{clean(h.name)}: {h.error.kind}: "
+                             f"{excerpt(h.error.message, 120)}")
 
     def look(self, hosts: list[HostSnapshot]) -> tuple[str, ...]:
         mine = [h for h in hosts if h.name in self.accepted]
@@ -262,14 +288,18 @@ class Sight:
             f"{clean(h.name)}: {h.error.kind}: {excerpt(h.error.message, 120)}"
             for h in down[:8] if h.error is not None) + ("; ..." if len(down) > 8 else "")
         names = frozenset(h.name for h in down)
+        first = self.said is None
+        self.down = down
         if names != self.said:
             if down and len(down) == len(mine):
                 self.say(f"cannot reach any host you wait on ({self.why}); you block "
                          f"nobody meanwhile, and leave the queue after {BLIND_GIVE_UP_S:g}s "
                          "unless one answers")
-            elif down:
+                self.down = []  # (said in full: the first line need not repeat it)
+            elif down and not first:
                 self.say(f"cannot reach {len(down)} of the {len(mine)} hosts you wait on "
-                         f"({self.why}): waiting for GPUs on the others only")
+                         f"({_names(down)}): waiting for GPUs on the others only")
+                self.details()
             elif self.said:
                 self.say("every host you wait on answers again")
             self.said = names
@@ -282,6 +312,10 @@ class Sight:
 
     def blind_for(self) -> float:
         return 0.0 if self.blind_since is None else time.monotonic() - self.blind_since
+
+
+def _names(hosts: list[HostSnapshot]) -> str:
+    return ", ".join(clean(h.name) for h in hosts[:8]) + (", ..." if len(hosts) > 8 else "")
 
 
 async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,

@@ -6,10 +6,14 @@ reservations together (never some of them). Each waiter holds a lease it renews 
 runs; a waiter that dies (SIGKILL, a closed laptop, a lost SSH session) drops out when its
 lease ends, and Ctrl-C leaves at once.
 
-**Order rule.** Waiters are served in the order they joined. A later waiter may be granted
-before one ahead of it only with GPUs that *no* waiter ahead of it could use, so going first
-can never delay anyone ahead. A GPU any earlier waiter could use waits for that waiter, even
-while that waiter still needs more. **"Could use"** (``could_use``): the GPU is on a host
+**Order rule.** Waiters are served in the order they joined. A later waiter (or anyone
+taking a GPU by hand) may be granted before one ahead of it only what cannot delay it
+(``in_the_way``), so going first can never delay anyone ahead: GPUs no waiter ahead could
+use, and, by backfill (:mod:`gputop.reservations.backfill`), GPUs a waiter ahead could use
+but would not be given at its turn (the earliest time enough GPUs for it are free, from
+the ends of reservations), or would be given but are taken only until before that turn.
+A waiter whose turn is now, or cannot be told (it needs GPUs busy without a reservation),
+keeps every GPU it could use. **"Could use"** (``could_use``): the GPU is on a host
 the waiter accepts (its ``--host``/``--tag``), has the free memory it asks for, and its host
 could ever meet the whole request: for a one-host request (``gputop run``) the host has at
 least the request's count of GPUs whose total memory meets the need; for a request that may
@@ -30,25 +34,38 @@ waiter can never use a shared GPU; a share taken of a GPU spoils it for a waiter
 only if that waiter could use it now and would no longer fit after it (``share_taken``).
 
 **Unsatisfiable requests.** A request that no host it accepts could ever meet (3 GPUs on one
-host when hosts have 2, more memory than any GPU has) is refused before it joins
-(``unsatisfiable``); a waiter whose request becomes unsatisfiable later (hosts changed)
+host when hosts have 2, more memory than any GPU has), or more GPUs than the known GPUs of
+its hosts (``ceiling``: a host that did not answer has none known), is refused before it
+joins (``unsatisfiable``); a waiter whose request becomes unsatisfiable later (hosts changed)
 blocks nobody (no GPU is one it could use) and leaves the queue itself.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 
-from gputop.model import GpuInfo, HostSnapshot, iso
+from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
+from gputop.reservations.backfill import (
+    Turn,
+    candidates,
+    delays,
+    free_at,
+    held_after,
+    sized_keys,
+    turn,
+)
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
 from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
+from gputop.reservations.requests import Request as Request
+from gputop.reservations.requests import capacity as capacity
+from gputop.reservations.requests import ceiling as ceiling
+from gputop.reservations.requests import unsatisfiable as unsatisfiable
 from gputop.reservations.shares import (
     ShareFit,
     check_share,
-    mig_mode,
     room_mib,
     shares_of,
     size_text,
@@ -70,81 +87,6 @@ DEFAULT_LEASE_S = 30.0
 #: Bounds on what one waiter may put into the shared file.
 MAX_PLACES_PER_USER = 4
 MAX_WAITER_HOSTS = 64
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a waiter asks for: ``count`` GPUs with ``min_free_mib`` free, on ``hosts``
-    (empty: any), all on one host if ``one_host``."""
-
-    count: int
-    min_free_mib: int = 0
-    hosts: tuple[str, ...] = ()
-    one_host: bool = False
-    want: str = ""
-    #: A memory share of one GPU (MiB), not whole GPUs (0).
-    share_mib: int = 0
-
-    def fits(self, f: FreeGpu) -> bool:
-        if self.share_mib and (f.instance is not None or mig_mode(f.gpu)):
-            return False
-        return self.accepts(f.host) and f.free_mib >= max(self.min_free_mib, self.share_mib)
-
-    def accepts(self, host: str) -> bool:
-        return not self.hosts or host in self.hosts
-
-    def sized(self, g: GpuInfo) -> bool:
-        """Whether this GPU, empty, would have the memory asked for (unknown total: yes;
-        a share: never a MIG GPU, and the total must be known)."""
-        if self.share_mib and (mig_mode(g) or g.memory_total_mib is None):
-            return False
-        need = max(self.min_free_mib, self.share_mib)
-        return (g.index is not None and not g.lost
-                and (g.memory_total_mib is None or g.memory_total_mib >= need))
-
-
-def capacity(req: Request, hosts: Iterable[HostSnapshot], fleet: Collection[str] | None,
-             *, known_only: bool = False) -> tuple[set[str], bool]:
-    """The hosts on which ``req`` could ever be met (see the order rule), and whether that
-    is known for sure: every host it accepts (``req.hosts``, else ``fleet``) answered.
-    ``known_only``: hosts that did not answer (or that this gputop does not know) count
-    as no GPUs, not as room for anything: a waiter never holds GPUs back on the strength
-    of capacity nobody here can see (a request for 50 GPUs naming an unreachable host
-    would otherwise block every GPU it accepts, for good)."""
-    seen = {h.name: sum(1 for g in h.gpus if req.sized(g))
-            for h in hosts if h.ok and req.accepts(h.name)}
-    accepted = set(req.hosts) if req.hosts else (set(fleet) if fleet is not None else None)
-    complete = accepted is not None and accepted <= set(seen)
-    if req.one_host:
-        return {h for h, n in seen.items() if n >= req.count}, complete
-    if sum(seen.values()) >= req.count or not (complete or known_only):
-        return {h for h, n in seen.items() if n}, complete
-    return set(), complete
-
-
-def unsatisfiable(req: Request, hosts: Sequence[HostSnapshot],
-                  fleet: Collection[str] | None) -> str | None:
-    """Why no host ``req`` accepts could ever meet it, as far as the hosts that answered
-    show (every host it accepts must have answered); None if it can be met or one of its
-    hosts did not answer."""
-    usable, complete = capacity(req, hosts, fleet)
-    if usable or not complete:
-        return None
-    mine = [h for h in hosts if h.ok and req.accepts(h.name)]
-    if not mine:
-        return "no host to wait on"
-    sizes = "; ".join(_size(h) for h in mine[:8]) + ("; ..." if len(mine) > 8 else "")
-    need = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
-            f"{req.count} GPU(s)") + (f" with {req.min_free_mib / 1024:g}G free"
-                                      if req.min_free_mib else "")
-    where = "on one host" if req.one_host else "in all"
-    return f"no host can ever give {need} {where} ({sizes})"
-
-
-def _size(h: HostSnapshot) -> str:
-    gpus = [g for g in h.gpus if g.index is not None and not g.lost]
-    big = max((g.memory_total_mib or 0 for g in gpus), default=0)
-    return f"{h.name} has {len(gpus)}" + (f", the largest {big / 1024:.3g}G" if big else "")
 
 
 def grantable_on(w: Waiter, hosts: Sequence[HostSnapshot],
@@ -177,31 +119,58 @@ def could_use(waiters: Sequence[Waiter], hosts: Sequence[HostSnapshot],
     return lambda f: any(f.host in on and r.fits(f) for r, on in usable)
 
 
+def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostSnapshot],
+               now: datetime, fleet: Collection[str] | None
+               ) -> Callable[[FreeGpu, datetime | None], tuple[Waiter, Turn] | None]:
+    """The first of ``ahead`` that taking a GPU until a time (None: for good) could keep
+    waiting longer (the order rule, with backfill), with its turn: one that could use the
+    GPU (:func:`could_use`) and whose turn is now or cannot be told, or whose turn
+    (:func:`~gputop.reservations.backfill.turn`) takes this GPU before that time."""
+    when = free_at(state, hosts, now, free_gpus(hosts, state, 0, now, user=None))
+    gpus = candidates(hosts, when)
+    sized: dict[int, frozenset[tuple[str, int]]] = {}  # by memory asked for
+    plans = []
+    for w in ahead:
+        req, on = request_of(w), grantable_on(w, hosts, fleet)
+        if req.share_mib:
+            t = Turn(None)
+        else:
+            if req.min_free_mib not in sized:
+                sized[req.min_free_mib] = sized_keys(gpus, req.sized)
+            t = turn(req.count, req.one_host, sized[req.min_free_mib], on, gpus, when)
+        held_after(t, state, when)
+        plans.append((w, req, on, t))
+
+    def first(f: FreeGpu, end: datetime | None) -> tuple[Waiter, Turn] | None:
+        key = (f.host, f.gpu.index or 0)
+        return next(((w, t) for w, r, on, t in plans
+                     if f.host in on and r.fits(f) and delays(t, key, now, end)), None)
+
+    return first
+
+
 def claimant(state: StoreState, now: datetime, host: str, gpu: GpuInfo | None,
              hosts: Sequence[HostSnapshot], fleet: Collection[str] | None,
-             me: str) -> Waiter | None:
+             me: str, end: datetime | None = None) -> tuple[Waiter, Turn] | None:
     """The order rule for one GPU taken by hand (``reserve HOST:GPU``, ``free --reserve``,
-    ``run``, the board's ``r``): the first waiter (not ``me``) who could use it, judged as
-    if it were empty (reserving a busy GPU still keeps it from the waiter once it frees).
-    ``gpu`` None: its host did not answer, so it is anyone's who can be granted there."""
-    for w in state.waiting(now):
-        if w.user == me:
-            continue
-        if gpu is None:
-            if (host in w.sees if w.sees is not None else request_of(w).accepts(host)):
-                return w
-            continue
-        empty = FreeGpu(host, replace(gpu, memory_used_mib=0, processes=()))
-        if could_use([w], hosts, fleet)(empty):
-            return w
-    return None
+    ``run``, the board's ``r``) until ``end`` (None: for good): the first waiter (not
+    ``me``) it could keep waiting longer (:func:`in_the_way`), judged as if it were empty
+    (reserving a busy GPU still keeps it from the waiter once it frees). ``gpu`` None: its
+    host did not answer, so it is anyone's who can be granted there."""
+    others = [w for w in state.waiting(now) if w.user != me]
+    if gpu is None:
+        return next(((w, Turn(None)) for w in others if (
+            host in w.sees if w.sees is not None else request_of(w).accepts(host))), None)
+    empty = FreeGpu(host, replace(gpu, memory_used_mib=0, processes=()))
+    return in_the_way(state, others, hosts, now, fleet)(empty, end)
 
 
 def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
-                fleet: Collection[str] | None, me: str, *, skip: bool = False
-                ) -> Callable[[StoreState, datetime], list[str]]:
-    """The queue's claim on a direct reservation, checked under the lock: a GPU a waiter
-    (not you) could use is theirs to wait for (``reserve`` comes after every waiter), and
+                fleet: Collection[str] | None, me: str, *, skip: bool = False,
+                seconds: float | None = None) -> Callable[[StoreState, datetime], list[str]]:
+    """The queue's claim on a direct reservation for ``seconds`` (None: for good), checked
+    under the lock: a GPU whose taking could keep a waiter (not you) waiting longer is
+    theirs to wait for (``reserve`` comes after every waiter; see :func:`in_the_way`), and
     is refused naming that waiter; with ``skip`` (``--skip-queue``) it is reserved anyway
     and the check returns the targets that skipped someone (each recorded). A GPU you
     already hold is yours to extend."""
@@ -220,9 +189,11 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
             if (t.host, t.gpu) in mine:
                 continue
             g = gpu_of(t)
-            w = claimant(state, now, t.host, g, hosts, fleet, me)
-            if w is None:
+            found = claimant(state, now, t.host, g, hosts, fleet, me,
+                             None if seconds is None else now + timedelta(seconds=seconds))
+            if found is None:
                 continue
+            w, turn_of = found
             if skip:
                 skipped.append(t.label)
                 continue
@@ -237,7 +208,11 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
                    if g is None else "")
                 + f": {waiting} waiting, first who could use it: {clean(w.user)} "
                 f"(since {local_time(w.created)}, for {w.count} GPU(s)"
-                + (f", {excerpt(w.want, 60)}" if w.want else "") + f"). {how}; that is "
+                + (f", {excerpt(w.want, 60)}" if w.want else "") + ")"
+                + (f"; their turn comes {local_time(turn_of.at)} at the earliest, and a "
+                   "reservation that ends before then (a shorter --for) is granted"
+                   if turn_of.at is not None and turn_of.at > now else "")
+                + f". {how}; that is "
                 "recorded in the file with your name" + (")" if t.instance is None
                                                           else ""))
         return skipped
@@ -333,12 +308,14 @@ def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
 
 def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnapshot],
               now: datetime, req: Request | None = None,
-              fleet: Collection[str] | None = None) -> list[FreeGpu] | None:
-    """The GPUs the order rule lets this waiter take now, or None (not its turn, or not
-    enough). ``waiter_id`` None with ``req``: someone not in the queue (``free --reserve``,
-    ``run`` without ``--wait``), who comes after every waiter. Only unreserved GPUs count:
-    nobody's reservation is ever taken or extended. ``fleet``: every host name this gputop
-    knows (a waiter that accepts any host is judged against all of them)."""
+              fleet: Collection[str] | None = None,
+              seconds: float | None = None) -> list[FreeGpu] | None:
+    """The GPUs the order rule lets this waiter take now for ``seconds`` (None: for good),
+    or None (not its turn, or not enough). ``waiter_id`` None with ``req``: someone not in
+    the queue (``free --reserve``, ``run`` without ``--wait``), who comes after every
+    waiter. Only unreserved GPUs count: nobody's reservation is ever taken or extended.
+    ``fleet``: every host name this gputop knows (a waiter that accepts any host is judged
+    against all of them)."""
     queue = state.waiting(now)
     user = None
     if waiter_id is None:
@@ -352,7 +329,8 @@ def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnap
     if req.share_mib:
         fits = share_candidates(state, hosts, now, queue[:at], req, fleet, user)
         return fits[:1] or None
-    return pick(req, usable_now(state, hosts, now, queue[:at], fleet))
+    end = None if seconds is None else now + timedelta(seconds=seconds)
+    return pick(req, usable_now(state, hosts, now, queue[:at], fleet, end))
 
 
 def share_candidates(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
@@ -369,24 +347,32 @@ def share_candidates(state: StoreState, hosts: Sequence[HostSnapshot], now: date
 
 
 def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
-               ahead: Sequence[Waiter], fleet: Collection[str] | None = None
-               ) -> list[FreeGpu]:
-    """Free, unreserved whole GPUs that none of ``ahead`` could use (the order rule). The
-    queue hands out whole GPUs: a MIG instance is reserved by name (``reserve``)."""
-    taken = could_use(ahead, hosts, fleet)
+               ahead: Sequence[Waiter], fleet: Collection[str] | None = None,
+               end: datetime | None = None) -> list[FreeGpu]:
+    """Free, unreserved whole GPUs that taking until ``end`` (None: for good) keeps none
+    of ``ahead`` waiting longer (the order rule, with backfill). The queue hands out whole
+    GPUs: a MIG instance is reserved by name (``reserve``)."""
+    taken = in_the_way(state, ahead, hosts, now, fleet)
     return [f for f in free_gpus(hosts, state, 0, now, user=None)
-            if f.instance is None and not taken(f)]
+            if f.instance is None and taken(f, end) is None]
 
 
 def offered(state: StoreState, hosts: Sequence[HostSnapshot], req: Request, me: str,
-            fleet: Collection[str] | None, *, whole: bool = False) -> list[FreeGpu]:
-    """What ``gputop free`` offers ``me`` now, best first (``free_gpus``' ranking): free
-    GPUs and MIG instances (``whole``: GPUs only) that fit ``req`` and that no waiter
-    could use, your own places aside (the order rule: without waiting you come after
-    every waiter)."""
-    taken = could_use([w for w in state.waiting() if w.user != me], hosts, fleet)
-    return [f for f in free_gpus(hosts, state, req.min_free_mib, user=me)
-            if req.fits(f) and not taken(f) and not (whole and f.instance)]
+            fleet: Collection[str] | None, *, whole: bool = False,
+            seconds: float | None = None) -> list[FreeGpu]:
+    """What ``gputop free`` offers ``me`` now for ``seconds`` (None: for good), best first
+    (``free_gpus``' ranking): free GPUs and MIG instances (``whole``: GPUs only) that fit
+    ``req`` and that taking keeps no waiter waiting longer (the order rule: without
+    waiting you come after every waiter), your own places aside, and your own
+    reservations always (they are yours, whoever waits)."""
+    now = utcnow()
+    taken = in_the_way(state, [w for w in state.waiting(now) if w.user != me], hosts, now,
+                       fleet)
+    end = None if seconds is None else now + timedelta(seconds=seconds)
+    mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+    return [f for f in free_gpus(hosts, state, req.min_free_mib, now, user=me)
+            if req.fits(f) and not (whole and f.instance)
+            and ((f.host, f.gpu.index) in mine or taken(f, end) is None)]
 
 
 #: The audit event of a waiter taken out of the queue by ``release --waiter``.
@@ -566,7 +552,7 @@ def _grant(store: ReservationStore, waiter_id: str | None, req: Request,
         made.clear()
         if check is not None:
             check(state, now)
-        got = grantable(state, waiter_id, hosts, now, req, fleet)
+        got = grantable(state, waiter_id, hosts, now, req, fleet, seconds)
         if got is None:
             raise _NotYet
         ids = {r.id for r in state.reservations}

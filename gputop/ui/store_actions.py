@@ -315,10 +315,11 @@ class StoreActions:
                     note=req.note, user=self.me, check=claim,
                     login=answered_logins(self.config, self.model.snapshots)(target.host))
             else:
-                # The queue's order rule, as for `gputop reserve`: a GPU a waiter could use
-                # is theirs to wait for (refused, naming them).
+                # The queue's order rule, as for `gputop reserve`: a GPU whose taking for
+                # this long could delay a waiter is theirs (refused, naming them).
                 check = queue_claim([target], dict(self.model.snapshots),
-                                    [h.name for h in self.config.hosts], self.me)
+                                    [h.name for h in self.config.hosts], self.me,
+                                    seconds=req.seconds)
                 await asyncio.to_thread(
                     reserve_outcomes, self.store, [target], seconds=req.seconds,
                     max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
