@@ -1077,3 +1077,22 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("waiting")]
     assert "  " not in line and len(line) < 140 and line.count("waiting") == 2, line
+
+
+def test_a_down_host_counts_the_gpus_its_config_says_it_has() -> None:
+    """The "can it exist" ceiling: a host that does not answer adds its ``gpus = N`` (an
+    upper bound), else nothing; the refusal names both kinds."""
+    from gputop.model import GpuInfo, HostError, HostSnapshot
+    from gputop.reservations.requests import Request, ceiling
+
+    up = HostSnapshot("q1", gpus=(GpuInfo(index=0), GpuInfo(index=1)))
+    down = HostSnapshot("q2", error=HostError("unreachable", "connection refused"))
+    gone = HostSnapshot("q3", error=HostError("timeout", "no answer"))
+    hosts = [up, down, gone]
+    fleet = ["q1", "q2", "q3"]
+    assert ceiling(Request(count=10), hosts, fleet, {"q2": 8}) is None
+    why = ceiling(Request(count=11), hosts, fleet, {"q2": 8})
+    assert why is not None and "can give 10 in all (q1 2, q2 8; 1 host(s) not answering, " \
+        "their GPUs unknown: q3)" in why, why
+    assert ceiling(Request(count=3), hosts, fleet) is not None  # nothing known of q2
+    assert ceiling(Request(count=8, one_host=True), hosts, fleet, {"q2": 8}) is None

@@ -125,8 +125,9 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     joining: asyncio.Future[int] | None = None
     try:
         snap = await poller.snapshot()
-        why = unsatisfiable(req, list(snap.hosts), fleet) or ceiling(req, list(snap.hosts),
-                                                                     fleet)
+        known = {h.name: h.gpus for h in config.hosts if h.gpus is not None}
+        why = unsatisfiable(req, list(snap.hosts), fleet) or ceiling(
+            req, list(snap.hosts), fleet, known)
         if why:
             raise Invalid(f"not joining the queue: {why}; ask for fewer GPUs or less memory "
                           "(or name other hosts)")

@@ -6,7 +6,7 @@ exist (see the order rule in :mod:`gputop.reservations.queue`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gputop.model import GpuInfo, HostSnapshot
@@ -91,11 +91,13 @@ def _size(h: HostSnapshot) -> str:
 
 
 def ceiling(req: Request, hosts: Sequence[HostSnapshot],
-            fleet: Collection[str] | None) -> str | None:
+            fleet: Collection[str] | None, known: Mapping[str, int] | None = None
+            ) -> str | None:
     """Why ``req`` asks for more GPUs than its hosts' known GPUs could ever give, or None.
-    A host that did not answer has none known: a waiter never waits on GPUs nobody has
-    seen (it may ask again once the host answers). None too when no host answered
-    (nothing is known: the waiter says so and gives up later)."""
+    A host that did not answer counts the GPUs ``known`` says it has (``gpus = N`` in
+    hosts.toml), else none: a waiter never waits on GPUs nobody has seen (it may ask again
+    once the host answers). None too when no host answered (nothing is known: the waiter
+    says so and gives up later)."""
     if req.share_mib or not any(h.ok for h in hosts):
         return None
     accepted = list(req.hosts) if req.hosts else list(fleet or [h.name for h in hosts])
@@ -104,7 +106,9 @@ def ceiling(req: Request, hosts: Sequence[HostSnapshot],
     unknown: list[str] = []
     for name in dict.fromkeys(accepted):
         h = seen.get(name)
-        if h is None or not h.ok:
+        if (h is None or not h.ok) and known and name in known:
+            counts[name] = known[name]  # down, its count known: an upper bound
+        elif h is None or not h.ok:
             unknown.append(name)
         else:
             counts[name] = sum(1 for g in h.gpus if req.sized(g))
