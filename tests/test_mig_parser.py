@@ -21,11 +21,25 @@ A100_80_UUID = "GPU-513536b6-7d19-9063-b049-1e69664bb298"
 
 @pytest.mark.parametrize("path", sorted(p for p in DATA.rglob("*") if p.is_file()
                                         and p.name != "SOURCES.md"), ids=lambda p: p.name)
-def test_every_capture_parses_without_a_crash(path: Path) -> None:
+def test_every_capture_gives_the_instances_it_holds(path: Path) -> None:
+    """Counted from each capture's text line by line: its ``-L`` GPUs and MIG lines, its
+    ``-q -x`` GPUs and ``<mig_device>`` elements. The inventory holds exactly those
+    instances, given the capture as both kinds (the other kind is one warning, no crash)."""
     text = path.read_text(errors="replace")
-    mig.parse_list(text)
-    inv = mig.build_inventory(text, text)  # either may be not its kind: never a crash
-    assert isinstance(inv.warnings, tuple)
+    lines = text.splitlines()
+    listed_gpus = sum(ln.startswith("GPU ") and "(UUID: GPU-" in ln for ln in lines)
+    listed_migs = sum(ln.lstrip().startswith("MIG ") and " Device " in ln
+                      and "(UUID: MIG-" in ln for ln in lines)
+    xml_gpus, xml_migs = text.count("<gpu id="), text.count("<mig_device>")
+    listed = mig.parse_list(text)
+    assert len(listed) == listed_gpus
+    assert sum(map(len, listed.values())) == listed_migs
+    inv = mig.build_inventory(text, text)
+    assert sum(map(len, inv.devices.values())) == listed_migs + xml_migs
+    if text.startswith("<?xml"):
+        assert inv.warnings == () and len(inv.placement) == xml_gpus
+    else:
+        assert len(inv.warnings) == 1 and inv.warnings[0].startswith("MIG inventory:")
 
 
 def test_list_with_mixed_profiles() -> None:

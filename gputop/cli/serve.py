@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputop.cli.lifecycle import run_until_signal
 from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
 from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
 from gputop.sources import Source
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 
 def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -85,13 +88,9 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             print(f"gputop: {flag} must be between 0.1 and 3600 seconds", file=sys.stderr)
             return EXIT_ERROR
     if args.print_unit:
-        from pathlib import Path
-
-        import gputop
         from gputop.history.unit import unit_text
 
-        unit = Path(gputop.__file__).resolve().parent / "hub" / "deploy" / "gputop-hub.service"
-        sys.stdout.write(unit_text(hub_command(config, args), unit))
+        sys.stdout.write(unit_text(hub_command(config, args), shipped(HUB_UNIT)))
         return EXIT_OK
     if not config.hosts:
         print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
@@ -184,13 +183,19 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 #: The hub's deploy files that ``serve --print-...`` prints (in gputop/hub/deploy/).
 SCRAPE_CONFIG = "prometheus-scrape.yml"
 GRAFANA_DASHBOARD = "grafana-dashboard.json"
+HUB_UNIT = "gputop-hub.service"
 
 
-def print_shipped(name: str) -> int:
-    """Print a file of gputop/hub/deploy/ as installed: read through importlib.resources,
-    so it works from a wheel (pipx, uv tool) as from a checkout, and nobody has to find
+def shipped(name: str) -> Traversable:
+    """A file of gputop/hub/deploy/ as installed: found through importlib.resources, so it
+    is read from a wheel (pipx, uv tool), a zip or a checkout alike, and nobody has to find
     site-packages."""
     from importlib.resources import files
 
-    sys.stdout.write(files("gputop.hub").joinpath("deploy").joinpath(name).read_text(encoding="utf-8"))
+    return files("gputop.hub").joinpath("deploy").joinpath(name)
+
+
+def print_shipped(name: str) -> int:
+    """Print a file of gputop/hub/deploy/ as installed (see ``shipped``)."""
+    sys.stdout.write(shipped(name).read_text(encoding="utf-8"))
     return EXIT_OK

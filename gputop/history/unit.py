@@ -14,8 +14,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gputop.errors import UsageError
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 UNIT = Path(__file__).resolve().parent / "gputop-record.service"
 _QUOTE = set(' \t"\'\\;')
@@ -44,7 +48,7 @@ def this_gputop(subcommand: str) -> list[str]:
     return [sys.executable, "-m", "gputop", subcommand]
 
 
-def unit_text(command: Sequence[str], template: Path = UNIT) -> str:
+def unit_text(command: Sequence[str], template: Traversable = UNIT) -> str:
     """The shipped unit ``template`` with ``ExecStart=`` running ``command`` (absolute
     paths); ``command``'s subcommand names the ``--print-unit`` that wrote it."""
     sub = next((w for w in command[1:] if w in ("record", "serve")), "record")

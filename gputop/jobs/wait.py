@@ -113,8 +113,8 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                                                  if h.name in req.hosts))
         # A query per refresh, not the streams: a GPU is free the moment its last process
         # is gone from a query, while the apps stream can only say "no process now" by
-        # staying silent for 1.5 intervals, and a waiter wants that moment (issue 11's
-        # bound: one interval plus one store write). A waiter is temporary; a board is not.
+        # staying silent for 1.5 intervals, and a waiter wants that moment (a grant within
+        # one interval plus one store write). A waiter is temporary; a board is not.
         poller = open_poller(config, one_look=True, say=say)
     from gputop.jobs.remote import logins
 

@@ -1,8 +1,8 @@
-"""The shared file's writers' lock and what its filesystem says: a POSIX lock on a separate,
-permanent lock file (a thread lock per file first: POSIX locks belong to the process), which
-stays a lock when its file is removed or replaced (the locked file must be the one at the
-lock path, checked after locking and again before a write lands); permission, link and
-NFS messages that say what to do.
+"""The shared file's writers' locks and what its filesystem says: a POSIX record lock and a
+flock, each on a separate, permanent lock file (a thread lock per file before the record
+lock: POSIX locks belong to the process), which stay locks when their files are removed or
+replaced (the locked file must be the one at the lock path, checked after locking and again
+before a write lands); permission, link and NFS messages that say what to do.
 """
 
 from __future__ import annotations
@@ -33,23 +33,34 @@ _THREAD_LOCKS_GUARD = threading.Lock()
 
 
 class WriterLock:
-    """The lock at ``path`` (``reservations.json.lock``)."""
+    """The writers' lock at ``path``: a POSIX record lock on ``reservations.json.lock``, or
+    with ``flock`` the ``flock(2)`` on ``reservations.json.flock`` that a writer over SSH
+    takes with ``flock(1)`` on the file's host (:mod:`gputop.reservations.remote`). A local
+    writer takes both, the record lock first: POSIX record locks and flocks do not see each
+    other on a local filesystem. Two files: on NFS a flock is a record lock, and one
+    process's flock and record lock on the same file would refuse each other. Either counts
+    only on the file still at its path."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, flock: bool = False) -> None:
         self.lock_path = path
+        self.flock = flock
 
     @contextlib.contextmanager
     def held(self, timeout: float) -> Iterator[Callable[[], bool]]:
-        """Hold the writers' lock; yields a check that it is still the lock (the locked
-        file is still the one at the lock path)."""
+        """Hold the lock; yields a check that it is still the lock (the locked file is
+        still the one at the lock path)."""
+        if self.flock:
+            # A flock belongs to its open file: two threads' opens exclude each other.
+            with self._file_locked(timeout) as held:
+                yield held
+            return
         # POSIX record locks belong to the process, not the thread: two threads of one
         # gputop (a waiter's lease keeper and its grant) would both "hold" the file lock.
         # One thread lock per lock file serialises them first.
         with _THREAD_LOCKS_GUARD:
             tlock = _THREAD_LOCKS.setdefault(str(self.lock_path), threading.Lock())
         if not tlock.acquire(timeout=max(timeout, 0.001)):
-            raise StoreError(f"{self.lock_path}: still locked by another writer "
-                             f"after {timeout:.3g}s")
+            raise StoreError(self._busy(timeout))
         try:
             with self._file_locked(timeout) as held:
                 yield held
@@ -77,12 +88,13 @@ class WriterLock:
 
     def _lock_fd(self, deadline: float, timeout: float) -> int:
         """The lock file, open and locked (waiting until ``deadline``)."""
+        take = fcntl.flock if self.flock else fcntl.lockf
         fd = open_lock_file(self.lock_path)
         try:
             make_group_writable(fd)
             while True:
                 try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    take(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     return fd
                 except OSError as exc:
                     if exc.errno == errno.ENOLCK:
@@ -90,62 +102,19 @@ class WriterLock:
                             f"{self.lock_path}: the filesystem refuses locks (ENOLCK); "
                             "concurrent writers could lose updates. Mount with locking "
                             "enabled (no 'nolock') or use another path.") from None
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"after {timeout:.3g}s") from None
-                    time.sleep(0.005)
-        except BaseException:
-            os.close(fd)
-            raise
-
-
-class SshWritersLock:
-    """The ``flock(2)`` on ``reservations.json.flock``: what a writer over SSH takes with
-    ``flock(1)`` on the file's host (:mod:`gputop.reservations.remote`). A local writer takes
-    it too, after the record lock: POSIX record locks and flocks do not see each other on a
-    local filesystem. A second file: on NFS a flock is a record lock, and one process's
-    flock and record lock on the same file would refuse each other. Like the record lock,
-    it counts only on the file still at its path."""
-
-    def __init__(self, path: Path) -> None:
-        self.lock_path = path
-
-    @contextlib.contextmanager
-    def held(self, timeout: float) -> Iterator[Callable[[], bool]]:
-        deadline = time.monotonic() + timeout
-        while True:
-            fd = self._lock_fd(deadline, timeout)
-            if _same_file(self.lock_path, fd):
-                break
-            os.close(fd)  # removed or replaced meanwhile: this lock excludes nobody
-            if time.monotonic() > deadline:
-                raise StoreError(f"{self.lock_path}: the lock file kept being replaced for "
-                                 f"{timeout:.3g}s; nothing was changed")
-        try:
-            yield lambda: _same_file(self.lock_path, fd)
-        finally:
-            os.close(fd)  # releases the flock
-
-    def _lock_fd(self, deadline: float, timeout: float) -> int:
-        fd = open_lock_file(self.lock_path)
-        try:
-            make_group_writable(fd)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return fd
-                except OSError as exc:
                     if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                         raise StoreError(os_message(exc, self.lock_path, "lock it")) from None
                     if time.monotonic() > deadline:
-                        raise StoreError(f"{self.lock_path}: still locked by another writer "
-                                         f"(over SSH?) after {timeout:.3g}s") from None
+                        raise StoreError(self._busy(timeout)) from None
                     time.sleep(0.005)
         except BaseException:
             os.close(fd)
             raise
+
+    def _busy(self, timeout: float) -> str:
+        # Only writers over SSH take the flock alone: a busy flock is most likely theirs.
+        who = "another writer (over SSH?)" if self.flock else "another writer"
+        return f"{self.lock_path}: still locked by {who} after {timeout:.3g}s"
 
 
 def open_lock_file(path: Path) -> int:

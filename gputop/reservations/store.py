@@ -30,7 +30,6 @@ from typing import Any, Protocol
 from gputop.model import utcnow
 from gputop.reservations.filelock import (
     FILE_MODE,
-    SshWritersLock,
     WriterLock,
     make_group_writable,
     os_message,
@@ -183,7 +182,7 @@ class Store:
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self._lock = WriterLock(self.lock_path)
         self.flock_path = self.path.with_name(self.path.name + ".flock")
-        self._flock = SshWritersLock(self.flock_path)
+        self._flock = WriterLock(self.flock_path, flock=True)
         self._warn = warn or (lambda m: print(f"gputop: warning: {m}", file=sys.stderr))
         self._nfs_checked = False
 

@@ -366,10 +366,10 @@ class HostSession:
     async def changed(self, timeout: float) -> None:
         """Return at the next change, or after ``timeout`` seconds (or a little sooner).
 
-        A bare future, and one alarm per session that is moved only when it is due: a
-        waiter per refresh used to arm and cancel a timer of its own (a heap push and a
-        cancelled handle per host per refresh); now the alarm rings about once per stall
-        limit, finds the waiters' deadline moved on with the samples, and re-arms."""
+        A bare future, and one alarm per session that is moved only when it is due: no
+        timer armed and cancelled per waiter (a heap push and a cancelled handle per host
+        per refresh); the alarm rings about once per stall limit, finds the waiters'
+        deadline moved on with the samples, and re-arms."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         deadline = loop.time() + max(0.0, timeout)

@@ -1,8 +1,9 @@
 """What the board shows, computed without Textual: rows, order, filter, summary, history.
 
-The rows themselves and their keys are in :mod:`gputop.ui.board_rows`. The row cache, the
-filter's memo and the summary's counts stay together here: they share one pass over the
-fleet per frame (bench/results/board-scale.md).
+The rows themselves and their keys are in :mod:`gputop.ui.board_rows`, the per-user view's
+records in :mod:`gputop.ui.board_users`. The row cache, the filter's memo and the summary's
+counts stay together here: they share one pass over the fleet per frame
+(bench/results/board-scale.md).
 
 The app feeds host snapshots and reservation state in, and asks for rows out. Keeping this
 free of widgets makes it cheap to test and lets the table update only the rows that changed.
@@ -35,7 +36,6 @@ from gputop.reservations.shares import share_index
 from gputop.reservations.store import Reservation, StoreState
 from gputop.reservations.summary import CLASSES
 from gputop.reservations.summary import classes as gpu_classes
-from gputop.text import clean
 from gputop.ui.board_history import BoardHistory
 from gputop.ui.board_rows import (
     GpuRow,
@@ -47,6 +47,7 @@ from gputop.ui.board_rows import (
     instance_keys,
     share_keys,
 )
+from gputop.ui.board_users import user_loads
 from gputop.ui.host_rows import NO_ROWS, SEP, Counts, FrameRows, HostRows
 
 SortMode = Literal["host", "utilization", "free-memory"]
@@ -557,39 +558,8 @@ class BoardModel:
         return s
 
     def users(self) -> list[UserLoad]:
-        """Who holds how many GPUs across the fleet (running processes or reservations) and
-        what they run: most GPUs first."""
-        now = self.clock()
-        loads: dict[str, UserLoad] = {}
-        for host in self.host_order:
-            snap = self.snapshots.get(host)
-            if snap is None or not snap.ok:
-                continue
-            # A pid seen again is the same process: once per GPU for its memory, once per
-            # host for the count (one process on two GPUs is one process).
-            pids: set[int] = set()
-            for g in snap.gpus:
-                label = f"{clean(host)}:{'?' if g.index is None else g.index}"
-                on_gpu: set[int] = set()
-                for p in g.processes:
-                    if p.pid in on_gpu:
-                        continue
-                    on_gpu.add(p.pid)
-                    load = loads.setdefault(clean(p.user) or "?", UserLoad(clean(p.user) or "?"))
-                    if label not in load.running:
-                        load.running.append(label)
-                    load.memory_mib += p.gpu_memory_mib or 0
-                    if p.pid in pids:
-                        continue
-                    pids.add(p.pid)
-                    load.processes += 1
-                    cmd = clean(p.command or "?").split(" ", 1)
-                    name = cmd[0].rsplit("/", 1)[-1] + (" " + cmd[1] if len(cmd) > 1 else "")
-                    load.commands[name] = load.commands.get(name, 0) + 1
-        for r in self.state.active(now):
-            user = clean(r.user)
-            loads.setdefault(user, UserLoad(user)).reserved.append(clean(r.target))
-        return sorted(loads.values(), key=lambda u: (-u.gpus, u.user))
+        """The per-user view's records: see ``board_users.user_loads``."""
+        return user_loads(self.host_order, self.snapshots, self.state, self.clock())
 
     def find(self, key: str) -> Row | None:
         rows, keys, _summary = self.frame()
