@@ -120,7 +120,9 @@ WRITER_SCRIPT = (
     'IFS= read -r c || end; set -- $c; [ "$1" = "$n" ] || end; '
     'case $2 in keep) say done; end ;; write) ;; *) end ;; esac; '
     "z=$3; case $z in *[!0-9]*|'') end ;; esac; "
-    'q="$d/.$b.tmp.$$.$n"; mkdir -m 700 -- "$q" || { say err tmpdenied; end; }; '
+    'q="$d/.$b.tmp.$$.$n"; mkdir -m 700 -- "$q" || { '
+    # A name planted there first is a teammate's doing, not a permission problem.
+    'if [ -e "$q" ] || [ -L "$q" ]; then say err tmpmoved; else say err tmpdenied; fi; end; }; '
     'drop() { rm -f -- "$F"; cd / && rmdir -- "$q"; end; }; '
     'cd -P -- "$q" || { say err tmpmoved; end; }; '
     '( set -C; : > "$F" ) || { say err tmpmoved; cd / && rmdir -- "$q"; end; }; '
