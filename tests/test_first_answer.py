@@ -131,8 +131,10 @@ def test_reserve_and_run_do_not_wait_for_the_hung_host(hung_fleet: Fleet, tmp_pa
     """reserve's check of the GPUs and run's placement take the same deadline: reserve
     says it could not check the slow host's GPU; run places its job on an answering one."""
     cfg = tmp_path / "hosts.toml"
+    # (a host that does not answer takes only GPUs gputop knows it has: gpus = 1)
     cfg.write_text(config(hung_fleet).read_text().replace(
-        str(hung_fleet.root / "reservations.json"), str(tmp_path / "reservations.json")))
+        str(hung_fleet.root / "reservations.json"), str(tmp_path / "reservations.json"))
+        .replace('name = "fa-hung"\n', 'name = "fa-hung"\ngpus = 1\n'))
     took, proc = gputop(hung_fleet, "reserve", "fa-one:0", "fa-hung:0", "--for", "5m",
                         "--config", str(cfg))
     assert proc.returncode == 0 and took < 10, (took, proc.stderr)
