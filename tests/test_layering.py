@@ -69,7 +69,7 @@ FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
     "errors": 0,
     "reservations": 1, "sources": 2, "poller": 3, "jobs": 4, "history": 4,
-    "hub": 5, "agents": 5, "ui": 6, "cli": 7, "__main__": 8,
+    "hub": 5, "agents": 5, "notify": 4, "ui": 6, "cli": 7, "__main__": 8,
 }
 #: Rooms on one floor that must still not see each other.
 FORBIDDEN = {("ui", "hub"), ("ui", "agents"), ("jobs", "history"), ("history", "jobs"),
