@@ -181,6 +181,10 @@ def test_reservations_say_a_run_reservation_ends_with_its_job(team: Team) -> Non
     listed = json.loads(team.run("reservations", "--json", user="gtbob").stdout)
     (res,) = listed["reservations"]
     assert (res["host"], res["job"]["pid"], res["job"]["session"]) == ("q2", job, True)
+    # The one-shot table gives it no time left (its expiry is only a bound): "job".
+    once = team.run("--once", user="gtbob")
+    (row,) = [ln for ln in once.stdout.splitlines() if ln.startswith("q2 ")]
+    assert "gtalice job" in row and "7d" not in row, once.stdout
     os.kill(pid, signal.SIGTERM)
     wait_as(pid, 20)
     assert team.held() == {}, err.read_text()

@@ -86,6 +86,15 @@ def ends_with(r: Reservation) -> str | None:
             + (" (gone: released soon)" if job.gone_since is not None else ""))
 
 
+def left_text(r: Reservation, now: datetime) -> str:
+    """The time a table cell gives a reservation: what is left of it, or ``job`` for one
+    that ends with its job (its expiry is only a bound: read as "7d" it looked held for a
+    week)."""
+    if r.job is not None:
+        return "job"
+    return format_duration(max(0.0, (r.expires - now).total_seconds()))
+
+
 def size_text(mib: int) -> str:
     """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
     down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100
