@@ -40,6 +40,10 @@ async def test_a_shared_gpu_shows_its_shares_and_r_takes_one(tmp_path: Path) -> 
         assert cell(table, f"{key}{SHARE_SEP}bob", "resv").startswith("bob ")
         # the summary counts the GPU once, as shared (the document's summary's class)
         assert app.model.summary().shared == 1
+        # and its host's header counts GPUs, not the share rows under one
+        head = next(r for r in app.model.rows() if getattr(r, "host", None) == "gpu-h100"
+                    and type(r).__name__ == "HostRow")
+        assert head.gpu_count == 4, head  # (4 GPUs; 2 share rows under one)
         # r on a share row: a share of its GPU (ann's), sized in the dialog
         goto(app, table, f"{key}{SHARE_SEP}bob")
         await pilot.press("r")

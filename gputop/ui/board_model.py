@@ -510,7 +510,8 @@ class BoardModel:
                 continue
             if grouped:
                 insts = sum(1 for r in gpus if r.instance is not None)
-                add((HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
+                shares = sum(1 for r in gpus if r.share is not None)  # (rows under a GPU)
+                add((HostRow(host, snap, len(gpus) - insts - shares, collapsed, cached.stale,
                              snap.time, insts),))
                 if not collapsed:
                     add(gpus)
