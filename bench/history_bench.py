@@ -36,6 +36,7 @@ from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
 from gputop.history.recorder import Recorder, rollup_up, upsert
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 HOSTS, GPUS, INTERVAL = 200, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]
@@ -77,7 +78,8 @@ def bench_recorder(refreshes: int, tmp: Path) -> dict[str, object]:
     rec = Recorder(HistoryDB(path, writer=True), interval=INTERVAL, timeout=10.0,
                    commit_every=0.0, raw_keep_s=1e12)
     rec.set_reservations(StoreState(reservations=tuple(
-        new_reservation(f"node{h:03d}", g, USERS[h % 40], "m", t0, 86400 * 6, None, "")
+        new_reservation(
+            Target(f"node{h:03d}", g), Terms(86400 * 6, user=USERS[h % 40], machine="m"), t0)
         for h in range(0, HOSTS, 4) for g in range(2))))
     cpu, maint = [], []
     for i in range(refreshes):

@@ -31,6 +31,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from gputop.reservations.terms import Target, Terms
+
 HOSTS, GPUS, INTERVAL = 4, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]
 
@@ -50,8 +52,8 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
     rng = random.Random(3)
     rec = Recorder(HistoryDB(path, writer=True), interval=INTERVAL, timeout=10.0,
                    commit_every=0.0, raw_keep_s=1e12, minute_keep_s=1e12)
-    honest = tuple(new_reservation(f"node{h}", g, USERS[(h * GPUS + g) % 40], "m", t0,
-                                   86400 * 6, None, "")
+    honest = tuple(new_reservation(
+        Target(f"node{h}", g), Terms(86400 * 6, user=USERS[(h * GPUS + g) % 40], machine="m"), t0)
                    for h in range(HOSTS) for g in range(0, GPUS, 4))
     refreshes = int(hours * 3600 / INTERVAL)
     cpu = 0.0
@@ -59,8 +61,9 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
         t = t0 + timedelta(seconds=INTERVAL * (i + 1))
         held = honest
         if scenario == "forged":
-            held = tuple(new_reservation(f"node{h}", g, f"f{i}x{h}x{g}", "m", t, 3600, None,
-                                         "") for h in range(HOSTS) for g in range(GPUS))
+            held = tuple(new_reservation(Target(f"node{h}", g),
+                                         Terms(3600, user=f"f{i}x{h}x{g}", machine="m"), t)
+                         for h in range(HOSTS) for g in range(GPUS))
         snaps = []
         for h in range(HOSTS):
             gpus = []

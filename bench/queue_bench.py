@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from fleet import Fleet, GpuProcess, Host, sshd_available  # noqa: E402
 
 from gputop.reservations.store import Store, StoreState, new_reservation  # noqa: E402
+from gputop.reservations.terms import Target, Terms  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 INTERVAL = 2.0  # the default refresh interval
@@ -47,7 +48,8 @@ INTERVAL = 2.0  # the default refresh interval
 def block(store: Store, gpus: list[tuple[str, int]]) -> None:
     def change(state: StoreState, now: Any) -> StoreState:
         return replace(state, reservations=state.reservations + tuple(
-            new_reservation(h, g, "someone", "m", now, 3600, None, "") for h, g in gpus))
+            new_reservation(
+                Target(h, g), Terms(3600, user="someone", machine="m"), now) for h, g in gpus))
     store.update(change)
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from demo_fleet import demo_fleet
 
+from gputop.reservations.terms import Target, Terms
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -47,12 +49,13 @@ def main() -> None:
 
     snap = asyncio.run(answers())
     now = utcnow()
-    rs = [new_reservation(names[i], 0, f"user{i}", "m", now, 3600, None, "")
+    rs = [new_reservation(Target(names[i], 0), Terms(3600, user=f"user{i}", machine="m"), now)
           for i in range(0, args.hosts, 10)]
     for i in range(args.shares):
         for k in range(3):
-            rs.append(new_reservation(names[(i * 7 + 3) % args.hosts], 1, f"sharer{k}", "m",
-                                      now, 3600, None, "", share_mib=16384))
+            rs.append(new_reservation(
+                Target(names[(i * 7 + 3) % args.hosts], 1),
+                Terms(3600, user=f"sharer{k}", machine="m", share_mib=16384), now))
     state = StoreState(tuple(rs))
     tracker = IdleTracker(1800, 900)
     for h in snap.hosts:

@@ -15,6 +15,7 @@ from fleet import CAPTURES, project_capture
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
 from gputop.sources.protocol import frame
 
@@ -81,10 +82,13 @@ def board_config(tmp: Path) -> Config:
 def seed(store: Store, now: datetime = NOW) -> None:
     def change(state: StoreState, _now: datetime) -> StoreState:
         return StoreState(reservations=(
-            new_reservation("gpu-h100", 1, "bob", "ws-bob", now - timedelta(hours=1),
-                            4 * 3600, None, "ablation [i]sweep[/i]"),
+            new_reservation(
+                Target("gpu-h100", 1),
+                Terms(4 * 3600, note="ablation [i]sweep[/i]", user="bob", machine="ws-bob"),
+                now - timedelta(hours=1)),
             # Made 30 min ago, unused: past the idle-reservation grace period (15 min).
-            new_reservation("gpu-mixed", 1, "erin", "ws-erin", now - timedelta(minutes=30),
-                            120 * 60, None, ""),
+            new_reservation(
+                Target("gpu-mixed", 1), Terms(120 * 60, user="erin", machine="ws-erin"),
+                now - timedelta(minutes=30)),
         ))
     store.update(change)

@@ -22,6 +22,7 @@ from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
 
 from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 INTERVAL = 0.5
 GRACE = 1.0
@@ -104,7 +105,8 @@ class Team:
             rs = list(state.reservations)
             for g in gpus:
                 host, i = g.split(":")
-                rs.append(new_reservation(host, int(i), user, "m", now, 3600, None, ""))
+                rs.append(new_reservation(
+                    Target(host, int(i)), Terms(3600, user=user, machine="m"), now))
             return replace(state, reservations=tuple(rs))
         self.store.update(change)
 

@@ -20,6 +20,7 @@ from test_free_table import rows
 from test_free_table import run as run_tty
 
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _hold(team: Team, gpu: str, user: str, hours: float) -> None:
         from datetime import datetime
 
         assert isinstance(now, datetime)
-        r = new_reservation(host, int(i), user, "m", now, hours * 3600, None, "")
+        r = new_reservation(Target(host, int(i)), Terms(hours * 3600, user=user, machine="m"), now)
         return replace(state, reservations=(*state.reservations, r))
 
     team.store.update(change)

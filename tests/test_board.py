@@ -18,6 +18,7 @@ from rich.text import Text
 
 from gputop.model import HostSnapshot
 from gputop.reservations import Store
+from gputop.reservations.terms import Target, Terms
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow, HostRow
 from gputop.ui.widgets import BoardTable, DetailPane
@@ -1093,7 +1094,8 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
 
     clock[0] = NOW
     m.set_state(StoreState(reservations=(new_reservation(
-        "gpu-mixed", 2, "ann", "ws", NOW - timedelta(minutes=10), 3600, None, ""),)))
+        Target("gpu-mixed", 2), Terms(3600, user="ann", machine="ws"),
+        NOW - timedelta(minutes=10)),)))
     assert row(gk("gpu-mixed", 2)).reservation is not None
     assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
     clock[0] = NOW + timedelta(minutes=6)

@@ -19,6 +19,7 @@ from textual import events
 from gputop.model import HostError, HostSnapshot, ProcessInfo
 from gputop.reservations import Store
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
 from gputop.ui.widgets import BoardTable, DetailPane
@@ -185,7 +186,7 @@ async def test_keys_typed_before_the_filter_has_focus_go_to_the_filter(tmp_path:
     filter's; the ``u`` never reaches the board (there: a release of my reservation)."""
     store = Store(tmp_path / "reservations.json")
     store.update(lambda state, _now: StoreState(reservations=(
-        new_reservation("gpu-h100", 2, "ann", "ws-ann", NOW, 3600, None, ""),)))
+        new_reservation(Target("gpu-h100", 2), Terms(3600, user="ann", machine="ws-ann"), NOW),)))
     app = make_app(tmp_path)
     seen: list[str] = []
     app.notify = lambda message, **kw: seen.append(str(message))  # type: ignore[method-assign]
@@ -320,7 +321,8 @@ async def test_a_lost_gpus_details_say_what_the_driver_said(tmp_path: Path) -> N
 async def test_a_long_holder_name_gives_way_to_the_time_left(tmp_path: Path) -> None:
     store = Store(tmp_path / "reservations.json")
     store.update(lambda state, _now: StoreState(reservations=(
-        new_reservation("gpu-h100", 2, "mgarcia-long", "ws", NOW, 3 * 3600, None, ""),)))
+        new_reservation(
+            Target("gpu-h100", 2), Terms(3 * 3600, user="mgarcia-long", machine="ws"), NOW),)))
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         table = await load(app, pilot)

@@ -19,6 +19,7 @@ from gputop.config import Config, HostConfig
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.sources.demo import DemoSource
 from gputop.ui import feed as feed_module
 from gputop.ui import intake as intake_module
@@ -81,9 +82,11 @@ async def test_typing_and_deleting_keeps_exactly_the_rows_of_the_rule() -> None:
     now = utcnow()
     model = BoardModel(host_order=[s.name for s in sources], clock=utcnow, me="amira")
     model.set_state(StoreState(reservations=(
-        new_reservation("node03", 1, "chen", "m", now - timedelta(minutes=1), 3600, None, ""),
-        new_reservation("node07", 0, "amira", "m", now - timedelta(minutes=1), 3600, None,
-                        ""))))
+        new_reservation(
+            Target("node03", 1), Terms(3600, user="chen", machine="m"), now - timedelta(minutes=1)),
+        new_reservation(
+            Target("node07", 0), Terms(3600, user="amira", machine="m"),
+            now - timedelta(minutes=1)))))
     await _answer(model, sources)
     typed = ["n", "no", "node", "node0", "node07", "node07 a", "node07 am", "node07 ami"]
     words = ["h", "h1", "h10", "h100", "h100 c", "h100 ch", "h100 che", "h100 chen"]

@@ -16,6 +16,7 @@ from test_board import make_app, on_screen
 
 from gputop.model import GpuInfo, MigInstance
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
 from gputop.ui.widgets import BoardTable
@@ -75,8 +76,10 @@ async def test_each_compute_instance_row_draws_its_own_memory(tmp_path: Path) ->
 def _two_shares_of_bob() -> StoreState:
     made = NOW - timedelta(minutes=1)
     return StoreState(reservations=(
-        new_reservation(BASE.name, 2, "bob", "ws", made, 3600, None, "", share_mib=1024),
-        new_reservation(BASE.name, 2, "bob", "ws2", made, 3600, None, "", share_mib=8192)))
+        new_reservation(
+            Target(BASE.name, 2), Terms(3600, user="bob", machine="ws", share_mib=1024), made),
+        new_reservation(
+            Target(BASE.name, 2), Terms(3600, user="bob", machine="ws2", share_mib=8192), made)))
 
 
 def test_two_shares_of_one_holder_on_one_gpu_are_two_rows() -> None:

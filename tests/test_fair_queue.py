@@ -31,6 +31,7 @@ from queue_team import (
 
 from gputop.jobs.remote import local_start
 from gputop.reservations.store import Job, StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,8 @@ def _pending_run(team: Team, runner: int, start: Any) -> None:
     """What the file holds after `gputop run` as gtalice won its GPU and was killed before
     it recorded the job's pid: the job without a pid, tied to that run process."""
     def change(state: StoreState, now: Any) -> StoreState:
-        r = new_reservation("q2", 0, "gtalice", socket.gethostname(), now, 86400, None, "")
+        r = new_reservation(
+            Target("q2", 0), Terms(86400, user="gtalice", machine=socket.gethostname()), now)
         return replace(state, reservations=(*state.reservations, replace(
             r, job=Job(None, session=True, runner=runner, runner_start=start))))
     team.store.update(change)

@@ -24,6 +24,7 @@ from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = datetime(2026, 11, 2, 8, 0, tzinfo=timezone.utc)
@@ -45,7 +46,8 @@ def snap(name: str, t: datetime, *gpus: GpuInfo, down: bool = False) -> HostSnap
 
 def reservations(*held: tuple[str, int, str]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", T0 - timedelta(hours=1), 86400 * 3, None, "")
+        new_reservation(
+            Target(h, g), Terms(86400 * 3, user=u, machine="m"), T0 - timedelta(hours=1))
         for h, g, u in held))
 
 

@@ -24,13 +24,14 @@ from gputop.history.names import (
 )
 from gputop.history.render import write_text
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 OTHERS = OTHER_NAMES
 
 
 def held(t: datetime, *what: tuple[str, int, str]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", t - timedelta(minutes=1), 3600, None, "")
+        new_reservation(Target(h, g), Terms(3600, user=u, machine="m"), t - timedelta(minutes=1))
         for h, g, u in what))
 
 

@@ -23,6 +23,7 @@ from fleet import Fleet, GpuProcess, Host
 from recorder_proc import running, stop_recorder
 
 from gputop.reservations.store import Store, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 INTERVAL = 0.5
 PHASE = 1.5
@@ -86,7 +87,8 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
                              extra=f'[history]\npath = "{db}"\n')
     Store(fleet.root / "reservations.json").update(lambda st, now: replace(
         st, reservations=(*st.reservations,
-                          new_reservation("beta", 0, "gtbob", "m", now, 3600, None, ""))))
+                          new_reservation(
+                              Target("beta", 0), Terms(3600, user="gtbob", machine="m"), now))))
     rec = _record(fleet, cfg)
     with running(rec):
         _wait_for_samples(db, 2, time.monotonic() + 30)
@@ -207,7 +209,8 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
 
     def forge(i: int) -> None:
         store.update(lambda st, now: replace(st, reservations=(
-            new_reservation("alpha", 0, f"forged{i}", "m", now, 3600, None, ""),)))
+            new_reservation(
+                Target("alpha", 0), Terms(3600, user=f"forged{i}", machine="m"), now),)))
 
     forge(0)
     rec = _record(fleet, cfg)

@@ -22,6 +22,7 @@ from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.sources import mig
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
@@ -65,7 +66,9 @@ def plain_gpu(index: int, util: int, *users: str) -> GpuInfo:
 
 def held(*what: tuple[str, int, str, int | None]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", T0 - timedelta(hours=1), 86400 * 3, None, "", inst)
+        new_reservation(
+            Target(h, g, None, inst), Terms(86400 * 3, user=u, machine="m"),
+            T0 - timedelta(hours=1))
         for h, g, u, inst in what))
 
 

@@ -24,6 +24,7 @@ from web_hub import fleet_doc
 from gputop.model import HostSnapshot, utcnow
 from gputop.output import dumps
 from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.terms import Target, Terms
 from gputop.sources.hub import Document, check_document, check_patch, check_update
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow
@@ -217,9 +218,9 @@ def test_equal_signatures_mean_equal_cells_as_time_left_runs_down() -> None:
     clock = [NOW]
     model = BoardModel(host_order=[host.name], clock=lambda: clock[0], me="ann")
     model.set_state(StoreState(reservations=(
-        new_reservation(host.name, 0, "alice", "m", NOW, 3600, None, "",
-                        share_mib=30 * 1024),
-        new_reservation(host.name, 1, "bob", "m", NOW, 10 * 60 + 40, None, ""))))
+        new_reservation(
+            Target(host.name, 0), Terms(3600, user="alice", machine="m", share_mib=30 * 1024), NOW),
+        new_reservation(Target(host.name, 1), Terms(10 * 60 + 40, user="bob", machine="m"), NOW))))
     model.ingest(host)
     seen = [_cells(model)]
     for later in (timedelta(seconds=50), timedelta(minutes=10)):

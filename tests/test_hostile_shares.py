@@ -28,6 +28,8 @@ from queue_team import (
     until,
 )
 
+from gputop.reservations.terms import Target, Terms
+
 
 @pytest.fixture(scope="module")
 def hfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
@@ -141,8 +143,9 @@ def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: 
     from gputop.reservations.store import StoreState, new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
-    share = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, "",
-                                    share_mib=40960), login="mgarcia")
+    share = replace(new_reservation(
+        Target("a", 0), Terms(3600 * 24, user="maria", machine="m", share_mib=40960), t0),
+        login="mgarcia")
     db = tmp_path / "h.sqlite3"
     rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
                    clock=lambda: 0.0)
@@ -230,7 +233,8 @@ def test_a_flood_of_forged_shares_does_not_grow_history(tmp_path: Path) -> None:
     from gputop.reservations.store import StoreState, new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
-    rs = tuple(new_reservation("a", 0, f"u{i}", "m", t0, 86400, None, "", share_mib=1)
+    rs = tuple(new_reservation(
+        Target("a", 0), Terms(86400, user=f"u{i}", machine="m", share_mib=1), t0)
                for i in range(10_000))
     db = tmp_path / "h.sqlite3"
     rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,

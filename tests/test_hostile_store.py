@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gputop.reservations.queue import remove_waiter
 from gputop.reservations.store import MAX_EVENTS, Store, StoreState, Waiter
+from gputop.reservations.terms import Target, Terms
 
 
 def _place(store: Store, user: str, wid: str) -> None:
@@ -52,8 +53,9 @@ def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: P
         evs = []
         for action in ("job-ended", "skip-queue", "force-release"):
             for i in range(MAX_EVENTS):
-                r = new_reservation(f"host-{i:03d}", 0, "alice", "laptop", now, 3600, None,
-                                    note)
+                r = new_reservation(
+                    Target(f"host-{i:03d}", 0),
+                    Terms(3600, note=note, user="alice", machine="laptop"), now)
                 evs.append({"time": "2026-01-01T00:00:00Z", "action": action,
                             "by": "alice" if action != "force-release" else "bob",
                             "machine": "laptop", "reservation": r.to_dict()})

@@ -153,3 +153,42 @@ def test_the_layering_check_can_fail(monkeypatch: object) -> None:
     edges = _imports()
     assert any(b.startswith("gputop.reservations") for b in edges["gputop.cli.reserve"])
     assert FLOORS[_room("gputop.cli.reserve")] > FLOORS[_room("gputop.reservations.store")]
+
+
+# --- the reservations' functions take few values ------------------------------------------
+
+#: The most parameters (besides ``self``/``cls``) a function of ``gputop/reservations/`` takes:
+#: more means values that travel together (a decision's view of the queue, a reservation's
+#: terms) should be one object.
+MAX_PARAMS = 6
+
+
+def _wide(source: str) -> list[str]:
+    """The functions and methods in ``source`` that take more than ``MAX_PARAMS``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+            if names[:1] in (["self"], ["cls"]):
+                names = names[1:]
+            if len(names) > MAX_PARAMS:
+                out.append(f"{node.name}:{node.lineno} ({len(names)})")
+    return out
+
+
+def test_no_reservations_function_takes_more_than_six_parameters() -> None:
+    wide = [f"{p.relative_to(ROOT)}:{w}" for p in sorted((ROOT / "gputop" / "reservations")
+                                                         .rglob("*.py"))
+            for w in _wide(p.read_text())]
+    assert not wide, "functions with more than 6 parameters: " + ", ".join(wide)
+
+
+def test_the_parameter_check_can_fail() -> None:
+    """Seven parameters are caught, ``self`` aside."""
+    src = ("def f(a, b, c, d, e, f, *, g): ...\n"
+           "class C:\n    def m(self, a, b, c, d, e, f): ...\n")
+    assert _wide(src) == ["f:1 (7)"]

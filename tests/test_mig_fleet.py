@@ -14,6 +14,8 @@ import pytest
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
 
+from gputop.reservations.terms import Target, Terms
+
 #: argv0 a user chose to break (or forge inside) nvidia-smi's unescaped XML.
 XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
                "\n</process_info></processes></gpu><gpu id=\"x\"><uuid>GPU-forged</uuid>")
@@ -166,7 +168,8 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     start = utcnow()
     rec = Recorder(HistoryDB(path, writer=True), interval=1.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(new_reservation(
-        "gpu-mig", 0, "gtbob", "m", start - timedelta(hours=1), 7200, None, "", 9),)))
+        Target("gpu-mig", 0, None, 9), Terms(7200, user="gtbob", machine="m"),
+        start - timedelta(hours=1)),)))
 
     want = len(mig_fleet.hosts["gpu-mig"].processes)
 

@@ -39,7 +39,9 @@ from queue_team import (
 
 from gputop.model import utcnow
 from gputop.reservations.ops import Refused
+from gputop.reservations.order import QueueView
 from gputop.reservations.store import Store, StoreState, decode, new_reservation
+from gputop.reservations.terms import Target, Terms
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +499,7 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     now = utcnow()
     store = Store(p)
     store.update(lambda s, n: replace(s, reservations=(
-        new_reservation("h", 0, "u", "m", n, 60, None, ""),)))
+        new_reservation(Target("h", 0), Terms(60, user="u", machine="m"), n),)))
     assert json.loads(p.read_text())["version"] == 1  # nothing new in it: readable by v1
     from gputop.reservations.queue import Queue, Request
 
@@ -608,32 +610,33 @@ def _queue(*reqs: Any) -> StoreState:
 
 
 def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use() -> None:
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 80], "b": [24, 24]})
     # Head wants 2 GPUs with 40G: only a's fit it, a:1 is held, and one is not enough.
     state = _held(_queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",))), "a:1")
-    assert grantable(state, "w0", hosts, now) is None
+    assert QueueView(state, hosts, now).grantable("w0") is None
     # Second (any GPU): a:0 is the head's to wait for, b's GPUs are not: it gets b's best.
-    got = grantable(state, "w1", hosts, now)
+    got = QueueView(state, hosts, now).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("b", 0)]
     # Third wants b:0 and b:1, but the second waiter (ahead) could use them: it waits.
-    assert grantable(state, "w2", hosts, now) is None
+    assert QueueView(state, hosts, now).grantable("w2") is None
     # Someone outside the queue (no --wait) comes after every waiter.
-    assert grantable(state, None, hosts, now, Request(1)) is None
+    assert QueueView(state, hosts, now).grantable(None, Request(1)) is None
     # one_host: two GPUs on one host or nothing, never one here and one there.
     alone = _queue(Request(2, 0, (), True))
-    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24]}), now)
+    got = QueueView(alone, _hosts({"a": [80], "b": [24]}), now).grantable("w0")
     assert got is None
-    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24, 24]}), now)
+    got = QueueView(alone, _hosts({"a": [80], "b": [24, 24]}), now).grantable("w0")
     assert got is not None and {f.host for f in got} == {"b"}
 
 
 def _held(state: StoreState, *gpus: str) -> StoreState:
     now = utcnow()
     return replace(state, reservations=tuple(
-        new_reservation(g.split(":")[0], int(g.split(":")[1]), "x", "m", now, 3600, None, "")
+        new_reservation(
+            Target(g.split(":")[0], int(g.split(":")[1])), Terms(3600, user="x", machine="m"), now)
         for g in gpus))
 
 
@@ -641,24 +644,24 @@ def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
     """Hosts of different sizes: a has one 80G GPU and one 24G, b two 80G (b:0 held). A
     head that wants 2 GPUs with 40G on one host can only ever be served by b, so a:0 is not
     its to wait for: a later waiter for 1 GPU with 40G gets a:0 at once."""
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 24], "b": [80, 80]})
     state = _held(_queue(Request(2, 40 * 1024, (), True), Request(1, 40 * 1024)), "b:0")
-    assert grantable(state, "w0", hosts, now, fleet=["a", "b"]) is None
-    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert QueueView(state, hosts, now, ["a", "b"]).grantable("w0") is None
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
     # The same head, but free to span hosts: a:0 and b:1 together meet it, so a:0 waits.
     state = _held(_queue(Request(2, 40 * 1024), Request(1, 40 * 1024)), "b:0")
-    assert grantable(state, "w1", hosts, now, fleet=["a", "b"]) is None
+    assert QueueView(state, hosts, now, ["a", "b"]).grantable("w1") is None
     # Only b for the head (--host b): a:0 is free for the later waiter.
     state = _held(_queue(Request(2, 40 * 1024, ("b",)), Request(1, 40 * 1024)), "b:0")
-    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
     # Someone outside the queue is judged by the same rule.
     state = _held(_queue(Request(2, 40 * 1024, (), True)), "b:0")
-    got = grantable(state, None, hosts, now, Request(1), fleet=["a", "b"])
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable(None, Request(1))
     assert got is not None and got[0].host == "a"
 
 
@@ -666,28 +669,30 @@ def _held_for(state: StoreState, **hours: float) -> StoreState:
     """``a_1=2``: a:1 held by someone else for 2 hours."""
     now = utcnow()
     return replace(state, reservations=tuple(
-        new_reservation(k.split("_")[0], int(k.split("_")[1]), "x", "m", now, h * 3600,
-                        None, "") for k, h in hours.items()))
+        new_reservation(
+            Target(k.split("_")[0], int(k.split("_")[1])), Terms(h * 3600, user="x", machine="m"),
+            now) for k, h in hours.items()))
 
 
 def test_backfill_grants_what_ends_before_the_head_waiters_turn() -> None:
     """Head wants 3 GPUs: a:0 is free, a:1 held 2h, b:0 held 1h, so its turn is in 2h and
     takes all three. a:0 goes to a request that ends before then, not to a longer one (nor
     to one that names no end)."""
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now, fleet = utcnow(), ["a", "b"]
     hosts = _hosts({"a": [24, 24], "b": [24]})
     state = _held_for(_queue(Request(3)), a_1=2, b_0=1)
-    got = grantable(state, None, hosts, now, Request(1), fleet, seconds=3600)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1), seconds=3600)
     assert got is not None and [f.label for f in got] == ["a:0"]
     for seconds in (3 * 3600, None):
-        assert grantable(state, None, hosts, now, Request(1), fleet, seconds=seconds) is None
+        assert QueueView(
+            state, hosts, now, fleet).grantable(None, Request(1), seconds=seconds) is None
     # A later waiter is judged the same way.
     state = replace(state, queue=_queue(Request(3), Request(1)).queue)
-    got = grantable(state, "w1", hosts, now, fleet=fleet, seconds=1800)
+    got = QueueView(state, hosts, now, fleet).grantable("w1", seconds=1800)
     assert got is not None and [f.label for f in got] == ["a:0"]
-    assert grantable(state, "w1", hosts, now, fleet=fleet, seconds=4 * 3600) is None
+    assert QueueView(state, hosts, now, fleet).grantable("w1", seconds=4 * 3600) is None
 
 
 def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> None:
@@ -696,36 +701,37 @@ def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> N
     then. A GPU busy without a reservation has no known end: a head that needs it keeps
     every GPU it could use, as without backfill."""
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now, fleet = utcnow(), ["a", "c"]
     hosts = _hosts({"a": [24, 24], "c": [24, 24]})
     state = _held_for(_queue(Request(2, 0, (), True)), a_1=1, c_1=3)
-    got = grantable(state, None, hosts, now, Request(1, 0, ("c",)), fleet)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1, 0, ("c",)))
     assert got is not None and [f.label for f in got] == ["c:0"]
-    assert grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=7200) \
+    assert QueueView(
+        state, hosts, now, fleet).grantable(None, Request(1, 0, ("a",)), seconds=7200) \
         is None
-    got = grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=1800)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1, 0, ("a",)), seconds=1800)
     assert got is not None and [f.label for f in got] == ["a:0"]
     busy = GpuInfo(index=1, uuid="GPU-a-1", memory_used_mib=9000,
                    memory_total_mib=24 * 1024, utilization_percent=90)
     unknown = [HostSnapshot(name="a", gpus=(hosts[0].gpus[0], busy))]
     state = _queue(Request(2))
-    assert grantable(state, None, unknown, now, Request(1), ["a"], seconds=60) is None
+    assert QueueView(state, unknown, now, ["a"]).grantable(None, Request(1), seconds=60) is None
 
 
 def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
     must not hold the queue; a host that did not answer keeps the doubt on the head's side."""
     from gputop.model import HostError, HostSnapshot
-    from gputop.reservations.queue import Request, grantable, unsatisfiable
+    from gputop.reservations.queue import Request, unsatisfiable
 
     now = utcnow()
     hosts = _hosts({"a": [24, 24], "b": [24, 24]})
     fleet = ["a", "b"]
     for head in (Request(3, 0, (), True), Request(1, 100 * 1024), Request(5)):
         assert unsatisfiable(head, hosts, fleet), head
-        got = grantable(_queue(head, Request(1)), "w1", hosts, now, fleet=fleet)
+        got = QueueView(_queue(head, Request(1)), hosts, now, fleet).grantable("w1")
         assert got is not None, head
     assert unsatisfiable(Request(3, 0, (), True), hosts, fleet) == (
         "no host can ever give 3 GPU(s) on one host (a has 2, the largest 24G; b has 2, "
@@ -738,13 +744,13 @@ def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     # ...but holds back no GPU on the strength of capacity nobody can see: a request for
     # more than the hosts that answered have (a host down, or one named only in the
     # waiter's own config) froze every GPU it accepts (found by the hostile review).
-    assert grantable(_queue(Request(5), Request(1)), "w1", down, now,
-                     fleet=[*fleet, "c"]) is not None
+    assert QueueView(
+        _queue(Request(5), Request(1)), down, now, [*fleet, "c"]).grantable("w1") is not None
     ghost = Request(50, 0, ("a", "b", "ghost"))
-    assert grantable(_queue(ghost, Request(1)), "w1", hosts, now, fleet=fleet) is not None
+    assert QueueView(_queue(ghost, Request(1)), hosts, now, fleet).grantable("w1") is not None
     # What the answering hosts can meet still waits its turn.
-    assert grantable(_queue(Request(4), Request(1)), "w1", down, now,
-                     fleet=[*fleet, "c"]) is None
+    assert QueueView(
+        _queue(Request(4), Request(1)), down, now, [*fleet, "c"]).grantable("w1") is None
 
 
 def test_a_request_no_host_can_meet_is_refused_before_joining(team: Team) -> None:
@@ -1035,8 +1041,10 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
 
     def seed(state: StoreState, _now: Any) -> StoreState:
         return replace(state, reservations=(
-            replace(new_reservation("mine", 0, me, "m", now, 3600, None, ""), job=Job(4242)),
-            replace(new_reservation("slow", 0, "someone-else", "m", now, 3600, None, ""),
+            replace(new_reservation(
+                Target("mine", 0), Terms(3600, user=me, machine="m"), now), job=Job(4242)),
+            replace(new_reservation(
+                Target("slow", 0), Terms(3600, user="someone-else", machine="m"), now),
                     job=Job(4343, session=True))))
 
     store.update(seed)

@@ -37,6 +37,7 @@ from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
 from gputop.reservations.state import OverBudget
 from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
+from gputop.reservations.terms import Terms
 from gputop.sources.shared_file import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,7 +343,7 @@ def test_a_remote_writer_whose_lock_file_is_removed_loses_nobodys_update(
             inside.set()
             assert go.wait(30)
         return replace(state, reservations=(*state.reservations, new_reservation(
-            "gpu", 0, "gtdave", "m", now, 600, None, "")))
+            Target("gpu", 0), Terms(600, user="gtdave", machine="m"), now)))
 
     errors: list[BaseException] = []
 
@@ -400,6 +401,7 @@ from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
 from gputop.reservations.store import encode, new_reservation, replace
+from gputop.reservations.terms import Terms
 from gputop.sources.shared_file import open_store
 
 st = open_store(load_config(sys.argv[1]))
@@ -407,7 +409,7 @@ point = sys.argv[2]
 if len(sys.argv) > 3:
     st.hold_s = int(sys.argv[3])
 ch, nonce, state = st._call(st._begin(10), 30)
-r = new_reservation("gpu", 7, "gtdave", "x", utcnow(), 600, None, "")
+r = new_reservation(Target("gpu", 7), Terms(600, user="gtdave", machine="x"), utcnow())
 data = encode(replace(state, reservations=state.reservations + (r,)), st._named)
 head = f"{nonce} write {len(data)}\n".encode()
 send = {"locked": b"", "partial": head + data[: len(data) // 2], "all-but-commit": head + data,

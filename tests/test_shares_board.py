@@ -10,6 +10,7 @@ from test_board import cell, gk, goto, load, make_app
 from gputop.model import utcnow
 from gputop.reservations import Store, Target
 from gputop.reservations.shares import reserve_share
+from gputop.reservations.terms import Terms
 from gputop.ui.board_rows import SHARE_SEP
 
 TOTAL = 81559
@@ -25,8 +26,9 @@ async def test_a_shared_gpu_shows_its_shares_and_r_takes_one(tmp_path: Path) -> 
     store = Store(tmp_path / "reservations.json")
     # gpu-h100:0 runs alice's job (19000 MiB); she and bob share it
     for user, gib in (("alice", 30), ("bob", 16)):
-        reserve_share(store, Target("gpu-h100", 0, "GPU-00000000-test"), gib * G, TOTAL,
-                      seconds=3600, max_seconds=86400, user=user, machine="m")
+        reserve_share(
+            store, Target("gpu-h100", 0, "GPU-00000000-test"), TOTAL,
+            Terms(3600, max_seconds=86400, user=user, machine="m", share_mib=gib * G))
     app = make_app(tmp_path, clock=utcnow)
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)

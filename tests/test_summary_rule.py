@@ -10,6 +10,7 @@ import pytest
 from gputop.model import GpuInfo, HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.reservations.store import StoreState, new_reservation
 from gputop.reservations.summary import fleet_summary
+from gputop.reservations.terms import Target, Terms
 from gputop.sources.hub import check_document
 from gputop.sources.hub_schema import check
 
@@ -44,8 +45,9 @@ def _mig(i: int, used: tuple[bool, ...]) -> GpuInfo:
 
 def _state(*specs: tuple[str, int, int | None, int | None]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, "gtalice", "ws", NOW, 3600, None, "", instance=inst,
-                        share_mib=share) for h, g, inst, share in specs))
+        new_reservation(
+            Target(h, g, None, inst), Terms(3600, user="gtalice", machine="ws", share_mib=share),
+            NOW) for h, g, inst, share in specs))
 
 
 def _host(name: str, *gpus: GpuInfo) -> HostSnapshot:

@@ -28,6 +28,8 @@ from fleet import Fleet, GpuProcess, Host
 from hubs import Hub, get
 from web_hub import DocHub, browser, chromium_missing, churn, fleet_doc, set_size
 
+from gputop.reservations.terms import Target, Terms
+
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "gputop" / "hub" / "web"
 ADDR = "127.0.24.1"
@@ -101,7 +103,8 @@ def _history(path: Path) -> None:
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(
-        new_reservation("beta", 1, "gtalice", "m", now - timedelta(hours=3), 86400, None, ""),)))
+        new_reservation(Target("beta", 1), Terms(86400, user="gtalice", machine="m"),
+                        now - timedelta(hours=3)),)))
     for i in range(120):
         t = now - timedelta(hours=1) + timedelta(seconds=30 * i)
         rec.record(HostSnapshot(name="beta", time=t, gpus=tuple(

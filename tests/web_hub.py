@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gputop.reservations.summary import fleet_summary
+from gputop.reservations.terms import Target, Terms
 from gputop.sources.hub import fleet_from_document
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -180,7 +181,7 @@ def history_db(path: Path) -> None:
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(new_reservation(
-        "gpu-000", 1, "alice", "m", now - timedelta(hours=3), 86400, None, ""),)))
+        Target("gpu-000", 1), Terms(86400, user="alice", machine="m"), now - timedelta(hours=3)),)))
     for i in range(120):
         t = now - timedelta(hours=1) + timedelta(seconds=30 * i)
         rec.record(HostSnapshot(name="gpu-000", time=t, gpus=tuple(

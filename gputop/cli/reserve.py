@@ -44,6 +44,7 @@ from gputop.reservations.ops import (
 from gputop.reservations.queue import queue_claim
 from gputop.reservations.store import Job
 from gputop.reservations.targets import parse_targets
+from gputop.reservations.terms import Terms, tied
 from gputop.text import clean, excerpt
 
 
@@ -89,10 +90,9 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
 
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue, seconds=seconds)
-    made = reserve_outcomes(store, targets, seconds=seconds,
-                            max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check, event="skip-queue",
-                            login=answered_logins(config, snaps))
+    terms = Terms(seconds, config.reservation_max_s, args.note or "", job=tied(job),
+                  login=answered_logins(config, snaps))
+    made = reserve_outcomes(store, targets, terms, check=check, event="skip-queue")
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",

@@ -30,6 +30,7 @@ from gputop.reservations.queue import (
     unsatisfiable,
 )
 from gputop.reservations.store import Job
+from gputop.reservations.terms import Terms
 from gputop.text import clean
 
 
@@ -72,8 +73,9 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
             raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
         from gputop.jobs.remote import logins
 
-        made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending, fleet=fleet, login=logins(config))
+        terms = Terms(seconds, note=args.note or "", job=lambda h: pending,
+                      login=logins(config))
+        made = reserve_now(store, req, hosts, terms, fleet)
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"

@@ -29,7 +29,7 @@ from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target
 from gputop.reservations.ops import format_duration, local_time, whoami
-from gputop.reservations.queue import share_claim, share_offered
+from gputop.reservations.queue import QueueView, share_claim
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -42,6 +42,7 @@ from gputop.reservations.shares import (
 )
 from gputop.reservations.store import Job, StoreState
 from gputop.reservations.targets import parse_targets
+from gputop.reservations.terms import Terms, tied
 from gputop.text import clean
 
 
@@ -94,9 +95,8 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     me = whoami(open_store(config))[0]
     check = share_claim(_fleet(config), list(snaps.values()), share, me, t,
                         skip=bool(args.skip_queue))
-    o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
-                      max_seconds=config.reservation_max_s, note=args.note or "", job=job,
-                      check=check, login=login_on_host(config, t.host))
+    o = reserve_share(store, t, g.memory_total_mib, _terms(config, args, share, job, seconds),
+                      check=check)
     print_share(o, g.memory_total_mib, store.read(), sys.stdout)
     if g.memory_free_mib < share:
         print(f"gputop: warning: {clean(t.label)} has {size_text(max(0, g.memory_free_mib))}"
@@ -106,13 +106,23 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     return EXIT_OK
 
 
+def _terms(config: Config, args: argparse.Namespace, share: int, job: Job | None,
+           seconds: float) -> Terms:
+    """The terms of a share asked for on the command line (``--note``), for ``seconds``."""
+    from gputop.jobs.remote import logins
+
+    return Terms(seconds, config.reservation_max_s, args.note or "", job=tied(job),
+                 login=logins(config), share_mib=share)
+
+
 def _fits_now(config: Config, store: ReservationStore, args: argparse.Namespace, share: int
               ) -> tuple[list[HostSnapshot], list[ShareFit]]:
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    fits = share_offered(store.read(), hosts, req, share, whoami(open_store(config))[0],
-                         _fleet(config), utcnow())
+    view = QueueView(store.read(), hosts, utcnow(), _fleet(config),
+                     whoami(open_store(config))[0])
+    fits = view.share_offered(req, share)
     return hosts, fits
 
 
@@ -163,10 +173,9 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
         try:
-            o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                              max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=share_claim(_fleet(config), hosts, share, me, t),
-                              login=login_on_host(config, t.host))
+            o = reserve_share(store, t, f.gpu.memory_total_mib,
+                              _terms(config, args, share, None, seconds),
+                              check=share_claim(_fleet(config), hosts, share, me, t))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -243,11 +252,9 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
             assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
             t = Target(f.host, f.gpu.index, f.gpu.uuid)
             try:
-                o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                                  max_seconds=config.reservation_max_s,
-                                  note=args.note or "", job=pending,
-                                  check=share_claim(_fleet(config), hosts, share, me, t),
-                                  login=login_on_host(config, t.host))
+                o = reserve_share(store, t, f.gpu.memory_total_mib,
+                                  _terms(config, args, share, pending, seconds),
+                                  check=share_claim(_fleet(config), hosts, share, me, t))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
@@ -270,13 +277,6 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
 
     return asyncio.run(run_on(config, host_config(config, r.host), store, [r], argv, say,
                               env))
-
-
-def login_on_host(config: Config, host: str) -> str | None:
-    """The account this gputop logs in as on ``host`` (``jobs.remote.login_on``)."""
-    from gputop.jobs.remote import logins
-
-    return logins(config)(host)
 
 
 def _fleet(config: Config) -> list[str]:

@@ -24,10 +24,10 @@ from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,
     Queue,
+    QueueView,
     Request,
     capacity,
     ceiling,
-    grantable,
     removed_by,
     unsatisfiable,
 )
@@ -39,6 +39,7 @@ from gputop.reservations.store import (
     StoreError,
     StoreState,
 )
+from gputop.reservations.terms import Terms
 from gputop.text import clean, excerpt
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
@@ -196,8 +197,10 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                     "again at the end")
                 last = await asyncio.to_thread(q.join)
                 continue
-            if grantable(state, q.id, hosts, now, fleet=fleet, seconds=seconds) is not None:
-                got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
+            view = QueueView(state, hosts, now, fleet)
+            if view.grantable(q.id, seconds=seconds) is not None:
+                got = await _try_grant(q, hosts, Terms(seconds, note=note, job=job), fleet,
+                                       say)
                 if got is not None:
                     return got
             elif pos_now != last:
@@ -319,14 +322,12 @@ def _names(hosts: list[HostSnapshot]) -> str:
     return ", ".join(clean(h.name) for h in hosts[:8]) + (", ..." if len(hosts) > 8 else "")
 
 
-async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,
-                     job: Callable[[str], Job | None] | None, fleet: list[str],
+async def _try_grant(q: Queue, hosts: list[HostSnapshot], terms: Terms, fleet: list[str],
                      say: Callable[[str], None]) -> list[Reservation] | None:
     """One grant attempt off the event loop; a lapsed place (joined again by the loop) or
     a lock held too long (tried again next time) is not the end of the wait."""
     try:
-        return await asyncio.to_thread(q.try_grant, hosts, seconds=seconds, note=note,
-                                       job=job, fleet=fleet)
+        return await asyncio.to_thread(q.try_grant, hosts, terms, fleet)
     except LeftQueue:
         return None
     except StoreError as exc:

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -134,6 +134,7 @@ from gputop.reservations.state import (
 from gputop.reservations.state import (
     settle as settle,
 )
+from gputop.reservations.terms import new_reservation as new_reservation
 
 
 def local_identity() -> tuple[str, str]:
@@ -388,11 +389,3 @@ def _remove_private(d: Path, name: str) -> None:
         os.rmdir(name, dir_fd=dfd)
     finally:
         os.close(dfd)
-
-
-def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
-                    seconds: float, uuid: str | None, note: str,
-                    instance: int | None = None, share_mib: int | None = None) -> Reservation:
-    return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
-                       created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note, instance=instance, share_mib=share_mib)

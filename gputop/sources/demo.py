@@ -17,7 +17,8 @@ from typing import Literal
 
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, ProcessInfo, utcnow
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.store import Store, StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 #: (host, model, GPU count, memory MiB, power limit W, tags)
 FLEET = (
@@ -125,10 +126,12 @@ def seed_reservations(store: Store) -> None:
     def change(state: StoreState, now: object) -> StoreState:
         t = utcnow()
         return StoreState(reservations=(
-            new_reservation("atlas", 3, "chen", "laptop-chen", t, 3 * 3600, None,
-                            "ablation sweep, please ask first"),
-            new_reservation("cirrus", 0, "dana", "ws-dana", t - timedelta(hours=1), 2 * 3600,
-                            None, "demo for the review on Friday"),
+            new_reservation(Target("atlas", 3), Terms(
+                3 * 3600, note="ablation sweep, please ask first", user="chen",
+                machine="laptop-chen"), t),
+            new_reservation(Target("cirrus", 0), Terms(
+                2 * 3600, note="demo for the review on Friday", user="dana",
+                machine="ws-dana"), t - timedelta(hours=1)),
         ))
     store.update(change)
 

@@ -300,7 +300,11 @@ class StoreActions:
         from gputop.jobs.remote import answered_logins
         from gputop.reservations.ops import reserve_outcomes
         from gputop.reservations.queue import queue_claim
+        from gputop.reservations.terms import Terms
 
+        logins = answered_logins(self.config, self.model.snapshots)
+        terms = Terms(req.seconds, self.config.reservation_max_s, req.note, user=self.me,
+                      login=logins, share_mib=req.share_mib)
         try:
             if req.share_mib is not None:
                 # The queue's order rule for shares, as for `gputop reserve --share`.
@@ -309,21 +313,19 @@ class StoreActions:
                 claim = share_claim([h.name for h in self.config.hosts],
                                     [h for _, h in self.model.snapshots.items()],
                                     req.share_mib, self.me, target)
+                # The login asked here, as the board knows it now.
                 await asyncio.to_thread(
-                    reserve_share, self.store, target, req.share_mib, total_mib or 0,
-                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
-                    note=req.note, user=self.me, check=claim,
-                    login=answered_logins(self.config, self.model.snapshots)(target.host))
+                    reserve_share, self.store, target, total_mib or 0,
+                    dataclasses.replace(terms, login={target.host: logins(target.host)}.get),
+                    check=claim)
             else:
                 # The queue's order rule, as for `gputop reserve`: a GPU whose taking for
                 # this long could delay a waiter is theirs (refused, naming them).
                 check = queue_claim([target], dict(self.model.snapshots),
                                     [h.name for h in self.config.hosts], self.me,
                                     seconds=req.seconds)
-                await asyncio.to_thread(
-                    reserve_outcomes, self.store, [target], seconds=req.seconds,
-                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
-                    check=check, login=answered_logins(self.config, self.model.snapshots))
+                await asyncio.to_thread(reserve_outcomes, self.store, [target], terms,
+                                        check=check)
         except Refused as exc:
             self.app.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return
