@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from run import up  # noqa: E402
 
 from gputop import pacing  # noqa: E402
-from gputop.sources.transport import resolve_options  # noqa: E402
+from gputop.ssh.transport import resolve_options  # noqa: E402
 
 LINE = "g " + "x" * 148
 #: Ends with the session: the loop's printf fails once the channel is gone.

@@ -8,7 +8,7 @@ the profile's own time by where the code lives: asyncssh (split into its packet 
 cipher and channel code), asyncio, gputop's parse, the document (annotate, to_dict, JSON),
 and the rest. Each ``--variant`` is one run on the same fleet:
 
-    default       the code as it is (AES-GCM preferred, see sources/transport.py)
+    default       the code as it is (AES-GCM preferred, see ssh/transport.py)
     chacha        ~/.ssh/config says ``Ciphers chacha20-poly1305@openssh.com``
     noprofile     no profiler: the plain CPU % (cProfile inflates Python-heavy parts)
 
@@ -70,7 +70,7 @@ GROUPS = (  # first match wins: (name, substring of the function's file or name)
     ("asyncio", "asyncio/"),
     ("gputop parse", "gputop/sources/nvidia_smi"),
     ("gputop ssh source", "gputop/sources/ssh"),
-    ("gputop ssh source", "gputop/sources/transport"),
+    ("gputop ssh source", "gputop/ssh/transport"),
     ("gputop ssh source", "gputop/sources/query"),
     ("gputop ssh source", "gputop/sources/streaming"),
     ("gputop document", "gputop/model"),

@@ -21,7 +21,7 @@ from gputop.text import excerpt
 
 if TYPE_CHECKING:
     from gputop.sources import HubError
-    from gputop.sources.transport import JumpPool
+    from gputop.ssh.transport import JumpPool
 
 
 def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
@@ -36,7 +36,7 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
             sources.append(NvmlSource(h.name, timeout=config.timeout))
             continue
         from gputop.sources.ssh import SshSource
-        from gputop.sources.transport import JumpPool
+        from gputop.ssh.transport import JumpPool
 
         if jumps is None:
             jumps = JumpPool(config.ssh_config)

@@ -827,7 +827,7 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
 
     monkeypatch.setenv("HOME", str(small_fleet.home))
     # No jitter: the backoff after the n-th failure is exactly 1 s x 2^(n-1).
-    monkeypatch.setattr("gputop.sources.transport.random.uniform", lambda _lo, hi: hi)
+    monkeypatch.setattr("gputop.ssh.transport.random.uniform", lambda _lo, hi: hi)
     config = load_config(str(small_fleet.write_config(timeout=3.0, interval=1.0)))
     app = GputopApp(config, user="ann")
     alpha = small_fleet.hosts["alpha"]

@@ -9,7 +9,7 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.sources.transport", "gputop.sources.query", "gputop.sources.streaming",
+    "gputop.ssh.transport", "gputop.sources.query", "gputop.sources.streaming",
     "gputop.reservations", "gputop.reservations.state", "gputop.reservations.records",
     "gputop.cli", "gputop.cli.table", "gputop.cli.bootstrap", "gputop.sources.demo",
     "gputop.history", "gputop.history.db", "gputop.history.recorder", "gputop.history.report",
@@ -63,13 +63,14 @@ def test_the_ui_does_load_textual() -> None:
 # --- arrows only downward, no circles ------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Each package's floor: a module may import only from its own floor or below. ``sources``
-#: sits above ``reservations`` because the demo seeds the demo's reservations file.
+#: Each package's floor: a module may import only from its own floor or below. ``ssh`` (the
+#: transport) sits below every room that opens connections; ``sources`` sits above
+#: ``reservations`` because the demo seeds the demo's reservations file.
 FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
     "errors": 0,
-    "reservations": 1, "sources": 2, "poller": 3, "jobs": 4, "history": 4,
-    "hub": 5, "agents": 5, "ui": 6, "cli": 7, "__main__": 8,
+    "ssh": 1, "reservations": 2, "sources": 3, "poller": 4, "jobs": 5, "history": 5,
+    "hub": 6, "agents": 6, "ui": 7, "cli": 8, "__main__": 9,
 }
 #: Rooms on one floor that must still not see each other.
 FORBIDDEN = {("ui", "hub"), ("ui", "agents"), ("jobs", "history"), ("history", "jobs"),

@@ -313,7 +313,7 @@ def test_retries_of_many_failing_hosts_are_spread_out() -> None:
     from gputop.config import HostConfig
     from gputop.model import HostError
     from gputop.sources.ssh import SshSource
-    from gputop.sources.transport import JumpPool
+    from gputop.ssh.transport import JumpPool
 
     async def retry_times() -> list[float]:
         sem, jumps = asyncio.Semaphore(1), JumpPool(None)

@@ -6,9 +6,10 @@ import pytest
 from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
-from gputop.sources.protocol import LineReader, OutputTooLarge, ParseError
+from gputop.sources.protocol import LineReader, OutputTooLarge
 from gputop.sources.stream import session_command
 from gputop.sources.stream_samples import AppsBatches, GpuSampler, parse_timestamp
+from gputop.ssh.transport import ParseError
 
 TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
 LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
@@ -181,7 +182,7 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
     from gputop.sources.nvidia_smi import AppRow, Owner
     from gputop.sources.ssh import SshSource
     from gputop.sources.streaming import OWNER_MEMORY
-    from gputop.sources.transport import JumpPool
+    from gputop.ssh.transport import JumpPool
 
     async def scenario(steps: list[tuple[float, str | None]]) -> list[list[int]]:
         src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,

@@ -97,7 +97,7 @@ async def _freeze_until_back(poller: Poller, host: Host, limit: float,
 
 
 async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fleet) -> None:
-    """Finding: no keepalive on streaming connections (sources/transport.py connect) and a
+    """Finding: no keepalive on streaming connections (ssh/transport.py connect) and a
     stream stall keeps the connection (kind "timeout" is not dropped), so a connection
     whose peer went silent without a FIN/RST (sshd hung, conntrack/NAT state lost) is
     reused for ever: every restart opens a channel on it and times out. The host never
@@ -371,8 +371,9 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
     from gputop import output
     from gputop.model import GpuInfo, ProcessInfo, iso
     from gputop.sources import stream_samples
-    from gputop.sources.protocol import LineReader, ParseError
+    from gputop.sources.protocol import LineReader
     from gputop.sources.stream_samples import parse_timestamp
+    from gputop.ssh.transport import ParseError
 
     rnd = random.Random(4)
     names = [f.name for f in dataclasses.fields(GpuInfo)]
@@ -531,7 +532,8 @@ async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_rais
     sys.path.insert(0, str(Path(__file__).parent))
     from test_stream_parse import row
 
-    from gputop.sources.protocol import MARK, ParseError
+    from gputop.sources.protocol import MARK
+    from gputop.ssh.transport import ParseError
 
     def g(i: int) -> bytes:
         return f"g {row(i, 2)}\n".encode()

@@ -12,7 +12,7 @@ import pytest
 from as_user import need_test_users, run_as, shared_tmp, user_home
 from fleet import Fleet
 
-from gputop.sources.transport import KeyLoadError, classify_exception, resolve_options
+from gputop.ssh.transport import KeyLoadError, classify_exception, resolve_options
 
 
 def test_a_name_that_does_not_resolve_says_so_without_errno_numbers() -> None:

@@ -26,7 +26,7 @@ from gputop.sources.protocol import (
     start_pid,
 )
 from gputop.sources.stream import kill_group
-from gputop.sources.transport import ChannelClosed, HostLink
+from gputop.ssh.transport import ChannelClosed, HostLink
 from gputop.text import excerpt
 
 

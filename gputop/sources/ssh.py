@@ -1,6 +1,6 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection, kept open (:mod:`gputop.sources.transport`), and one of two
+Per host: one connection, kept open (:mod:`gputop.ssh.transport`), and one of two
 collection modes on it. Streaming (the default, :mod:`gputop.sources.streaming`): one exec
 channel whose session runs both ``nvidia-smi -lms`` loops and answers ``ps`` for new pids
 on its stdin; a refresh reads the next sample and starts nothing on the host. Per-refresh
@@ -30,7 +30,7 @@ from gputop.sources.protocol import MARK, FramingError, LineReader, new_nonce, s
 from gputop.sources.query import QueryCollector
 from gputop.sources.stream import kill_group
 from gputop.sources.streaming import CannotStream, StreamCollector
-from gputop.sources.transport import ChannelClosed, HostLink, JumpPool, classify_exception
+from gputop.ssh.transport import ChannelClosed, HostLink, JumpPool, classify_exception
 from gputop.text import excerpt
 
 #: The MIG inventory (``nvidia-smi -L`` and ``-q -x``, see :mod:`gputop.sources.mig`) is

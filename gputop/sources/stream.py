@@ -32,7 +32,6 @@ from gputop.sources.protocol import (
     OWNER_SECTIONS,
     FramingError,
     LineReader,
-    ParseError,
     Section,
     end_line,
     new_nonce,
@@ -41,6 +40,7 @@ from gputop.sources.protocol import (
     start_pid,
 )
 from gputop.sources.stream_samples import AppsBatches, GpuSampler
+from gputop.ssh.transport import ParseError
 from gputop.text import excerpt
 
 #: How much of a failing loop's output is kept to classify its failure.

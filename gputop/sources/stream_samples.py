@@ -27,7 +27,7 @@ from gputop.sources.nvidia_smi import (
     to_int,
     to_str,
 )
-from gputop.sources.protocol import ParseError
+from gputop.ssh.transport import ParseError
 from gputop.text import excerpt
 
 #: What every lost GPU's line holds (looked for before the regex that reads one).

@@ -30,7 +30,7 @@ from gputop.sources.nvidia_smi import (
 )
 from gputop.sources.protocol import MAX_OUTPUT
 from gputop.sources.stream import HostSession, NoAwk, SessionClosed
-from gputop.sources.transport import ChannelClosed, HostLink, PhaseTimeout
+from gputop.ssh.transport import ChannelClosed, HostLink, PhaseTimeout
 
 #: A streaming host's first sample waits this long (at most one interval) for the apps
 #: loop's first rows: it prints nothing while no process runs.
