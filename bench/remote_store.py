@@ -52,10 +52,10 @@ from fleet import (  # noqa: E402
 )
 
 from gputop.config import load_config  # noqa: E402
+from gputop.reservations.open import open_store  # noqa: E402
 from gputop.reservations.ops import Target, release, reserve  # noqa: E402
 from gputop.reservations.remote import RemoteStore  # noqa: E402
 from gputop.reservations.store import Store, StoreError  # noqa: E402
-from gputop.sources.shared_file import open_store  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 
@@ -63,7 +63,7 @@ WRITER = r"""
 import sys
 from gputop.config import load_config
 from gputop.reservations.ops import Target, reserve
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 base, n = int(sys.argv[2]), int(sys.argv[3])
 st.whoami()
@@ -77,7 +77,7 @@ BUSY = r"""
 import sys
 from gputop.config import load_config
 from gputop.reservations.ops import Target, release, reserve
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 st.whoami()
 print("ready", flush=True)

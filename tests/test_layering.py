@@ -18,7 +18,7 @@ DATA_LAYER = [
     "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets", "gputop.cli.lifecycle",
     "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.sources.hub",
     "gputop.hub.server", "gputop.cli.serve", "gputop.reservations.remote",
-    "gputop.reservations.remote_scripts", "gputop.sources.shared_file", "gputop.sources.stream",
+    "gputop.reservations.remote_scripts", "gputop.reservations.open", "gputop.sources.stream",
     "gputop.sources.stream_samples", "gputop.ui.board_rows", "gputop.ui.board_model",
 ]
 

@@ -33,11 +33,11 @@ from as_user import need_test_users, run_as, user_home
 from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
 from gputop.config import ConfigError, load_config
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
 from gputop.reservations.state import OverBudget
 from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
-from gputop.sources.shared_file import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_IP = "127.0.22.2"
@@ -400,7 +400,7 @@ from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
 from gputop.reservations.store import encode, new_reservation, replace
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
 
 st = open_store(load_config(sys.argv[1]))
 point = sys.argv[2]

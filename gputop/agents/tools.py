@@ -50,6 +50,7 @@ from gputop.reservations.flags import (
     reservation_index,
     share_flags,
 )
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import (
     Invalid,
     Refused,
@@ -73,7 +74,6 @@ from gputop.reservations.shares import reserve_share, share_gpu, share_index
 from gputop.reservations.store import Reservation, StoreError, StoreState
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.targets import check_targets, parse_targets
-from gputop.sources.shared_file import open_store
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them

@@ -43,7 +43,7 @@ class ReservationsReader:
     """The shared file, read once per document; a broken file is reported once per change."""
 
     def __init__(self, config: Config) -> None:
-        from gputop.sources.shared_file import open_store
+        from gputop.reservations.open import open_store
 
         self.store = open_store(config)
         self.reported: str | None = None

@@ -20,6 +20,7 @@ from gputop.reservations import (
     StoreError,
     Target,
 )
+from gputop.reservations import open as store_open
 from gputop.reservations.ops import format_duration, whoami
 from gputop.reservations.queue import (
     Request,
@@ -27,7 +28,6 @@ from gputop.reservations.queue import (
 from gputop.reservations.records import MAX_USER_ENTRIES
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
-from gputop.sources import shared_file
 from gputop.text import clean
 
 
@@ -121,8 +121,8 @@ def validate_gpus(config: Config, targets: list[Target],
 def open_store(config: Config) -> ReservationStore:
     """The config's reservations file (a path, or ``HOST:/path`` over SSH), read with its
     ``max_duration`` (an expiry further ahead counts as created + max_duration and is
-    flagged ``beyond-max``): :func:`gputop.sources.shared_file.open_store`."""
-    return shared_file.open_store(config)
+    flagged ``beyond-max``): :func:`gputop.reservations.open.open_store`."""
+    return store_open.open_store(config)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)

@@ -30,9 +30,9 @@ from gputop.reservations.flags import (
     queue_document,
     reservations_document,
 )
+from gputop.reservations.open import open_store
 from gputop.reservations.store import StoreState
 from gputop.reservations.summary import Tally, host_tally, indexes
-from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
 OTHER_KEYS = ("queue", "reservations", "reservations_error", "summary")

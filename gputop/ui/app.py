@@ -29,9 +29,9 @@ from textual.widgets import Footer, Input
 from gputop.config import Config
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import HubPoller, Poller, open_poller
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
-from gputop.sources.shared_file import open_store
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, HostRow
