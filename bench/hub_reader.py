@@ -31,9 +31,9 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=8)
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
-    import gputop.sources.hub as hub
+    import gputop.hubclient.client as hub
     from gputop.config import Config
-    from gputop.poller import open_poller
+    from gputop.hubclient.poller import open_poller
 
     spent = {"parse": 0.0, "check": 0.0, "model": 0.0}
 

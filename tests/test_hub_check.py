@@ -1,10 +1,10 @@
-"""The hand-written check of a hub's host objects (gputop.sources.hub_hosts) against the
+"""The hand-written check of a hub's host objects (gputop.hubclient.hosts) against the
 schema itself: ``jsonschema`` and it accept and refuse the same documents, random valid
 ones and each of them broken at one random place with a hostile value; where they differ
 it is only one of the bounds on top of the schema (integers within 64 bits, a float
 where the schema's ``integer`` also takes 1.0, ASCII times without a trailing newline,
 short printable keys). What it accepts, it returns exactly as the schema's compiled
-check (gputop.sources.hub_schema) does: strings cleaned the same way."""
+check (gputop.hubclient.schema) does: strings cleaned the same way."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gputop.sources.hub import check_document, check_update
-from gputop.sources.hub_hosts import check_hosts
-from gputop.sources.hub_schema import Invalid, check
+from gputop.hubclient.client import check_document, check_update
+from gputop.hubclient.hosts import check_hosts
+from gputop.hubclient.schema import Invalid, check
 from gputop.text import clean
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "gputop" / "schema"

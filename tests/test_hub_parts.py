@@ -26,7 +26,7 @@ from gputop.config import ConfigError, load_config
 from gputop.hub.events import EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.server import Hub, listen_warning
-from gputop.sources.hub import _Invalid, check_document, check_update, parse_json
+from gputop.hubclient.client import _Invalid, check_document, check_update, parse_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "gputop" / "hub" / "deploy"
@@ -276,7 +276,7 @@ def test_a_reader_needs_no_hosts_only_the_hub(tmp_path: Path) -> None:
 async def test_a_hub_reader_says_when_it_fell_back_to_polling_directly(tmp_path: Path) -> None:
     """The board asks ``direct`` whether ``c`` reconnects a host itself or only asks the
     hub again, and shows ``error`` in its bar: both public on the hub's reader."""
-    from gputop.poller import HubPoller
+    from gputop.hubclient.poller import HubPoller
 
     cfg = tmp_path / "reader.toml"
     cfg.write_text('[hub]\nurl = "http://127.0.0.1:9/"\nfallback = "direct"\n'
@@ -409,8 +409,8 @@ async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
     missed update (no second snapshot), the host's data first restored."""
     from dataclasses import replace
 
+    from gputop.hubclient.poller import HubPoller
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.poller import HubPoller
 
     hub, port = served
     poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
@@ -521,8 +521,8 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     while `gputop reservations` listed them. The document's top-level ``reservations``
     lists every active one."""
     from gputop.hub.collector import Collector
+    from gputop.hubclient.schema import check
     from gputop.reservations import Store, Target, reserve
-    from gputop.sources.hub_schema import check
 
     config = load_config(str(local_config(tmp_path)))
     store = Store(config.reservations_path)

@@ -16,9 +16,9 @@ import pytest
 from web_hub import fleet_doc
 
 from gputop.hub.patches import host_change
+from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
+from gputop.hubclient.schema import Invalid
 from gputop.output import dumps
-from gputop.sources.hub import Document, check_document, check_patch, host_from_dict
-from gputop.sources.hub_schema import Invalid
 
 
 def _event(old: dict[str, dict[str, Any]], new: list[dict[str, Any]]) -> str:
@@ -215,7 +215,7 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
     import socket
 
     from gputop.config import Config
-    from gputop.poller import HubPoller
+    from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(1, 1, seed=2)
     bad = json.dumps(_patch([{"name": "ghost", "set": {}, "gpus": []}]))
@@ -290,7 +290,7 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
     import socket
 
     from gputop.config import Config
-    from gputop.poller import HubPoller
+    from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(2, 1, seed=3)
     gone = doc["hosts"][1]["name"]

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from web_hub import fleet_doc
 
+from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
+from gputop.hubclient.schema import Invalid
 from gputop.output import dumps
-from gputop.sources.hub import Document, check_document, check_patch, host_from_dict
-from gputop.sources.hub_schema import Invalid
 
 _GPU_VALUES: dict[str, list[Any]] = {
     "utilization_percent": [None, 0, 55, 100],

@@ -16,7 +16,8 @@ DATA_LAYER = [
     "gputop.history.render", "gputop.history.live", "gputop.history.cli", "gputop.cli.main",
     "gputop.cli.subcommands", "gputop.cli.headless", "gputop.cli.reserve", "gputop.cli.free",
     "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets", "gputop.cli.lifecycle",
-    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.sources.hub",
+    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.hubclient.client",
+    "gputop.hubclient.poller",
     "gputop.hub.server", "gputop.cli.serve", "gputop.reservations.remote",
     "gputop.reservations.remote_scripts", "gputop.reservations.open", "gputop.sources.stream",
     "gputop.sources.stream_samples", "gputop.ui.board_rows", "gputop.ui.board_model",
@@ -69,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
     "errors": 0,
-    "ssh": 1, "reservations": 2, "sources": 3, "poller": 4, "jobs": 5, "history": 5,
-    "hub": 6, "agents": 6, "ui": 7, "cli": 8, "__main__": 9,
+    "ssh": 1, "reservations": 2, "sources": 3, "poller": 4, "hubclient": 5, "jobs": 6,
+    "history": 6, "hub": 7, "agents": 7, "ui": 8, "cli": 9, "__main__": 10,
 }
 #: Rooms on one floor that must still not see each other.
 FORBIDDEN = {("ui", "hub"), ("ui", "agents"), ("jobs", "history"), ("history", "jobs"),

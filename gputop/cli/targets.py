@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
+from gputop.hubclient.poller import open_poller
 from gputop.model import HostSnapshot
-from gputop.poller import first_answer_s, open_poller
+from gputop.poller import first_answer_s
 from gputop.reservations import (
     Invalid,
     Reservation,

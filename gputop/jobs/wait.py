@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gputop.config import Config, reserving_problem
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
 from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,

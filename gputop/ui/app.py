@@ -27,8 +27,9 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, Input
 
 from gputop.config import Config
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
 from gputop.reservations.open import open_store
 from gputop.reservations.ops import whoami
 from gputop.sources import Source

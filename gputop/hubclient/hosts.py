@@ -1,7 +1,7 @@
 """The hot path of reading a hub: its host objects, checked by hand (cleaned, bounded).
 
 Every update of a 200-host fleet carries every host that changed (all of them when every
-GPU's load moves): the generic compiled check (``gputop.sources.hub_schema``) spent about
+GPU's load moves): the generic compiled check (``gputop.hubclient.schema``) spent about
 12 ms of a 2 s interval on one, a board's largest cost of reading a hub. This is the same
 check of the schema's ``host`` (and its ``gpu``, ``process``, ``instance``,
 ``reservation``, ``share``) written out per object: key sets compared as sets, fields
@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 # The primitives are the document check's own (one definition of a string, an integer, ...)
-from gputop.sources.hub_schema import (
+from gputop.hubclient.schema import (
     MAX_INT,
     MAX_ITEMS,
     MAX_STRING,

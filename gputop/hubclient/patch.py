@@ -4,7 +4,7 @@ and changed keys.
 
 A patch is checked as strictly as a complete host: every key must be one the schema
 knows for a host (not ``name`` or ``gpus``) or a GPU, and every value passes that key's own
-check from ``gputop.sources.hub_hosts``; what a check cleans is the cleaned value. It is
+check from ``gputop.hubclient.hosts``; what a check cleans is the cleaned value. It is
 applied whole or not at all: a patch for a host the reader does not have, or for a GPU
 position it does not have, is a broken stream found before anything is applied (the
 reader then starts again from a snapshot). Only the changed GPUs are checked and become
@@ -17,8 +17,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gputop.sources.hub_hosts import GPU_FIELDS, GPU_PLAIN_NUMBERS, HOST_FIELDS
-from gputop.sources.hub_schema import MAX_INT, MAX_ITEMS, Invalid
+from gputop.hubclient.hosts import GPU_FIELDS, GPU_PLAIN_NUMBERS, HOST_FIELDS
+from gputop.hubclient.schema import MAX_INT, MAX_ITEMS, Invalid
 from gputop.text import excerpt
 
 #: (host dict, its GPUs' changed keys by position; None: the host came complete)
