@@ -246,7 +246,7 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     refuses exactly what each key's own check does."""
     from gputop.hubclient.hosts import GPU_FIELDS
     from gputop.hubclient.patch import _fields, _gpu_fields
-    from gputop.hubclient.schema import MAX_INT, Invalid
+    from gputop.hubclient.schema import MAX_INT, SchemaError
 
     values: list[Any] = [None, 0, 7, -3, 2.5, True, False, float("nan"), float("inf"),
                          MAX_INT, -MAX_INT, MAX_INT - 1, "12", "\x1b[31mx", {}, []]
@@ -256,7 +256,7 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     def outcome(check: Any, d: dict[str, Any]) -> object:
         try:
             out = check(d)
-        except Invalid as exc:
+        except SchemaError as exc:
             return ("refused", str(exc))
         return ("kept" if out is d else "cleaned", json.dumps(out, sort_keys=True))
 

@@ -26,7 +26,8 @@ from gputop.config import ConfigError, load_config
 from gputop.hub.events import EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.server import Hub, listen_warning
-from gputop.hubclient.client import _Invalid, check_document, check_update, parse_json
+from gputop.hubclient.client import check_document, check_update, parse_json
+from gputop.hubclient.schema import SchemaError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "gputop" / "hub" / "deploy"
@@ -167,21 +168,21 @@ def test_the_reader_checks_and_cleans_what_a_hub_sends() -> None:
     assert doc["hosts"][0]["gpus"][0]["processes"][0]["command"] == "evil  "
     for bad in ({**_doc(), "version": 2}, {**_doc(), "extra": 1}, {**_doc(), "time": "now"},
                 {**_doc(), "hosts": [{"name": "a"}]}, [], "x"):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_document(bad)
     d = _doc()
     d["hosts"][0]["gpus"][0]["index"] = True  # a boolean is not an integer
-    with pytest.raises(_Invalid):
+    with pytest.raises(SchemaError):
         check_document(d)
     for raw in (b"[" * 10000 + b"]" * 10000, b'{"a": NaN}', b'{"a": Infinity}', b"\xff"):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_document(parse_json(raw))
     up = {"time": "2026-01-01T00:00:00Z", "hosts": [], "removed": ["a"],
           "set": {"queue": [], "reservations_error": None}}
     assert check_update(up)["set"] == {"queue": [], "reservations_error": None}
     for bad in ({**up, "set": {"version": 9}}, {**up, "set": {"hosts": []}},
                 {**up, "extra": 1}, {**up, "removed": [1]}):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_update(bad)
 
 

@@ -18,7 +18,7 @@ import pytest
 from web_hub import fleet_doc
 
 from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
-from gputop.hubclient.schema import Invalid
+from gputop.hubclient.schema import SchemaError
 from gputop.output import dumps
 
 _GPU_VALUES: dict[str, list[Any]] = {
@@ -120,7 +120,7 @@ def test_patches_applied_in_place_leave_what_a_snapshot_gives(seed: int) -> None
         want = _reference(before, event)
         try:
             touched = reader.apply_patch(*check_patch(json.loads(json.dumps(event))))
-        except Invalid:
+        except SchemaError:
             assert want is None, event
             assert reader.doc == before  # whole or not at all
             refused += 1

@@ -28,7 +28,7 @@ from typing import Any, cast
 from gputop.hubclient.hosts import check_hosts
 from gputop.hubclient.patch import Touched, apply_changes, check_changes, check_places
 from gputop.hubclient.schema import MAX_ITEMS, check, schema
-from gputop.hubclient.schema import Invalid as _Invalid
+from gputop.hubclient.schema import SchemaError as _Invalid
 from gputop.model import (
     SCHEMA_VERSION,
     FleetSnapshot,
