@@ -72,7 +72,7 @@ GROUPS = (  # first match wins: (name, substring of the function's file or name)
     ("gputop ssh source", "gputop/sources/ssh"),
     ("gputop ssh source", "gputop/ssh/transport"),
     ("gputop ssh source", "gputop/sources/query"),
-    ("gputop ssh source", "gputop/sources/streaming"),
+    ("gputop ssh source", "gputop/sources/stream_collector"),
     ("gputop document", "gputop/model"),
     ("gputop document", "gputop/output"),
     ("gputop document", "gputop/reservations/flags"),

@@ -9,7 +9,7 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.ssh.transport", "gputop.sources.query", "gputop.sources.streaming",
+    "gputop.ssh.transport", "gputop.sources.query", "gputop.sources.stream_collector",
     "gputop.reservations", "gputop.reservations.state", "gputop.reservations.records",
     "gputop.cli", "gputop.cli.table", "gputop.cli.bootstrap", "gputop.sources.demo",
     "gputop.history", "gputop.history.db", "gputop.history.recorder", "gputop.history.report",
@@ -19,8 +19,9 @@ DATA_LAYER = [
     "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.hubclient.client",
     "gputop.hubclient.poller",
     "gputop.hub.server", "gputop.cli.serve", "gputop.reservations.remote",
-    "gputop.reservations.remote_scripts", "gputop.reservations.open", "gputop.sources.stream",
-    "gputop.sources.stream_samples", "gputop.ui.board_rows", "gputop.ui.board_model",
+    "gputop.reservations.remote_scripts", "gputop.reservations.open",
+    "gputop.sources.stream_session", "gputop.sources.stream_parse",
+    "gputop.ui.board_rows", "gputop.ui.board_model",
 ]
 
 

@@ -21,7 +21,7 @@ from fleet import Fleet, Host
 from gputop.config import load_config
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
-from gputop.sources.stream import HostSession
+from gputop.sources.stream_session import HostSession
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -370,9 +370,9 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
 
     from gputop import output
     from gputop.model import GpuInfo, ProcessInfo, iso
-    from gputop.sources import stream_samples
+    from gputop.sources import stream_parse
     from gputop.sources.protocol import LineReader
-    from gputop.sources.stream_samples import parse_timestamp
+    from gputop.sources.stream_parse import parse_timestamp
     from gputop.ssh.transport import ParseError
 
     rnd = random.Random(4)
@@ -410,7 +410,7 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
                                                       if u.microsecond else "")
             assert parse_timestamp(text) == u.timestamp(), text
         t += timedelta(days=1)
-    assert len(stream_samples._DAYS) <= 64
+    assert len(stream_parse._DAYS) <= 64
     for bad in ("2023/02/29 00:00:00", "2024/02/30 00:00:00", "2024/13/01 00:00:00",
                 "2024/01/01 24:00:00", "2024/01/01 23:60:00", "2024/01/01 23:00:60"):
         with pytest.raises(ParseError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from test_stream_parse import row
 
-from gputop.sources.stream import session_command
+from gputop.sources.stream_session import session_command
 
 NONCE = "0123456789abcdef0123456789abcdef"
 

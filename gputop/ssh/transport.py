@@ -10,7 +10,7 @@ Host keys are always checked against known_hosts: even a config that says
 ``UserKnownHostsFile none`` does not switch checking off here.
 
 Nothing here knows how a host is read: the collection modes (:mod:`gputop.sources.query`,
-:mod:`gputop.sources.streaming`) open their channels on :attr:`HostLink.conn`.
+:mod:`gputop.sources.stream_collector`) open their channels on :attr:`HostLink.conn`.
 """
 
 from __future__ import annotations

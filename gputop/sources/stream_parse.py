@@ -1,5 +1,5 @@
 """Reading the two ``nvidia-smi -lms`` loops' lines into samples, for a streaming session
-(:class:`~gputop.sources.stream.HostSession` frames the channel and hands each loop's
+(:class:`~gputop.sources.stream_session.HostSession` frames the channel and hands each loop's
 lines here, tag removed).
 
 The GPU loop: ``timestamp`` starts every row and ``count`` says how many rows (GPUs) one
