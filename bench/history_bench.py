@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
 from gputop.history.recorder import Recorder, rollup_up, upsert
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 
 HOSTS, GPUS, INTERVAL = 200, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]

@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from fleet import Fleet, GpuProcess, Host, sshd_available  # noqa: E402
 
-from gputop.reservations.store import Store, StoreState, new_reservation  # noqa: E402
+from gputop.reservations.state import StoreState  # noqa: E402
+from gputop.reservations.store import Store, new_reservation  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 INTERVAL = 2.0  # the default refresh interval

@@ -52,10 +52,11 @@ from fleet import (  # noqa: E402
 )
 
 from gputop.config import load_config  # noqa: E402
+from gputop.reservations.filelock import StoreError  # noqa: E402
 from gputop.reservations.open import open_store  # noqa: E402
 from gputop.reservations.ops import Target, release, reserve  # noqa: E402
 from gputop.reservations.remote import RemoteStore  # noqa: E402
-from gputop.reservations.store import Store, StoreError  # noqa: E402
+from gputop.reservations.store import Store  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 

@@ -14,7 +14,8 @@ from fleet import CAPTURES, project_capture
 
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store, new_reservation
 from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
 from gputop.sources.protocol import frame
 

@@ -21,7 +21,8 @@ from as_user import need_test_users, run_as, shared_tmp, start_as, team_dir, use
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, GpuProcess, Host
 
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store, new_reservation
 
 INTERVAL = 0.5
 GRACE = 1.0

@@ -17,7 +17,7 @@ from board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 from rich.text import Text
 
 from gputop.model import HostSnapshot
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow, HostRow
 from gputop.ui.widgets import BoardTable, DetailPane
@@ -153,7 +153,7 @@ async def test_conflict_shows_the_holder(tmp_path: Path) -> None:
 
 async def test_store_race_is_refused_with_the_holder(tmp_path: Path) -> None:
     """Someone reserves the GPU while our dialog is open: the write is refused, naming them."""
-    from gputop.reservations import Target, reserve
+    from gputop.reservations.ops import Target, reserve
 
     app = make_app(tmp_path, user="erin")
     seen: list[str] = []
@@ -389,7 +389,8 @@ async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Pat
 
 async def test_detail_pane_says_a_run_reservation_ends_with_its_job(tmp_path: Path) -> None:
     """A `gputop run` reservation read like a plain one of its full time in the details."""
-    from gputop.reservations.store import Job, StoreState
+    from gputop.reservations.records import Job
+    from gputop.reservations.state import StoreState
 
     store = Store(tmp_path / "reservations.json")
     seed(store)
@@ -867,7 +868,8 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
 async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
     """`Q` lists the shared file's queue: position, who, for what, since when; markup in
     what a waiter typed stays inert text."""
-    from gputop.reservations.store import StoreState, Waiter
+    from gputop.reservations.records import Waiter
+    from gputop.reservations.state import StoreState
 
     def w(i: int, user: str, count: int, want: str = "") -> Waiter:
         t = NOW - timedelta(minutes=10 - i)
@@ -1089,7 +1091,8 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
     assert r.reservation is None and m.summary().reserved == 0
     # A reservation made 10 min ago, its holder never on the GPU: idle once the 15 min
     # grace has passed, with no new answer from the host in between.
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     clock[0] = NOW
     m.set_state(StoreState(reservations=(new_reservation(

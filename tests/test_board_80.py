@@ -17,8 +17,8 @@ from test_board import cell, gk, goto, load, make_app
 from textual import events
 
 from gputop.model import HostError, HostSnapshot, ProcessInfo
-from gputop.reservations import Store
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store, new_reservation
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
 from gputop.ui.widgets import BoardTable, DetailPane

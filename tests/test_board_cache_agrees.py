@@ -19,7 +19,9 @@ from board_data import NOW, fixed_snapshots
 
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.reservations.flags import instance_index, reservation_index
-from gputop.reservations.store import Reservation, StoreState, new_reservation
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 from gputop.reservations.summary import gpu_class, instance_class
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import Summary

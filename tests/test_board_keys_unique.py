@@ -15,7 +15,8 @@ from board_data import NOW, fixed_snapshots
 from test_board import make_app, on_screen
 
 from gputop.model import GpuInfo, MigInstance
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
 from gputop.ui.widgets import BoardTable

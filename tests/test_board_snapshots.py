@@ -14,7 +14,7 @@ import pytest
 from board_data import NOW, board_config, fixed_snapshots, seed
 from textual.widgets import Input
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.widgets import BoardTable
 

@@ -13,8 +13,8 @@ from board_data import NOW, board_config
 from board_pilot import keep_notices, load_fixed, reserve_row
 
 from gputop.model import utcnow
-from gputop.reservations import Store
-from gputop.reservations.store import Waiter
+from gputop.reservations.records import Waiter
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 
 

@@ -30,7 +30,9 @@ from queue_team import (
 )
 
 from gputop.jobs.remote import local_start
-from gputop.reservations.store import Job, StoreState, new_reservation
+from gputop.reservations.records import Job
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from gputop.model import iso, utcnow
-from gputop.reservations import Store, Target, release, reserve_outcomes
-from gputop.reservations.store import MAX_EVENTS, StoreState, Waiter, new_reservation
+from gputop.reservations.ops import Target, release, reserve_outcomes
+from gputop.reservations.records import MAX_EVENTS, Waiter
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store, new_reservation
 
 H = 3600.0
 

@@ -22,7 +22,8 @@ from fleet import Fleet
 from gputop.cli.free_table import render
 from gputop.model import GpuInfo, MigInstance, utcnow
 from gputop.reservations.flags import FreeGpu
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
 
 SGR = re.compile(r"\x1b\[[0-9;]*m")
 

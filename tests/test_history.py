@@ -23,7 +23,8 @@ from gputop.history.db import HistoryDB, HistoryError
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = datetime(2026, 11, 2, 8, 0, tzinfo=timezone.utc)

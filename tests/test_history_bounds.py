@@ -23,7 +23,8 @@ from gputop.history.names import (
     OTHER_NAMES,
 )
 from gputop.history.render import write_text
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 
 OTHERS = OTHER_NAMES
 

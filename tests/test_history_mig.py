@@ -21,7 +21,8 @@ from gputop.history.db import SCHEMA_VERSION, HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 from gputop.sources import mig
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"

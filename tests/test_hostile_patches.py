@@ -24,7 +24,8 @@ from web_hub import fleet_doc
 from gputop.hubclient.client import Document, check_document, check_patch, check_update
 from gputop.model import HostSnapshot, utcnow
 from gputop.output import dumps
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow
 from gputop.ui.cells import Palette, row_cells

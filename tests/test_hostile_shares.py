@@ -138,7 +138,8 @@ def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: 
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, utcnow
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
     share = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, "",
@@ -227,7 +228,8 @@ def test_a_flood_of_forged_shares_does_not_grow_history(tmp_path: Path) -> None:
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, utcnow
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
     rs = tuple(new_reservation("a", 0, f"u{i}", "m", t0, 86400, None, "", share_mib=1)

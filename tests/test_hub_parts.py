@@ -482,7 +482,7 @@ def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
     import jsonschema
 
     from gputop.model import utcnow
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     now = utcnow()
     w = Waiter("w1", "ann", "laptop", 2, now, now + timedelta(seconds=60), min_free_mib=1,
@@ -523,7 +523,8 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     lists every active one."""
     from gputop.hub.collector import Collector
     from gputop.hubclient.schema import check
-    from gputop.reservations import Store, Target, reserve
+    from gputop.reservations.ops import Target, reserve
+    from gputop.reservations.store import Store
 
     config = load_config(str(local_config(tmp_path)))
     store = Store(config.reservations_path)

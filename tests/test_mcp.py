@@ -27,8 +27,9 @@ pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from gputop.reservations import Store, Target, release, reserve
+from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.queue import Queue, Request
+from gputop.reservations.store import Store
 from gputop.text import clean
 
 ME = pwd.getpwuid(os.getuid()).pw_name

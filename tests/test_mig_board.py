@@ -11,7 +11,7 @@ from typing import Any
 
 from test_board import K, cell, fk, goto, keys
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow
 from gputop.ui.widgets import BoardTable

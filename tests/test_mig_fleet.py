@@ -156,7 +156,8 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     from gputop.history.report import collect, summarise
     from gputop.model import utcnow
     from gputop.poller import Poller
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     if not mig_fleet.users:
         pytest.skip("needs the test users (root)")

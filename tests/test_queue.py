@@ -39,7 +39,8 @@ from queue_team import (
 
 from gputop.model import utcnow
 from gputop.reservations.ops import Refused
-from gputop.reservations.store import Store, StoreState, decode, new_reservation
+from gputop.reservations.state import StoreState, decode
+from gputop.reservations.store import Store, new_reservation
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +522,7 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     ' "hosts": [], "want": "", "one_host": false}]',
 ])
 def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     raw = f'{{"version": 2, "reservations": [], "events": [], "queue": {queue}}}'.encode()
     with pytest.raises(StoreError, match="left untouched"):
@@ -529,7 +530,7 @@ def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
 
 
 def test_queue_in_a_version_1_file_is_refused(tmp_path: Path) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     with pytest.raises(StoreError, match="queue"):
         decode(b'{"version": 1, "reservations": [], "queue": []}', tmp_path / "r.json")
@@ -549,7 +550,7 @@ def test_a_lease_of_years_is_not_honoured(tmp_path: Path) -> None:
     """A waiter SIGKILLed with a lease of centuries (written by hand or an old flag) would
     hold the head for good: a lease further ahead than any live waiter writes is ignored."""
     from gputop.reservations.queue import Queue, Request
-    from gputop.reservations.store import MAX_LEASE_S
+    from gputop.reservations.records import MAX_LEASE_S
 
     store = Store(tmp_path / "r.json")
     Queue(store, Request(1), lease_s=MAX_LEASE_S).join()
@@ -594,7 +595,7 @@ def _hosts(spec: dict[str, list[int]]) -> list[Any]:
 
 
 def _queue(*reqs: Any) -> StoreState:
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     now = utcnow()
     return StoreState(queue=tuple(
@@ -971,7 +972,7 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
     from gputop.config import Config, HostConfig
     from gputop.jobs import reap
     from gputop.reservations.ops import whoami
-    from gputop.reservations.store import Job
+    from gputop.reservations.records import Job
 
     me = whoami()[0]
     store = Store(tmp_path / "reservations.json")
@@ -1012,7 +1013,7 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
 
     from gputop.cli.reserve import cmd_reservations
     from gputop.config import Config
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     store = Store(tmp_path / "reservations.json")
     now = utcnow()

@@ -33,11 +33,12 @@ from as_user import need_test_users, run_as, user_home
 from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
 from gputop.config import ConfigError, load_config
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.state import OverBudget
-from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
+from gputop.reservations.state import OverBudget, StoreState
+from gputop.reservations.store import Store, new_reservation
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_IP = "127.0.22.2"

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from gputop.model import iso, utcnow
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
-from gputop.reservations.records import MAX_USER_BYTES, MAX_USER_ENTRIES
+from gputop.reservations.filelock import StoreError, nfs_lock_problem
+from gputop.reservations.ops import Invalid, Refused, Target, release, reserve
+from gputop.reservations.records import MAX_FILE_BYTES, MAX_USER_BYTES, MAX_USER_ENTRIES
 from gputop.reservations.state import OverBudget
-from gputop.reservations.store import MAX_FILE_BYTES, nfs_lock_problem
+from gputop.reservations.store import Store
 
 H = 3600.0
 
@@ -325,7 +326,8 @@ def test_sixteen_writers_lose_no_update(tmp_path: Path) -> None:
 CRASH_WRITER = """
 import sys
 from pathlib import Path
-from gputop.reservations import Store, Target, reserve, release
+from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.store import Store
 store = Store(Path(sys.argv[1]))
 n = int(sys.argv[2])
 print("ready", flush=True)

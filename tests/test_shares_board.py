@@ -8,8 +8,9 @@ from pathlib import Path
 from test_board import cell, gk, goto, load, make_app
 
 from gputop.model import utcnow
-from gputop.reservations import Store, Target
+from gputop.reservations.ops import Target
 from gputop.reservations.shares import reserve_share
+from gputop.reservations.store import Store
 from gputop.ui.board_rows import SHARE_SEP
 
 TOTAL = 81559

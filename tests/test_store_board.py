@@ -13,7 +13,7 @@ import pytest
 from board_data import NOW, board_config, seed
 from board_pilot import keep_notices, load_fixed, reserve_row
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 
 HOSTILE = {

@@ -23,7 +23,8 @@ from fleet import Fleet, GpuProcess, Host
 from hubs import Hub, get
 from web_hub import browser, chromium_missing
 
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations.ops import Target, reserve
+from gputop.reservations.store import Store
 
 ADDR = "127.0.47.1"
 ME = pwd.getpwuid(os.getuid()).pw_name

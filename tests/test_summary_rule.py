@@ -10,7 +10,8 @@ import pytest
 from gputop.hubclient.client import check_document
 from gputop.hubclient.schema import check
 from gputop.model import GpuInfo, HostError, HostSnapshot, MigInstance, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import new_reservation
 from gputop.reservations.summary import fleet_summary
 
 NOW = datetime(2026, 12, 5, 1, 0, tzinfo=timezone.utc)

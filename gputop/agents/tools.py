@@ -43,6 +43,7 @@ from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller, first_answer_s, slow_error
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
     IdleTracker,
     gpu_annotation,
@@ -70,8 +71,9 @@ from gputop.reservations.queue import (
     share_claim,
     share_offered,
 )
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
-from gputop.reservations.store import Reservation, StoreError, StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.targets import check_targets, parse_targets
 from gputop.text import clean

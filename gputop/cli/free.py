@@ -24,10 +24,7 @@ from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import (
-    Target,
-)
-from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
+from gputop.reservations.ops import Outcome, Target, reserve_outcomes, whoami
 from gputop.reservations.queue import offered, queue_claim
 
 

@@ -49,7 +49,7 @@ class ReservationsReader:
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:
-        from gputop.reservations import StoreError
+        from gputop.reservations.filelock import StoreError
 
         try:
             state, problem = self.store.read(), None

@@ -27,9 +27,9 @@ from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target
-from gputop.reservations.ops import format_duration, local_time, whoami
+from gputop.reservations.ops import Invalid, Refused, Target, format_duration, local_time, whoami
 from gputop.reservations.queue import share_claim, share_offered
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -40,7 +40,8 @@ from gputop.reservations.shares import (
     shares_of,
     size_text,
 )
-from gputop.reservations.store import Job, StoreState
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import parse_targets
 from gputop.text import clean
 

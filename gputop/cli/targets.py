@@ -14,20 +14,15 @@ from gputop.config import Config, HostConfig, parse_duration, reserving_problem
 from gputop.hubclient.poller import open_poller
 from gputop.model import HostSnapshot
 from gputop.poller import first_answer_s
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    Target,
-)
 from gputop.reservations import open as store_open
-from gputop.reservations.ops import format_duration, whoami
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.ops import Invalid, Target, format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
-from gputop.reservations.records import MAX_USER_ENTRIES
+from gputop.reservations.records import MAX_USER_ENTRIES, Reservation
 from gputop.reservations.shares import parse_size_mib
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
 from gputop.text import clean
 

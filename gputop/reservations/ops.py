@@ -12,15 +12,9 @@ from typing import Literal
 
 from gputop.errors import EXIT_REFUSED, GputopError
 from gputop.model import iso
-from gputop.reservations.store import (
-    MAX_NOTE,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    local_identity,
-    new_reservation,
-)
+from gputop.reservations.records import MAX_NOTE, Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore, local_identity, new_reservation
 from gputop.text import clean
 
 

@@ -45,6 +45,7 @@ from datetime import datetime, timedelta
 from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
 from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
+from gputop.reservations.records import LAPSED_KEEP_S, Job, Reservation, Waiter
 from gputop.reservations.shares import (
     ShareFit,
     check_share,
@@ -53,16 +54,8 @@ from gputop.reservations.shares import (
     shares_of,
     size_text,
 )
-from gputop.reservations.store import (
-    LAPSED_KEEP_S,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    Waiter,
-    kept,
-    new_reservation,
-)
+from gputop.reservations.state import StoreState, kept
+from gputop.reservations.store import ReservationStore, new_reservation
 from gputop.text import clean, excerpt
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.

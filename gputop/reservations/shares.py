@@ -34,14 +34,9 @@ from gputop.reservations.ops import (
     size_text,
     whoami,
 )
-from gputop.reservations.store import (
-    MAX_SHARE_MIB,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    new_reservation,
-)
+from gputop.reservations.records import MAX_SHARE_MIB, Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore, new_reservation
 from gputop.text import clean
 
 __all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",
