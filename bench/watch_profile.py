@@ -1,6 +1,6 @@
 """Where ``gputop --json --watch`` spends its CPU, per host per refresh, on the real fleet.
 
-Brings up N real sshd hosts (``tests/fleet.py``, as ``bench/run.py`` does), runs
+Brings up N real sshd hosts (``tests/support/fleet.py``, as ``bench/run.py`` does), runs
 ``python -m cProfile -m gputop --json --watch`` against them for ``--seconds`` from the
 first document in which every host answered (at most 10 lines in), stops it with SIGINT
 (the profile is written on exit), and groups
@@ -15,7 +15,7 @@ and the rest. Each ``--variant`` is one run on the same fleet:
 Each runs with the config's default ``collection = "stream"``; a variant whose name holds
 ``query`` (``query``, ``noprofile-query``) runs with ``collection = "query"``.
 
-    python bench/watch_profile.py --hosts 200 --seconds 30 --variant noprofile,noprofile-query
+    python -m bench.watch_profile --hosts 200 --seconds 30 --variant noprofile,noprofile-query
 
 Prints one JSON line per variant.
 """
@@ -34,12 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.run import _cpu, up
+from tests.support.fleet import Fleet
 
-from fleet import Fleet  # noqa: E402
-from run import _cpu, up  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 #: gputop --json --watch with the profiler switched on after the first document (the
 #: handshakes are start-up, not steady state) and written out on exit.

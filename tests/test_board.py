@@ -13,7 +13,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 from rich.text import Text
 
 from gputop.model import HostSnapshot
@@ -21,6 +20,7 @@ from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow, HostRow
 from gputop.ui.widgets import BoardTable, DetailPane
+from tests.support.board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 
 
 def make_app(tmp_path: Path, user: str = "ann", clock: object = lambda: NOW,
@@ -67,7 +67,7 @@ def gk(host: str, index: int) -> str:
 
 
 def fk(host: str, index: int) -> str:
-    """The row key of a GPU of the real test fleet (tests/fleet.py numbers its uuids)."""
+    """The row key of a GPU of the real test fleet (tests/support/fleet.py numbers its uuids)."""
     return f"{host}{K}GPU-{host[:8]:0>8}-0000-4000-8000-{index:012d}"
 
 
@@ -901,7 +901,7 @@ async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
 async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) -> None:
     """With a history database ([history] path), the details add the GPU's (or the
     host's) recorded last hour and day, looked up off the UI thread."""
-    from test_history import record_recent
+    from tests.test_history import record_recent
 
     record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
     app = make_app(tmp_path)
@@ -932,7 +932,7 @@ async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) 
 
 async def test_fleet_history_view(tmp_path: Path) -> None:
     """`h`: every host's recorded last hour and day; without a database, how to get one."""
-    from test_history import record_recent
+    from tests.test_history import record_recent
 
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:

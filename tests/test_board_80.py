@@ -10,10 +10,8 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, board_config, fixed_snapshots, seed
 from rich.cells import cell_len
 from rich.text import Text
-from test_board import cell, gk, goto, load, make_app
 from textual import events
 
 from gputop.model import HostError, HostSnapshot, ProcessInfo
@@ -22,6 +20,8 @@ from gputop.reservations.store import Store, new_reservation
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
 from gputop.ui.widgets import BoardTable, DetailPane
+from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
+from tests.test_board import cell, gk, goto, load, make_app
 
 
 def screen_lines(app: GputopApp) -> list[str]:

@@ -15,7 +15,6 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 import pytest
-from board_data import NOW, fixed_snapshots
 
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.reservations.flags import instance_index, reservation_index
@@ -25,6 +24,7 @@ from gputop.reservations.store import new_reservation
 from gputop.reservations.summary import gpu_class, instance_class
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import Summary
+from tests.support.board_data import NOW, fixed_snapshots
 
 _MIG = (MigInstance(gpu_instance_id=3, compute_instance_id=0, device_index=0, uuid="MIG-3",
                     profile="1g.10gb", memory_used_mib=0, memory_total_mib=9856,

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 from gputop.history.names import (
     MAX_NAMED,
@@ -25,6 +24,7 @@ from gputop.history.names import (
 from gputop.history.render import write_text
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import new_reservation
+from tests.test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 OTHERS = OTHER_NAMES
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import drop_share_sums
 
 from gputop.history.accounting import mig_fraction
 from gputop.history.db import SCHEMA_VERSION, HistoryDB
@@ -24,6 +23,7 @@ from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import new_reservation
 from gputop.sources import mig
+from tests.test_history import drop_share_sums
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 MIXED_L = (DATA / "table/list-L-h100-80gb-hbm3-mig-mixed-profiles-driver-590.48.01.txt").read_text()

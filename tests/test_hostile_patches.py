@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, fixed_snapshots
-from web_hub import fleet_doc
 
 from gputop.hubclient.client import Document, check_document, check_patch, check_update
 from gputop.model import HostSnapshot, utcnow
@@ -29,6 +27,8 @@ from gputop.reservations.store import new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow
 from gputop.ui.cells import Palette, row_cells
+from tests.support.board_data import NOW, board_config, fixed_snapshots
+from tests.support.web_hub import fleet_doc
 
 # --- a hostile hub's patches ------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from fleet import Fleet
-from queue_team import (
+
+from tests.support.fleet import Fleet
+from tests.support.queue_team import (
     Team,
     file_locked,
     gpu_docs,
@@ -85,7 +86,7 @@ def test_run_share_keeps_the_share_while_the_holders_login_uses_it(team: Team) -
     (root), still uses the GPU when the command exits: the share stays, as a whole
     reservation's does (it was released: the child's owner was compared with her local
     name, as the share recorded no login)."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     flag = team.tmp / "go"
     pid, out, err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
@@ -104,7 +105,7 @@ def test_a_run_share_killed_before_its_pid_was_recorded_is_released(team: Team) 
     another writer meanwhile) left a share tied to a job that never got a pid and to no
     run process: it was never taken for gone and stayed for max_duration (7 days). Like a
     whole GPU's `run`, its holder's next commands release it a job_grace later."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     pid, out, _err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
                                 "echo up; sleep 1", user="gtalice", tag="run")
@@ -170,7 +171,7 @@ def test_a_share_that_skips_the_queue_is_recorded(team: Team) -> None:
     took the share and recorded nothing (the refusal says "that is recorded in the file
     with your name"; a whole GPU's skip is): the audit trail now names gtbob. A
     --skip-queue share that skipped nobody records nothing."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     team.block("q1:1", user="gtcarol")
     # gtalice waits for both of q1's GPUs: q1:0 is free, one she could use.
@@ -202,7 +203,7 @@ def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
     cfg.write_text(team.config.read_text().replace(
         'name = "q1"\n', 'name = "q1"\nuser = "gtbob"\ngpus = 1\n'))
     cfg.chmod(0o644)
-    from as_user import run_as
+    from tests.support.as_user import run_as
 
     r = run_as("gtalice", ["--config", str(cfg), "reserve", "q1:0"], team.env("gtalice"),
                team.tmp, timeout=60)
@@ -260,7 +261,7 @@ def test_a_run_whose_holder_never_comes_back_is_released_by_a_teammate(team: Tea
     it recorded its job's pid, and the job ends. Only her own gputop decides that a job
     ended, so until she runs gputop again her GPU stays reserved, up to run's default
     of max_duration (7 days), while gtbob's commands and waiters look on."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 1",
                                 user="gtalice", tag="run")
@@ -281,7 +282,7 @@ def test_one_gpu_under_two_host_names_is_not_reserved_twice(team: Team) -> None:
     reserved q1:0; her `reserve q1b:0` succeeded: two people held one GPU, each told it
     was theirs. The reservation records the GPU's uuid: a GPU reserved under another
     host name is refused (naming the holder) and is not free for `free --reserve`."""
-    from as_user import run_as
+    from tests.support.as_user import run_as
 
     cfg = team.tmp / "alice.toml"
     cfg.write_text(team.config.read_text() + '\n[[hosts]]\nname = "q1b"\naddress = "q1"\n')

@@ -16,10 +16,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import HOSTILE, _need_sshd, _world_readable
-from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
-from hubs import Hub, Sse, free_port, get
+from tests.support.fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+from tests.support.hubs import Hub, Sse, free_port, get
+from tests.support.shared_fleet import HOSTILE, need_sshd, world_readable
 
 ADDR = "127.0.23.1"
 NOTE = "<script>alert(1)</script> \"quoted\" {json} data: x"
@@ -27,8 +26,8 @@ NOTE = "<script>alert(1)</script> \"quoted\" {json} data: x"
 
 @pytest.fixture(scope="module")
 def hub_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hubfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("hubfleet")), [
         Host("alpha", "127.0.23.2", gpus=("h100", "rtx2080"), processes=[
             GpuProcess("gtalice", "python train.py", gpu=0, mem_mib=9000),
             GpuProcess("gtbob", HOSTILE, gpu=1, mem_mib=77),
@@ -456,7 +455,7 @@ def test_watch_and_sse_survive_a_hub_restart(hub_fleet: Fleet, config: Path,
          "--hub", h.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=hub_fleet.env())
     try:
-        from test_cli import read_lines
+        from tests.test_cli import read_lines
 
         first = json.loads(read_lines(watch, 1, 20)[0])
         assert first["hosts"][0]["status"] == "ok"

@@ -18,16 +18,14 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hubs import Hub as HubProcess
-from hubs import get
-
 from gputop.config import ConfigError, load_config
 from gputop.hub.events import EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.server import Hub, listen_warning
 from gputop.hubclient.client import check_document, check_update, parse_json
 from gputop.hubclient.schema import SchemaError
+from tests.support.hubs import Hub as HubProcess
+from tests.support.hubs import get
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "gputop" / "hub" / "deploy"
@@ -564,9 +562,8 @@ def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
     import signal
     import time
 
-    from hubs import free_port
-
     from gputop.history.db import HistoryDB
+    from tests.support.hubs import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
     env |= {"TMPDIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "nothing"),

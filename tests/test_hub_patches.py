@@ -13,12 +13,12 @@ import random
 from typing import Any
 
 import pytest
-from web_hub import fleet_doc
 
 from gputop.hub.patches import host_change
 from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
 from gputop.hubclient.schema import SchemaError
 from gputop.output import dumps
+from tests.support.web_hub import fleet_doc
 
 
 def _event(old: dict[str, dict[str, Any]], new: list[dict[str, Any]]) -> str:
@@ -192,7 +192,7 @@ def test_each_subscriber_gets_its_kind_and_a_resume_gets_the_same() -> None:
 def _recording_hub(answer: Any, asked: list[bytes]) -> Any:
     """A fake hub (``test_hostile_hub_client.FakeHub``) that keeps each request it is sent
     in ``asked`` before ``answer`` answers it."""
-    from test_hostile_hub_client import FakeHub
+    from tests.test_hostile_hub_client import FakeHub
 
     hub = FakeHub(answer)
 
@@ -248,11 +248,10 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
 async def test_the_hub_works_out_patches_only_while_someone_reads_them(tmp_path: Any) -> None:
     """A real hub's collector folds an answer as an update alone while only update
     readers listen, and as both once a patch reader is there."""
-    from test_hub_parts import local_config
-
     from gputop.config import load_config
     from gputop.hub.server import Hub
     from gputop.model import GpuInfo, HostSnapshot
+    from tests.test_hub_parts import local_config
 
     hub = Hub(load_config(str(local_config(tmp_path))))
     seen: list[str | None] = []

@@ -15,11 +15,11 @@ import random
 from typing import Any
 
 import pytest
-from web_hub import fleet_doc
 
 from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
 from gputop.hubclient.schema import SchemaError
 from gputop.output import dumps
+from tests.support.web_hub import fleet_doc
 
 _GPU_VALUES: dict[str, list[Any]] = {
     "utilization_percent": [None, 0, 55, 100],

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fleet import CAPTURES, project_capture
 
 from gputop.model import GpuInfo, HostError
 from gputop.sources.nvidia_smi import (
@@ -27,6 +26,7 @@ from gputop.sources.nvidia_smi import (
     to_int,
 )
 from gputop.sources.protocol import MARK, frame
+from tests.support.fleet import CAPTURES, project_capture
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nvidia-smi"

@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fleet import CAPTURES, project_capture
 
 from gputop.sources.nvidia_smi import (
     GPU_QUERY,
@@ -35,6 +34,7 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
+from tests.support.fleet import CAPTURES, project_capture
 
 NONCE = "a" * 32
 DATA = Path(__file__).parent / "data" / "nvidia-smi"

@@ -22,11 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import (
+
+from gputop.model import utcnow
+from gputop.reservations.ops import Refused
+from gputop.reservations.state import StoreState, decode
+from gputop.reservations.store import Store, new_reservation
+from tests.support.as_user import (
     wait_as,
 )
-from fleet import Fleet, gpu_uuid
-from queue_team import (
+from tests.support.fleet import Fleet, gpu_uuid
+from tests.support.queue_team import (
     GRACE,
     INTERVAL,
     Team,
@@ -36,11 +41,6 @@ from queue_team import (
     two_host_fleet,
     until,
 )
-
-from gputop.model import utcnow
-from gputop.reservations.ops import Refused
-from gputop.reservations.state import StoreState, decode
-from gputop.reservations.store import Store, new_reservation
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +324,7 @@ def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) ->
     id, but the driver lists it on the GPU: while a process of the holder uses the job's GPU
     the reservation stays. (The fleet starts that real process of gtalice's and its
     nvidia-smi stand-in reports it on q2:0.)"""
-    from fleet import GpuProcess
+    from tests.support.fleet import GpuProcess
 
     q2 = team.fleet.hosts["q2"]
     flag = team.tmp / "go"

@@ -221,7 +221,7 @@ def test_files_are_created_group_writable(tmp_path: Path) -> None:
 def test_setgid_team_directory_gives_files_the_team_group(tmp_path: Path) -> None:
     import grp
 
-    from fleet import ensure_test_users
+    from tests.support.fleet import ensure_test_users
 
     if "gtbob" not in ensure_test_users():
         pytest.skip("test user gtbob unavailable")
@@ -250,7 +250,7 @@ def _as_user_release(path: str, uid: int, gid: int, out: multiprocessing.Queue) 
 def test_permission_problem_names_path_and_fix(tmp_path: Path) -> None:
     import pwd
 
-    from fleet import ensure_test_users
+    from tests.support.fleet import ensure_test_users
 
     if "gtbob" not in ensure_test_users():
         pytest.skip("test user gtbob unavailable")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
 from gputop.sources.protocol import LineReader, OutputTooLarge
 from gputop.sources.stream_parse import AppsBatches, GpuSampler, parse_timestamp
 from gputop.sources.stream_session import session_command
 from gputop.ssh.transport import ParseError
+from tests.support.fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
 LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()

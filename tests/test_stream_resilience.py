@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
 
 from gputop.config import load_config
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
 from gputop.sources.stream_session import HostSession
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -29,8 +29,8 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def rfleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("alpha", "127.0.6.12", gpus=("h100", "l40s")),
     ]).start()
     monkeypatch.setenv("HOME", str(f.home))
@@ -528,12 +528,9 @@ async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_rais
     UTF-8, a start line split in two with a sample behind it, a flood with no line end,
     a close before the start line, data after close: every outcome is the session's own,
     nothing raises out of a callback."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_stream_parse import row
-
     from gputop.sources.protocol import MARK
     from gputop.ssh.transport import ParseError
+    from tests.test_stream_parse import row
 
     def g(i: int) -> bytes:
         return f"g {row(i, 2)}\n".encode()
