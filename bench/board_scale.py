@@ -49,7 +49,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
     from textual import events
 
     from gputop.ui.app import GputopApp
-    from gputop.ui.widgets import BoardTable
+    from gputop.ui.table import BoardTable
 
     cfg, sources = demo_fleet(hosts, gpus, Path(tempfile.mkdtemp()) / "r.json")
     app = GputopApp(cfg, sources=sources, user="bench", long_running=True)  # as run_board

@@ -19,7 +19,8 @@ from gputop.model import HostSnapshot
 from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow, HostRow
-from gputop.ui.widgets import BoardTable, DetailPane
+from gputop.ui.table import BoardTable
+from gputop.ui.widgets import DetailPane
 from tests.support.board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 
 

@@ -19,7 +19,8 @@ from gputop.reservations.state import StoreState
 from gputop.reservations.store import Store, new_reservation
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
-from gputop.ui.widgets import BoardTable, DetailPane
+from gputop.ui.table import BoardTable
+from gputop.ui.widgets import DetailPane
 from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
 from tests.test_board import cell, gk, goto, load, make_app
 

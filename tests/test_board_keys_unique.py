@@ -16,7 +16,7 @@ from gputop.reservations.state import StoreState
 from gputop.reservations.store import new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
 from tests.support.board_data import NOW, fixed_snapshots
 from tests.test_board import make_app, on_screen
 

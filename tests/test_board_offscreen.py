@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
 from tests.support.board_data import NOW, board_config, fixed_snapshots
 from tests.test_board import make_app, on_screen
 

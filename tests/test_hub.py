@@ -521,7 +521,7 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
             assert "hub unreachable" in str(app.query_one(SummaryBar).render())
             assert h.url in alpha().error.message
             # `c` cannot reconnect a host the hub polls: it says it asks the hub again.
-            from gputop.ui.widgets import BoardTable
+            from gputop.ui.table import BoardTable
 
             table = app.query_one(BoardTable)
             table.move_cursor(row=table.get_row_index("alpha"))

@@ -12,7 +12,7 @@ from typing import Any
 from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
 from tests.test_board import K, cell, fk, goto, keys
 
 

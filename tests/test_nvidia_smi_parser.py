@@ -12,7 +12,6 @@ from gputop.sources.nvidia_smi import (
     GPU_FIELDS,
     GPU_QUERY,
     REMOTE_SCRIPT,
-    ParseError,
     classify_failure,
     gpus_from_records,
     parse_apps_rows,
@@ -26,6 +25,7 @@ from gputop.sources.nvidia_smi import (
     to_int,
 )
 from gputop.sources.protocol import MARK, frame
+from gputop.ssh.transport import ParseError
 from tests.support.fleet import CAPTURES, project_capture
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"

@@ -15,7 +15,6 @@ import pytest
 from gputop.sources.nvidia_smi import (
     GPU_QUERY,
     REMOTE_SCRIPT,
-    ParseError,
     classify_failure,
     parse_args_rows,
     parse_gpu_rows,
@@ -34,6 +33,7 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
+from gputop.ssh.transport import ParseError
 from tests.support.fleet import CAPTURES, project_capture
 
 NONCE = "a" * 32

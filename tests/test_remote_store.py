@@ -646,7 +646,7 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
 async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
         clean: World) -> None:
     from gputop.ui.app import GputopApp
-    from gputop.ui.widgets import BoardTable
+    from gputop.ui.table import BoardTable
     from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
     from tests.support.board_pilot import reserve_row
 

@@ -22,10 +22,10 @@ from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, iso, utcnow
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import IdleTracker, annotate, share_fits
-from gputop.reservations.ops import Invalid, Refused, Target, release, reserve
+from gputop.reservations.ops import Invalid, Refused, Target, release, reserve, size_text
 from gputop.reservations.queue import Request, share_taken
 from gputop.reservations.records import Waiter
-from gputop.reservations.shares import best_fit, parse_size_mib, reserve_share, size_text
+from gputop.reservations.shares import best_fit, parse_size_mib, reserve_share
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import Store, new_reservation
 

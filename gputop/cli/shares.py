@@ -27,7 +27,15 @@ from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations.ops import Invalid, Refused, Target, format_duration, local_time, whoami
+from gputop.reservations.ops import (
+    Invalid,
+    Refused,
+    Target,
+    format_duration,
+    local_time,
+    size_text,
+    whoami,
+)
 from gputop.reservations.queue import share_claim, share_offered
 from gputop.reservations.records import Job, Reservation
 from gputop.reservations.shares import (
@@ -38,7 +46,6 @@ from gputop.reservations.shares import (
     room_mib,
     share_gpu,
     shares_of,
-    size_text,
 )
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import ReservationStore

@@ -44,16 +44,9 @@ from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
-from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
+from gputop.reservations.ops import Invalid, Refused, Target, local_time, size_text, whoami
 from gputop.reservations.records import LAPSED_KEEP_S, Job, Reservation, Waiter
-from gputop.reservations.shares import (
-    ShareFit,
-    check_share,
-    mig_mode,
-    room_mib,
-    shares_of,
-    size_text,
-)
+from gputop.reservations.shares import ShareFit, check_share, mig_mode, room_mib, shares_of
 from gputop.reservations.state import StoreState, kept
 from gputop.reservations.store import ReservationStore, new_reservation
 from gputop.text import clean, excerpt

@@ -41,7 +41,7 @@ from gputop.text import clean
 
 __all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",
            "holder_use_mib", "mig_mode", "parse_size_mib", "reserve_share", "room_mib",
-           "share_dict", "share_index", "shares_of", "size_text"]
+           "share_dict", "share_index", "shares_of"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 

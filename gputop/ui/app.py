@@ -41,8 +41,9 @@ from gputop.ui.feed import FeedThread
 from gputop.ui.intake import RENDER_PERIOD, Intake, tune_gc
 from gputop.ui.screens import HelpScreen, UsersScreen
 from gputop.ui.store_actions import StoreActions
+from gputop.ui.table import BoardTable
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
-from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+from gputop.ui.widgets import DetailPane, SummaryBar
 
 if TYPE_CHECKING:
     from gputop.history.live import LiveRecorder

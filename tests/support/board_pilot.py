@@ -8,7 +8,7 @@ from typing import Any
 from textual.pilot import Pilot
 
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
 from tests.support.board_data import fixed_snapshots
 
 #: The row of the fixed fleet's gpu-h100 GPU 2 (an idle GPU).
