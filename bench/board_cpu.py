@@ -4,7 +4,7 @@ The hosts are simulated sources (``gputop.sources.demo.DemoSource``: load change
 behind the real poller, so this measures the board's own work: ingesting snapshots, diffing
 rows and redrawing. Prints one JSON line.
 
-    python bench/board_cpu.py --hosts 200 --gpus 8 --seconds 30
+    python -m bench.board_cpu --hosts 200 --gpus 8 --seconds 30
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gputop.config import Config, HostConfig
 from gputop.sources.demo import DemoSource
@@ -94,7 +91,7 @@ def main() -> None:
     ap.add_argument("--feed-only", action="store_true",
                     help="the poller and simulated sources alone, no board: their share")
     ap.add_argument("--hub", metavar="URL",
-                    help="read this hub instead (e.g. `python bench/hub.py demo-hub`): the "
+                    help="read this hub instead (e.g. `python -m bench.hub demo-hub`): the "
                     "board's cost alone, the simulated hosts run in the hub's process")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's GC settings (the board tunes them, see tune_gc)")

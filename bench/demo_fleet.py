@@ -1,6 +1,6 @@
 """The benchmarks' simulated fleet: ``hosts`` demo hosts (node0000, ...) of ``gpus`` H100s
-each and their config. Imports gputop when called, so that a benchmark's ``--src`` (put on
-``sys.path`` first) decides which checkout is timed."""
+each and their config. Imports gputop when called, so that a benchmark's ``--src`` (loaded by
+:func:`bench.checkout.load_gputop` first) decides which checkout is timed."""
 
 from __future__ import annotations
 

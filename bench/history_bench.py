@@ -13,7 +13,7 @@ raw samples for 1,600 GPUs are written directly (the recorder could not simulate
 2 s samples here), then ``gputop report --since 30d`` runs as a separate process: wall time
 and its peak RSS.
 
-    python bench/history_bench.py [--refreshes 150] [--out bench/results/history.json]
+    python -m bench.history_bench [--refreshes 150] [--out bench/results/history.json]
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
 from gputop.history.recorder import Recorder, rollup_up, upsert
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 HOSTS, GPUS, INTERVAL = 200, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]

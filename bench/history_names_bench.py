@@ -14,8 +14,8 @@ recorded time), then summed into hours and days. Scenarios:
 Bytes per table come from SQLite's page accounting (``dbstat``); rows per table are
 counted; the report is ``gputop report`` (text) over the whole run, in lines.
 
-    python bench/history_names_bench.py --tree . --out bench/results/history_names.json
-    python bench/history_names_bench.py --tree /work/main --out /tmp/main.json
+    python -m bench.history_names_bench --tree . --out bench/results/history_names.json
+    python -m bench.history_names_bench --tree /work/main --out /tmp/main.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import argparse
 import io
 import json
 import random
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from bench.checkout import load_gputop, unload_gputop
 from gputop.reservations.terms import Target, Terms
 
 HOSTS, GPUS, INTERVAL = 4, 8, 2.0
@@ -38,14 +38,14 @@ USERS = [f"user{i:02d}" for i in range(40)]
 
 
 def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
-    sys.path.insert(0, str(tree.resolve()))
-    import gputop
+    gputop = load_gputop(tree)
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.history.render import write_text
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     path = tmp / f"{scenario}.sqlite3"
     t0 = datetime(2026, 11, 2, tzinfo=timezone.utc)
@@ -108,9 +108,7 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
     def tier(suffix: str) -> int:
         return sum(v for k, v in sizes.items() if k.endswith(suffix))
 
-    sys.path.pop(0)
-    for mod in [m for m in sys.modules if m == "gputop" or m.startswith("gputop.")]:
-        del sys.modules[mod]
+    unload_gputop()
     return {
         "code": str(Path(gputop.__file__).parent), "refreshes": refreshes, "gpus": n,
         "rows": rows,

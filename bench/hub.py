@@ -1,12 +1,12 @@
 """The hub against direct collection, side by side in one run.
 
-    python bench/hub.py hosts    [--hosts 8 --clients 10 --seconds 20]   # real sshd
-    python bench/hub.py hung     [--runs 3]                              # real sshd
-    python bench/hub.py latency  [--changes 5]                           # real sshd
-    python bench/hub.py demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9850
-    python bench/hub.py hub-cpu  [--hosts 200 --gpus 8 --seconds 20]     # simulated feed
+    python -m bench.hub hosts    [--hosts 8 --clients 10 --seconds 20]   # real sshd
+    python -m bench.hub hung     [--runs 3]                              # real sshd
+    python -m bench.hub latency  [--changes 5]                           # real sshd
+    python -m bench.hub demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9850
+    python -m bench.hub hub-cpu  [--hosts 200 --gpus 8 --seconds 20]     # simulated feed
 
-- ``hosts``: N real sshd hosts (``tests/fleet.py``); ``--clients`` ``gputop --json
+- ``hosts``: N real sshd hosts (``tests/support/fleet.py``); ``--clients`` ``gputop --json
   --watch`` processes read the hosts directly, then the same number read one hub. Host
   side: CPU of everything under each host's sshd per second, and the SSH connections
   each host holds; client side: the clients' (and the hub's) CPU.
@@ -36,11 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.fleet import Fleet, GpuProcess, Host
 
-from fleet import Fleet, GpuProcess, Host  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")

@@ -4,7 +4,7 @@ case: no share) or with S shared GPUs. ``--watch`` builds this document every in
 Point ``--src`` at another checkout (one without shares) to compare; run the two
 alternately. Prints one JSON line: the best of ``--runs``, per document.
 
-    python bench/shares_annotate.py --hosts 200 --gpus 4 [--shares 20] [--src ../main]
+    python -m bench.shares_annotate --hosts 200 --gpus 4 [--shares 20] [--src ../main]
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
-from demo_fleet import demo_fleet
-
+from bench.checkout import load_gputop
+from bench.demo_fleet import demo_fleet
 from gputop.reservations.terms import Target, Terms
 
 
@@ -32,13 +31,14 @@ def main() -> None:
     ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
                     help="the checkout whose gputop to time")
     args = ap.parse_args()
-    sys.path.insert(0, args.src)
+    load_gputop(args.src)
 
     from gputop.model import FleetSnapshot, utcnow
     from gputop.output import dumps
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     cfg, sources = demo_fleet(args.hosts, args.gpus, Path("/nonexistent/reservations.json"))
     names = [h.name for h in cfg.hosts]

@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from as_user import wait_as
-from fleet import Fleet
-from queue_team import Team, team_on, text, two_host_fleet, until
-from test_free_table import rows
-from test_free_table import run as run_tty
 
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.store import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.as_user import wait_as
+from tests.support.fleet import Fleet
+from tests.support.queue_team import Team, team_on, text, two_host_fleet, until
+from tests.test_free_table import rows
+from tests.test_free_table import run as run_tty
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,20 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, board_config, fixed_snapshots, seed
 from rich.cells import cell_len
 from rich.text import Text
-from test_board import cell, gk, goto, load, make_app
 from textual import events
 
 from gputop.model import HostError, HostSnapshot, ProcessInfo
-from gputop.reservations import Store
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
-from gputop.ui.widgets import BoardTable, DetailPane
+from gputop.ui.table import BoardTable
+from gputop.ui.widgets import DetailPane
+from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
+from tests.test_board import cell, gk, goto, load, make_app
 
 
 def screen_lines(app: GputopApp) -> list[str]:

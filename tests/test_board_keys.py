@@ -18,8 +18,8 @@ import pytest
 from gputop.config import Config, HostConfig
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources.demo import DemoSource
 from gputop.ui import feed as feed_module
 from gputop.ui import intake as intake_module

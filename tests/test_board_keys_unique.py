@@ -11,15 +11,14 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, fixed_snapshots
-from test_board import make_app, on_screen
-
 from gputop.model import GpuInfo, MigInstance
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.support.board_data import NOW, fixed_snapshots
+from tests.test_board import make_app, on_screen
 
 BASE = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
 

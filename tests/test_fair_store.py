@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from gputop.model import iso, utcnow
-from gputop.reservations import Store, Target, release, reserve_outcomes
+from gputop.reservations.ops import release, reserve_outcomes
 from gputop.reservations.order import QueueView
-from gputop.reservations.store import MAX_EVENTS, StoreState, Waiter, new_reservation
-from gputop.reservations.terms import Terms
+from gputop.reservations.records import MAX_EVENTS, Waiter
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 H = 3600.0
 
@@ -27,7 +29,7 @@ _SECOND_WRITER = """
 import sys
 from dataclasses import replace
 from pathlib import Path
-from gputop.reservations.store import Store, new_reservation
+from gputop.reservations.store import Store
 from gputop.reservations.terms import Target, Terms
 store = Store(Path(sys.argv[1]))
 store.update(lambda s, now: replace(s, reservations=s.reservations + (

@@ -15,18 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
 
 from gputop.config import ConfigError, load_config
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
 def hung_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hungfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("hungfleet")), [
         Host("fa-one", "127.0.71.2", gpus=("rtx2080",)),
         Host("fa-two", "127.0.71.3", gpus=("rtx2080",)),
         Host("fa-hung", "127.0.71.4", scenario="hang"),

@@ -14,8 +14,8 @@ from gputop.reservations.flags import (
     is_free,
     other_users,
 )
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 T0 = utcnow()
 IDLE_JOB = GpuInfo(index=0, uuid="GPU-a", utilization_percent=0, memory_used_mib=30000,

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 from gputop.history.names import (
     MAX_NAMED,
@@ -23,8 +22,9 @@ from gputop.history.names import (
     OTHER_NAMES,
 )
 from gputop.history.render import write_text
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 OTHERS = OTHER_NAMES
 

@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import drop_share_sums
 
 from gputop.history.accounting import mig_fraction
 from gputop.history.db import SCHEMA_VERSION, HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources import mig
+from tests.test_history import drop_share_sums
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 MIXED_L = (DATA / "table/list-L-h100-80gb-hbm3-mig-mixed-profiles-driver-590.48.01.txt").read_text()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gputop.sources.hub import _sse, check_document
+from gputop.hubclient.client import _sse, check_document
 from gputop.text import clean
 
 ADDR = "127.0.24.1"
@@ -278,11 +278,11 @@ def test_a_token_or_cookie_that_is_not_utf8_is_refused_not_a_server_error(
 def test_a_snapshot_naming_one_host_twice_is_refused() -> None:
     """On main the reader took it, and the first update removing that host left the
     reader's document broken (KeyError on this and every later update of the stream)."""
-    from gputop.sources.hub_schema import Invalid as _Invalid
+    from gputop.hubclient.schema import SchemaError
 
     d = _doc("")
     d["hosts"] = d["hosts"] * 2  # type: ignore[operator]
-    with pytest.raises(_Invalid, match="twice"):
+    with pytest.raises(SchemaError, match="twice"):
         check_document(json.loads(json.dumps(d)))
     check_document(json.loads(json.dumps(_doc(""))))
 

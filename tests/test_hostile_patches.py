@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, fixed_snapshots
-from web_hub import fleet_doc
 
+from gputop.hubclient.client import Document, check_document, check_patch, check_update
 from gputop.model import HostSnapshot, utcnow
 from gputop.output import dumps
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
-from gputop.sources.hub import Document, check_document, check_patch, check_update
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow
 from gputop.ui.cells import Palette, row_cells
+from tests.support.board_data import NOW, board_config, fixed_snapshots
+from tests.support.web_hub import fleet_doc
 
 # --- a hostile hub's patches ------------------------------------------------------------------
 
@@ -58,7 +58,7 @@ def test_a_patch_naming_one_host_again_and_again_costs_its_length(
     0.12 s now). Counted, not timed: the same positions as one change and as one change
     each copy nothing (a patch is applied in place: the reader's host objects are its
     own) but the list of what it touched."""
-    from gputop.sources import hub_patch
+    from gputop.hubclient import patch as hub_patch
 
     n = 2000
     name = _one_host_of(n).order[0]
@@ -245,9 +245,9 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     of keys (the inline ones and others) and hostile values (a bool, a float where an
     integer goes, NaN, infinity, a huge integer, a string, a dict) it keeps, cleans or
     refuses exactly what each key's own check does."""
-    from gputop.sources.hub_hosts import GPU_FIELDS
-    from gputop.sources.hub_patch import _fields, _gpu_fields
-    from gputop.sources.hub_schema import MAX_INT, Invalid
+    from gputop.hubclient.hosts import GPU_FIELDS
+    from gputop.hubclient.patch import _fields, _gpu_fields
+    from gputop.hubclient.schema import MAX_INT, SchemaError
 
     values: list[Any] = [None, 0, 7, -3, 2.5, True, False, float("nan"), float("inf"),
                          MAX_INT, -MAX_INT, MAX_INT - 1, "12", "\x1b[31mx", {}, []]
@@ -257,7 +257,7 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     def outcome(check: Any, d: dict[str, Any]) -> object:
         try:
             out = check(d)
-        except Invalid as exc:
+        except SchemaError as exc:
             return ("refused", str(exc))
         return ("kept" if out is d else "cleaned", json.dumps(out, sort_keys=True))
 

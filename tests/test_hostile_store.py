@@ -9,7 +9,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from gputop.reservations.queue import remove_waiter
-from gputop.reservations.store import MAX_EVENTS, Store, StoreState, Waiter
+from gputop.reservations.records import MAX_EVENTS, Waiter
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
 from gputop.reservations.terms import Target, Terms
 
 
@@ -44,7 +46,8 @@ def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: P
     200 skip-queue and 200 force-release events of hers took 3.8 MB of the file's 4 MiB,
     after which a few reservations of her own made every teammate's write fail
     ("refusing to write ... bytes"). An event keeps the start of a note only."""
-    from gputop.reservations.store import MAX_FILE_BYTES, new_reservation
+    from gputop.reservations.records import MAX_FILE_BYTES
+    from gputop.reservations.store import new_reservation
 
     store = Store(tmp_path / "reservations.json")
     note = "\U0001f600" * 500

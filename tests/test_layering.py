@@ -9,17 +9,19 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.sources.transport", "gputop.sources.query", "gputop.sources.streaming",
+    "gputop.ssh.transport", "gputop.sources.query", "gputop.sources.stream_collector",
     "gputop.reservations", "gputop.reservations.state", "gputop.reservations.records",
     "gputop.cli", "gputop.cli.table", "gputop.cli.bootstrap", "gputop.sources.demo",
     "gputop.history", "gputop.history.db", "gputop.history.recorder", "gputop.history.report",
     "gputop.history.render", "gputop.history.live", "gputop.history.cli", "gputop.cli.main",
     "gputop.cli.subcommands", "gputop.cli.headless", "gputop.cli.reserve", "gputop.cli.free",
     "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets", "gputop.cli.lifecycle",
-    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.sources.hub",
+    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.hubclient.client",
+    "gputop.hubclient.poller",
     "gputop.hub.server", "gputop.cli.serve", "gputop.reservations.remote",
-    "gputop.reservations.remote_scripts", "gputop.sources.shared_file", "gputop.sources.stream",
-    "gputop.sources.stream_samples", "gputop.ui.board_rows", "gputop.ui.board_model",
+    "gputop.reservations.remote_scripts", "gputop.reservations.open",
+    "gputop.sources.stream_session", "gputop.sources.stream_parse",
+    "gputop.ui.board_rows", "gputop.ui.board_model",
 ]
 
 
@@ -63,13 +65,14 @@ def test_the_ui_does_load_textual() -> None:
 # --- arrows only downward, no circles ------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Each package's floor: a module may import only from its own floor or below. ``sources``
-#: sits above ``reservations`` because the demo seeds the demo's reservations file.
+#: Each package's floor: a module may import only from its own floor or below. ``ssh`` (the
+#: transport) sits below every room that opens connections; ``sources`` sits above
+#: ``reservations`` because the demo seeds the demo's reservations file.
 FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
     "errors": 0,
-    "reservations": 1, "sources": 2, "poller": 3, "jobs": 4, "history": 4,
-    "hub": 5, "agents": 5, "notify": 4, "ui": 6, "cli": 7, "__main__": 8,
+    "ssh": 1, "reservations": 2, "sources": 3, "poller": 4, "hubclient": 5, "jobs": 6,
+    "history": 6, "notify": 6, "hub": 7, "agents": 7, "ui": 8, "cli": 9, "__main__": 10,
 }
 #: Rooms on one floor that must still not see each other.
 FORBIDDEN = {("ui", "hub"), ("ui", "agents"), ("jobs", "history"), ("history", "jobs"),

@@ -20,15 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HOSTILE, _need_sshd, _world_readable
-from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+
+from tests.support.fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+from tests.support.shared_fleet import HOSTILE, need_sshd, world_readable
 
 pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from gputop.reservations import Store, Target, release, reserve
+from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.queue import Queue, Request
+from gputop.reservations.store import Store
 from gputop.text import clean
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -40,8 +42,8 @@ TOOLS = {"fleet_status", "find_gpus", "reserve", "release", "my_reservations",
 def mcp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two free GPUs on one host; on the other, a teammate's process with a hostile name, a
     GPU whose name is an escape sequence and a lost GPU whose error has one."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("mcpfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("mcpfleet")), [
         Host("mcp-free", "127.0.25.2", gpus=("rtx2080", "rtx2080")),
         Host("mcp-busy", "127.0.25.3", gpus=("rtx2080",), scenario="hostile-names", processes=[
             GpuProcess("gtbob", HOSTILE, gpu=0, mem_mib=77)]),

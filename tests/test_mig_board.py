@@ -9,12 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from test_board import K, cell, fk, goto, keys
-
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.test_board import K, cell, fk, goto, keys
 
 
 async def until(pilot: Any, ok: Callable[[], bool]) -> None:

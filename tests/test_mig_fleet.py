@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
 
 from gputop.reservations.terms import Target, Terms
+from tests.support.fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
+from tests.support.shared_fleet import need_sshd, world_readable
 
 #: argv0 a user chose to break (or forge inside) nvidia-smi's unescaped XML.
 XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
@@ -23,8 +23,8 @@ XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
 
 @pytest.fixture(scope="module")
 def mig_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("migfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("migfleet")), [
         Host("gpu-mig", "127.0.3.2", gpus=("h100-mig", "l40s", "h100-mig"), processes=[
             GpuProcess("gtalice", "python big.py", gpu=0, mem_mib=7484, mig=(2, 0)),
             GpuProcess("gtbob", "python small.py", gpu=0, mem_mib=900, mig=(9, 0)),
@@ -158,7 +158,8 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     from gputop.history.report import collect, summarise
     from gputop.model import utcnow
     from gputop.poller import Poller
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     if not mig_fleet.users:
         pytest.skip("needs the test users (root)")

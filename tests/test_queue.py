@@ -22,11 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import (
+
+from gputop.model import utcnow
+from gputop.reservations.ops import Refused
+from gputop.reservations.order import QueueView
+from gputop.reservations.state import StoreState, decode
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.as_user import (
     wait_as,
 )
-from fleet import Fleet, gpu_uuid
-from queue_team import (
+from tests.support.fleet import Fleet, gpu_uuid
+from tests.support.queue_team import (
     GRACE,
     INTERVAL,
     Team,
@@ -36,12 +43,6 @@ from queue_team import (
     two_host_fleet,
     until,
 )
-
-from gputop.model import utcnow
-from gputop.reservations.ops import Refused
-from gputop.reservations.order import QueueView
-from gputop.reservations.store import Store, StoreState, decode, new_reservation
-from gputop.reservations.terms import Target, Terms
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +330,7 @@ def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) ->
     id, but the driver lists it on the GPU: while a process of the holder uses the job's GPU
     the reservation stays. (The fleet starts that real process of gtalice's and its
     nvidia-smi stand-in reports it on q2:0.)"""
-    from fleet import GpuProcess
+    from tests.support.fleet import GpuProcess
 
     q2 = team.fleet.hosts["q2"]
     flag = team.tmp / "go"
@@ -527,7 +528,7 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     ' "hosts": [], "want": "", "one_host": false}]',
 ])
 def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     raw = f'{{"version": 2, "reservations": [], "events": [], "queue": {queue}}}'.encode()
     with pytest.raises(StoreError, match="left untouched"):
@@ -535,7 +536,7 @@ def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
 
 
 def test_queue_in_a_version_1_file_is_refused(tmp_path: Path) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     with pytest.raises(StoreError, match="queue"):
         decode(b'{"version": 1, "reservations": [], "queue": []}', tmp_path / "r.json")
@@ -555,7 +556,7 @@ def test_a_lease_of_years_is_not_honoured(tmp_path: Path) -> None:
     """A waiter SIGKILLed with a lease of centuries (written by hand or an old flag) would
     hold the head for good: a lease further ahead than any live waiter writes is ignored."""
     from gputop.reservations.queue import Queue, Request
-    from gputop.reservations.store import MAX_LEASE_S
+    from gputop.reservations.records import MAX_LEASE_S
 
     store = Store(tmp_path / "r.json")
     Queue(store, Request(1), lease_s=MAX_LEASE_S).join()
@@ -600,7 +601,7 @@ def _hosts(spec: dict[str, list[int]]) -> list[Any]:
 
 
 def _queue(*reqs: Any) -> StoreState:
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     now = utcnow()
     return StoreState(queue=tuple(
@@ -1033,7 +1034,7 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
     from gputop.config import Config, HostConfig
     from gputop.jobs import reap
     from gputop.reservations.ops import whoami
-    from gputop.reservations.store import Job
+    from gputop.reservations.records import Job
 
     me = whoami()[0]
     store = Store(tmp_path / "reservations.json")
@@ -1076,7 +1077,7 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
 
     from gputop.cli.reserve import cmd_reservations
     from gputop.config import Config
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     store = Store(tmp_path / "reservations.json")
     now = utcnow()

@@ -29,16 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import need_test_users, run_as, user_home
-from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
 from gputop.config import ConfigError, load_config
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.state import OverBudget
-from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
-from gputop.reservations.terms import Terms
-from gputop.sources.shared_file import open_store
+from gputop.reservations.state import OverBudget, StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Terms, new_reservation
+from tests.support.as_user import need_test_users, run_as, user_home
+from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_IP = "127.0.22.2"
@@ -401,8 +402,8 @@ from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
 from gputop.reservations.store import encode, new_reservation, replace
+from gputop.reservations.open import open_store
 from gputop.reservations.terms import Terms
-from gputop.sources.shared_file import open_store
 
 st = open_store(load_config(sys.argv[1]))
 point = sys.argv[2]
@@ -646,11 +647,10 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
 
 async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
         clean: World) -> None:
-    from board_data import NOW, board_config, fixed_snapshots, seed
-    from board_pilot import reserve_row
-
     from gputop.ui.app import GputopApp
-    from gputop.ui.widgets import BoardTable
+    from gputop.ui.table import BoardTable
+    from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
+    from tests.support.board_pilot import reserve_row
 
     seed(Store(clean.path))
     cfg = replace(board_config(clean.root), interval=0.5, reservations_path=clean.path,
@@ -689,7 +689,7 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
 def test_run_and_free_over_ssh_hold_and_release_as_the_store_login(clean: World) -> None:
     """``gputop run`` and ``free --reserve`` with the file over SSH: the job's reservation is
     the store login's while it runs, and released when it ends."""
-    from fleet import gpu_uuid
+    from tests.support.fleet import gpu_uuid
 
     cfg = str(clean.config("gtcarol"))
     env = clean.fleet.env()

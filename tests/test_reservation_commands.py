@@ -17,12 +17,12 @@ from typing import Any
 
 import jsonschema
 import pytest
-from as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
-from fleet import Fleet
 
 from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
+from tests.support.as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
+from tests.support.fleet import Fleet
 
 
 @pytest.fixture

@@ -20,13 +20,16 @@ from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, iso, utcnow
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import IdleTracker, annotate, share_fits
+from gputop.reservations.ops import Invalid, Refused, release, reserve
 from gputop.reservations.order import QueueView
-from gputop.reservations.queue import Request
+from gputop.reservations.records import Waiter
+from gputop.reservations.requests import Request
 from gputop.reservations.shares import best_fit, parse_size_mib, reserve_share, size_text
-from gputop.reservations.store import StoreState, Waiter, new_reservation
-from gputop.reservations.terms import Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 ROOT = Path(__file__).resolve().parents[1]
 H = 3600.0

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_board import cell, gk, goto, load, make_app
-
 from gputop.model import utcnow
-from gputop.reservations import Store, Target
+from gputop.reservations.ops import Target
 from gputop.reservations.shares import reserve_share
+from gputop.reservations.store import Store
 from gputop.reservations.terms import Terms
 from gputop.ui.board_rows import SHARE_SEP
+from tests.test_board import cell, gk, goto, load, make_app
 
 TOTAL = 81559
 G = 1024

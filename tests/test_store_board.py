@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, seed
-from board_pilot import keep_notices, load_fixed, reserve_row
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
+from tests.support.board_data import NOW, board_config, seed
+from tests.support.board_pilot import keep_notices, load_fixed, reserve_row
 
 HOSTILE = {
     "deep-nesting": '{"version": 1, "reservations": ' + "[" * 50_000 + "]" * 50_000 + "}",

@@ -22,12 +22,13 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
-from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
-from test_remote_store import World, _alias, _script_pids, _under
 
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.store import ReservationStore, Store, StoreError
+from gputop.reservations.store import ReservationStore, Store
+from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
+from tests.test_remote_store import World, _alias, _script_pids, _under
 
 STORE_IP = "127.0.61.2"
 ATTACKER = "gtdave"  # a member of the team's group

@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
 
 from gputop.config import load_config
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
-from gputop.sources.stream import HostSession
+from gputop.sources.stream_session import HostSession
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -29,8 +29,8 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def rfleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("alpha", "127.0.6.12", gpus=("h100", "l40s")),
     ]).start()
     monkeypatch.setenv("HOME", str(f.home))
@@ -97,7 +97,7 @@ async def _freeze_until_back(poller: Poller, host: Host, limit: float,
 
 
 async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fleet) -> None:
-    """Finding: no keepalive on streaming connections (sources/transport.py connect) and a
+    """Finding: no keepalive on streaming connections (ssh/transport.py connect) and a
     stream stall keeps the connection (kind "timeout" is not dropped), so a connection
     whose peer went silent without a FIN/RST (sshd hung, conntrack/NAT state lost) is
     reused for ever: every restart opens a channel on it and times out. The host never
@@ -370,9 +370,10 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
 
     from gputop import output
     from gputop.model import GpuInfo, ProcessInfo, iso
-    from gputop.sources import stream_samples
-    from gputop.sources.protocol import LineReader, ParseError
-    from gputop.sources.stream_samples import parse_timestamp
+    from gputop.sources import stream_parse
+    from gputop.sources.protocol import LineReader
+    from gputop.sources.stream_parse import parse_timestamp
+    from gputop.ssh.transport import ParseError
 
     rnd = random.Random(4)
     names = [f.name for f in dataclasses.fields(GpuInfo)]
@@ -409,7 +410,7 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
                                                       if u.microsecond else "")
             assert parse_timestamp(text) == u.timestamp(), text
         t += timedelta(days=1)
-    assert len(stream_samples._DAYS) <= 64
+    assert len(stream_parse._DAYS) <= 64
     for bad in ("2023/02/29 00:00:00", "2024/02/30 00:00:00", "2024/13/01 00:00:00",
                 "2024/01/01 24:00:00", "2024/01/01 23:60:00", "2024/01/01 23:00:60"):
         with pytest.raises(ParseError):
@@ -527,11 +528,9 @@ async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_rais
     UTF-8, a start line split in two with a sample behind it, a flood with no line end,
     a close before the start line, data after close: every outcome is the session's own,
     nothing raises out of a callback."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_stream_parse import row
-
-    from gputop.sources.protocol import MARK, ParseError
+    from gputop.sources.protocol import MARK
+    from gputop.ssh.transport import ParseError
+    from tests.test_stream_parse import row
 
     def g(i: int) -> bytes:
         return f"g {row(i, 2)}\n".encode()

@@ -7,12 +7,12 @@ from datetime import datetime, timezone
 
 import pytest
 
+from gputop.hubclient.client import check_document
+from gputop.hubclient.schema import check
 from gputop.model import GpuInfo, HostError, HostSnapshot, MigInstance, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
-from gputop.reservations.terms import Target, Terms
-from gputop.sources.hub import check_document
-from gputop.sources.hub_schema import check
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 NOW = datetime(2026, 12, 5, 1, 0, tzinfo=timezone.utc)
 P = (ProcessInfo(pid=1, user="gtbob", command="python", gpu_memory_mib=4000),)

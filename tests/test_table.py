@@ -10,8 +10,8 @@ import pytest
 
 from gputop.cli.table import cell_width, render
 from gputop.model import FleetSnapshot, GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202eevil\x9b1m\r\nnext"

@@ -17,8 +17,9 @@ import pytest
 from gputop.config import Config, HostConfig
 from gputop.jobs.wait import run_to_end, wait_for_gpus
 from gputop.poller import Poller
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations.ops import Target, reserve
 from gputop.reservations.queue import Queue, Request
+from gputop.reservations.store import Store
 from gputop.sources.demo import DemoSource
 
 

@@ -43,6 +43,7 @@ from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller, first_answer_s, slow_error
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
     IdleTracker,
     gpu_annotation,
@@ -50,6 +51,7 @@ from gputop.reservations.flags import (
     reservation_index,
     share_flags,
 )
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import (
     Invalid,
     Refused,
@@ -68,12 +70,12 @@ from gputop.reservations.queue import (
     queue_claim,
     share_claim,
 )
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
-from gputop.reservations.store import Reservation, StoreError, StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.targets import check_targets, parse_targets
 from gputop.reservations.terms import Terms
-from gputop.sources.shared_file import open_store
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them

@@ -99,8 +99,9 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
 def _reserved(path: Path, names: set[str], *, mine: bool) -> list[str]:
     """``HOST:GPU`` of active reservations on configured hosts (the file is shared and
     hostile: only names from the config come back)."""
-    from gputop.reservations import Store, StoreError
+    from gputop.reservations.filelock import StoreError
     from gputop.reservations.ops import whoami
+    from gputop.reservations.store import Store
 
     try:
         state = Store(path).read()

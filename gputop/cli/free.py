@@ -25,12 +25,10 @@ from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import (
-    Target,
-)
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
-from gputop.reservations.queue import QueueView, queue_claim
-from gputop.reservations.terms import Terms
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import queue_claim
+from gputop.reservations.terms import Target, Terms
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:

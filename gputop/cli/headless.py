@@ -43,13 +43,13 @@ class ReservationsReader:
     """The shared file, read once per document; a broken file is reported once per change."""
 
     def __init__(self, config: Config) -> None:
-        from gputop.sources.shared_file import open_store
+        from gputop.reservations.open import open_store
 
         self.store = open_store(config)
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:
-        from gputop.reservations import StoreError
+        from gputop.reservations.filelock import StoreError
 
         try:
             state, problem = self.store.read(), None
@@ -63,8 +63,9 @@ class ReservationsReader:
 async def json_output(config: Config, sources: list[Source] | None, *, watch: bool,
                 pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
+    from gputop.hubclient.poller import open_poller
     from gputop.output import write_document
-    from gputop.poller import first_answer_s, open_poller
+    from gputop.poller import first_answer_s
     from gputop.reservations.flags import IdleTracker, annotate
     from gputop.reservations.summary import fleet_summary
 
@@ -190,7 +191,8 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     import shutil
 
     from gputop.cli.table import render
-    from gputop.poller import first_answer_s, open_poller
+    from gputop.hubclient.poller import open_poller
+    from gputop.poller import first_answer_s
     from gputop.reservations.flags import IdleTracker
 
     poller = open_poller(config, sources, one_look=True, say=_say)  # one query

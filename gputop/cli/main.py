@@ -32,7 +32,7 @@ from gputop.errors import (
     UsageError,
     help_epilog,
 )
-from gputop.reservations import Refused
+from gputop.reservations.ops import Refused
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")

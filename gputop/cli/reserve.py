@@ -25,24 +25,21 @@ from gputop.config import Config
 from gputop.errors import EXIT_OK
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import (
-    Invalid,
-    Refused,
-    Reservation,
-    Target,
-    release,
-)
 from gputop.reservations.ops import (
+    Invalid,
     Outcome,
+    Refused,
+    Target,
     ends_with,
     format_duration,
     local_time,
+    release,
     reserve_outcomes,
     size_text,
     whoami,
 )
 from gputop.reservations.queue import queue_claim
-from gputop.reservations.store import Job
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.targets import parse_targets
 from gputop.reservations.terms import Terms, tied
 from gputop.text import clean, excerpt

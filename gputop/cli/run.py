@@ -22,14 +22,11 @@ from gputop.cli.targets import (
 from gputop.cli.waiting import wait_in_queue
 from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-)
+from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import (
     unsatisfiable,
 )
-from gputop.reservations.store import Job
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.terms import Terms
 from gputop.text import clean
 

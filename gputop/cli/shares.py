@@ -27,9 +27,10 @@ from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target
-from gputop.reservations.ops import format_duration, local_time, whoami
-from gputop.reservations.queue import QueueView, share_claim
+from gputop.reservations.ops import Invalid, Refused, format_duration, local_time, size_text, whoami
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import share_claim
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -38,11 +39,11 @@ from gputop.reservations.shares import (
     room_mib,
     share_gpu,
     shares_of,
-    size_text,
 )
-from gputop.reservations.store import Job, StoreState
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import parse_targets
-from gputop.reservations.terms import Terms, tied
+from gputop.reservations.terms import Target, Terms, tied
 from gputop.text import clean
 
 

@@ -28,9 +28,10 @@ from gputop.reservations.flags import (
     share_flags,
     unshared_mib,
 )
-from gputop.reservations.ops import format_duration, left_text
-from gputop.reservations.shares import holder_use_mib, share_index, size_text
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.ops import format_duration, left_text, size_text
+from gputop.reservations.records import Reservation
+from gputop.reservations.shares import holder_use_mib, share_index
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import CLASSES, INSTANCE_CLASSES, fleet_summary
 from gputop.text import clean
 

@@ -11,23 +11,19 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
+from gputop.hubclient.poller import open_poller
 from gputop.model import HostSnapshot
-from gputop.poller import first_answer_s, open_poller
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    Target,
-)
-from gputop.reservations.ops import format_duration, whoami
+from gputop.poller import first_answer_s
+from gputop.reservations import open as store_open
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.ops import Invalid, Target, format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
-from gputop.reservations.records import MAX_USER_ENTRIES
+from gputop.reservations.records import MAX_USER_ENTRIES, Reservation
 from gputop.reservations.shares import parse_size_mib
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
-from gputop.sources import shared_file
 from gputop.text import clean
 
 
@@ -121,8 +117,8 @@ def validate_gpus(config: Config, targets: list[Target],
 def open_store(config: Config) -> ReservationStore:
     """The config's reservations file (a path, or ``HOST:/path`` over SSH), read with its
     ``max_duration`` (an expiry further ahead counts as created + max_duration and is
-    flagged ``beyond-max``): :func:`gputop.sources.shared_file.open_store`."""
-    return shared_file.open_store(config)
+    flagged ``beyond-max``): :func:`gputop.reservations.open.open_store`."""
+    return store_open.open_store(config)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)

@@ -12,16 +12,13 @@ from typing import Any
 from gputop.cli.targets import max_wait_s
 from gputop.config import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-    ReservationStore,
-)
+from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import (
     DEFAULT_LEASE_S,
     Request,
 )
-from gputop.reservations.store import MAX_LEASE_S, Job
+from gputop.reservations.records import MAX_LEASE_S, Job, Reservation
+from gputop.reservations.store import ReservationStore
 
 
 def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: argparse.Namespace,

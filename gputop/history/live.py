@@ -17,8 +17,9 @@ from gputop.config import Config
 from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.model import HostSnapshot
-from gputop.reservations.store import StoreError, StoreState
-from gputop.sources.shared_file import open_store
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.open import open_store
+from gputop.reservations.state import StoreState
 
 #: Minutes are rolled up this often, so a report reads few raw samples.
 MAINTAIN_EVERY_S = 20.0

@@ -23,16 +23,16 @@ from gputop.hub.patches import host_change
 from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
-from gputop.reservations import StoreError
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
     IdleTracker,
     annotated_host,
     queue_document,
     reservations_document,
 )
-from gputop.reservations.store import StoreState
+from gputop.reservations.open import open_store
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import Tally, host_tally, indexes
-from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
 OTHER_KEYS = ("queue", "reservations", "reservations_error", "summary")

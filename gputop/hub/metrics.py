@@ -25,7 +25,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gputop import __version__
-from gputop.sources.hub_schema import schema
+from gputop.hubclient.schema import schema
 
 #: Every flag a GPU or instance may carry (the schema's own list): one 0/1 series each.
 FLAGS: tuple[str, ...] = tuple(

@@ -1,6 +1,6 @@
 """``gputop serve``: the hub's HTTP side (aiohttp), read-only.
 
-aiohttp serves the routes, the SSE streams and (in ``gputop.sources.hub``) the client,
+aiohttp serves the routes, the SSE streams and (in ``gputop.hubclient.client``) the client,
 all on the poller's own event loop: the hub is one process, one loop, one collection,
 and nothing to hand between threads (starlette + uvicorn would have split the server
 from the client library and brought a second loop's worth of machinery).

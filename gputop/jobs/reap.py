@@ -27,14 +27,11 @@ from datetime import datetime
 from gputop.config import Config
 from gputop.jobs.remote import START_SLACK_S, Alive, JobHostError, alive_on, local_start
 from gputop.model import HostSnapshot, iso
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import whoami
-from gputop.reservations.store import (
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.records import Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 
 
 def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float,

@@ -16,7 +16,7 @@ import asyncssh
 
 from gputop.config import Config, HostConfig
 from gputop.model import HostSnapshot
-from gputop.sources.transport import JumpPool, known_hosts_for, resolve_options
+from gputop.ssh.transport import JumpPool, known_hosts_for, resolve_options
 
 #: ``ps`` prints only numbers, a state and a start time here (C locale, UTC): nothing a
 #: remote user chooses can forge a row. A zombie (state Z: exited, not yet reaped by its

@@ -45,13 +45,10 @@ from gputop.jobs.remote import (
     local_start,
     parse_lstart,
 )
-from gputop.reservations.store import (
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.records import Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.text import clean
 
 MARKER = b"gputop-job-pid "

@@ -18,8 +18,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gputop.config import Config, reserving_problem
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,
@@ -31,14 +33,9 @@ from gputop.reservations.queue import (
     removed_by,
     unsatisfiable,
 )
-from gputop.reservations.store import (
-    LAPSED_KEEP_S,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.records import LAPSED_KEEP_S, Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.terms import Terms
 from gputop.text import clean, excerpt
 

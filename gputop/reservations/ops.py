@@ -12,13 +12,9 @@ from typing import Literal
 
 from gputop.errors import EXIT_REFUSED, GputopError
 from gputop.model import iso
-from gputop.reservations.store import (
-    MAX_NOTE,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    local_identity,
-)
+from gputop.reservations.records import MAX_NOTE, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore, local_identity
 from gputop.reservations.terms import Target as Target
 from gputop.reservations.terms import Terms, new_reservation
 from gputop.text import clean

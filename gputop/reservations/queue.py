@@ -51,24 +51,21 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
-from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
+from gputop.reservations.ops import Invalid, Refused, local_time, size_text, whoami
 from gputop.reservations.order import QueueView as QueueView
 from gputop.reservations.order import pick as pick
 from gputop.reservations.order import request_of as request_of
+from gputop.reservations.records import LAPSED_KEEP_S, Reservation, Waiter
 from gputop.reservations.requests import Request as Request
 from gputop.reservations.requests import capacity as capacity
 from gputop.reservations.requests import ceiling as ceiling
 from gputop.reservations.requests import unsatisfiable as unsatisfiable
-from gputop.reservations.shares import check_share, size_text
-from gputop.reservations.store import (
-    LAPSED_KEEP_S,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    Waiter,
-    kept,
+from gputop.reservations.shares import (
+    check_share,
 )
-from gputop.reservations.terms import Terms, new_reservation
+from gputop.reservations.state import StoreState, kept
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.text import clean, excerpt
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.

@@ -9,7 +9,7 @@ and ``flock`` from util-linux for writing.
 
 from __future__ import annotations
 
-from gputop.reservations.store import MAX_FILE_BYTES
+from gputop.reservations.records import MAX_FILE_BYTES
 
 #: Prefix of every marker line the scripts print (constant text).
 MARK = "@@gputop-store"

@@ -34,19 +34,15 @@ from gputop.reservations.ops import (
     size_text,
     until,
 )
-from gputop.reservations.store import (
-    MAX_SHARE_MIB,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    new_reservation,
-)
-from gputop.reservations.terms import Terms
+from gputop.reservations.records import MAX_SHARE_MIB, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Terms, new_reservation
 from gputop.text import clean
 
 __all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",
            "holder_use_mib", "mig_mode", "parse_size_mib", "reserve_share", "room_mib",
-           "share_dict", "share_index", "shares_of", "size_text"]
+           "share_dict", "share_index", "shares_of"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 

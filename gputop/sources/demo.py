@@ -17,7 +17,8 @@ from typing import Literal
 
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, ProcessInfo, utcnow
-from gputop.reservations.store import Store, StoreState
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
 from gputop.reservations.terms import Target, Terms, new_reservation
 
 #: (host, model, GPU count, memory MiB, power limit W, tags)

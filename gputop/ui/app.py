@@ -27,11 +27,12 @@ from textual.css.query import NoMatches
 from textual.widgets import Footer, Input
 
 from gputop.config import Config
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
-from gputop.sources.shared_file import open_store
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, HostRow
@@ -40,8 +41,9 @@ from gputop.ui.feed import FeedThread
 from gputop.ui.intake import RENDER_PERIOD, Intake, tune_gc
 from gputop.ui.screens import HelpScreen, UsersScreen
 from gputop.ui.store_actions import StoreActions
+from gputop.ui.table import BoardTable
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
-from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+from gputop.ui.widgets import DetailPane, SummaryBar
 
 if TYPE_CHECKING:
     from gputop.history.live import LiveRecorder

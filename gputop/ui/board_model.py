@@ -32,8 +32,9 @@ from gputop.reservations.flags import (
     share_flags,
 )
 from gputop.reservations.ops import format_duration
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import share_index
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import CLASSES
 from gputop.reservations.summary import classes as gpu_classes
 from gputop.ui.board_history import BoardHistory

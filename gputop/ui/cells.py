@@ -13,8 +13,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from gputop.model import GpuInfo
-from gputop.reservations.ops import format_duration, left_text
-from gputop.reservations.shares import holder_use_mib, room_mib, size_text
+from gputop.reservations.ops import format_duration, left_text, size_text
+from gputop.reservations.shares import holder_use_mib, room_mib
 from gputop.text import clean, excerpt
 from gputop.ui.board_rows import GpuRow, HostRow, Row, short_model
 

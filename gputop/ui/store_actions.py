@@ -18,9 +18,11 @@ from textual.worker import Worker
 
 from gputop.config import Config
 from gputop.poller import Poller
-from gputop.reservations import Invalid, Refused, StoreError, Target, release
-from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
-from gputop.reservations.store import ReservationStore, StoreState
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.ops import Invalid, Refused, Target, release, size_text
+from gputop.reservations.shares import mig_mode, reserve_share, room_mib
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import (

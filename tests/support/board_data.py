@@ -10,14 +10,14 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from fleet import CAPTURES, project_capture
-
 from gputop.config import Config, HostConfig
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import Store, StoreState, new_reservation
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
 from gputop.sources.protocol import frame
+from tests.support.fleet import CAPTURES, project_capture
 
 # In the future, so the store (which prunes by the wall clock) keeps the seeded reservations.
 NOW = datetime(2030, 6, 1, 12, 0, 0, tzinfo=timezone.utc)

@@ -2,17 +2,14 @@
 2-core machine can serve hundreds of GPUs' worth of events), with the hub's bounds set
 small so tests and bench/hub_load.py need not wait long.
 
-    python tests/demo_hub.py --hosts 100 --gpus 8 --listen 127.0.0.1:9850 [--token-file F]
+    python -m tests.support.demo_hub --hosts 100 --gpus 8 --listen 127.0.0.1:9850 [--token-file F]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Every user of the shared file (the CLI, the queue, ``run``, the board, history's recorder)
 gets it from :func:`open_store`, so where the file lives is decided in one place. A remote
-store connects with the poller's transport (:mod:`gputop.sources.transport`):
+store connects with the poller's transport (:mod:`gputop.ssh.transport`):
 ``~/.ssh/config`` resolution, known_hosts always enforced, ProxyJump through a jump
 connection, classified errors.
 """
@@ -21,7 +21,7 @@ import asyncssh
 from gputop.config import Config, HostConfig
 from gputop.reservations.remote import ConnectFailed, RemoteStore
 from gputop.reservations.store import ReservationStore, Store
-from gputop.sources.transport import HostLink, JumpPool
+from gputop.ssh.transport import HostLink, JumpPool
 
 #: One RemoteStore (one kept connection) per file per process: commands that open the
 #: store several times share it.
@@ -53,7 +53,7 @@ def open_store(config: Config, *, warn: Callable[[str], None] | None = None
 
 def _connector(config: Config, host: HostConfig) -> Callable[[], Any]:
     """The store host's kept connection, opened as the poller opens a host's
-    (:class:`~gputop.sources.transport.HostLink`: TCP first, a handshake slot, ProxyJump
+    (:class:`~gputop.ssh.transport.HostLink`: TCP first, a handshake slot, ProxyJump
     through a shared jump connection), with keepalives: the connection idles between
     reads, and a dead one must be noticed (the script's watchdog covers the writes)."""
     def new_link() -> HostLink:

@@ -16,9 +16,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from gputop.hubclient.client import fleet_from_document
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.terms import Target, Terms
-from gputop.sources.hub import fleet_from_document
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -176,7 +176,8 @@ def history_db(path: Path) -> None:
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
