@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, args.tree)
     import gputop.sources.hub as hub
-    from gputop.config import Config
+    from gputop.config import Config, Defaults, Hub, Reservations
     from gputop.poller import open_poller
 
     spent = {"parse": 0.0, "check": 0.0, "model": 0.0}
@@ -49,8 +49,9 @@ def main() -> None:
     hub.parse_json = timed("parse", hub.parse_json)  # type: ignore[assignment]
     hub.check_update = timed("check", hub.check_update)  # type: ignore[assignment]
     hub.host_from_dict = timed("model", hub.host_from_dict)  # type: ignore[assignment]
-    cfg = Config(path=None, hosts=(), interval=2.0, timeout=5.0, hub_url=args.hub,
-                 reservations_path=Path(tempfile.mkdtemp()) / "r.json")
+    cfg = Config(path=None, hosts=(), defaults=Defaults(interval=2.0, timeout=5.0),
+                 hub=Hub(url=args.hub),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"))
     gc.set_threshold(50_000, 50, 20)  # as the board's tune_gc
 
     async def run() -> dict[str, Any]:

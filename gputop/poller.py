@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -28,23 +27,23 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
     """One source per configured host, sharing the handshake cap and jump connections."""
     from gputop.sources.nvml import NvmlSource
 
-    handshakes = asyncio.Semaphore(config.max_connecting)
+    handshakes = asyncio.Semaphore(config.defaults.max_connecting)
     jumps: JumpPool | None = None
     sources: list[Source] = []
     for h in config.hosts:
         if h.local:
-            sources.append(NvmlSource(h.name, timeout=config.timeout))
+            sources.append(NvmlSource(h.name, timeout=config.defaults.timeout))
             continue
         from gputop.sources.ssh import SshSource
         from gputop.sources.transport import JumpPool
 
         if jumps is None:
-            jumps = JumpPool(config.ssh_config)
+            jumps = JumpPool(config.defaults.ssh_config)
         sources.append(
-            SshSource(h, timeout=config.timeout, interval=config.interval,
-                      ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps,
-                      first_sample_timeout=config.first_sample_timeout,
-                      collection=config.collection)
+            SshSource(h, timeout=config.defaults.timeout, interval=config.defaults.interval,
+                      ssh_config=config.defaults.ssh_config, handshakes=handshakes, jumps=jumps,
+                      first_sample_timeout=config.defaults.first_sample_timeout,
+                      collection=config.defaults.collection)
         )
     return sources, jumps
 
@@ -57,9 +56,9 @@ def first_answer_s(config: Config) -> float | None:
     """How long a one-shot look waits for the hosts (``[defaults] first_answer``, at most
     the timeout); None: for every host, up to its timeout (``--wait-all``). Every command
     that answers once takes its deadline from here."""
-    if config.wait_all:
+    if config.defaults.wait_all:
         return None
-    return min(config.first_answer, config.timeout)
+    return min(config.defaults.first_answer, config.defaults.timeout)
 
 
 def slow_error(deadline: float) -> HostError:
@@ -156,9 +155,9 @@ class Poller:
             # A new streamed sample: the next query waits for the next one, so no sleep
             # (unless samples come more often than every half interval).
             since, answered = now - answered, now
-            if since >= self.config.interval / 2 and source.paced:
+            if since >= self.config.defaults.interval / 2 and source.paced:
                 continue
-            left = self.config.interval - (now - started)
+            left = self.config.defaults.interval - (now - started)
             if left > 0 and name not in self._woken:
                 await self._nap(name, left)
 
@@ -247,14 +246,14 @@ class HubPoller:
     def __init__(self, config: Config, say: Callable[[str], None] | None = None) -> None:
         from gputop.sources.hub import HubClient, read_token
 
-        assert config.hub_url is not None
+        assert config.hub.url is not None
         self.config = config
-        self.url = config.hub_url
-        self.client = HubClient(config.hub_url, timeout=config.timeout,
-                                token=read_token(config.hub_token_file))
+        self.url = config.hub.url
+        self.client = HubClient(config.hub.url, timeout=config.defaults.timeout,
+                                token=read_token(config.hub.token_file))
         self.only = [h.name for h in config.hosts] or None
         self.sources: list[_Named] = [_Named(n) for n in self.only or ()]
-        self.fallback = config.hub_fallback == "direct"
+        self.fallback = config.hub.fallback == "direct"
         self.say = say
         #: Why the hub could not be read last (None while it answers): the board's bar.
         self.error: HubError | None = None
@@ -288,7 +287,7 @@ class HubPoller:
         if self._direct is None:
             if self.say is not None:
                 self.say(f"{exc}; polling the hosts directly ([hub] fallback = \"direct\")")
-            self._direct = Poller(dataclasses.replace(self.config, hub_url=None))
+            self._direct = Poller(self.config.with_hub(url=None))
         return self._direct
 
     async def snapshot(self, deadline: float | None = None) -> FleetSnapshot:
@@ -424,7 +423,7 @@ def open_poller(config: Config, sources: Sequence[Source] | None = None, *,
                 ) -> Poller | HubPoller:
     """The hub when one is configured (and no sources are given), else the hosts;
     ``one_look``: one query per host (cheaper than starting streams for one document)."""
-    if sources is None and config.hub_url is not None:
+    if sources is None and config.hub.url is not None:
         return HubPoller(config, say=say)
-    return Poller(dataclasses.replace(config, collection="query") if one_look else config,
+    return Poller(config.with_defaults(collection="query") if one_look else config,
                   sources)

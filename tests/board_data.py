@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fleet import CAPTURES, project_capture
 
-from gputop.config import Config, HostConfig
+from gputop.config import Config, Defaults, History, HostConfig, Reservations
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.store import Store, StoreState, new_reservation
 from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
@@ -74,8 +74,9 @@ def fixed_snapshots(now: datetime = NOW) -> list[HostSnapshot]:
 def board_config(tmp: Path) -> Config:
     return Config(path=None, hosts=tuple(HostConfig(name=n) for n in
                                          ("gpu-h100", "gpu-mixed", "gpu-down", "gpu-stale")),
-                  interval=2.0, timeout=3.0, reservations_path=tmp / "reservations.json",
-                  history_path=tmp / "history.sqlite3")
+                  defaults=Defaults(interval=2.0, timeout=3.0),
+                  reservations=Reservations(path=tmp / "reservations.json"),
+                  history=History(path=tmp / "history.sqlite3"))
 
 
 def seed(store: Store, now: datetime = NOW) -> None:

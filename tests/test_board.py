@@ -1270,7 +1270,8 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
         app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app.intake.tick()
         assert frames == [] and app.intake.dirty
-        app.intake._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
+        app.intake._last_render -= (app.config.defaults.interval
+                                    * intake_module.OFFSCREEN_WAIT_INTERVALS)
         app.intake.tick()  # ...an interval at most
         assert frames == ["frame"] and not app.intake.dirty
         answer("n29")

@@ -288,7 +288,7 @@ def test_a_waiter_reaches_the_stream_and_the_metrics(hub: Hub, config: Path) -> 
     sse = Sse(hub.url)
     events = sse.events()
     next(events)
-    q = Queue(Store(load_config(str(config)).reservations_path),
+    q = Queue(Store(load_config(str(config)).reservations.path),
               Request(2, 0, ("alpha",), want="--host alpha"))
     q.join()
     try:

@@ -381,7 +381,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
         return real()
 
     c.store.read = counted  # type: ignore[method-assign]
-    path = config.reservations_path
+    path = config.reservations.path
     path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
     assert c.refresh_store()
     c.fold()
@@ -407,13 +407,12 @@ async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
     """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
     keeps running: the host shows the hub's error, then, back within the window, the
     missed update (no second snapshot), the host's data first restored."""
-    from dataclasses import replace
 
     from gputop.model import GpuInfo, HostSnapshot
     from gputop.poller import HubPoller
 
     hub, port = served
-    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    poller = HubPoller(hub.config.with_hub(url=f"http://127.0.0.1:{port}/"))
     got: list[HostSnapshot] = []
 
     async def read() -> None:
@@ -525,7 +524,7 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     from gputop.sources.hub_schema import check
 
     config = load_config(str(local_config(tmp_path)))
-    store = Store(config.reservations_path)
+    store = Store(config.reservations.path)
     made = reserve(store, [Target("here", 3)], seconds=3600, max_seconds=7200, user="eve")
     reserve(store, [Target("gone", 0)], seconds=3600, max_seconds=7200, user="ann")
     c = Collector(config)

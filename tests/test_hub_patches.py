@@ -214,7 +214,7 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
     import asyncio
     import socket
 
-    from gputop.config import Config
+    from gputop.config import Config, Defaults, Hub
     from gputop.poller import HubPoller
 
     doc = fleet_doc(1, 1, seed=2)
@@ -227,7 +227,8 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
                   + f"event: patch\nid: e-2\ndata: {bad}\n\n".encode())
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     errors = 0
     try:
         async def read() -> None:
@@ -289,7 +290,7 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
     import asyncio
     import socket
 
-    from gputop.config import Config
+    from gputop.config import Config, Defaults, Hub
     from gputop.poller import HubPoller
 
     doc = fleet_doc(2, 1, seed=3)
@@ -311,7 +312,8 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
                 c.recv(1)
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     after_resume: list[str] = []
     try:
         async def read() -> None:

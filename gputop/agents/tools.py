@@ -122,8 +122,8 @@ class FleetTools:
         #: The account this gputop logs in as on each host: your processes there are yours.
         self.login = logins(config)
         self.fleet = [h.name for h in config.hosts]
-        self.poller = poller or Poller(replace(config, collection="query"))
-        self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        self.poller = poller or Poller(config.with_defaults(collection="query"))
+        self.tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s)
         #: Above this many GPUs, ``fleet_status`` counts them per host.
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
@@ -221,14 +221,14 @@ class FleetTools:
 
     def _seconds(self, duration: str | None) -> float:
         if duration is None:
-            return self.config.reservation_default_s
+            return self.config.reservations.default_s
         try:
             seconds = parse_duration(duration)
         except ValueError:
             seconds = 0.0
-        if not 0 < seconds <= self.config.reservation_max_s:
+        if not 0 < seconds <= self.config.reservations.max_s:
             raise ToolFailure("invalid", f"duration {data(duration, 40)!r}: more than zero and "
-                              f"at most {format_duration(self.config.reservation_max_s)}, "
+                              f"at most {format_duration(self.config.reservations.max_s)}, "
                               "e.g. '30m', '2h', '1d'")
         return seconds
 
@@ -416,7 +416,7 @@ class FleetTools:
         # these GPUs is served first (the agent comes after every waiter).
         check = queue_claim(targets, snaps, self.fleet, self.me)
         made = await self._queued(lambda: reserve_outcomes(
-            self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
+            self.store, targets, seconds=seconds, max_seconds=self.config.reservations.max_s,
             note=note, check=check, login=answered_logins(self.config, snaps)))
         now = utcnow()
         done = [reservation_doc(o.reservation, now, self.me) | {"action": o.action}
@@ -455,7 +455,7 @@ class FleetTools:
             try:
                 o = await self._queued(partial(
                     reserve_share, self.store, t, share, total, seconds=seconds,
-                    max_seconds=self.config.reservation_max_s, note=note, check=check,
+                    max_seconds=self.config.reservations.max_s, note=note, check=check,
                     login=self.login(t.host)))
             except ToolFailure as exc:
                 failure = exc

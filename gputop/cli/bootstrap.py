@@ -91,8 +91,8 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
         return names
     out = [f"{n}:" for n in names]
     # release: your reservations, whole (over SSH: not a connection per Tab)
-    if kind == "mine" and config.reservations_host is None:
-        out += _reserved(config.reservations_path, set(names), mine=True)
+    if kind == "mine" and config.reservations.host is None:
+        out += _reserved(config.reservations.path, set(names), mine=True)
     return out
 
 

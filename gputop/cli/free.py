@@ -89,7 +89,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                           f.instance.gpu_instance_id if f.instance else None) for f in found]
         # Checked again under the lock: a waiter who joined meanwhile is served first.
         made = reserve_outcomes(
-            store, targets, seconds=seconds, max_seconds=config.reservation_max_s,
+            store, targets, seconds=seconds, max_seconds=config.reservations.max_s,
             note=args.note or "", login=logins(config),
             check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me))
         print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts

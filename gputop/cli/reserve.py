@@ -90,7 +90,7 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue)
     made = reserve_outcomes(store, targets, seconds=seconds,
-                            max_seconds=config.reservation_max_s, note=args.note or "",
+                            max_seconds=config.reservations.max_s, note=args.note or "",
                             job=job, check=check, event="skip-queue",
                             login=answered_logins(config, snaps))
     print_outcomes(made, sys.stdout)

@@ -46,7 +46,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         return run_share(config, args, argv)
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     store = open_store(config)
     reap_ended_jobs(config, store)
     from gputop.jobs.remote import local_start

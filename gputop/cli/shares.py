@@ -95,7 +95,7 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     check = share_claim(_fleet(config), list(snaps.values()), share, me, t,
                         skip=bool(args.skip_queue))
     o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
-                      max_seconds=config.reservation_max_s, note=args.note or "", job=job,
+                      max_seconds=config.reservations.max_s, note=args.note or "", job=job,
                       check=check, login=login_on_host(config, t.host))
     print_share(o, g.memory_total_mib, store.read(), sys.stdout)
     if g.memory_free_mib < share:
@@ -164,7 +164,7 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
         try:
             o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                              max_seconds=config.reservation_max_s, note=args.note or "",
+                              max_seconds=config.reservations.max_s, note=args.note or "",
                               check=share_claim(_fleet(config), hosts, share, me, t),
                               login=login_on_host(config, t.host))
         except Refused:
@@ -203,7 +203,7 @@ def wait_for_share(config: Config, store: ReservationStore, args: argparse.Names
 
     req = replace(queue_request(config, args, one_host=True), share_mib=share)
     seconds = reservation_seconds(config, args.duration) if args.duration else (
-        config.reservation_max_s if job is not None else config.reservation_default_s)
+        config.reservations.max_s if job is not None else config.reservations.default_s)
     code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=job)
     if code != EXIT_OK or not got:
         return None
@@ -228,7 +228,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
     # (a run killed before that is released after the grace: see jobs.reap).
     pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     r: Reservation | None = None
     total: int | None = None
     if args.wait:
@@ -244,7 +244,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
             t = Target(f.host, f.gpu.index, f.gpu.uuid)
             try:
                 o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                                  max_seconds=config.reservation_max_s,
+                                  max_seconds=config.reservations.max_s,
                                   note=args.note or "", job=pending,
                                   check=share_claim(_fleet(config), hosts, share, me, t),
                                   login=login_on_host(config, t.host))

@@ -81,13 +81,13 @@ async def poll_hosts(config: Config, names: set[str] | None = None) -> list[Host
 def reservation_seconds(config: Config, text: str | None) -> float:
     """``--for``: a clear message for what cannot be a reservation's length."""
     if text is None:
-        return config.reservation_default_s
+        return config.reservations.default_s
     try:
         seconds = parse_duration(text)
     except ValueError:
         seconds = 0.0
-    longest = format_duration(config.reservation_max_s)
-    if seconds > config.reservation_max_s:
+    longest = format_duration(config.reservations.max_s)
+    if seconds > config.reservations.max_s:
         raise Invalid(f"--for {text}: longer than the longest reservation here, {longest} "
                       "([reservations] max_duration): ask for that or less, and again "
                       "before it ends")

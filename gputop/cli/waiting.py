@@ -47,7 +47,7 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
 
         def reaper() -> None:  # in the background, at most every few intervals
             loop = asyncio.get_running_loop()
-            if loop.time() - last_reap[0] < max(5.0, 3 * config.interval) or pending:
+            if loop.time() - last_reap[0] < max(5.0, 3 * config.defaults.interval) or pending:
                 return
             last_reap[0] = loop.time()
             t = loop.create_task(check_jobs(config, store))

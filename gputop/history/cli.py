@@ -50,7 +50,7 @@ def time_range(args: argparse.Namespace, now: float) -> tuple[float, float]:
 
 def report(config: Config, args: argparse.Namespace) -> int:
     start, end = time_range(args, time.time())
-    path = Path(args.db).expanduser() if args.db else config.history_path
+    path = Path(args.db).expanduser() if args.db else config.history.path
     with HistoryDB(path) as db:
         doc = summarise(collect(db, start, end))
     if args.plot:

@@ -32,7 +32,7 @@ def known_gpus(config: Config, hosts: Collection[str]) -> dict[str, Known]:
 
 
 def _from_history(config: Config, hosts: Collection[str]) -> dict[str, Known]:
-    path = config.history_path
+    path = config.history.path
     if not hosts or not path.is_file():
         return {}
     try:

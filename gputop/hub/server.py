@@ -135,7 +135,7 @@ class Hub:
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
-        self.waste = WasteCache(config.history_path)
+        self.waste = WasteCache(config.history.path)
         #: Listening on loopback only: requests must name a loopback host too, so a web
         #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
         self.loopback_names_only = False

@@ -80,7 +80,7 @@ async def gpus_on(config: Config, names: Sequence[str]) -> dict[str, HostSnapsho
     started for a single look."""
     from gputop.poller import Poller
 
-    cfg = replace(config, collection="query",
+    cfg = replace(config.with_defaults(collection="query"),
                   hosts=tuple(h for h in config.hosts if h.name in names))
     poller = Poller(cfg)
     try:
@@ -113,7 +113,7 @@ async def check_jobs(config: Config, store: ReservationStore) -> list[Reservatio
     answers, gpus = await asyncio.gather(
         asyncio.gather(*(ask(n) for n in names)), gpus_on(config, names))
     return await asyncio.to_thread(apply_checks, store, dict(zip(names, answers)),
-                                   config.job_grace_s, gpus)
+                                   config.reservations.job_grace_s, gpus)
 
 
 def apply_checks(store: ReservationStore, answers: dict[str, Alive | None],

@@ -170,7 +170,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                 doubt_since = None
             elif doubt_since is None:
                 doubt_since = time.monotonic()
-            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.interval:
+            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.defaults.interval:
                 # Not a one-off odd answer: the hosts changed.
                 raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)

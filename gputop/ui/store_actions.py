@@ -8,7 +8,6 @@ them to the app) and delegates to it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable, Sequence
 from datetime import datetime
 
@@ -183,11 +182,11 @@ class StoreActions:
 
         poller = None
         if self._given_hosts is not None:  # the demo (or given sources): what the board shows,
-            poller = Poller(dataclasses.replace(self.config, collection="query"), [
+            poller = Poller(self.config.with_defaults(collection="query"), [
                 BoardSource(name, self.model.snapshots.get) for name in self._given_hosts])
         try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
             got = await wait_for_gpus(self.config, self.store, Request(count), note="",
-                                      seconds=self.config.reservation_default_s,
+                                      seconds=self.config.reservations.default_s,
                                       lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
                                       poller=poller)
         except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
@@ -228,8 +227,8 @@ class StoreActions:
         shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
 
         def ask() -> None:
-            self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about,
+            self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                           self.config.reservations.max_s, about,
                                            "optional" if shareable else None), done)
 
         from gputop.jobs.remote import login_on
@@ -265,8 +264,8 @@ class StoreActions:
             if req is not None:
                 self._reserve_checked(key, label, req)
 
-        self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                       self.config.reservation_max_s, about, "required",
+        self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                       self.config.reservations.max_s, about, "required",
                                        rest), done)
 
     def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
@@ -311,7 +310,7 @@ class StoreActions:
                                     req.share_mib, self.me, target)
                 await asyncio.to_thread(
                     reserve_share, self.store, target, req.share_mib, total_mib or 0,
-                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
+                    seconds=req.seconds, max_seconds=self.config.reservations.max_s,
                     note=req.note, user=self.me, check=claim,
                     login=answered_logins(self.config, self.model.snapshots)(target.host))
             else:
@@ -321,7 +320,7 @@ class StoreActions:
                                     [h.name for h in self.config.hosts], self.me)
                 await asyncio.to_thread(
                     reserve_outcomes, self.store, [target], seconds=req.seconds,
-                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
+                    max_seconds=self.config.reservations.max_s, note=req.note, user=self.me,
                     check=check, login=answered_logins(self.config, self.model.snapshots))
         except Refused as exc:
             self.app.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
