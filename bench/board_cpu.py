@@ -18,7 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, HostConfig, Reservations
 from gputop.sources.demo import DemoSource
 from gputop.ui.app import GputopApp
 
@@ -97,15 +98,15 @@ def main() -> None:
                     help="keep Python's GC settings (the board tunes them, see tune_gc)")
     args = ap.parse_args()
     names = [f"node{i:03d}" for i in range(args.hosts)]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
-                 timeout=5.0,
-                 reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                 defaults=Defaults(interval=args.interval, timeout=5.0),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "reservations.json"))
     sources: list[DemoSource] | None = [
         DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
     if args.hub:
         from dataclasses import replace
 
-        cfg, sources = replace(cfg, hub_url=args.hub, hosts=()), None
+        cfg, sources = replace(cfg.with_hub(url=args.hub), hosts=()), None
     if args.feed_only:
         assert sources is not None
         print(json.dumps(feed_only(cfg, sources, args)))

@@ -109,7 +109,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
 
 
 def paint(hosts: int) -> dict[str, object]:
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
 
     root = Path(tempfile.mkdtemp())

@@ -8,17 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gputop.config import Config
+    from gputop.config.load import Config
     from gputop.sources.demo import DemoSource
 
 
 def demo_fleet(hosts: int, gpus: int, reservations: Path) -> tuple[Config, list[DemoSource]]:
     """The config (interval 2 s, reservations at ``reservations``) and one source a host."""
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, HostConfig, Reservations
     from gputop.sources.demo import DemoSource
 
     names = [f"node{i:04d}" for i in range(hosts)]
     sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", gpus, 81559, 700.0) for n in names]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=2.0,
-                 timeout=5.0, reservations_path=reservations)
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                 defaults=Defaults(interval=2.0, timeout=5.0),
+                 reservations=Reservations(path=reservations))
     return cfg, sources

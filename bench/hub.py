@@ -272,11 +272,13 @@ def bench_latency(args: argparse.Namespace) -> None:
 
 
 def demo_config(hosts: int, interval: float):  # type: ignore[no-untyped-def]
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, HostConfig, Reservations
 
     names = [f"node{i:03d}" for i in range(hosts)]
-    return Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=interval,
-                  timeout=5.0, reservations_path=Path(tempfile.mkdtemp()) / "r.json")
+    return Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                  defaults=Defaults(interval=interval, timeout=5.0),
+                  reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"))
 
 
 def run_demo_hub(args: argparse.Namespace) -> None:

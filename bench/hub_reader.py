@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     load_gputop(args.tree)
     import gputop.hubclient.client as hub
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub, Reservations
     from gputop.hubclient.poller import open_poller
 
     spent = {"parse": 0.0, "check": 0.0, "model": 0.0}
@@ -50,8 +51,9 @@ def main() -> None:
     hub.parse_json = timed("parse", hub.parse_json)  # type: ignore[assignment]
     hub.check_update = timed("check", hub.check_update)  # type: ignore[assignment]
     hub.host_from_dict = timed("model", hub.host_from_dict)  # type: ignore[assignment]
-    cfg = Config(path=None, hosts=(), interval=2.0, timeout=5.0, hub_url=args.hub,
-                 reservations_path=Path(tempfile.mkdtemp()) / "r.json")
+    cfg = Config(path=None, hosts=(), defaults=Defaults(interval=2.0, timeout=5.0),
+                 hub=Hub(url=args.hub),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"))
     gc.set_threshold(50_000, 50, 20)  # as the board's tune_gc
 
     async def run() -> dict[str, Any]:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
@@ -59,7 +59,7 @@ OUT = ROOT / "bench" / "results"
 
 WRITER = r"""
 import sys
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
@@ -73,7 +73,7 @@ for k in range(n):
 
 BUSY = r"""
 import sys
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))

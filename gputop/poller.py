@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import HostConfig
 from gputop.model import FleetSnapshot, HostError, HostSnapshot, utcnow
 from gputop.sources import Source
 from gputop.text import excerpt
@@ -26,23 +27,23 @@ def build_sources(config: Config) -> tuple[list[Source], JumpPool | None]:
     """One source per configured host, sharing the handshake cap and jump connections."""
     from gputop.sources.nvml import NvmlSource
 
-    handshakes = asyncio.Semaphore(config.max_connecting)
+    handshakes = asyncio.Semaphore(config.defaults.max_connecting)
     jumps: JumpPool | None = None
     sources: list[Source] = []
     for h in config.hosts:
         if h.local:
-            sources.append(NvmlSource(h.name, timeout=config.timeout))
+            sources.append(NvmlSource(h.name, timeout=config.defaults.timeout))
             continue
         from gputop.sources.ssh import SshSource
         from gputop.ssh.transport import JumpPool
 
         if jumps is None:
-            jumps = JumpPool(config.ssh_config)
+            jumps = JumpPool(config.defaults.ssh_config)
         sources.append(
-            SshSource(h, timeout=config.timeout, interval=config.interval,
-                      ssh_config=config.ssh_config, handshakes=handshakes, jumps=jumps,
-                      first_sample_timeout=config.first_sample_timeout,
-                      collection=config.collection)
+            SshSource(h, timeout=config.defaults.timeout, interval=config.defaults.interval,
+                      ssh_config=config.defaults.ssh_config, handshakes=handshakes, jumps=jumps,
+                      first_sample_timeout=config.defaults.first_sample_timeout,
+                      collection=config.defaults.collection)
         )
     return sources, jumps
 
@@ -55,9 +56,9 @@ def first_answer_s(config: Config) -> float | None:
     """How long a one-shot look waits for the hosts (``[defaults] first_answer``, at most
     the timeout); None: for every host, up to its timeout (``--wait-all``). Every command
     that answers once takes its deadline from here."""
-    if config.wait_all:
+    if config.defaults.wait_all:
         return None
-    return min(config.first_answer, config.timeout)
+    return min(config.defaults.first_answer, config.defaults.timeout)
 
 
 def slow_error(deadline: float) -> HostError:
@@ -154,9 +155,9 @@ class Poller:
             # A new streamed sample: the next query waits for the next one, so no sleep
             # (unless samples come more often than every half interval).
             since, answered = now - answered, now
-            if since >= self.config.interval / 2 and source.paced:
+            if since >= self.config.defaults.interval / 2 and source.paced:
                 continue
-            left = self.config.interval - (now - started)
+            left = self.config.defaults.interval - (now - started)
             if left > 0 and name not in self._woken:
                 await self._nap(name, left)
 

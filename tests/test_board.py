@@ -299,7 +299,7 @@ async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Pa
 
 async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
     """200 hosts x 8 GPUs: one host's refresh rewrites that host's cells only."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
 
     base = fixed_snapshots()[0]
     gpus = tuple(replace(base.gpus[i % 4], index=i) for i in range(8))
@@ -337,7 +337,7 @@ async def test_an_answer_rebuilds_only_the_gpus_that_moved(tmp_path: Path) -> No
     """A hub's patch keeps the objects of the GPUs that did not change; the board keeps
     their rows and builds no cells for them, and a copy that is merely equal costs no
     cells either. The GPU that moved, and its host's header, are built again."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
 
     base = fixed_snapshots()[0]
     gpus = tuple(replace(base.gpus[i % 4], index=i, uuid=f"GPU-{i}") for i in range(8))
@@ -449,7 +449,7 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
 ) -> None:
     """Fed by the real data layer over real sshd; a reservation made with the CLI (another
     terminal) appears on the board once the shared file is re-read."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
 
     cfg_path = fleet_home.write_config(["gpu-h100", "driver", "gpu-lost"], timeout=3.0)
     config = load_config(str(cfg_path))
@@ -826,7 +826,7 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
     import asyncio
     import time
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
 
     monkeypatch.setenv("HOME", str(small_fleet.home))
     # No jitter: the backoff after the n-th failure is exactly 1 s x 2^(n-1).
@@ -1033,7 +1033,7 @@ def test_cells_are_drawn_as_rich_draws_them() -> None:
 async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) -> None:
     """1,000 configured hosts: the first frame shows every one of them waiting, and no
     host is queried before it (a thousand connections starting must not delay it)."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.sources.demo import DemoSource
 
     names = [f"node{i:04d}" for i in range(1000)]
@@ -1276,7 +1276,8 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
         app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app.intake.tick()
         assert frames == [] and app.intake.dirty
-        app.intake._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
+        app.intake._last_render -= (app.config.defaults.interval
+                                    * intake_module.OFFSCREEN_WAIT_INTERVALS)
         app.intake.tick()  # ...an interval at most
         assert frames == ["frame"] and not app.intake.dirty
         answer("n29")

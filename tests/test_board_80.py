@@ -256,7 +256,7 @@ async def test_the_demo_queue_grants_on_the_simulated_fleet(tmp_path: Path) -> N
             await pilot.press("Q")
             await pilot.pause()
             await pilot.press("enter")  # one GPU (the dialog's default)
-            store = Store(cfg.reservations_path)
+            store = Store(cfg.reservations.path)
             for _ in range(300):
                 mine = [r for r in store.read().reservations if r.user == me]
                 if mine:
@@ -265,7 +265,7 @@ async def test_the_demo_queue_grants_on_the_simulated_fleet(tmp_path: Path) -> N
             assert mine, "not granted within 15 s"
             assert mine[0].host in {s.name for s in sources}
         assert all(s.connects == 0 for s in sources)
-    assert not board_config(tmp_path).reservations_path.exists()  # (the demo's own file)
+    assert not board_config(tmp_path).reservations.path.exists()  # (the demo's own file)
 
 
 async def test_a_key_typed_before_a_dialog_is_drawn_does_not_answer_it(tmp_path: Path) -> None:

@@ -150,11 +150,12 @@ def test_the_listing_shows_far_future_waiters_as_lapsed(
     import argparse
 
     from gputop.cli.reserve import cmd_reservations
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Reservations
 
     path = tmp_path / "r.json"
     path.write_text(StoreState(queue=(_waiter(1, "mallory", 86400 * 365),)).to_json())
-    config = Config(path=None, hosts=(), reservations_path=path)
+    config = Config(path=None, hosts=(), reservations=Reservations(path=path))
     assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
     out = capsys.readouterr().out
     assert "lapsed" in out and "mallory" in out and "[id w1]" in out, out

@@ -134,7 +134,7 @@ def test_an_event_whose_hosts_all_go_complete_is_kept_once(tmp_path: Path) -> No
     ``"changes": []``: the window (256 events, each about 1 MB at 200 x 8) held it
     twice. Now there is no patch form then: patch readers get the update (they take
     both)."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.collector import Collector
     from gputop.hub.events import EventLog
 

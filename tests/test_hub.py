@@ -280,14 +280,14 @@ def test_a_change_on_a_host_reaches_a_subscriber(hub: Hub, hub_fleet: Fleet) -> 
 def test_a_waiter_reaches_the_stream_and_the_metrics(hub: Hub, config: Path) -> None:
     """The queue is in the document (schema 3): a waiter joining is one ``update`` whose
     ``set`` carries the whole new queue, and ``/metrics`` counts it; leaving, the same."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.reservations.queue import Queue, Request
     from gputop.reservations.store import Store
 
     sse = Sse(hub.url)
     events = sse.events()
     next(events)
-    q = Queue(Store(load_config(str(config)).reservations_path),
+    q = Queue(Store(load_config(str(config)).reservations.path),
               Request(2, 0, ("alpha",), want="--host alpha"))
     q.join()
     try:
@@ -488,7 +488,7 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
     """The real board (Textual's pilot) on ``[hub] url``: the hub's hosts, no SSH; the hub
     killed mid-stream is every row's classified error and a summary-bar banner, and the
     restarted hub's data comes back by itself."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import SummaryBar
 

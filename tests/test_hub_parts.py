@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError
 from gputop.hub.events import EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.server import Hub, listen_warning
@@ -382,7 +383,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
         return real()
 
     c.store.read = counted  # type: ignore[method-assign]
-    path = config.reservations_path
+    path = config.reservations.path
     path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
     assert c.refresh_store()
     c.fold()
@@ -408,13 +409,12 @@ async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
     """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
     keeps running: the host shows the hub's error, then, back within the window, the
     missed update (no second snapshot), the host's data first restored."""
-    from dataclasses import replace
 
     from gputop.hubclient.poller import HubPoller
     from gputop.model import GpuInfo, HostSnapshot
 
     hub, port = served
-    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    poller = HubPoller(hub.config.with_hub(url=f"http://127.0.0.1:{port}/"))
     got: list[HostSnapshot] = []
 
     async def read() -> None:
@@ -505,7 +505,7 @@ def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
 def test_listen_says_what_is_wrong_with_it(text: str, said: str) -> None:
     """One rule for --listen and [hub] listen, and a port out of range is said as one
     (it was "expected HOST:PORT" to someone who gave HOST:PORT)."""
-    from gputop.config import listen_problem
+    from gputop.config.values import listen_problem
     from gputop.hub.server import ListenError, parse_listen
 
     assert listen_problem(text) == said
@@ -527,7 +527,7 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     from gputop.reservations.store import Store
 
     config = load_config(str(local_config(tmp_path)))
-    store = Store(config.reservations_path)
+    store = Store(config.reservations.path)
     made = reserve(store, [Target("here", 3)], seconds=3600, max_seconds=7200, user="eve")
     reserve(store, [Target("gone", 0)], seconds=3600, max_seconds=7200, user="ann")
     c = Collector(config)

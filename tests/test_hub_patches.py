@@ -214,7 +214,8 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
     import asyncio
     import socket
 
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub
     from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(1, 1, seed=2)
@@ -227,7 +228,8 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
                   + f"event: patch\nid: e-2\ndata: {bad}\n\n".encode())
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     errors = 0
     try:
         async def read() -> None:
@@ -248,7 +250,7 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
 async def test_the_hub_works_out_patches_only_while_someone_reads_them(tmp_path: Any) -> None:
     """A real hub's collector folds an answer as an update alone while only update
     readers listen, and as both once a patch reader is there."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub
     from gputop.model import GpuInfo, HostSnapshot
     from tests.test_hub_parts import local_config
@@ -288,7 +290,8 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
     import asyncio
     import socket
 
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub
     from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(2, 1, seed=3)
@@ -310,7 +313,8 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
                 c.recv(1)
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     after_resume: list[str] = []
     try:
         async def read() -> None:

@@ -106,7 +106,7 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
     """Three refreshes, one inventory: the layout and the process set did not change."""
     import asyncio
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.poller import Poller
     from gputop.sources.ssh import SshSource
 
@@ -152,7 +152,7 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     from datetime import timedelta
     from pathlib import Path
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise

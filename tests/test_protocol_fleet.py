@@ -20,7 +20,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import SCHEMA_VERSION
 from gputop.poller import Poller
 from gputop.sources.protocol import MAX_OUTPUT
@@ -310,7 +310,7 @@ async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:
 
 
 def test_retries_of_many_failing_hosts_are_spread_out() -> None:
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.model import HostError
     from gputop.sources.ssh import SshSource
     from gputop.ssh.transport import JumpPool

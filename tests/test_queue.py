@@ -1031,7 +1031,8 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
     is which hosts are asked."""
     import asyncio
 
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.jobs import reap
     from gputop.reservations.ops import whoami
     from gputop.reservations.records import Job
@@ -1076,7 +1077,8 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     from datetime import timedelta
 
     from gputop.cli.reserve import cmd_reservations
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Reservations
     from gputop.reservations.records import Waiter
 
     store = Store(tmp_path / "reservations.json")
@@ -1086,7 +1088,7 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     store.update(lambda s, _n: replace(s, queue=(Waiter(
         id="w1", user="gtbob", machine="m", count=1, created=now,
         lease=now + timedelta(seconds=60), want=forged),)))
-    config = Config(path=None, hosts=(), reservations_path=store.path)
+    config = Config(path=None, hosts=(), reservations=Reservations(path=store.path))
     assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("waiting")]
     assert "  " not in line and len(line) < 140 and line.count("waiting") == 2, line

@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
@@ -186,10 +187,10 @@ def test_scp_style_path_is_remote_and_a_slash_path_is_not(tmp_path: Path) -> Non
     cfg = tmp_path / "hosts.toml"
     cfg.write_text('[reservations]\npath = "login-1:/shared/r.json"\n[[hosts]]\nname = "a"\n')
     c = load_config(str(cfg))
-    assert (c.reservations_host, str(c.reservations_path)) == ("login-1", "/shared/r.json")
+    assert (c.reservations.host, str(c.reservations.path)) == ("login-1", "/shared/r.json")
     cfg.write_text('[reservations]\npath = "./odd:name/r.json"\n[[hosts]]\nname = "a"\n')
     c = load_config(str(cfg))
-    assert c.reservations_host is None and c.reservations_path == tmp_path / "odd:name/r.json"
+    assert c.reservations.host is None and c.reservations.path == tmp_path / "odd:name/r.json"
 
 
 # --- identity, reads ------------------------------------------------------------------------
@@ -397,7 +398,7 @@ def test_concurrent_local_and_remote_writers_lose_nothing(clean: World) -> None:
 
 CHILD = r"""
 import sys, time
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
@@ -653,8 +654,8 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
     from tests.support.board_pilot import reserve_row
 
     seed(Store(clean.path))
-    cfg = replace(board_config(clean.root), interval=0.5, reservations_path=clean.path,
-                  reservations_host="store-as-gtcarol")
+    cfg = board_config(clean.root).with_defaults(interval=0.5).with_reservations(
+        path=clean.path, host="store-as-gtcarol")
     app = GputopApp(cfg, feed=False, clock=lambda: NOW)
     assert app.reservations.store.remote
     async with app.run_test(size=(120, 40)) as pilot:

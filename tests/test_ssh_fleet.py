@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.poller import Poller
 from tests.support.fleet import Fleet, GpuProcess, Host
 from tests.support.shared_fleet import FAULTS
@@ -363,7 +363,8 @@ def test_ssh_agent_is_used(fleet: Fleet, tmp_path: Path) -> None:
 
 
 async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.model import GpuInfo, HostError
 
     class Broken:

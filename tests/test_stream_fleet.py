@@ -19,7 +19,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.poller import Poller
 from gputop.sources.protocol import PS_ARGS, PS_OWNERS

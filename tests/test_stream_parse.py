@@ -178,7 +178,7 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
     cache's; tests/test_stream_fleet.py runs the real ps over real SSH)."""
     import asyncio
 
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.sources.nvidia_smi import AppRow, Owner
     from gputop.sources.ssh import SshSource
     from gputop.sources.stream_collector import OWNER_MEMORY

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gputop.config import load_config
+from gputop.config.load import load_config
+from gputop.config.tables import Defaults, Reservations
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
 from gputop.sources.stream_session import HostSession
@@ -265,9 +266,10 @@ async def test_reconnect_during_a_query_or_a_nap_queries_again_at_once(paced: bo
     """reconnect() while a query is in flight: the next query follows it without the
     interval's sleep; during the sleep: it ends the sleep. Each nap leaves no timer or
     future behind."""
-    from gputop.config import Config, HostConfig
-    cfg = Config(path=None, hosts=(HostConfig("h"),), interval=5.0, timeout=5.0,
-                 reservations_path=Path("/nonexistent/r.json"))
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"),), defaults=Defaults(interval=5.0, timeout=5.0),
+                 reservations=Reservations(path=Path("/nonexistent/r.json")))
     src = _Gated("h", paced)
     poller = Poller(cfg, [src])  # type: ignore[list-item]
     got: list[float] = []
@@ -341,9 +343,11 @@ class _Swallows:
 async def test_stopping_the_poller_outlasts_a_cancel_that_was_dropped() -> None:
     """A host's loop that went on after its cancel (it napped, then would have polled on
     for ever) still ends: SIGINT at 200 hosts in query mode hung the process on it."""
-    from gputop.config import Config, HostConfig
-    cfg = Config(path=None, hosts=(HostConfig("h"), HostConfig("g")), interval=0.2,
-                 timeout=5.0, reservations_path=Path("/nonexistent/r.json"))
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"), HostConfig("g")),
+                 defaults=Defaults(interval=0.2, timeout=5.0),
+                 reservations=Reservations(path=Path("/nonexistent/r.json")))
     sources = [_Swallows("h"), _Swallows("g")]
     poller = Poller(cfg, sources)  # type: ignore[list-item]
 

@@ -105,7 +105,7 @@ def test_once_shows_the_summary_and_every_reservation(sum_fleet: Fleet, cfg: Pat
 
 async def test_the_board_top_line_is_the_summary(sum_fleet: Fleet, cfg: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import SummaryBar
 

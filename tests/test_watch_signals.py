@@ -108,7 +108,7 @@ async def test_close_kills_a_refresh_still_in_flight(hang_fleet: Fleet,
     import asyncio
     import contextlib
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.poller import Poller
 
     monkeypatch.setenv("HOME", str(hang_fleet.home))

@@ -36,7 +36,8 @@ from gputop.agents.views import (
     reservation_doc,
     waiter_doc,
 )
-from gputop.config import Config, parse_duration
+from gputop.config.load import Config
+from gputop.config.values import parse_duration
 from gputop.history.known import known_gpus
 from gputop.jobs.reap import check_jobs
 from gputop.jobs.remote import answered_logins, logins
@@ -124,8 +125,8 @@ class FleetTools:
         #: The account this gputop logs in as on each host: your processes there are yours.
         self.login = logins(config)
         self.fleet = [h.name for h in config.hosts]
-        self.poller = poller or Poller(replace(config, collection="query"))
-        self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        self.poller = poller or Poller(config.with_defaults(collection="query"))
+        self.tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s)
         #: Above this many GPUs, ``fleet_status`` counts them per host.
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
@@ -223,14 +224,14 @@ class FleetTools:
 
     def _seconds(self, duration: str | None) -> float:
         if duration is None:
-            return self.config.reservation_default_s
+            return self.config.reservations.default_s
         try:
             seconds = parse_duration(duration)
         except ValueError:
             seconds = 0.0
-        if not 0 < seconds <= self.config.reservation_max_s:
+        if not 0 < seconds <= self.config.reservations.max_s:
             raise ToolFailure("invalid", f"duration {data(duration, 40)!r}: more than zero and "
-                              f"at most {format_duration(self.config.reservation_max_s)}, "
+                              f"at most {format_duration(self.config.reservations.max_s)}, "
                               "e.g. '30m', '2h', '1d'")
         return seconds
 
@@ -417,7 +418,7 @@ class FleetTools:
         # The queue's claim, checked again under the lock: a waiter who could use one of
         # these GPUs is served first (the agent comes after every waiter).
         check = queue_claim(targets, snaps, self.fleet, self.me)
-        terms = Terms(seconds, self.config.reservation_max_s, note,
+        terms = Terms(seconds, self.config.reservations.max_s, note,
                       login=answered_logins(self.config, snaps))
         made = await self._queued(lambda: reserve_outcomes(self.store, targets, terms,
                                                            check=check))
@@ -455,7 +456,7 @@ class FleetTools:
             total = g.memory_total_mib
             assert total is not None
             check = share_claim(self.fleet, list(snaps.values()), share, self.me, t)
-            terms = Terms(seconds, self.config.reservation_max_s, note,
+            terms = Terms(seconds, self.config.reservations.max_s, note,
                           login={t.host: self.login(t.host)}.get, share_mib=share)
             try:
                 o = await self._queued(partial(reserve_share, self.store, t, total, terms,

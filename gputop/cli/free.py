@@ -21,7 +21,7 @@ from gputop.cli.targets import (
     reservation_seconds,
 )
 from gputop.cli.waiting import wait_in_queue
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import iso, utcnow
 from gputop.output import write_document
@@ -95,7 +95,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                           f.instance.gpu_instance_id if f.instance else None) for f in found]
         # Checked again under the lock: a waiter who joined meanwhile is served first.
         made = reserve_outcomes(
-            store, targets, Terms(seconds, config.reservation_max_s, args.note or "",
+            store, targets, Terms(seconds, config.reservations.max_s, args.note or "",
                                   login=logins(config)),
             check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me,
                               seconds=seconds))

@@ -21,7 +21,7 @@ from gputop.cli.targets import (
     resolve_mig,
     validate_gpus,
 )
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_OK
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
@@ -87,7 +87,7 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
 
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue, seconds=seconds)
-    terms = Terms(seconds, config.reservation_max_s, args.note or "", job=tied(job),
+    terms = Terms(seconds, config.reservations.max_s, args.note or "", job=tied(job),
                   login=answered_logins(config, snaps))
     made = reserve_outcomes(store, targets, terms, check=check, event="skip-queue")
     print_outcomes(made, sys.stdout)

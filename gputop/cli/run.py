@@ -20,7 +20,7 @@ from gputop.cli.targets import (
     reservation_seconds,
 )
 from gputop.cli.waiting import wait_in_queue
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import (
@@ -44,7 +44,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         return run_share(config, args, argv)
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     store = open_store(config)
     reap_ended_jobs(config, store)
     from gputop.jobs.remote import local_start

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gputop.cli.lifecycle import run_until_signal
-from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.config.load import HUB_MAX_CONNECTIONS, Config
+from gputop.config.values import listen_problem
 from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
 from gputop.sources import Source
@@ -68,7 +69,7 @@ def cmd_serve(config: Config, args: argparse.Namespace,
         print(f"gputop: {MissingExtra('hub', exc)}", file=sys.stderr)
         return EXIT_ERROR
 
-    listen = args.listen or config.hub_listen or DEFAULT_LISTEN
+    listen = args.listen or config.hub.listen or DEFAULT_LISTEN
     problem = listen_problem(listen)
     if problem:
         print(f"gputop: --listen {problem}", file=sys.stderr)
@@ -96,23 +97,22 @@ def cmd_serve(config: Config, args: argparse.Namespace,
         print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
               "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
         return EXIT_ERROR
-    if config.hub_url is not None:
+    if config.hub.url is not None:
         print("gputop: serve polls the hosts itself: it ignores [hub] url (a hub does not "
               "read another hub)", file=sys.stderr)
     token = None
-    if config.hub_token_file is not None:
+    if config.hub.token_file is not None:
         try:
-            token = read_token(config.hub_token_file)
+            token = read_token(config.hub.token_file)
         except ValueError as exc:
             print(f"gputop: {config.path}: hub.token_file: {exc}", file=sys.stderr)
             return EXIT_ERROR
-    from dataclasses import replace
 
-    cfg = replace(config, hub_url=None)
+    cfg = config.with_hub(url=None)
 
     async def main() -> int:
         extra: dict[str, Any] = {}
-        retain_mb = args.retain_mb or cfg.hub_retain_mb
+        retain_mb = args.retain_mb or cfg.hub.retain_mb
         if retain_mb is not None:
             extra["retain_bytes"] = retain_mb << 20
         if args.write_timeout is not None:

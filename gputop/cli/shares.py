@@ -23,7 +23,7 @@ from gputop.cli.targets import (
     reservation_seconds,
     validate_gpus,
 )
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
@@ -112,7 +112,7 @@ def _terms(config: Config, args: argparse.Namespace, share: int, job: Job | None
     """The terms of a share asked for on the command line (``--note``), for ``seconds``."""
     from gputop.jobs.remote import logins
 
-    return Terms(seconds, config.reservation_max_s, args.note or "", job=tied(job),
+    return Terms(seconds, config.reservations.max_s, args.note or "", job=tied(job),
                  login=logins(config), share_mib=share)
 
 
@@ -213,7 +213,7 @@ def wait_for_share(config: Config, store: ReservationStore, args: argparse.Names
 
     req = replace(queue_request(config, args, one_host=True), share_mib=share)
     seconds = reservation_seconds(config, args.duration) if args.duration else (
-        config.reservation_max_s if job is not None else config.reservation_default_s)
+        config.reservations.max_s if job is not None else config.reservations.default_s)
     code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=job)
     if code != EXIT_OK or not got:
         return None
@@ -238,7 +238,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
     # (a run killed before that is released after the grace: see jobs.reap).
     pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     r: Reservation | None = None
     total: int | None = None
     if args.wait:

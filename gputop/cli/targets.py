@@ -10,7 +10,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gputop.config import Config, HostConfig, parse_duration, reserving_problem
+from gputop.config.load import Config, reserving_problem
+from gputop.config.tables import HostConfig
+from gputop.config.values import parse_duration
 from gputop.hubclient.poller import open_poller
 from gputop.model import HostSnapshot
 from gputop.poller import first_answer_s
@@ -77,13 +79,13 @@ async def poll_hosts(config: Config, names: set[str] | None = None) -> list[Host
 def reservation_seconds(config: Config, text: str | None) -> float:
     """``--for``: a clear message for what cannot be a reservation's length."""
     if text is None:
-        return config.reservation_default_s
+        return config.reservations.default_s
     try:
         seconds = parse_duration(text)
     except ValueError:
         seconds = 0.0
-    longest = format_duration(config.reservation_max_s)
-    if seconds > config.reservation_max_s:
+    longest = format_duration(config.reservations.max_s)
+    if seconds > config.reservations.max_s:
         raise Invalid(f"--for {text}: longer than the longest reservation here, {longest} "
                       "([reservations] max_duration): ask for that or less, and again "
                       "before it ends")

@@ -35,7 +35,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.config.load import HUB_MAX_CONNECTIONS, Config
+from gputop.config.values import listen_problem
 from gputop.hub.collector import Collector
 from gputop.hub.conn import Throttled, abort, cut_stalled, limit_connections
 from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
@@ -148,7 +149,7 @@ class Hub:
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
-        self.waste = WasteCache(config.history_path)
+        self.waste = WasteCache(config.history.path)
         #: Listening on loopback only: requests must name a loopback host too, so a web
         #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
         self.loopback_names_only = False

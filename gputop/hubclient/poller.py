@@ -4,11 +4,10 @@ hub's snapshot and event stream, and :func:`open_poller` picks the hub or the ho
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.model import FleetSnapshot, HostError, HostSnapshot
 from gputop.poller import Poller, _settle
 from gputop.sources import Source
@@ -42,14 +41,14 @@ class HubPoller:
     def __init__(self, config: Config, say: Callable[[str], None] | None = None) -> None:
         from gputop.hubclient.client import HubClient, read_token
 
-        assert config.hub_url is not None
+        assert config.hub.url is not None
         self.config = config
-        self.url = config.hub_url
-        self.client = HubClient(config.hub_url, timeout=config.timeout,
-                                token=read_token(config.hub_token_file))
+        self.url = config.hub.url
+        self.client = HubClient(config.hub.url, timeout=config.defaults.timeout,
+                                token=read_token(config.hub.token_file))
         self.only = [h.name for h in config.hosts] or None
         self.sources: list[_Named] = [_Named(n) for n in self.only or ()]
-        self.fallback = config.hub_fallback == "direct"
+        self.fallback = config.hub.fallback == "direct"
         self.say = say
         #: Why the hub could not be read last (None while it answers): the board's bar.
         self.error: HubError | None = None
@@ -83,7 +82,7 @@ class HubPoller:
         if self._direct is None:
             if self.say is not None:
                 self.say(f"{exc}; polling the hosts directly ([hub] fallback = \"direct\")")
-            self._direct = Poller(dataclasses.replace(self.config, hub_url=None))
+            self._direct = Poller(self.config.with_hub(url=None))
         return self._direct
 
     async def snapshot(self, deadline: float | None = None) -> FleetSnapshot:
@@ -219,7 +218,7 @@ def open_poller(config: Config, sources: Sequence[Source] | None = None, *,
                 ) -> Poller | HubPoller:
     """The hub when one is configured (and no sources are given), else the hosts;
     ``one_look``: one query per host (cheaper than starting streams for one document)."""
-    if sources is None and config.hub_url is not None:
+    if sources is None and config.hub.url is not None:
         return HubPoller(config, say=say)
-    return Poller(dataclasses.replace(config, collection="query") if one_look else config,
+    return Poller(config.with_defaults(collection="query") if one_look else config,
                   sources)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gputop.config import Config, reserving_problem
+from gputop.config.load import Config, reserving_problem
 from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
@@ -178,7 +178,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                 doubt_since = None
             elif doubt_since is None:
                 doubt_since = time.monotonic()
-            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.interval:
+            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.defaults.interval:
                 # Not a one-off odd answer: the hosts changed.
                 raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)

@@ -22,7 +22,7 @@ from typing import Literal
 
 import asyncssh
 
-from gputop.config import HostConfig
+from gputop.config.tables import HostConfig
 from gputop.model import GpuInfo, HostError
 from gputop.sources import mig
 from gputop.sources.nvidia_smi import RemoteResult, parse_sections

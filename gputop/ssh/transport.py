@@ -31,7 +31,7 @@ from typing import Any
 
 import asyncssh
 
-from gputop.config import HostConfig
+from gputop.config.tables import HostConfig
 from gputop.model import HostError
 from gputop.pacing import unpaced
 from gputop.text import excerpt

@@ -16,7 +16,7 @@ from rich.text import Text
 from textual.app import App
 from textual.worker import Worker
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.poller import Poller
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Invalid, Refused, Target, release, size_text
@@ -185,11 +185,11 @@ class StoreActions:
 
         poller = None
         if self._given_hosts is not None:  # the demo (or given sources): what the board shows,
-            poller = Poller(dataclasses.replace(self.config, collection="query"), [
+            poller = Poller(self.config.with_defaults(collection="query"), [
                 BoardSource(name, self.model.snapshots.get) for name in self._given_hosts])
         try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
             got = await wait_for_gpus(self.config, self.store, Request(count), note="",
-                                      seconds=self.config.reservation_default_s,
+                                      seconds=self.config.reservations.default_s,
                                       lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
                                       poller=poller)
         except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
@@ -230,8 +230,8 @@ class StoreActions:
         shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
 
         def ask() -> None:
-            self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about,
+            self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                           self.config.reservations.max_s, about,
                                            "optional" if shareable else None), done)
 
         from gputop.jobs.remote import login_on
@@ -267,8 +267,8 @@ class StoreActions:
             if req is not None:
                 self._reserve_checked(key, label, req)
 
-        self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                       self.config.reservation_max_s, about, "required",
+        self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                       self.config.reservations.max_s, about, "required",
                                        rest), done)
 
     def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
@@ -305,7 +305,7 @@ class StoreActions:
         from gputop.reservations.terms import Terms
 
         logins = answered_logins(self.config, self.model.snapshots)
-        terms = Terms(req.seconds, self.config.reservation_max_s, req.note, user=self.me,
+        terms = Terms(req.seconds, self.config.reservations.max_s, req.note, user=self.me,
                       login=logins, share_mib=req.share_mib)
         try:
             if req.share_mib is not None:

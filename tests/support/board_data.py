@@ -10,7 +10,8 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, History, HostConfig, Reservations
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import Store
@@ -75,8 +76,9 @@ def fixed_snapshots(now: datetime = NOW) -> list[HostSnapshot]:
 def board_config(tmp: Path) -> Config:
     return Config(path=None, hosts=tuple(HostConfig(name=n) for n in
                                          ("gpu-h100", "gpu-mixed", "gpu-down", "gpu-stale")),
-                  interval=2.0, timeout=3.0, reservations_path=tmp / "reservations.json",
-                  history_path=tmp / "history.sqlite3")
+                  defaults=Defaults(interval=2.0, timeout=3.0),
+                  reservations=Reservations(path=tmp / "reservations.json"),
+                  history=History(path=tmp / "history.sqlite3"))
 
 
 def seed(store: Store, now: datetime = NOW) -> None:

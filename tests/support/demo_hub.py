@@ -14,7 +14,8 @@ from pathlib import Path
 
 def main() -> None:
     from gputop.cli.lifecycle import run_until_signal
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.hub.collector import Collector
     from gputop.hub.server import read_token, serve
     from gputop.poller import Poller

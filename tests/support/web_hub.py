@@ -218,7 +218,7 @@ class DocHub:
     def __init__(self, doc: dict[str, Any], config_dir: Path, address: str = "127.0.0.1",
                  token: str | None = None, history: bool = False) -> None:
         """``history``: the hub reads ``config_dir/history.sqlite3`` (see ``history_db``)."""
-        from gputop.config import load_config
+        from gputop.config.load import load_config
         from gputop.hub.server import Hub
 
         cfg = config_dir / "hosts.toml"
