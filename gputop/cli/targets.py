@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from gputop.config import Config, HostConfig, parse_duration, reserving_problem
-from gputop.model import HostSnapshot
+from gputop.model import HostSnapshot, utcnow
 from gputop.poller import first_answer_s, open_poller
 from gputop.reservations import (
     Invalid,
@@ -26,7 +26,7 @@ from gputop.reservations.queue import (
 )
 from gputop.reservations.records import MAX_USER_ENTRIES
 from gputop.reservations.shares import parse_size_mib
-from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
+from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids, with_held
 from gputop.sources import shared_file
 from gputop.text import clean
 
@@ -107,13 +107,15 @@ def validate_gpus(config: Config, targets: list[Target],
     from gputop.history.known import known_gpus
     from gputop.jobs.remote import logins
 
-    me = whoami(open_store(config))[0]
+    store = open_store(config)
+    me = whoami(store)[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
     down = {n for n, h in snaps.items() if not h.ok}
-    out, warnings = check_targets(targets, snaps, me, logins(config),
-                                  known_gpus(config, down) if down else None)
+    known = with_held(known_gpus(config, down), read_quietly(store), me, down, utcnow()) \
+        if down else None
+    out, warnings = check_targets(targets, snaps, me, logins(config), known)
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
