@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,31 @@ async def test_reserve_takes_only_gpus_a_host_is_known_to_have(
         assert [d["gpu"] for d in got["reserved"]] == ["mcp-said:0", "mcp-said:1"]
         assert any("could not check mcp-said:1" in w for w in got["warnings"])
     assert holders(res) == [("mcp-said", 0, ME), ("mcp-said", 1, ME)]
+
+
+async def test_your_own_reservation_on_a_host_that_does_not_answer_is_extended(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    """A host never seen that does not answer: the agent's own live reservation there may
+    be extended; a teammate's entry proves no GPU to it."""
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    with cfg.open("a") as f:
+        f.write('[[hosts]]\nname = "mcp-gone"\naddress = "127.0.0.1"\nport = 1\n\n'
+                f'[history]\npath = "{tmp_path / "none.sqlite3"}"\n')
+    store = Store(res)
+    reserve(store, [Target("mcp-gone", 0)], seconds=600, max_seconds=7 * 86400, user=ME)
+    reserve(store, [Target("mcp-gone", 1)], seconds=600, max_seconds=7 * 86400,
+            user="gtbob")
+    async with session(mcp_fleet, cfg) as s:
+        got = await call(s, "reserve", gpus=["mcp-gone:0"], duration="2h")
+        assert [d["gpu"] for d in got["reserved"]] == ["mcp-gone:0"]
+        with pytest.raises(ToolErr, match=r"^invalid: mcp-gone did not answer .*no GPU 1 "):
+            await call(s, "reserve", gpus=["mcp-gone:1"])
+    mine = [r for r in json.loads(res.read_text())["reservations"] if r["user"] == ME]
+    assert len(mine) == 1
+    left = (datetime.fromisoformat(mine[0]["expires"].replace("Z", "+00:00"))
+            - datetime.fromisoformat(mine[0]["created"].replace("Z", "+00:00")))
+    assert left > timedelta(hours=1)  # extended to 2 h, not the 10 minutes it had
+    assert holders(res) == [("mcp-gone", 0, ME), ("mcp-gone", 1, "gtbob")]
 
 
 async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(

@@ -75,7 +75,7 @@ from gputop.reservations.records import Reservation
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
 from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
-from gputop.reservations.targets import check_targets, parse_targets
+from gputop.reservations.targets import check_targets, parse_targets, with_held
 from gputop.reservations.terms import Terms
 from gputop.text import clean
 
@@ -391,8 +391,9 @@ class FleetTools:
             looked = await self.look([t.host for t in targets])
             snaps = {h.name: h for h in looked}
             down = {h.name for h in looked if not h.ok}
-            known = await self._off_loop(lambda: known_gpus(self.config, down)) if down \
-                else None
+            known = with_held(await self._off_loop(lambda: known_gpus(self.config, down)),
+                              (await self._state()).reservations, self.me, down,
+                              utcnow()) if down else None
             try:
                 targets, warnings = check_targets(targets, snaps, self.me, self.login, known)
             except Invalid as exc:

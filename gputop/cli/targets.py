@@ -14,18 +14,19 @@ from gputop.config.load import Config, reserving_problem
 from gputop.config.tables import HostConfig
 from gputop.config.values import parse_duration
 from gputop.hubclient.poller import open_poller
-from gputop.model import HostSnapshot
+from gputop.model import HostSnapshot, utcnow
 from gputop.poller import first_answer_s
 from gputop.reservations import open as store_open
 from gputop.reservations.filelock import StoreError
-from gputop.reservations.ops import Invalid, Target, format_duration, whoami
+from gputop.reservations.ops import Invalid, format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
 from gputop.reservations.records import MAX_USER_ENTRIES, Reservation
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.store import ReservationStore
-from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
+from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids, with_held
+from gputop.reservations.terms import Target
 from gputop.text import clean
 
 
@@ -105,13 +106,15 @@ def validate_gpus(config: Config, targets: list[Target],
     from gputop.history.known import known_gpus
     from gputop.jobs.remote import logins
 
-    me = whoami(open_store(config))[0]
+    store = open_store(config)
+    me = whoami(store)[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
     down = {n for n, h in snaps.items() if not h.ok}
-    out, warnings = check_targets(targets, snaps, me, logins(config),
-                                  known_gpus(config, down) if down else None)
+    known = with_held(known_gpus(config, down), read_quietly(store), me, down, utcnow()) \
+        if down else None
+    out, warnings = check_targets(targets, snaps, me, logins(config), known)
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out

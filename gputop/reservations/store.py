@@ -222,7 +222,7 @@ class Store:
         except OSError as exc:
             raise StoreError(os_message(exc, d, "open it")) from None
         try:
-            private = f".{self.path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            private = (f"{self._own_prefix()}{os.getpid()}.{secrets.token_hex(4)}")
             try:
                 os.mkdir(private, 0o700, dir_fd=dfd)
             except OSError as exc:
@@ -266,20 +266,36 @@ class Store:
                 os.unlink(TEMP_NAME, dir_fd=pfd)
             os.close(pfd)
 
+    def _own_prefix(self) -> str:
+        """Our private directories' names start with this: the uid in it lets a sweep pass
+        over a teammate's names (however many) without touching them."""
+        return f".{self.path.name}.tmp.{os.geteuid()}."
+
     def _remove_stale_temps(self) -> None:
         """Temp files exist only while their writer holds the lock; we hold it now, so any
-        left over belong to a writer that was killed. Another user's private directory
-        cannot be emptied by us: it waits for its owner's next write."""
-        prefix = f".{self.path.name}.tmp."
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(self.path.parent):
+        of ours left over belong to a writer that was killed. Only names with our uid are
+        looked at, only those we own (``lstat``, before anything is opened) are removed,
+        and at most ``SWEEP_MAX`` a write within ``SWEEP_S``: names planted by a teammate
+        in the thousands cost a scan, never a wait that runs into the lock's timeout."""
+        prefix = self._own_prefix()
+        uid = os.geteuid()
+        stop = time.monotonic() + SWEEP_S
+        left = SWEEP_MAX
+        with contextlib.suppress(OSError), os.scandir(self.path.parent) as it:
+            for entry in it:
+                if left <= 0 or time.monotonic() > stop:
+                    return
                 if not entry.name.startswith(prefix):
                     continue
                 with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_uid != uid:
+                        continue
+                    left -= 1
+                    if stat.S_ISDIR(st.st_mode):
                         _remove_private(self.path.parent, entry.name)
                     else:
-                        os.unlink(entry.path)  # a file from an older gputop: never followed
+                        os.unlink(entry.path)  # never followed
 
     def _check_nfs_once(self) -> None:
         if self._nfs_checked:
@@ -291,6 +307,10 @@ class Store:
 
 #: The new file's name inside a writer's private directory.
 TEMP_NAME = "gputop-new-file"
+#: A write removes at most this many of its own leftovers, within this many seconds (the
+#: rest go with later writes).
+SWEEP_MAX = 64
+SWEEP_S = 2.0
 
 
 def _private(pfd: int, fd: int) -> bool:
