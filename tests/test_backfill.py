@@ -99,6 +99,14 @@ def test_a_request_that_ends_before_the_waiters_turn_is_backfilled(team: Team) -
     r = team.run("reserve", "q1:0", "--for", "1h", user="gtbob")
     assert r.returncode == 0, r.stderr
     assert team.queue_users() == ["gtalice"]
+    # Granted for 1h, then extended past her turn: that is taking it anew, and refused
+    # (a short --for was a way round the queue); within what he holds, it is kept.
+    r = team.run("reserve", "q1:0", "--for", "3h", user="gtbob")
+    assert r.returncode == 1 and "their turn comes" in r.stderr, r.stderr
+    r = team.run("reserve", "q1:0", "--for", "30m", user="gtbob")
+    assert r.returncode == 0 and "kept your reservation" in r.stdout, (r.stdout, r.stderr)
+    assert team.state().events == () or all(e.get("kind") != "skip-queue"
+                                             for e in team.state().events)
     os.kill(a[0], signal.SIGINT)
     assert wait_as(a[0], 20) == 130, text(a[2])
 

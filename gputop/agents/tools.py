@@ -418,7 +418,7 @@ class FleetTools:
             return await self._reserve_share(targets, share, seconds, note, snaps, warnings)
         # The queue's claim, checked again under the lock: a waiter who could use one of
         # these GPUs is served first (the agent comes after every waiter).
-        check = queue_claim(targets, snaps, self.fleet, self.me)
+        check = queue_claim(targets, snaps, self.fleet, self.me, seconds=seconds)
         terms = Terms(seconds, self.config.reservations.max_s, note,
                       login=answered_logins(self.config, snaps))
         made = await self._queued(lambda: reserve_outcomes(self.store, targets, terms,

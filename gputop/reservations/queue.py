@@ -83,7 +83,8 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
     theirs to wait for (``reserve`` comes after every waiter; see :func:`in_the_way`), and
     is refused naming that waiter; with ``skip`` (``--skip-queue``) it is reserved anyway
     and the check returns the targets that skipped someone (each recorded). A GPU you
-    already hold is yours to extend."""
+    already hold is yours to keep until its end; holding it longer is judged as taking it
+    anew (a short reservation extended past a waiter's turn would skip the queue)."""
     hosts = list(snaps.values())
 
     def gpu_of(t: Target) -> GpuInfo | None:
@@ -95,13 +96,17 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
         view = QueueView(state, hosts, now, fleet, me)
         if not view.others:
             return skipped
-        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+        end = None if seconds is None else now + timedelta(seconds=seconds)
+        held: dict[tuple[str, int], datetime] = {}
+        for r in state.active(now):
+            if r.user == me:
+                key, ends = (r.host, r.gpu), state.ends(r, now)
+                held[key] = max(held.get(key, ends), ends)
         for t in targets:
-            if (t.host, t.gpu) in mine:
-                continue
+            if end is not None and (t.host, t.gpu) in held and end <= held[(t.host, t.gpu)]:
+                continue  # no longer than you hold it now: nobody waits longer for it
             g = gpu_of(t)
-            found = view.claimant(
-                t.host, g, None if seconds is None else now + timedelta(seconds=seconds))
+            found = view.claimant(t.host, g, end)
             if found is None:
                 continue
             w, turn_of = found
