@@ -195,3 +195,23 @@ def test_the_parameter_check_can_fail() -> None:
     src = ("def f(a, b, c, d, e, f, *, g): ...\n"
            "class C:\n    def m(self, a, b, c, d, e, f): ...\n")
     assert _wide(src) == ["f:1 (7)"]
+
+
+def test_the_map_in_the_docs_is_the_floors() -> None:
+    """docs/development.md's map of the house names every room on its floor, and no other."""
+    import re
+
+    text = (ROOT / "docs" / "development.md").read_text()
+    block = text.split("floor  room            what it owns\n", 1)[1].split("```", 1)[0]
+    shown: dict[str, int] = {}
+    for line in block.splitlines():
+        m = re.match(r"\s+(\d+)\s+(.+?)(?:\s{2,}|$)", line)
+        if m:
+            for room in m.group(2).split():
+                shown[room.rstrip("/")] = int(m.group(1))
+    rooms = {p.name if p.is_dir() else p.stem for p in (ROOT / "gputop").iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists())
+             or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    assert set(shown) == rooms, (sorted(set(shown) ^ rooms))
+    for room, floor in shown.items():
+        assert FLOORS[room] == floor, (room, floor, FLOORS[room])
