@@ -200,7 +200,7 @@ async def cut_stalled(counts: Counts, runner: web.AppRunner, write_timeout_s: fl
         # when it closes a connection, though a close waits for the buffer to flush.)
         for transport in list(server._connections.values()):
             size = transport.get_write_buffer_size()
-            if size == 0:
+            if size == 0:  # (an aborted one too: its buffer is dropped)
                 continue
             key = id(transport)
             live.add(key)

@@ -284,8 +284,7 @@ class Hub:
                 await self._write(resp, body)
             await asyncio.wait_for(resp.write_eof(), self.write_timeout_s)
         except asyncio.TimeoutError:
-            self.connections_stalled += 1
-            _abort(request)
+            self._stalled(request)
         return resp
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
@@ -332,11 +331,17 @@ class Hub:
         except ConnectionError:
             _abort(request)  # the client went: its connection ends
         except asyncio.TimeoutError:
-            self.connections_stalled += 1  # it stopped reading: its connection ends
-            _abort(request)
+            self._stalled(request)  # it stopped reading: its connection ends
         finally:
             self.events.unsubscribe(sub)
         return resp
+
+    def _stalled(self, request: web.Request) -> None:
+        """End the connection of a client that stopped reading, counted once: cut_stalled
+        may have ended it in the same turn of a loop that was busy past both deadlines."""
+        if request.transport is not None and not request.transport.is_closing():
+            self.connections_stalled += 1
+        _abort(request)
 
     async def _write(self, resp: web.StreamResponse, *datas: bytes) -> None:
         """Each of ``datas`` in pieces (each waits for the socket only when it is full),
