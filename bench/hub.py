@@ -111,7 +111,8 @@ def start_hub(cfg: Path, env: dict[str, str], addr: str = "127.0.60.1"
               ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port(addr)
     proc = subprocess.Popen([PY, "-m", "gputop", "serve", "--config", str(cfg), "--listen",
-                             f"{addr}:{port}", "--max-subscribers", "200"], env=env,
+                             f"{addr}:{port}", "--max-subscribers", "200",
+                             "--max-subscribers-per-client", "200"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://{addr}:{port}/"
     import urllib.request
@@ -294,7 +295,8 @@ def run_demo_hub(args: argparse.Namespace) -> None:
 
     async def main() -> int:  # SIGTERM, SIGINT, SIGHUP end it cleanly (run_until_signal)
         collector = Collector(cfg, Poller(cfg, sources))
-        await serve(cfg, args.listen, collector=collector, max_subscribers=200)
+        await serve(cfg, args.listen, collector=collector, max_subscribers=200,
+                    max_subscribers_per_client=200)  # (every stream from one address)
         return 0
 
     run_until_signal(main)

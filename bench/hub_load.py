@@ -206,7 +206,9 @@ def main() -> None:
     t_start = time.monotonic()
     hub = subprocess.Popen([sys.executable, "-m", "tests.support.demo_hub", "--hosts",
                             str(args.hosts), "--gpus", str(args.gpus), "--interval",
-                            str(args.interval), "--listen", f"{ADDR}:{port}"],
+                            str(args.interval), "--listen", f"{ADDR}:{port}",
+                            # (all 50 streams come from one address)
+                            "--max-subscribers-per-client", "200"],
                            stdout=subprocess.DEVNULL, cwd=ROOT)
     rows = []
     try:

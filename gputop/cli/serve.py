@@ -38,7 +38,10 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
     if args.max_connections != HUB_MAX_CONNECTIONS:
         cmd += ["--max-connections", str(args.max_connections)]
     for flag, value in (("--retain-mb", args.retain_mb), ("--write-timeout", args.write_timeout),
-                        ("--idle-timeout", args.idle_timeout)):
+                        ("--idle-timeout", args.idle_timeout),
+                        ("--first-request-timeout", args.first_request_timeout),
+                        ("--max-connections-per-client", args.max_connections_per_client),
+                        ("--max-subscribers-per-client", args.max_subscribers_per_client)):
         if value is not None:
             cmd += [flag, f"{value:g}"]
     return cmd
@@ -80,11 +83,20 @@ def cmd_serve(config: Config, args: argparse.Namespace,
     if not 1 <= args.max_connections <= 100_000:
         print("gputop: --max-connections must be between 1 and 100000", file=sys.stderr)
         return EXIT_ERROR
+    for flag, value, bound, of in (
+            ("--max-connections-per-client", args.max_connections_per_client,
+             args.max_connections, "--max-connections"),
+            ("--max-subscribers-per-client", args.max_subscribers_per_client,
+             args.max_subscribers, "--max-subscribers")):
+        if value is not None and not 1 <= value <= bound:
+            print(f"gputop: {flag} must be between 1 and {of} ({bound})", file=sys.stderr)
+            return EXIT_ERROR
     if args.retain_mb is not None and not 1 <= args.retain_mb <= 65536:
         print("gputop: --retain-mb must be between 1 and 65536", file=sys.stderr)
         return EXIT_ERROR
     for flag, value in (("--write-timeout", args.write_timeout),
-                        ("--idle-timeout", args.idle_timeout)):
+                        ("--idle-timeout", args.idle_timeout),
+                        ("--first-request-timeout", args.first_request_timeout)):
         if value is not None and not 0.1 <= value <= 3600:
             print(f"gputop: {flag} must be between 0.1 and 3600 seconds", file=sys.stderr)
             return EXIT_ERROR
@@ -119,6 +131,8 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             extra["write_timeout_s"] = args.write_timeout
         if args.idle_timeout is not None:
             extra["idle_s"] = args.idle_timeout
+        if args.first_request_timeout is not None:
+            extra["first_request_s"] = args.first_request_timeout
         if sources is not None:
             from gputop.hub.collector import Collector
             from gputop.poller import Poller
@@ -126,7 +140,9 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             extra["collector"] = Collector(cfg, Poller(cfg, sources))
         try:
             await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers,
-                        max_connections=args.max_connections, **extra)
+                        max_connections=args.max_connections,
+                        max_connections_per_client=args.max_connections_per_client,
+                        max_subscribers_per_client=args.max_subscribers_per_client, **extra)
         except OSError as exc:
             print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
                   file=sys.stderr)
@@ -155,6 +171,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--max-connections", type=int, default=HUB_MAX_CONNECTIONS, metavar="N",
                    help=f"HTTP connections open at once (default {HUB_MAX_CONNECTIONS}); one "
                    "more is closed at once (each idle one closes after 30 s)")
+    p.add_argument("--max-connections-per-client", type=int, metavar="N",
+                   help="connections open at once from one address (default: a quarter of "
+                   "--max-connections, at least 16); behind a reverse proxy every client "
+                   "is the proxy: set it to --max-connections and bound clients there")
+    p.add_argument("--max-subscribers-per-client", type=int, metavar="N",
+                   help="event streams open at once from one address (default: a quarter "
+                   "of --max-subscribers, at least 4); behind a proxy, as above")
     p.add_argument("--retain-mb", type=int, metavar="MIB",
                    help="MiB of recent events kept for streams that resume (default: [hub] "
                    "retain_mb, else 64); a reader further behind gets a snapshot")
@@ -164,6 +187,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--idle-timeout", type=float, metavar="S",
                    help="close a kept-alive connection with no request for S seconds "
                    "(default 30)")
+    p.add_argument("--first-request-timeout", type=float, metavar="S",
+                   help="close a new connection that has not sent a whole request within "
+                   "S seconds (default 10)")
     p.add_argument("--demo", dest="serve_demo", action="store_true",
                    help="serve the built-in simulated fleet instead (no hosts file, no SSH): "
                    "the web board, /metrics and the event stream to try")

@@ -301,7 +301,8 @@ class _Gauges:
         self.conn_refused = C("gputop_hub_connections_refused",
                               "HTTP connections closed at once: too many open.")
         self.conn_stalled = C("gputop_hub_connections_stalled",
-                              "HTTP connections closed for not reading their answers.")
+                              "HTTP connections closed for not reading their answers, or "
+                              "for sending no request in time.")
 
     def all(self) -> list[Metric]:
         return [v for v in vars(self).values() if isinstance(v, Metric)]

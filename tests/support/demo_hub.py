@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--write-timeout", type=float, default=10.0)
     ap.add_argument("--idle-timeout", type=float, default=30.0)
     ap.add_argument("--retain-mb", type=int, default=64)
+    ap.add_argument("--max-connections-per-client", type=int)
+    ap.add_argument("--max-subscribers-per-client", type=int)
+    ap.add_argument("--first-request-timeout", type=float, default=10.0)
     ap.add_argument("--token-file")
     args = ap.parse_args()
     names = [f"node{i:04d}" for i in range(args.hosts)]
@@ -45,6 +48,9 @@ def main() -> None:
         await serve(cfg, args.listen, token=token, collector=collector,
                     max_subscribers=args.max_subscribers,
                     max_connections=args.max_connections, idle_s=args.idle_timeout,
+                    max_connections_per_client=args.max_connections_per_client,
+                    max_subscribers_per_client=args.max_subscribers_per_client,
+                    first_request_s=args.first_request_timeout,
                     write_timeout_s=args.write_timeout, retain_bytes=args.retain_mb << 20)
         return 0
 
