@@ -5,14 +5,11 @@ hub sees an attacker (127.0.0.3, .4, .5) and a prober (127.0.0.2) as different p
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_hub_connections import closed_by_hub
-
 from tests.support.hubs import DemoHub
+from tests.test_hub_connections import closed_by_hub
 
 ADDR = "127.0.32.1"
 PROBER, ATTACKER = "127.0.0.2", "127.0.0.3"
