@@ -45,7 +45,7 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     path = tmp / f"{scenario}.sqlite3"
     t0 = datetime(2026, 11, 2, tzinfo=timezone.utc)

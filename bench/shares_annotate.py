@@ -38,7 +38,7 @@ def main() -> None:
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     cfg, sources = demo_fleet(args.hosts, args.gpus, Path("/nonexistent/reservations.json"))
     names = [h.name for h in cfg.hosts]

@@ -1094,7 +1094,7 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
     # A reservation made 10 min ago, its holder never on the GPU: idle once the 15 min
     # grace has passed, with no new answer from the host in between.
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     clock[0] = NOW
     m.set_state(StoreState(reservations=(new_reservation(

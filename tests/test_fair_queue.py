@@ -87,7 +87,7 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
 
 def test_a_waiter_says_each_host_error_only_with_verbose(team: Team) -> None:
     """With -v the waiter's first line is followed by each host not answering and why."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     _known_only(team, "gtalice", "q2")
     team.block("q2:0", user="gtcarol")

@@ -30,7 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from gputop.reservations.store import Store
-from gputop.reservations.terms import Target, Terms
+from gputop.reservations.terms import Target, Terms, new_reservation
 store = Store(Path(sys.argv[1]))
 store.update(lambda s, now: replace(s, reservations=s.reservations + (
     new_reservation(Target("h", 1), Terms(3600, note="bob's", user="bob", machine="m"),

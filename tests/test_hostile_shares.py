@@ -141,7 +141,7 @@ def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: 
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, utcnow
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
     share = replace(new_reservation(
@@ -232,7 +232,7 @@ def test_a_flood_of_forged_shares_does_not_grow_history(tmp_path: Path) -> None:
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, utcnow
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
     rs = tuple(new_reservation(

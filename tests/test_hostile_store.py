@@ -47,7 +47,7 @@ def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: P
     after which a few reservations of her own made every teammate's write fail
     ("refusing to write ... bytes"). An event keeps the start of a note only."""
     from gputop.reservations.records import MAX_FILE_BYTES
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     store = Store(tmp_path / "reservations.json")
     note = "\U0001f600" * 500

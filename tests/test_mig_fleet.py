@@ -159,7 +159,7 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     from gputop.model import utcnow
     from gputop.poller import Poller
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     if not mig_fleet.users:
         pytest.skip("needs the test users (root)")

@@ -402,7 +402,8 @@ from gputop.config.load import load_config
 from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
-from gputop.reservations.store import encode, new_reservation, replace
+from gputop.reservations.store import encode, replace
+from gputop.reservations.terms import new_reservation
 from gputop.reservations.open import open_store
 from gputop.reservations.terms import Terms
 

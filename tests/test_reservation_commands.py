@@ -24,7 +24,7 @@ from gputop.history.recorder import Recorder
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import Store
-from gputop.reservations.terms import new_reservation
+from gputop.reservations.terms import Target, Terms, new_reservation
 from tests.support.as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
 from tests.support.fleet import Fleet
 
@@ -378,9 +378,10 @@ def test_your_live_reservation_on_a_host_that_does_not_answer_can_be_extended(
 
     def plant(state: StoreState, now: datetime) -> StoreState:
         return replace(state, reservations=(
-            new_reservation("gpu-gone", 0, "gtalice", "m", now, 600, None, ""),
-            new_reservation("gpu-gone", 1, "gtbob", "m", now - timedelta(hours=2), 60, None,
-                            "")))  # gtbob's, ended
+            new_reservation(Target("gpu-gone", 0), Terms(600, user="gtalice", machine="m"),
+                            now),
+            new_reservation(Target("gpu-gone", 1), Terms(60, user="gtbob", machine="m"),
+                            now - timedelta(hours=2))))  # gtbob's, ended
     Store(gputop.path).update(plant)
     gputop.path.chmod(0o664)
     before = {r.id: r.expires for r in Store(gputop.path).read().reservations}

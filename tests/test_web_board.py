@@ -97,7 +97,7 @@ def _history(path: Path) -> None:
     from gputop.history.recorder import Recorder
     from gputop.model import GpuInfo, HostSnapshot
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
@@ -580,7 +580,7 @@ def test_a_token_in_the_address_fragment_goes_live_and_is_kept_nowhere(
     nowhere a script on another port of the host could read (no cookie, no storage)."""
     from urllib.parse import quote
 
-    from hubs import DemoHub
+    from tests.support.hubs import DemoHub
 
     _need_chromium()
     secret = "fr4gment token&=#"

@@ -124,9 +124,7 @@ def cmd_serve(config: Config, args: argparse.Namespace,
 
     async def main() -> int:
         extra: dict[str, Any] = {}
-        retain_mb = args.retain_mb or cfg.hub.retain_mb
-        if retain_mb is not None:
-            extra["retain_bytes"] = retain_mb << 20
+        extra["retain_bytes"] = (args.retain_mb or cfg.hub.retain_mb) << 20
         if args.write_timeout is not None:
             extra["write_timeout_s"] = args.write_timeout
         if args.idle_timeout is not None:

@@ -225,13 +225,13 @@ class Hub:
     """``[hub]``: a hub to read instead of SSHing to every host (``url``, or ``--hub``),
     what to do when it is down (``fallback``: "none", a clear error, or "direct", poll the
     hosts), its bearer token's file, where ``gputop serve`` listens, and its retained
-    window of events in MiB (``retain_mb``; None: the server's default)."""
+    window of events in MiB (``retain_mb``)."""
 
     url: str | None = None
     fallback: str = "none"
     token_file: Path | None = None
     listen: str | None = None
-    retain_mb: int | None = None
+    retain_mb: int = 64
 
     @classmethod
     def parse(cls, t: Table) -> Hub:
@@ -248,7 +248,7 @@ class Hub:
         if problem:
             raise t.error("listen", problem)
         retain_mb = t.get("retain_mb", int, cls.retain_mb)
-        if retain_mb is not None and not 1 <= retain_mb <= 65536:
+        if not 1 <= retain_mb <= 65536:
             raise t.error("retain_mb", "must be between 1 and 65536 (MiB)")
         t.done()
         return cls(url=url, fallback=fallback, token_file=token_file, listen=listen,

@@ -15,7 +15,7 @@ from pathlib import Path
 def main() -> None:
     from gputop.cli.lifecycle import run_until_signal
     from gputop.config.load import Config
-    from gputop.config.tables import HostConfig
+    from gputop.config.tables import Defaults, History, HostConfig, Reservations
     from gputop.hub.collector import Collector
     from gputop.hub.server import read_token, serve
     from gputop.poller import Poller
@@ -37,9 +37,10 @@ def main() -> None:
     ap.add_argument("--token-file")
     args = ap.parse_args()
     names = [f"node{i:04d}" for i in range(args.hosts)]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
-                 timeout=5.0, reservations_path=Path(tempfile.mkdtemp()) / "r.json",
-                 history_path=Path(tempfile.mkdtemp()) / "none.sqlite3")
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                 defaults=Defaults(interval=args.interval, timeout=5.0),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"),
+                 history=History(path=Path(tempfile.mkdtemp()) / "none.sqlite3"))
     sources = [DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
     token = read_token(Path(args.token_file)) if args.token_file else None
 

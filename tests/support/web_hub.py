@@ -177,7 +177,7 @@ def history_db(path: Path) -> None:
     from gputop.history.recorder import Recorder
     from gputop.model import GpuInfo, HostSnapshot
     from gputop.reservations.state import StoreState
-    from gputop.reservations.store import new_reservation
+    from gputop.reservations.terms import new_reservation
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
