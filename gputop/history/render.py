@@ -139,11 +139,11 @@ def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
                          + [sparkline(doc["series"]["fleet"])])
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         print(file=out)
+        # Words (names, uuids, the chart) start at their column; numbers end at theirs.
+        left = [i == 0 or i >= len(cols) or cols[i] in _WORDS for i in range(len(widths))]
         for row in table:
-            first = row[0].ljust(widths[0])
-            rest = [c.rjust(w) if i + 1 < len(cols) else c.ljust(w)
-                    for i, (c, w) in enumerate(zip(row[1:], widths[1:]))]
-            print("  ".join([first, *rest]).rstrip(), file=out)
+            cells = [c.ljust(w) if lj else c.rjust(w) for c, w, lj in zip(row, widths, left)]
+            print("  ".join(cells).rstrip(), file=out)
         if which == "host":
             for r in rows:
                 if r.get("unknown_gpus_hours"):
@@ -156,6 +156,10 @@ def write_text(doc: dict[str, Any], by: str, out: TextIO) -> None:
                   "minute, hour or day (see docs/history.md)", file=out)
     print(f"\nchart: one column per {_step_words(doc['series']['step_s'])}, blank = no data",
           file=out)
+
+
+#: Columns of words, not numbers.
+_WORDS = frozenset(("host", "user", "name", "uuid", "gpu"))
 
 
 def _step_words(step: int) -> str:
