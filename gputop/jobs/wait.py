@@ -19,7 +19,7 @@ from typing import Any
 
 from gputop.config import Config, reserving_problem
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import HubPoller, Poller, first_answer_s, open_poller
 from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,
@@ -102,6 +102,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     by another writer for less than the lease costs nothing: the lease is renewed on its
     own task, which waits for the lock up to the lease's end, and a grant that times out
     is tried again."""
+    started = time.monotonic()  # (--max-wait counts from here, the first look included)
     problem = reserving_problem(config)
     if problem:  # (the CLI says so before; the board's Q learns it here)
         raise Invalid(f"the queue grants GPUs, and {problem}")
@@ -119,12 +120,13 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     from gputop.jobs.remote import logins
 
     q = Queue(store, req, lease_s=lease_s, login=logins(config))
-    started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
     feeder: asyncio.Task[None] | None = None
     joining: asyncio.Future[int] | None = None
     try:
-        snap = await poller.snapshot()
+        # The first look answers by the first-answer deadline, as a one-shot does: a hung
+        # host is named slow in the first line instead of holding it for its timeout.
+        snap = await poller.snapshot(first_answer_s(config))
         known = {h.name: h.gpus for h in config.hosts if h.gpus is not None}
         why = unsatisfiable(req, list(snap.hosts), fleet) or ceiling(
             req, list(snap.hosts), fleet, known)

@@ -1,0 +1,82 @@
+"""A hung host costs nobody its wait: waiters answer by the first-answer deadline, the hub
+counts it down (not "starting" again with every restart) as ``--once`` does, and ``free``
+says its list leaves it out.
+
+A real sshd fleet: hh-one with two GPUs, hh-two with one, and hh-hung whose nvidia-smi never
+returns (``gpus = 1`` in its config: GPUs gputop knows it has)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import _need_sshd, _world_readable
+from fleet import Fleet, Host
+
+
+@pytest.fixture(scope="module")
+def hfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    _need_sshd()
+    f = Fleet(_world_readable(tmp_path_factory.mktemp("hhfleet")), [
+        Host("hh-one", "127.0.219.2", gpus=("rtx2080", "rtx2080")),
+        Host("hh-two", "127.0.219.3", gpus=("rtx2080",)),
+        Host("hh-hung", "127.0.219.4", scenario="hang"),
+    ]).start()
+    yield f
+    f.stop()
+
+
+def config(fleet: Fleet, tmp: Path, *, timeout: float = 20.0, first_sample: float | None = None,
+           extra: str = 'first_answer = "1s"') -> Path:
+    """Its own reservations file in ``tmp``; the hung host has ``gpus = 1``."""
+    text = fleet.write_config(timeout=timeout, extra=extra, wait_all=False,
+                              first_sample_timeout=first_sample).read_text()
+    cfg = tmp / "hosts.toml"
+    cfg.write_text(text.replace(str(fleet.root / "reservations.json"),
+                                str(tmp / "reservations.json"))
+                   .replace('name = "hh-hung"\n', 'name = "hh-hung"\ngpus = 1\n'))
+    return cfg
+
+
+def gputop(fleet: Fleet, *args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gputop", *args], capture_output=True,
+                          text=True, env=fleet.env() | {"COLUMNS": "200"}, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    return time.monotonic() - started, proc
+
+
+def first_line(fleet: Fleet, *args: str) -> tuple[float, str, float, str, int]:
+    """(when stderr's first line came, that line, when it ended, the rest, exit code)."""
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "gputop", *args], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+                            env=fleet.env())
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    at = time.monotonic() - started
+    rest = proc.stderr.read()
+    rc = proc.wait(60)
+    return at, line, time.monotonic() - started, rest, rc
+
+
+@pytest.mark.parametrize("cmd", [("free", "--count", "4", "--wait"),
+                                 ("run", "--count", "2", "--wait")])
+def test_a_waiters_first_line_comes_by_the_first_answer_deadline(
+        hfleet: Fleet, tmp_path: Path, cmd: tuple[str, ...]) -> None:
+    """The timeout is 20 s and the deadline 1 s: the first line names the hung host well
+    before its timeout, and --max-wait counts from the start."""
+    cfg = str(config(hfleet, tmp_path))
+    argv = [*cmd, "--max-wait", "3s", "--config", cfg]
+    if cmd[0] == "run":  # (hh-one:0 held: no host has two free GPUs)
+        argv += ["--", "true"]
+        assert gputop(hfleet, "reserve", "hh-one:0", "--for", "5m", "--config", cfg
+                      )[1].returncode == 0
+    at, line, took, rest, rc = first_line(hfleet, *argv)
+    assert at < 8, (at, line, rest)
+    assert "position 1 in the queue" in line and "1 host(s) not answering: hh-hung" in line
+    assert rc == 1 and "waited 3s" in rest and took < 10, (took, rest)
