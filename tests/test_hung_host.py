@@ -7,6 +7,7 @@ returns (``gpus = 1`` in its config: GPUs gputop knows it has)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import _need_sshd, _world_readable
 from fleet import Fleet, Host
+from hubs import Hub, get
+
+ADDR = "127.0.219.1"
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +84,39 @@ def test_a_waiters_first_line_comes_by_the_first_answer_deadline(
     assert at < 8, (at, line, rest)
     assert "position 1 in the queue" in line and "1 host(s) not answering: hh-hung" in line
     assert rc == 1 and "waited 3s" in rest and took < 10, (took, rest)
+
+
+def _hosts_metric(hub: Hub) -> dict[str, str]:
+    body = get(hub.url + "metrics")[2].decode()
+    return dict(re.findall(r'^gputop_fleet_hosts{state="(\w+)"} (\S+)$', body, re.M))
+
+
+def test_a_hung_host_stays_down_at_the_hub_and_agrees_with_once(hfleet: Fleet,
+                                                                tmp_path: Path) -> None:
+    """Its first sample times out after 4 s; each restart after that is still down (it has
+    never answered), not "starting" with a timer from zero: /metrics, the hub's document
+    and --once --hub count what plain --once counts."""
+    cfg = config(hfleet, tmp_path, timeout=2.0, first_sample=4.0)
+    hub = Hub(cfg, hfleet.env(), ADDR).start(wait_ready=30)
+    try:
+        deadline = time.monotonic() + 20
+        while _hosts_metric(hub).get("down") != "1.0":
+            assert time.monotonic() < deadline, _hosts_metric(hub)
+            time.sleep(0.2)
+        seen: set[str] = set()
+        until = time.monotonic() + 7  # past several restarts of its stream
+        while time.monotonic() < until:
+            assert _hosts_metric(hub) == {"up": "2.0", "down": "1.0", "waiting": "0.0"}
+            hung = next(h for h in hub.json("api/v1/snapshot")["hosts"]
+                        if h["name"] == "hh-hung")
+            assert hung["error"]["kind"] == "timeout", hung["error"]
+            seen.add(hung["error"]["message"])
+            time.sleep(0.25)
+        assert any(m.startswith("never answered: trying since ") for m in seen), seen
+        _, via_hub = gputop(hfleet, "--once", "--hub", hub.url, "--config", str(cfg))
+    finally:
+        hub.stop()
+    _, direct = gputop(hfleet, "--once", "--config", str(cfg))
+    for proc in (via_hub, direct):
+        assert proc.returncode == 0, proc.stderr
+        assert "\n2 up · 1 down | 3 free" in proc.stdout, proc.stdout
