@@ -7,6 +7,7 @@ returns (``gpus = 1`` in its config: GPUs gputop knows it has)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -120,3 +121,22 @@ def test_a_hung_host_stays_down_at_the_hub_and_agrees_with_once(hfleet: Fleet,
     for proc in (via_hub, direct):
         assert proc.returncode == 0, proc.stderr
         assert "\n2 up · 1 down | 3 free" in proc.stdout, proc.stdout
+
+
+def test_free_says_its_list_leaves_out_the_hosts_not_answering(hfleet: Fleet,
+                                                               tmp_path: Path) -> None:
+    """Enough found, exit 0, but the list is incomplete: one stderr line names the hung
+    host (-v: its error too), and --json lists it in hosts_not_answering."""
+    cfg = str(config(hfleet, tmp_path))
+    _, proc = gputop(hfleet, "free", "--config", cfg)
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == {"hh-one:0", "hh-one:1", "hh-two:0"}, proc.stdout
+    assert proc.stderr == "gputop: 1 host not answering: hh-hung (-v says why)\n"
+    _, proc = gputop(hfleet, "free", "--count", "2", "-v", "--config", cfg)
+    assert proc.returncode == 0 and len(proc.stdout.split()) == 2, proc.stderr
+    assert proc.stderr == ("gputop: 1 host not answering: hh-hung\n"
+                           "gputop: hh-hung: slow: no answer in 1.0 s\n"), proc.stderr
+    _, proc = gputop(hfleet, "free", "--json", "--config", cfg)
+    doc = json.loads(proc.stdout)
+    assert len(doc["free"]) == 3 and doc["hosts_not_answering"] == [
+        {"host": "hh-hung", "kind": "slow", "message": "no answer in 1.0 s"}], doc

@@ -87,7 +87,7 @@ def _queue_options(p: argparse.ArgumentParser) -> None:
                    "(GPUTOP_RESULT, GPUTOP_GPUS, GPUTOP_UUIDS in its environment)")
     p.add_argument("--lease", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="with --wait: say each host's error, not only which do not answer")
+                   help="say each host's error, not only which do not answer")
 
 def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     """The reservation, queue, run and history subcommands, each with a description and
