@@ -140,3 +140,31 @@ def test_free_says_its_list_leaves_out_the_hosts_not_answering(hfleet: Fleet,
     doc = json.loads(proc.stdout)
     assert len(doc["free"]) == 3 and doc["hosts_not_answering"] == [
         {"host": "hh-hung", "kind": "slow", "message": "no answer in 1.0 s"}], doc
+
+
+def test_run_mine_runs_on_the_gpus_you_hold_and_keeps_them(hfleet: Fleet,
+                                                           tmp_path: Path) -> None:
+    """You hold hh-one:0,1 (as after `free --count 2 --wait`): a plain run of 2 is refused
+    and points at --mine; `run --mine` runs on them, with CUDA_VISIBLE_DEVICES set to
+    their uuids, and they are still yours (not tied to the job) after it."""
+    cfg = str(config(hfleet, tmp_path))
+    _, proc = gputop(hfleet, "reserve", "hh-one:0,1", "--for", "30m", "--config", cfg)
+    assert proc.returncode == 0, proc.stderr
+    before = json.loads(gputop(hfleet, "reservations", "--json", "--config", cfg)[1].stdout)
+    _, proc = gputop(hfleet, "run", "--count", "2", "--config", cfg, "--", "true")
+    assert proc.returncode == 1, proc.stderr
+    assert ("you hold idle GPUs (hh-one:0, hh-one:1): gputop run --mine [--count N] -- CMD "
+            "runs on them") in proc.stderr, proc.stderr
+    _, proc = gputop(hfleet, "run", "--mine", "--config", cfg, "--",
+                     "sh", "-c", "echo devices=$CUDA_VISIBLE_DEVICES")
+    assert proc.returncode == 0, proc.stderr
+    uuids = [r["uuid"] for r in before["reservations"]]
+    assert f"devices={','.join(uuids)}" in proc.stdout, (proc.stdout, uuids)
+    assert "running on your hh-one:0, hh-one:1" in proc.stderr, proc.stderr
+    assert "released" not in proc.stderr, proc.stderr
+    after = json.loads(gputop(hfleet, "reservations", "--json", "--config", cfg)[1].stdout)
+    assert after["reservations"] == before["reservations"], after
+    _, proc = gputop(hfleet, "run", "--mine", "--count", "1", "--config", cfg, "--", "true")
+    assert proc.returncode == 0 and "running on your hh-one:0 " in proc.stderr, proc.stderr
+    _, proc = gputop(hfleet, "run", "--mine", "--count", "3", "--config", cfg, "--", "true")
+    assert proc.returncode == 1 and "you hold 3 idle GPU(s) on no one host" in proc.stderr

@@ -166,6 +166,10 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "job's status (255: the SSH connection failed).")
     _queue_options(p)
     p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
+    p.add_argument("--mine", action="store_true",
+                   help="run on your own idle reservations of one host (--count N of them; "
+                   "default: all of them) and keep them reserved afterwards")
+    p.set_defaults(count=None)  # (--mine without --count: every GPU you hold there)
     p.add_argument("--share", metavar="SIZE",
                    help="run on a share of one GPU's memory, e.g. 16G (exported to the job "
                    "as GPUTOP_SHARE_MIB and the frameworks' own memory caps)")
