@@ -84,6 +84,7 @@ def test_a_waiters_first_line_comes_by_the_first_answer_deadline(
     at, line, took, rest, rc = first_line(hfleet, *argv)
     assert at < 8, (at, line, rest)
     assert "position 1 in the queue" in line and "1 host(s) not answering: hh-hung" in line
+    assert line.startswith(f"gputop: waiting for {cmd[2]} whole GPUs"), line
     assert rc == 1 and "waited 3s" in rest and took < 10, (took, rest)
 
 

@@ -103,7 +103,7 @@ def test_race_fifo_order_rule_all_or_nothing(team: Team) -> None:
     assert wait_as(c[0], 20) == 130
     assert team.state().queue == ()
     err = c[2].read_text()
-    assert "position" in err and "1 GPU (--tag small)" in err
+    assert "position" in err and "1 whole GPU (--tag small)" in err
 
 
 def test_sigkilled_waiter_leaves_after_its_lease(team: Team) -> None:

@@ -75,7 +75,7 @@ class Progress:
 
 def describe_request(req: Request) -> str:
     what = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
-            f"{req.count} GPU{'s' if req.count != 1 else ''}")
+            f"{req.count} whole GPU{'s' if req.count != 1 else ''}")
     if req.min_free_mib:
         what += f" with {req.min_free_mib / 1024:g}G free"
     if req.want:
