@@ -40,9 +40,10 @@ from typing import Any
 from gputop.config.load import load_config
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.open import open_store
-from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.ops import release, reserve
 from gputop.reservations.remote import RemoteStore
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 from tests.support.fleet import (
     LOGIN_USERS,
     TEAM_GROUP,
@@ -60,7 +61,8 @@ OUT = ROOT / "bench" / "results"
 WRITER = r"""
 import sys
 from gputop.config.load import load_config
-from gputop.reservations.ops import Target, reserve
+from gputop.reservations.ops import reserve
+from gputop.reservations.terms import Target
 from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 base, n = int(sys.argv[2]), int(sys.argv[3])
@@ -74,7 +76,8 @@ for k in range(n):
 BUSY = r"""
 import sys
 from gputop.config.load import load_config
-from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.ops import release, reserve
+from gputop.reservations.terms import Target
 from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 st.whoami()

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from gputop.reservations.store import StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.terms import Target, Terms, new_reservation
 from tests.support.as_user import wait_as
 from tests.support.fleet import Fleet

@@ -155,7 +155,8 @@ async def test_conflict_shows_the_holder(tmp_path: Path) -> None:
 
 async def test_store_race_is_refused_with_the_holder(tmp_path: Path) -> None:
     """Someone reserves the GPU while our dialog is open: the write is refused, naming them."""
-    from gputop.reservations.ops import Target, reserve
+    from gputop.reservations.ops import reserve
+    from gputop.reservations.terms import Target
 
     app = make_app(tmp_path, user="erin")
     seen: list[str] = []

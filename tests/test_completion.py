@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gputop.reservations.ops import Target, reserve
+from gputop.reservations.ops import reserve
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
     assert team.state().waiting()[0].sees == ("q2",)
     # Told in one line which host she cannot reach (-v says why: not repeated unasked).
     first = until(lambda: text(a[2]), what="A told")
-    assert first == ("gputop: waiting for 1 GPU: position 1 in the queue; 1 host(s) not "
+    assert first == ("gputop: waiting for 1 whole GPU: position 1 in the queue; 1 host(s) not "
                      "answering: q1 (-v says why)\n"), first
     # What she can be granted on is still hers: q2:0 freed goes to her, not to gtbob.
     team.free("q2:0")

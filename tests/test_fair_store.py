@@ -128,7 +128,8 @@ def test_far_future_leases_are_lapsed_pruned_and_not_counted(tmp_path: Path) -> 
     were hidden from every listing but counted: four locked a person out of the queue,
     a thousand the whole team ("refusing to write 1001 waiters"). Such a lease is treated
     as lapsed: not counted and dropped by the next write."""
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
+    from gputop.reservations.requests import Request
 
     path = tmp_path / "r.json"
     store = Store(path)

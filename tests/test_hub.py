@@ -281,7 +281,8 @@ def test_a_waiter_reaches_the_stream_and_the_metrics(hub: Hub, config: Path) -> 
     """The queue is in the document (schema 3): a waiter joining is one ``update`` whose
     ``set`` carries the whole new queue, and ``/metrics`` counts it; leaving, the same."""
     from gputop.config.load import load_config
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
+    from gputop.reservations.requests import Request
     from gputop.reservations.store import Store
 
     sse = Sse(hub.url)

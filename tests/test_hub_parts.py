@@ -523,8 +523,9 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     lists every active one."""
     from gputop.hub.collector import Collector
     from gputop.hubclient.schema import check
-    from gputop.reservations.ops import Target, reserve
+    from gputop.reservations.ops import reserve
     from gputop.reservations.store import Store
+    from gputop.reservations.terms import Target
 
     config = load_config(str(local_config(tmp_path)))
     store = Store(config.reservations.path)

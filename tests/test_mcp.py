@@ -29,9 +29,11 @@ pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from gputop.reservations.ops import Target, release, reserve
-from gputop.reservations.queue import Queue, Request
+from gputop.reservations.ops import release, reserve
+from gputop.reservations.queue import Queue
+from gputop.reservations.requests import Request
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 from gputop.text import clean
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -327,7 +329,7 @@ async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(
         assert "you at position(s) 1" in q["summary"]
         await asyncio.to_thread(release, store, None, user="gtbob")
         got = await asyncio.wait_for(wait, 60)
-        assert got["granted"] is True and got["summary"].startswith("granted 2 GPUs")
+        assert got["granted"] is True and got["summary"].startswith("granted 2 whole GPUs")
         assert sorted(d["gpu"] for d in got["reserved"]) == ["mcp-free:0", "mcp-free:1"]
         assert holders(res) == [("mcp-free", 0, ME), ("mcp-free", 1, ME)]
         assert json.loads(res.read_text()).get("queue", []) == []

@@ -106,7 +106,7 @@ def test_race_fifo_order_rule_all_or_nothing(team: Team) -> None:
     assert wait_as(c[0], 20) == 130
     assert team.state().queue == ()
     err = c[2].read_text()
-    assert "position" in err and "1 GPU (--tag small)" in err
+    assert "position" in err and "1 whole GPU (--tag small)" in err
 
 
 def test_sigkilled_waiter_leaves_after_its_lease(team: Team) -> None:
@@ -430,7 +430,8 @@ def test_release_waiter_removes_your_own_or_with_force_anyones(team: Team) -> No
     """`release --waiter ID`: your own stale place at once; someone else's only with --force,
     recorded as an event; their running waiter then stops (exit 1) naming who removed it
     instead of joining again. `reservations` lists the queue, ids included, on stdout."""
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
+    from gputop.reservations.requests import Request
 
     team.block("q1:0", "q1:1", "q2:0")
     stale = Queue(team.store, Request(1), lease_s=60, user="gtalice", machine="laptop")
@@ -502,7 +503,8 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     store.update(lambda s, n: replace(s, reservations=(
         new_reservation(Target("h", 0), Terms(60, user="u", machine="m"), n),)))
     assert json.loads(p.read_text())["version"] == 1  # nothing new in it: readable by v1
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
+    from gputop.reservations.requests import Request
 
     q = Queue(store, Request(1), lease_s=60)
     q.join()
@@ -543,7 +545,8 @@ def test_queue_in_a_version_1_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_lease_lapsed_waiter_is_not_in_the_queue(tmp_path: Path) -> None:
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
+    from gputop.reservations.requests import Request
 
     store = Store(tmp_path / "r.json")
     q = Queue(store, Request(1), lease_s=60)
@@ -555,8 +558,9 @@ def test_lease_lapsed_waiter_is_not_in_the_queue(tmp_path: Path) -> None:
 def test_a_lease_of_years_is_not_honoured(tmp_path: Path) -> None:
     """A waiter SIGKILLed with a lease of centuries (written by hand or an old flag) would
     hold the head for good: a lease further ahead than any live waiter writes is ignored."""
-    from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.queue import Queue
     from gputop.reservations.records import MAX_LEASE_S
+    from gputop.reservations.requests import Request
 
     store = Store(tmp_path / "r.json")
     Queue(store, Request(1), lease_s=MAX_LEASE_S).join()
@@ -578,7 +582,8 @@ def test_cli_refuses_a_lease_out_of_bounds(tmp_path: Path, lease: str) -> None:
 
 
 def test_one_person_holds_at_most_four_places(tmp_path: Path) -> None:
-    from gputop.reservations.queue import MAX_PLACES_PER_USER, Queue, Request
+    from gputop.reservations.queue import MAX_PLACES_PER_USER, Queue
+    from gputop.reservations.requests import Request
 
     store = Store(tmp_path / "r.json")
     for _ in range(MAX_PLACES_PER_USER):
@@ -611,7 +616,7 @@ def _queue(*reqs: Any) -> StoreState:
 
 
 def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use() -> None:
-    from gputop.reservations.queue import Request
+    from gputop.reservations.requests import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 80], "b": [24, 24]})
@@ -645,7 +650,7 @@ def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
     """Hosts of different sizes: a has one 80G GPU and one 24G, b two 80G (b:0 held). A
     head that wants 2 GPUs with 40G on one host can only ever be served by b, so a:0 is not
     its to wait for: a later waiter for 1 GPU with 40G gets a:0 at once."""
-    from gputop.reservations.queue import Request
+    from gputop.reservations.requests import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 24], "b": [80, 80]})
@@ -679,7 +684,7 @@ def test_backfill_grants_what_ends_before_the_head_waiters_turn() -> None:
     """Head wants 3 GPUs: a:0 is free, a:1 held 2h, b:0 held 1h, so its turn is in 2h and
     takes all three. a:0 goes to a request that ends before then, not to a longer one (nor
     to one that names no end)."""
-    from gputop.reservations.queue import Request
+    from gputop.reservations.requests import Request
 
     now, fleet = utcnow(), ["a", "b"]
     hosts = _hosts({"a": [24, 24], "b": [24]})
@@ -702,7 +707,7 @@ def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> N
     then. A GPU busy without a reservation has no known end: a head that needs it keeps
     every GPU it could use, as without backfill."""
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.queue import Request
+    from gputop.reservations.requests import Request
 
     now, fleet = utcnow(), ["a", "c"]
     hosts = _hosts({"a": [24, 24], "c": [24, 24]})
@@ -725,7 +730,7 @@ def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
     must not hold the queue; a host that did not answer keeps the doubt on the head's side."""
     from gputop.model import HostError, HostSnapshot
-    from gputop.reservations.queue import Request, unsatisfiable
+    from gputop.reservations.requests import Request, unsatisfiable
 
     now = utcnow()
     hosts = _hosts({"a": [24, 24], "b": [24, 24]})
@@ -1008,9 +1013,9 @@ def test_a_gpu_whose_host_did_not_answer_is_claimed_by_its_waiters() -> None:
     mapped elsewhere in a private config): the queue cannot judge the GPU, so anyone waiting
     for GPUs on that host claims it. It was reserved "by index only", past the queue, with
     nothing recorded (found by the hostile review). --skip-queue still does it, recorded."""
-    from gputop.reservations.ops import Target
-    from gputop.reservations.queue import Request
     from gputop.reservations.queue import queue_claim as _queue_claim
+    from gputop.reservations.requests import Request
+    from gputop.reservations.terms import Target
 
     fleet = ["q2", "q3"]
     check = _queue_claim([Target("q2", 0)], {}, fleet, "me")

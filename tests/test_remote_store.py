@@ -34,11 +34,11 @@ from gputop.config.load import load_config
 from gputop.config.values import ConfigError
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.open import open_store
-from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.ops import release, reserve
 from gputop.reservations.remote import RemoteStore
 from gputop.reservations.state import OverBudget, StoreState
 from gputop.reservations.store import Store
-from gputop.reservations.terms import Terms, new_reservation
+from gputop.reservations.terms import Target, Terms, new_reservation
 from tests.support.as_user import need_test_users, run_as, user_home
 from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
@@ -400,9 +400,11 @@ CHILD = r"""
 import sys, time
 from gputop.config.load import load_config
 from gputop.model import utcnow
-from gputop.reservations.ops import Target, reserve
+from gputop.reservations.ops import reserve
+from gputop.reservations.terms import Target
 from gputop.reservations.remote import MARK
-from gputop.reservations.store import encode, replace
+from gputop.reservations.store import replace
+from gputop.reservations.state import encode
 from gputop.reservations.terms import new_reservation
 from gputop.reservations.open import open_store
 from gputop.reservations.terms import Terms

@@ -17,10 +17,11 @@ import pytest
 
 from gputop.model import iso, utcnow
 from gputop.reservations.filelock import StoreError, nfs_lock_problem
-from gputop.reservations.ops import Invalid, Refused, Target, release, reserve
+from gputop.reservations.ops import Invalid, Refused, release, reserve
 from gputop.reservations.records import MAX_FILE_BYTES, MAX_USER_BYTES, MAX_USER_ENTRIES
 from gputop.reservations.state import OverBudget
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 
 H = 3600.0
 
@@ -326,7 +327,8 @@ def test_sixteen_writers_lose_no_update(tmp_path: Path) -> None:
 CRASH_WRITER = """
 import sys
 from pathlib import Path
-from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.ops import release, reserve
+from gputop.reservations.terms import Target
 from gputop.reservations.store import Store
 store = Store(Path(sys.argv[1]))
 n = int(sys.argv[2])

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from gputop.model import utcnow
-from gputop.reservations.ops import Target
 from gputop.reservations.shares import reserve_share
 from gputop.reservations.store import Store
-from gputop.reservations.terms import Terms
+from gputop.reservations.terms import Target, Terms
 from gputop.ui.board_rows import SHARE_SEP
 from tests.test_board import cell, gk, goto, load, make_app
 

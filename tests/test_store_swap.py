@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 
 from gputop.reservations.filelock import StoreError
-from gputop.reservations.ops import Target, reserve
+from gputop.reservations.ops import reserve
 from gputop.reservations.remote import RemoteStore
 from gputop.reservations.store import SWEEP_MAX, ReservationStore, Store
+from gputop.reservations.terms import Target
 from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 from tests.test_remote_store import World, _alias, _script_pids, _under
 

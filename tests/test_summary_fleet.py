@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from gputop.reservations.ops import Target, reserve
+from gputop.reservations.ops import reserve
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 from tests.support.fleet import Fleet, GpuProcess, Host
 from tests.support.hubs import Hub, get
 from tests.support.shared_fleet import need_sshd, world_readable

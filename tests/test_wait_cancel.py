@@ -18,9 +18,11 @@ from gputop.config.load import Config
 from gputop.config.tables import Defaults, HostConfig, Reservations
 from gputop.jobs.wait import run_to_end, wait_for_gpus
 from gputop.poller import Poller
-from gputop.reservations.ops import Target, reserve
-from gputop.reservations.queue import Queue, Request
+from gputop.reservations.ops import reserve
+from gputop.reservations.queue import Queue
+from gputop.reservations.requests import Request
 from gputop.reservations.store import Store
+from gputop.reservations.terms import Target
 from gputop.sources.demo import DemoSource
 
 

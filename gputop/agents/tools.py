@@ -56,7 +56,6 @@ from gputop.reservations.open import open_store
 from gputop.reservations.ops import (
     Invalid,
     Refused,
-    Target,
     describe,
     format_duration,
     release,
@@ -64,19 +63,15 @@ from gputop.reservations.ops import (
     size_text,
     whoami,
 )
-from gputop.reservations.queue import (
-    DEFAULT_LEASE_S,
-    QueueView,
-    Request,
-    queue_claim,
-    share_claim,
-)
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import DEFAULT_LEASE_S, queue_claim, share_claim
 from gputop.reservations.records import Reservation
+from gputop.reservations.requests import Request
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
 from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.targets import check_targets, parse_targets, with_held
-from gputop.reservations.terms import Terms
+from gputop.reservations.terms import Target, Terms
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them

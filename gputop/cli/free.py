@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Sequence
 
 from gputop.cli.free_table import is_terminal, print_free, yours
 from gputop.cli.reserve import print_outcomes
@@ -23,12 +24,35 @@ from gputop.cli.targets import (
 from gputop.cli.waiting import wait_in_queue
 from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
-from gputop.model import iso, utcnow
+from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
 from gputop.reservations.order import QueueView
 from gputop.reservations.queue import queue_claim
 from gputop.reservations.terms import Target, Terms
+from gputop.text import clean, excerpt
+
+
+def down_docs(hosts: Sequence[HostSnapshot]) -> list[dict[str, str]]:
+    """The hosts that did not answer, for ``--json`` (as MCP's ``find_gpus`` names them)."""
+    return [{"host": clean(h.name), "kind": h.error.kind, "message": clean(h.error.message)}
+            for h in hosts if h.error is not None]
+
+
+def say_not_answering(hosts: Sequence[HostSnapshot], verbose: bool) -> None:
+    """The list leaves these hosts' GPUs out: one stderr line saying which (``verbose``:
+    each one's error on a line of its own), as a waiter's first line does."""
+    down = [h for h in hosts if h.error is not None]
+    if not down:
+        return
+    names = ", ".join(clean(h.name) for h in down[:8]) + (", ..." if len(down) > 8 else "")
+    print(f"gputop: {len(down)} host{'s' if len(down) != 1 else ''} not answering: {names}"
+          + ("" if verbose else " (-v says why)"), file=sys.stderr)
+    if verbose:
+        for h in down:
+            if h.error is not None:
+                print(f"gputop: {clean(h.name)}: {h.error.kind}: "
+                      f"{excerpt(h.error.message, 120)}", file=sys.stderr)
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
@@ -75,7 +99,8 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
         # Not "0 free": nothing is known. Said first, with why, and told apart by its code.
         print(f"gputop: {nobody}", file=sys.stderr)
         if args.json:
-            write_document({"version": 1, "free": []}, sys.stdout)
+            write_document({"version": 1, "free": [],
+                            "hosts_not_answering": down_docs(hosts)}, sys.stdout)
         return EXIT_NO_HOST
     if len(found) < args.count:
         if found and not args.json and is_terminal(sys.stdout):  # a pipe gets none: scripts
@@ -84,8 +109,10 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
               + (f" ({len(waiters)} waiting in the queue; --wait joins it)" if waiters else
                  " (--wait to queue for them)") + not_answering(hosts), file=sys.stderr)
         if args.json:
-            write_document({"version": 1, "free": []}, sys.stdout)
+            write_document({"version": 1, "free": [],
+                            "hosts_not_answering": down_docs(hosts)}, sys.stdout)
         return EXIT_REFUSED
+    say_not_answering(hosts, bool(getattr(args, "verbose", False)))
     expires: dict[str, str | None] = {}
     if args.reserve:
         from gputop.jobs.remote import logins
@@ -114,7 +141,7 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
             | ({"instance": f.instance.gpu_instance_id, "profile": f.instance.profile,
                 "mig_uuid": f.instance.uuid} if f.instance else {})
             | ({"expires": expires.get(f.label)} if args.reserve else {})
-            for f in found]}, sys.stdout)
+            for f in found], "hosts_not_answering": down_docs(hosts)}, sys.stdout)
     else:
         print_free(found, store.read() if args.reserve else state, now)
     return EXIT_OK

@@ -29,7 +29,6 @@ from gputop.reservations.ops import (
     Invalid,
     Outcome,
     Refused,
-    Target,
     ends_with,
     format_duration,
     local_time,
@@ -41,7 +40,7 @@ from gputop.reservations.ops import (
 from gputop.reservations.queue import queue_claim
 from gputop.reservations.records import Job, Reservation
 from gputop.reservations.targets import parse_targets
-from gputop.reservations.terms import Terms, tied
+from gputop.reservations.terms import Target, Terms, tied
 from gputop.text import clean, excerpt
 
 

@@ -22,11 +22,11 @@ from gputop.cli.targets import (
 from gputop.cli.waiting import wait_in_queue
 from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
+from gputop.model import HostSnapshot
 from gputop.reservations.ops import Invalid
-from gputop.reservations.queue import (
-    unsatisfiable,
-)
 from gputop.reservations.records import Job, Reservation
+from gputop.reservations.requests import unsatisfiable
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.terms import Terms
 from gputop.text import clean
 
@@ -38,6 +38,11 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
     if not argv:
         raise Invalid("say what to run: gputop run [--count N] ... -- CMD ARGS...")
     check_reservable(config, "run")
+    count = args.count  # (None: not given)
+    if args.count is None:
+        args.count = 1
+    if getattr(args, "mine", False) and getattr(args, "share", None) is not None:
+        raise Invalid("--mine runs on the whole GPUs you hold: without --share")
     if getattr(args, "share", None) is not None:
         from gputop.cli.shares import run_share
 
@@ -47,6 +52,10 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
                else config.reservations.max_s)
     store = open_store(config)
     reap_ended_jobs(config, store)
+    if getattr(args, "mine", False):
+        from gputop.cli.run_mine import run_mine
+
+        return run_mine(config, args, argv, req, store, count)
     from gputop.jobs.remote import local_start
 
     # Tied to the job from the start, and to this process until the job's pid is recorded
@@ -77,7 +86,8 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"
                   + (f" that none of the {waiting} waiting could use" if waiting else "")
-                  + "; --wait to queue for them" + not_answering(hosts), file=sys.stderr)
+                  + "; --wait to queue for them" + not_answering(hosts)
+                  + _yours_idle(store, hosts), file=sys.stderr)
             return EXIT_REFUSED
         got = made
     from gputop.jobs.run import run_on
@@ -90,3 +100,13 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         print(f"gputop: {msg}", file=sys.stderr, flush=True)
 
     return asyncio.run(run_on(config, host, store, got, argv, say))
+
+
+def _yours_idle(store: ReservationStore, hosts: list[HostSnapshot]) -> str:
+    """A refused run may be one you could run on GPUs you already hold: say so."""
+    from gputop.cli.run_mine import describe, idle_mine
+    from gputop.reservations.ops import whoami
+
+    mine = idle_mine(store, hosts, whoami(store)[0])
+    return (f"; you hold idle GPUs ({describe(mine)}): gputop run --mine [--count N] -- CMD "
+            "runs on them and keeps them reserved" if mine else "")

@@ -87,7 +87,7 @@ def _queue_options(p: argparse.ArgumentParser) -> None:
                    "(GPUTOP_RESULT, GPUTOP_GPUS, GPUTOP_UUIDS in its environment)")
     p.add_argument("--lease", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="with --wait: say each host's error, not only which do not answer")
+                   help="say each host's error, not only which do not answer")
 
 def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     """The reservation, queue, run and history subcommands, each with a description and
@@ -166,6 +166,10 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
             "job's status (255: the SSH connection failed).")
     _queue_options(p)
     p.add_argument("--wait", action="store_true", help="wait your turn in the queue")
+    p.add_argument("--mine", action="store_true",
+                   help="run on your own idle reservations of one host (--count N of them; "
+                   "default: all of them) and keep them reserved afterwards")
+    p.set_defaults(count=None)  # (--mine without --count: every GPU you hold there)
     p.add_argument("--share", metavar="SIZE",
                    help="run on a share of one GPU's memory, e.g. 16G (exported to the job "
                    "as GPUTOP_SHARE_MIB and the frameworks' own memory caps)")

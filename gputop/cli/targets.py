@@ -19,10 +19,8 @@ from gputop.poller import first_answer_s
 from gputop.reservations import open as store_open
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Invalid, format_duration, whoami
-from gputop.reservations.queue import (
-    Request,
-)
 from gputop.reservations.records import MAX_USER_ENTRIES, Reservation
+from gputop.reservations.requests import Request
 from gputop.reservations.shares import parse_size_mib
 from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids, with_held

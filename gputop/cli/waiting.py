@@ -13,11 +13,9 @@ from gputop.cli.targets import max_wait_s
 from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.reservations.ops import Invalid
-from gputop.reservations.queue import (
-    DEFAULT_LEASE_S,
-    Request,
-)
+from gputop.reservations.queue import DEFAULT_LEASE_S
 from gputop.reservations.records import MAX_LEASE_S, Job, Reservation
+from gputop.reservations.requests import Request
 from gputop.reservations.store import ReservationStore
 
 

@@ -155,14 +155,18 @@ class JobResult:
 async def run_on(config: Config, host: HostConfig, store: ReservationStore,
                  rs: Sequence[Reservation],
                  argv: Sequence[str], say: Callable[[str], None],
-                 env: Mapping[str, str] | None = None) -> int:
+                 env: Mapping[str, str] | None = None, keep: bool = False) -> int:
     """Run the job, then release its reservations if it is known to have ended. ``env``:
-    more variables for the job (``share_env``)."""
+    more variables for the job (``share_env``). ``keep``: reservations you held before
+    (``run --mine``): not tied to the job, and still yours when it ends."""
     devices = devices_of(rs)
+    tied = () if keep else rs
     if host.local:
-        result = await _run_local(store, rs, argv, devices, config.reservations.job_grace_s, env)
+        result = await _run_local(store, tied, argv, devices, config.reservations.job_grace_s, env)
     else:
-        result = await _run_remote(config, host, store, rs, argv, devices, say, env)
+        result = await _run_remote(config, host, store, tied, argv, devices, say, env)
+    if keep:
+        return result.code
     if result.ended and result.started:
         # A child that left the job's session (setsid, a daemon) is the job while it uses
         # the job's GPUs.
@@ -230,7 +234,7 @@ async def _record(store: ReservationStore, rs: Sequence[Reservation], pid: int, 
                   say: Callable[[str], None], start: datetime | None = None) -> None:
     """Record the job's pid, waiting out a locked file (tried again until it is written or
     the job ends): the job and its output never wait for the file."""
-    while True:
+    while rs:
         try:
             await asyncio.to_thread(record_pid, store, rs, pid, session, start)
             return

@@ -20,20 +20,13 @@ from typing import Any
 from gputop.config.load import Config, reserving_problem
 from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import Poller
+from gputop.poller import Poller, first_answer_s
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Invalid, Refused
-from gputop.reservations.queue import (
-    LeftQueue,
-    Queue,
-    QueueView,
-    Request,
-    capacity,
-    ceiling,
-    removed_by,
-    unsatisfiable,
-)
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import LeftQueue, Queue, removed_by
 from gputop.reservations.records import LAPSED_KEEP_S, Job, Reservation
+from gputop.reservations.requests import Request, capacity, ceiling, unsatisfiable
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import ReservationStore
 from gputop.reservations.terms import Terms
@@ -73,7 +66,7 @@ class Progress:
 
 def describe_request(req: Request) -> str:
     what = (f"a {req.share_mib / 1024:g}G share of a GPU" if req.share_mib else
-            f"{req.count} GPU{'s' if req.count != 1 else ''}")
+            f"{req.count} whole GPU{'s' if req.count != 1 else ''}")
     if req.min_free_mib:
         what += f" with {req.min_free_mib / 1024:g}G free"
     if req.want:
@@ -100,6 +93,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     by another writer for less than the lease costs nothing: the lease is renewed on its
     own task, which waits for the lock up to the lease's end, and a grant that times out
     is tried again."""
+    started = time.monotonic()  # (--max-wait counts from here, the first look included)
     problem = reserving_problem(config)
     if problem:  # (the CLI says so before; the board's Q learns it here)
         raise Invalid(f"the queue grants GPUs, and {problem}")
@@ -117,12 +111,13 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
     from gputop.jobs.remote import logins
 
     q = Queue(store, req, lease_s=lease_s, login=logins(config))
-    started = time.monotonic()
     keeper: asyncio.Task[None] | None = None
     feeder: asyncio.Task[None] | None = None
     joining: asyncio.Future[int] | None = None
     try:
-        snap = await poller.snapshot()
+        # The first look answers by the first-answer deadline, as a one-shot does: a hung
+        # host is named slow in the first line instead of holding it for its timeout.
+        snap = await poller.snapshot(first_answer_s(config))
         known = {h.name: h.gpus for h in config.hosts if h.gpus is not None}
         why = unsatisfiable(req, list(snap.hosts), fleet) or ceiling(
             req, list(snap.hosts), fleet, known)

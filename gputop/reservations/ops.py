@@ -15,8 +15,7 @@ from gputop.model import iso
 from gputop.reservations.records import MAX_NOTE, Reservation
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import ReservationStore, local_identity
-from gputop.reservations.terms import Target as Target
-from gputop.reservations.terms import Terms, new_reservation
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.text import clean
 
 

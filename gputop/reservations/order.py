@@ -26,9 +26,10 @@ from gputop.reservations.backfill import (
     turn,
 )
 from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
+from gputop.reservations.records import Waiter
 from gputop.reservations.requests import Request, capacity
 from gputop.reservations.shares import ShareFit, room_mib, shares_of
-from gputop.reservations.store import StoreState, Waiter
+from gputop.reservations.state import StoreState
 
 #: The first waiter a GPU taken until a time could keep waiting longer, with its turn.
 InTheWay = Callable[[FreeGpu, datetime | None], tuple[Waiter, Turn] | None]

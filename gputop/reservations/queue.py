@@ -52,14 +52,9 @@ from datetime import datetime, timedelta
 
 from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.ops import Invalid, Refused, local_time, size_text, whoami
-from gputop.reservations.order import QueueView as QueueView
-from gputop.reservations.order import pick as pick
-from gputop.reservations.order import request_of as request_of
+from gputop.reservations.order import QueueView
 from gputop.reservations.records import LAPSED_KEEP_S, Reservation, Waiter
-from gputop.reservations.requests import Request as Request
-from gputop.reservations.requests import capacity as capacity
-from gputop.reservations.requests import ceiling as ceiling
-from gputop.reservations.requests import unsatisfiable as unsatisfiable
+from gputop.reservations.requests import Request
 from gputop.reservations.shares import (
     check_share,
 )

@@ -27,7 +27,6 @@ from gputop.model import GpuInfo, HostSnapshot, iso
 from gputop.reservations.ops import (
     Invalid,
     Refused,
-    Target,
     check_terms,
     describe,
     signed,
@@ -37,7 +36,7 @@ from gputop.reservations.ops import (
 from gputop.reservations.records import MAX_SHARE_MIB, Reservation
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import ReservationStore
-from gputop.reservations.terms import Terms, new_reservation
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.text import clean
 
 __all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",

@@ -36,38 +36,17 @@ from gputop.reservations.filelock import (
     nfs_lock_problem,
     os_message,
 )
-from gputop.reservations.records import FILE_VERSION as FILE_VERSION
-from gputop.reservations.records import KEPT_APART as KEPT_APART
-from gputop.reservations.records import LAPSED_KEEP_S as LAPSED_KEEP_S
-from gputop.reservations.records import LOCK_TIMEOUT as LOCK_TIMEOUT
-from gputop.reservations.records import MAX_EVENTS as MAX_EVENTS
-from gputop.reservations.records import MAX_FILE_BYTES as MAX_FILE_BYTES
-from gputop.reservations.records import MAX_GPU_INDEX as MAX_GPU_INDEX
-from gputop.reservations.records import MAX_INSTANCE as MAX_INSTANCE
-from gputop.reservations.records import MAX_LEASE_S as MAX_LEASE_S
-from gputop.reservations.records import MAX_NAME as MAX_NAME
-from gputop.reservations.records import MAX_NOTE as MAX_NOTE
-from gputop.reservations.records import MAX_PID as MAX_PID
-from gputop.reservations.records import MAX_RESERVATIONS as MAX_RESERVATIONS
-from gputop.reservations.records import MAX_SHARE_MIB as MAX_SHARE_MIB
-from gputop.reservations.records import MAX_WAITERS as MAX_WAITERS
-from gputop.reservations.records import MIN_BOUND_S as MIN_BOUND_S
-from gputop.reservations.records import READ_VERSIONS as READ_VERSIONS
-from gputop.reservations.records import SHARES_VERSION as SHARES_VERSION
-from gputop.reservations.records import Job as Job
-from gputop.reservations.records import Reservation as Reservation
-from gputop.reservations.records import Waiter as Waiter
-from gputop.reservations.records import check_event as check_event
-from gputop.reservations.records import parse_time as parse_time
-from gputop.reservations.state import EVENT_TEXT as EVENT_TEXT
-from gputop.reservations.state import StoreState as StoreState
-from gputop.reservations.state import bounded_events as bounded_events
-from gputop.reservations.state import check_consistent as check_consistent
-from gputop.reservations.state import decode as decode
-from gputop.reservations.state import encode as encode
-from gputop.reservations.state import event_kind as event_kind
-from gputop.reservations.state import kept as kept
-from gputop.reservations.state import settle as settle
+from gputop.reservations.records import (
+    LOCK_TIMEOUT,
+    MAX_FILE_BYTES,
+    MIN_BOUND_S,
+)
+from gputop.reservations.state import (
+    StoreState,
+    decode,
+    encode,
+    settle,
+)
 
 
 def local_identity() -> tuple[str, str]:

@@ -13,8 +13,9 @@ from datetime import datetime
 
 from gputop.model import HostSnapshot
 from gputop.reservations.flags import instance_view, other_users
-from gputop.reservations.ops import Invalid, Target
+from gputop.reservations.ops import Invalid
 from gputop.reservations.records import Reservation
+from gputop.reservations.terms import Target
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import functools
 import time
+from datetime import datetime, timedelta
 
 import asyncssh
 
-from gputop.model import HostError
+from gputop.model import HostError, utcnow
 from gputop.pacing import unpaced
 from gputop.sources.nvidia_smi import (
     AppRow,
@@ -40,6 +41,11 @@ SETTLE_S = 0.05
 
 #: Intervals a pid may be missing from the samples and keep the owner ps gave for it.
 OWNER_MEMORY = 3
+
+
+def _ago(seconds: float) -> str:
+    m, s = divmod(int(max(seconds, 0)), 60)
+    return f"{m}m {s:02d}s" if m else f"{s} s"
 
 
 class CannotStream(Exception):
@@ -72,6 +78,12 @@ class StreamCollector:
         self._kills: set[asyncio.Task[None]] = set()
         self._seen_seq = 0
         self._starting = False
+        #: Since when (monotonic, wall clock) this host has been tried without a sample,
+        #: and whether a try already failed (no first sample by its deadline, or a stream
+        #: that stalled): a host that failed is down until a sample comes, not ``starting``
+        #: again with each restart.
+        self._trying_since: tuple[float, datetime] | None = None
+        self._failed = ""  # what failed: said while it restarts
         #: The last answer was a new sample: the poller queries again at once (the query
         #: waits for the next sample) instead of sleeping first. Reset by the caller.
         self.paced = False
@@ -94,6 +106,8 @@ class StreamCollector:
         until ``first_sample_timeout``. Raises :class:`CannotStream` for a host that cannot.
         """
         asked = time.monotonic()
+        if self._trying_since is None:
+            self._trying_since = (asked, utcnow())
         if not self._link.connected():
             self._first_deadline = asked + self.first_sample_timeout  # connecting included
             self.stop()
@@ -148,6 +162,7 @@ class StreamCollector:
                     if now < first_deadline:
                         return self._starting_result()
                     self._kill(st)
+                    self._failed = self._failed or "never answered"
                     raise PhaseTimeout(f"nvidia-smi sent no sample in "
                                        f"{self.first_sample_timeout:g}s (first_sample_timeout)")
             else:
@@ -155,6 +170,9 @@ class StreamCollector:
                 until = st.last_at + limit
                 if now >= until:
                     self._kill(st)
+                    self._failed = "no sample since its stream stalled"
+                    self._trying_since = (st.last_at, utcnow() - timedelta(
+                        seconds=time.monotonic() - st.last_at))
                     raise PhaseTimeout(f"nvidia-smi's stream sent no sample in {limit:g}s; "
                                        "restarting it")
             await st.changed(until - now)
@@ -231,6 +249,7 @@ class StreamCollector:
             self._cancel_opening()
             if self._link.conn is not None:  # a channel open unanswered: the connection is dead
                 self._link.conn.abort()
+            self._failed = self._failed or "never answered"
             raise PhaseTimeout(f"the nvidia-smi streams did not open in "
                                f"{self.first_sample_timeout:g}s (first_sample_timeout)")
         self._opening = None
@@ -239,6 +258,12 @@ class StreamCollector:
 
     def _starting_result(self) -> RemoteResult:
         self._starting = True
+        if self._failed and self._trying_since is not None:
+            # Restarted after a failure: still down, for as long as it has been tried.
+            mono, wall = self._trying_since
+            return RemoteResult([], HostError("timeout", (
+                f"{self._failed}: trying since {wall:%H:%M:%S} UTC "
+                f"({_ago(time.monotonic() - mono)}); restarting nvidia-smi")))
         since = self._first_deadline - self.first_sample_timeout
         return RemoteResult([], HostError(
             "starting", f"starting nvidia-smi: {time.monotonic() - since:.0f} s"))
@@ -253,6 +278,7 @@ class StreamCollector:
         self._seen_seq = st.seq
         self.paced = True  # a new sample: the next query waits for the next one
         self._starting = False
+        self._trying_since, self._failed = None, ""
         self.first_sample_s = st.first_sample_s
         if first and not st.apps.seen:
             # Both loops started together; the apps one prints nothing without processes.

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from gputop.model import HostSnapshot
-from gputop.reservations.store import StoreState
+from gputop.reservations.state import StoreState
 from gputop.text import clean
 from gputop.ui.board_rows import UserLoad
 

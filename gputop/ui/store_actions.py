@@ -19,10 +19,11 @@ from textual.worker import Worker
 from gputop.config.load import Config
 from gputop.poller import Poller
 from gputop.reservations.filelock import StoreError
-from gputop.reservations.ops import Invalid, Refused, Target, release, size_text
+from gputop.reservations.ops import Invalid, Refused, release, size_text
 from gputop.reservations.shares import mig_mode, reserve_share, room_mib
 from gputop.reservations.state import StoreState
 from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Target
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import (
@@ -177,7 +178,8 @@ class StoreActions:
     async def _wait(self, count: int) -> None:
         """Wait in the queue like ``free --wait``; quitting the board leaves the queue."""
         from gputop.jobs.wait import WaitedTooLong, wait_for_gpus
-        from gputop.reservations.queue import DEFAULT_LEASE_S, Request
+        from gputop.reservations.queue import DEFAULT_LEASE_S
+        from gputop.reservations.requests import Request
 
         def say(msg: str) -> None:
             self.app.notify(msg, title="queue", markup=False, timeout=6)
