@@ -16,18 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
 
 from tests.support.fleet import Fleet, Host
 from tests.support.hubs import Hub, get
+from tests.support.shared_fleet import need_sshd, world_readable
 
 ADDR = "127.0.219.1"
 
 
 @pytest.fixture(scope="module")
 def hfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hhfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("hhfleet")), [
         Host("hh-one", "127.0.219.2", gpus=("rtx2080", "rtx2080")),
         Host("hh-two", "127.0.219.3", gpus=("rtx2080",)),
         Host("hh-hung", "127.0.219.4", scenario="hang"),
