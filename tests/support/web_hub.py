@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gputop.hubclient.client import fleet_from_document
+from gputop.reservations.records import FILE_VERSION
+from gputop.reservations.state import decode
 from gputop.reservations.summary import fleet_summary
 from gputop.reservations.terms import Target, Terms
 
@@ -139,8 +141,12 @@ def fleet_doc(hosts: int, gpus: int, seed: int = 1, failing: int = 0) -> dict[st
         {"id": "q1", "user": "erin", "machine": "ws", "count": 2, "created": iso(now),
          "lease": iso(now + timedelta(minutes=5)), "min_free_mib": 40000, "hosts": [],
          "want": "2 GPUs, 40 GiB free", "one_host": True}]}
-    # The hub's count, by its own rule (the page shows it, never counts).
-    doc["summary"] = fleet_summary(fleet_from_document(doc).hosts, None, now)
+    # The hub's count, by its own rule (the page shows it, never counts), with the
+    # reservations the GPUs carry.
+    held = [g["reservation"] for h in hs for g in h["gpus"] if g.get("reservation")]
+    state = decode(json.dumps({"version": FILE_VERSION, "reservations": held}).encode(),
+                   Path("fleet_doc"))
+    doc["summary"] = fleet_summary(fleet_from_document(doc).hosts, state, now)
     return doc
 
 
