@@ -803,7 +803,11 @@ def test_direct_reserve_does_not_take_what_a_waiter_waits_for(team: Team) -> Non
     assert "q1:0" not in team.held()
     r = team.run("reserve", "q2:0")
     assert r.returncode == 0, r.stderr
-    r = team.run("reserve", "q1:1")  # your own: extending it takes nothing from the queue
+    # Your own, held 1h: holding it longer would keep him waiting (his turn is its end),
+    # judged as taking it anew; within the hour it is kept.
+    r = team.run("reserve", "q1:1", "--for", "4h")
+    assert r.returncode == 1 and "their turn comes" in r.stderr, r.stderr
+    r = team.run("reserve", "q1:1", "--for", "30m")
     assert r.returncode == 0, r.stderr
     r = team.run("reserve", "q1:0", "--skip-queue")
     assert r.returncode == 0, r.stderr
