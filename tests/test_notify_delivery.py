@@ -120,7 +120,7 @@ def test_mail_has_no_injected_header_and_goes_to_its_route_only(mailbox: Mailbox
 
 
 def test_a_hanging_and_a_failing_endpoint_delay_nothing_else(rec: Receiver) -> None:
-    cfg = NotifyConfig(attempts=2, retry_s=0.05, timeout_s=1.5)
+    cfg = NotifyConfig(attempts=2, retry_s=0.05, timeout_s=2)
     routes = {"hung": [Route("webhook", rec.url + "/hang/1")],
               "fails": [Route("webhook", rec.url + "/fail/1")],
               "fine": [Route("webhook", rec.url + "/ok/fine")]}
@@ -130,8 +130,7 @@ def test_a_hanging_and_a_failing_endpoint_delay_nothing_else(rec: Receiver) -> N
             n.submit(_notice(user, key=user))
         assert len(rec.wait_for("/ok/fine")) == 1
         # the fine one arrived while the hung one is still on its first try
-        assert ("webhook", "failed") not in n.counters.snapshot() or n.counters.snapshot()[
-            ("webhook", "failed")] < 2
+        assert not [d for d in n.last() if "/hang/" in d.target]
         assert n.wait_idle(30)
     finally:
         n.close()

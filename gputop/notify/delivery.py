@@ -226,7 +226,13 @@ class Notifier:
         async with lock:  # one notice at a time per route: a hung one holds only itself
             for attempt in range(1, self.config.attempts + 1):
                 try:
-                    await self._send(notice, route, team)
+                    try:
+                        await self._send(notice, route, team)
+                    except (DeliveryError, asyncio.CancelledError):
+                        raise
+                    except Exception as exc:  # a bug or odd input: this route fails alone
+                        raise DeliveryError(excerpt(f"{type(exc).__name__}: {exc}", 160),
+                                            retry=False) from None
                 except DeliveryError as exc:
                     if not exc.retry or attempt == self.config.attempts:
                         self.counters.add(channel, "failed")
