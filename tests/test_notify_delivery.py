@@ -215,3 +215,22 @@ def test_notify_test_and_status_from_the_command_line(rec: Receiver, tmp_path: P
     r = gputop("notify", "me", "--email", "not an address\r\nBcc: x")
     assert r.returncode == 2 and "not an e-mail address" in r.stderr
     assert replace(load_config(str(cfg)).notify, attempts=1).attempts == 1
+
+
+def test_a_hung_route_with_a_long_backlog_holds_back_no_other_route(rec: Receiver) -> None:
+    """More notices for a hung endpoint than there are delivery slots: the others still
+    go, and the hung route's backlog beyond its bound is dropped, counted."""
+    from gputop.notify.delivery import MAX_INFLIGHT, MAX_ROUTE_BACKLOG
+
+    routes = {"hung": [Route("webhook", rec.url + "/hang/2")],
+              "fine": [Route("webhook", rec.url + "/ok/after-backlog")]}
+    n = Notifier(NotifyConfig(attempts=1, timeout_s=30), lambda u: routes[u]).start()
+    try:
+        for i in range(MAX_INFLIGHT + MAX_ROUTE_BACKLOG):
+            n.submit(_notice("hung", key=str(i)))
+        n.submit(_notice("fine"))
+        assert len(rec.wait_for("/ok/after-backlog")) == 1
+        assert rec.hits["/hang/2"] == 1
+    finally:
+        n.close(1)
+    assert n.counters.snapshot().get(("webhook", "dropped"), 0) >= 1

@@ -29,8 +29,12 @@ from gputop.text import excerpt
 
 #: Deliveries kept for ``notify status``.
 KEEP_LAST = 50
-#: Deliveries under way at once (each route is tried one notice at a time).
+#: Notices whose routes are being looked up at once, and tries under way at once (each
+#: route is tried one notice at a time).
 MAX_INFLIGHT = 64
+#: Notices one route may have waiting behind its current try; beyond that a new one for it
+#: is dropped (counted): a hung endpoint cannot hoard memory or the others' turns.
+MAX_ROUTE_BACKLOG = 50
 #: The longest wait between two tries.
 MAX_BACKOFF_S = 300.0
 
@@ -114,6 +118,8 @@ class Notifier:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._route_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._backlog: dict[tuple[str, str], int] = {}
+        self._tries: asyncio.Semaphore | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._busy = 0
@@ -175,6 +181,7 @@ class Notifier:
         self._wake = asyncio.Event()
         self._ready.set()
         slots = asyncio.Semaphore(MAX_INFLIGHT)
+        self._tries = asyncio.Semaphore(MAX_INFLIGHT)
         tasks: set[asyncio.Task[None]] = set()
         while True:
             await self._wake.wait()
@@ -192,12 +199,14 @@ class Notifier:
 
     async def _one(self, notice: Notice, slots: asyncio.Semaphore) -> None:
         try:
-            routes = await self._routes(notice)
+            try:
+                routes = await self._routes(notice)
+            finally:
+                slots.release()
             if not routes:
                 self.counters.add("none", "no-route")
             await asyncio.gather(*(self._deliver(notice, r, team) for r, team in routes))
         finally:
-            slots.release()
             with self._lock:
                 self._busy -= 1
                 if self._busy == 0 and not self._queue:
@@ -223,28 +232,45 @@ class Notifier:
         lock = self._route_locks.setdefault(key, asyncio.Lock())
         shown = "team" if team else route.target
         wait = self.config.retry_s
-        async with lock:  # one notice at a time per route: a hung one holds only itself
-            for attempt in range(1, self.config.attempts + 1):
+        if self._backlog.get(key, 0) >= MAX_ROUTE_BACKLOG:
+            self.counters.add(channel, "dropped")
+            self._record(notice, channel, shown, "dropped", 0, "too many waiting for this route")
+            return
+        self._backlog[key] = self._backlog.get(key, 0) + 1
+        try:
+            await lock.acquire()  # one notice at a time per route: a hung one holds itself
+        finally:
+            self._backlog[key] -= 1
+        try:
+            assert self._tries is not None
+            async with self._tries:
+                await self._tries_of(notice, route, team, channel, shown, wait)
+        finally:
+            lock.release()
+
+    async def _tries_of(self, notice: Notice, route: Route, team: bool, channel: str,
+                        shown: str, wait: float) -> None:
+        for attempt in range(1, self.config.attempts + 1):
+            try:
                 try:
-                    try:
-                        await self._send(notice, route, team)
-                    except (DeliveryError, asyncio.CancelledError):
-                        raise
-                    except Exception as exc:  # a bug or odd input: this route fails alone
-                        raise DeliveryError(excerpt(f"{type(exc).__name__}: {exc}", 160),
-                                            retry=False) from None
-                except DeliveryError as exc:
-                    if not exc.retry or attempt == self.config.attempts:
-                        self.counters.add(channel, "failed")
-                        self._record(notice, channel, shown, "failed", attempt, str(exc))
-                        return
-                    self.counters.add(channel, "retried")
-                    await asyncio.sleep(min(wait, MAX_BACKOFF_S))
-                    wait *= 2
-                    continue
-                self.counters.add(channel, "sent")
-                self._record(notice, channel, shown, "sent", attempt)
-                return
+                    await self._send(notice, route, team)
+                except (DeliveryError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # a bug or odd input: this route fails alone
+                    raise DeliveryError(excerpt(f"{type(exc).__name__}: {exc}", 160),
+                                        retry=False) from None
+            except DeliveryError as exc:
+                if not exc.retry or attempt == self.config.attempts:
+                    self.counters.add(channel, "failed")
+                    self._record(notice, channel, shown, "failed", attempt, str(exc))
+                    return
+                self.counters.add(channel, "retried")
+                await asyncio.sleep(min(wait, MAX_BACKOFF_S))
+                wait *= 2
+                continue
+            self.counters.add(channel, "sent")
+            self._record(notice, channel, shown, "sent", attempt)
+            return
 
     async def _send(self, notice: Notice, route: Route, team: bool) -> None:
         c = self.config
