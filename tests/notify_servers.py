@@ -98,11 +98,19 @@ class Mailbox:
 
 
 @contextlib.contextmanager
-def smtp_server() -> Iterator[Mailbox]:
-    """aiosmtpd on loopback; each mail as (envelope sender, recipients, raw bytes)."""
+def smtp_server(login: tuple[str, str] | None = None) -> Iterator[Mailbox]:
+    """aiosmtpd on loopback; each mail as (envelope sender, recipients, raw bytes). With
+    ``login``: AUTH is required and only that user and password pass."""
     import socket
 
     from aiosmtpd.controller import Controller
+    from aiosmtpd.smtp import AuthResult, LoginPassword
+
+    def check(server: Any, session: Any, envelope: Any, mechanism: str,
+              data: Any) -> AuthResult:
+        ok = isinstance(data, LoginPassword) and login is not None and (
+            data.login.decode(), data.password.decode()) == login
+        return AuthResult(success=ok)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,7 +125,9 @@ def smtp_server() -> Iterator[Mailbox]:
                 box.cond.notify_all()
             return "250 OK"
 
-    ctl = Controller(Handler(), hostname="127.0.0.1", port=port)
+    extra: dict[str, Any] = {} if login is None else {
+        "authenticator": check, "auth_required": True, "auth_require_tls": False}
+    ctl = Controller(Handler(), hostname="127.0.0.1", port=port, **extra)
     ctl.start()
     try:
         yield box

@@ -234,3 +234,18 @@ def test_a_hung_route_with_a_long_backlog_holds_back_no_other_route(rec: Receive
     finally:
         n.close(1)
     assert n.counters.snapshot().get(("webhook", "dropped"), 0) >= 1
+
+
+@pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring TLS")
+def test_mail_logs_in_with_the_owner_only_auth_file(tmp_path: Path) -> None:
+    with smtp_server(login=("gputop", "S3cret pass")) as box:
+        cfg = NotifyConfig(sender="gputop@lab.example", smtp_host=box.host,
+                           smtp_port=box.port, attempts=1, timeout_s=3,
+                           smtp_auth_file=_secret(tmp_path, "smtp", "gputop\nS3cret pass\n"))
+        n = _run(cfg, [_notice("ann")], {"ann": [Route("email", "ann@lab.example")]})
+        assert [d.result for d in n.last()] == ["sent"]
+        assert box.wait_for(1)[0][1] == ["ann@lab.example"]
+        wrong = replace(cfg, smtp_auth_file=_secret(tmp_path, "bad", "gputop\nwrong\n"))
+        n = _run(wrong, [_notice("ann")], {"ann": [Route("email", "ann@lab.example")]})
+        assert [d.result for d in n.last()] == ["failed"]
+        assert len(box.mails) == 1  # the wrong password sent nothing

@@ -318,12 +318,15 @@ class Notifier:
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    """Replace ``path`` whole (a reader sees the old file or the new one), mode 600."""
+    """Replace ``path`` whole (a reader sees the old file or the new one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".notify-status.")
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
+        # Readable by everyone here, as routes are by the team: ``notify status`` of any
+        # user on the sender's machine reads it (the team channel's URL is never in it).
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
