@@ -249,3 +249,31 @@ def test_mail_logs_in_with_the_owner_only_auth_file(tmp_path: Path) -> None:
         n = _run(wrong, [_notice("ann")], {"ann": [Route("email", "ann@lab.example")]})
         assert [d.result for d in n.last()] == ["failed"]
         assert len(box.mails) == 1  # the wrong password sent nothing
+
+
+def test_the_senders_notifier_reads_each_persons_route_from_the_store(
+        rec: Receiver, tmp_path: Path) -> None:
+    from gputop.notify.delivery import start_notifier, status_path
+    from gputop.notify.routes import set_route
+    from gputop.reservations.ops import whoami
+    from gputop.sources.shared_file import open_store
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{tmp_path / "r.json"}"\n'
+                   f'[history]\npath = "{tmp_path / "h.sqlite3"}"\n')
+    config = load_config(str(cfg))
+    store = open_store(config)
+    me = whoami(store)[0]
+    set_route(store, "webhook", rec.url + "/ok/from-store")
+    n = start_notifier(config, store)
+    try:
+        n.submit(_notice(me))
+        n.submit(_notice("nobody-here"))
+        assert n.wait_idle(30)
+    finally:
+        n.close()
+    assert json.loads(rec.wait_for("/ok/from-store")[0].body)["user"] == me
+    assert n.counters.snapshot() == {("webhook", "sent"): 1, ("none", "no-route"): 1}
+    path = status_path(config.notify, config.history_path)
+    assert path == tmp_path / "notify-status.json"
+    assert [(d["user"], d["result"]) for d in read_status(path)] == [(me, "sent")]

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gputop.config import Config
 from gputop.model import iso, utcnow
 from gputop.notify.channels.formats import HTTP_FORMATS, email
 from gputop.notify.channels.send import DeliveryError, http_post, read_secret, smtp_send
 from gputop.notify.notice import Notice, Route
 from gputop.notify_config import NotifyConfig
+from gputop.reservations.store import ReservationStore
 from gputop.text import excerpt
 
 #: Deliveries kept for ``notify status``.
@@ -332,3 +334,12 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def start_notifier(config: Config, store: ReservationStore) -> Notifier:
+    """The sender's Notifier (the hub's, ``gputop notify run``'s): people's routes read
+    from ``store``, the last deliveries kept at ``status_path``; started."""
+    from gputop.notify.routes import store_routes
+
+    return Notifier(config.notify, store_routes(store, config.notify),
+                    status_file=status_path(config.notify, config.history_path)).start()

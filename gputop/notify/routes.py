@@ -6,6 +6,7 @@ remote store). The store itself refuses a write that touches anyone else's route
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 
@@ -60,3 +61,10 @@ def routes_for(state: StoreState, user: str, config: NotifyConfig) -> list[Route
             "email", f"{user}@{config.email_domain}"):
         out = [Route("email", f"{user}@{config.email_domain}")]
     return out
+
+
+def store_routes(store: ReservationStore, config: NotifyConfig
+                 ) -> Callable[[str], list[Route]]:
+    """``routes_for`` over the store as it is when each notice is sent (a Notifier's
+    ``routes_for``: it runs on the Notifier's thread, so a slow store delays no caller)."""
+    return lambda user: routes_for(store.read(), user, config)
