@@ -1,5 +1,6 @@
 """``gputop notify me | test | status``: a person's own routes in the shared store, one
-test notice through them, and what was delivered lately (docs/notifications.md)."""
+test notice through them, and what was delivered lately (docs/notifications.md). The
+senders load only when a notify command runs (every command parses this parser)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ from typing import Any
 from gputop.cli.targets import open_store
 from gputop.config import Config
 from gputop.errors import EXIT_ERROR, EXIT_OK, GputopError
-from gputop.notify.delivery import Notifier, read_status, status_path
-from gputop.notify.notice import Notice
-from gputop.notify.routes import clear_routes, own_routes, routes_for, set_route
 from gputop.reservations.ops import local_time, whoami
 from gputop.text import clean
 
@@ -55,6 +53,8 @@ def cmd_notify(config: Config, args: argparse.Namespace) -> int:
 
 
 def _me(config: Config, args: argparse.Namespace) -> int:
+    from gputop.notify.routes import clear_routes, set_route
+
     store = open_store(config)
     if args.off:
         n = clear_routes(store)
@@ -70,6 +70,10 @@ def _me(config: Config, args: argparse.Namespace) -> int:
 
 
 def _test(config: Config) -> int:
+    from gputop.notify.delivery import Notifier, status_path
+    from gputop.notify.notice import Notice
+    from gputop.notify.routes import routes_for
+
     store = open_store(config)
     user = whoami(store)[0]
     routes = routes_for(store.read(), user, config.notify)
@@ -95,6 +99,9 @@ def _test(config: Config) -> int:
 
 
 def _status(config: Config) -> int:
+    from gputop.notify.delivery import read_status, status_path
+    from gputop.notify.routes import own_routes
+
     store = open_store(config)
     user = whoami(store)[0]
     mine = own_routes(store.read(), user)
