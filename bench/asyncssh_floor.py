@@ -1,12 +1,12 @@
 """The floor under ``gputop --json --watch``: what asyncssh alone costs per host per refresh.
 
-Brings up N real sshd hosts (``tests/fleet.py``), opens one asyncssh connection and one
+Brings up N real sshd hosts (``tests/support/fleet.py``), opens one asyncssh connection and one
 session per host whose remote loop prints four 150-byte lines (a 4-GPU sample's size)
 every 2 s, and counts this process's CPU while it only receives them (a callback that
 counts bytes: no parsing, no document). ``--pace`` runs it on gputop's paced loop
 (gputop.pacing) at that pace; 0 is asyncio's own loop.
 
-    python bench/asyncssh_floor.py --hosts 200 --seconds 30 --pace 0,0.25
+    python -m bench.asyncssh_floor --hosts 200 --seconds 30 --pace 0,0.25
 
 Prints one JSON line per pace.
 """
@@ -25,15 +25,11 @@ from pathlib import Path
 
 import asyncssh
 
+from bench.run import up
+from gputop import pacing
+from gputop.ssh.transport import resolve_options
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from run import up  # noqa: E402
-
-from gputop import pacing  # noqa: E402
-from gputop.sources.transport import resolve_options  # noqa: E402
 
 LINE = "g " + "x" * 148
 #: Ends with the session: the loop's printf fails once the channel is gone.

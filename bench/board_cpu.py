@@ -4,7 +4,7 @@ The hosts are simulated sources (``gputop.sources.demo.DemoSource``: load change
 behind the real poller, so this measures the board's own work: ingesting snapshots, diffing
 rows and redrawing. Prints one JSON line.
 
-    python bench/board_cpu.py --hosts 200 --gpus 8 --seconds 30
+    python -m bench.board_cpu --hosts 200 --gpus 8 --seconds 30
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, HostConfig, Reservations
 from gputop.sources.demo import DemoSource
 from gputop.ui.app import GputopApp
 
@@ -94,21 +92,21 @@ def main() -> None:
     ap.add_argument("--feed-only", action="store_true",
                     help="the poller and simulated sources alone, no board: their share")
     ap.add_argument("--hub", metavar="URL",
-                    help="read this hub instead (e.g. `python bench/hub.py demo-hub`): the "
+                    help="read this hub instead (e.g. `python -m bench.hub demo-hub`): the "
                     "board's cost alone, the simulated hosts run in the hub's process")
     ap.add_argument("--default-gc", action="store_true",
                     help="keep Python's GC settings (the board tunes them, see tune_gc)")
     args = ap.parse_args()
     names = [f"node{i:03d}" for i in range(args.hosts)]
-    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=args.interval,
-                 timeout=5.0,
-                 reservations_path=Path(tempfile.mkdtemp()) / "reservations.json")
+    cfg = Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                 defaults=Defaults(interval=args.interval, timeout=5.0),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "reservations.json"))
     sources: list[DemoSource] | None = [
         DemoSource(n, "NVIDIA H100 80GB HBM3", args.gpus, 81559, 700.0) for n in names]
     if args.hub:
         from dataclasses import replace
 
-        cfg, sources = replace(cfg, hub_url=args.hub, hosts=()), None
+        cfg, sources = replace(cfg.with_hub(url=args.hub), hosts=()), None
     if args.feed_only:
         assert sources is not None
         print(json.dumps(feed_only(cfg, sources, args)))

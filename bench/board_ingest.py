@@ -7,7 +7,7 @@ table looks at the rows on its screen. This times both on N simulated hosts x G 
 (``DemoSource``), with no Textual and no feed thread: the model's own cost, the best of a
 few runs. Point ``--src`` at another checkout to compare. Prints one JSON line.
 
-    python bench/board_ingest.py --hosts 1000 --gpus 8
+    python -m bench.board_ingest --hosts 1000 --gpus 8
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import asyncio
 import gc
 import inspect
 import json
-import sys
 import time
 from pathlib import Path
 
-from demo_fleet import demo_fleet
+from bench.checkout import load_gputop
+from bench.demo_fleet import demo_fleet
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
                     help="the checkout whose gputop to time")
     args = ap.parse_args()
-    sys.path.insert(0, args.src)
+    load_gputop(args.src)
 
     from gputop.model import HostSnapshot
     from gputop.poller import Poller

@@ -14,8 +14,8 @@ answers. Measures process start -> first frame, and ``App.run`` -> first frame.
 
 Each mode prints one JSON line:
 
-    python bench/board_scale.py keys --hosts 1000 --gpus 8
-    python bench/board_scale.py paint --hosts 1000
+    python -m bench.board_scale keys --hosts 1000 --gpus 8
+    python -m bench.board_scale paint --hosts 1000
 """
 
 from __future__ import annotations
@@ -29,15 +29,12 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from demo_fleet import demo_fleet  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.demo_fleet import demo_fleet  # noqa: E402
 
 
 def peak_rss_mb() -> float:
@@ -52,7 +49,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
     from textual import events
 
     from gputop.ui.app import GputopApp
-    from gputop.ui.widgets import BoardTable
+    from gputop.ui.table import BoardTable
 
     cfg, sources = demo_fleet(hosts, gpus, Path(tempfile.mkdtemp()) / "r.json")
     app = GputopApp(cfg, sources=sources, user="bench", long_running=True)  # as run_board
@@ -112,7 +109,7 @@ async def keys(hosts: int, gpus: int, rounds: int) -> dict[str, object]:
 
 
 def paint(hosts: int) -> dict[str, object]:
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
 
     root = Path(tempfile.mkdtemp())

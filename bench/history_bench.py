@@ -13,7 +13,7 @@ raw samples for 1,600 GPUs are written directly (the recorder could not simulate
 2 s samples here), then ``gputop report --since 30d`` runs as a separate process: wall time
 and its peak RSS.
 
-    python bench/history_bench.py [--refreshes 150] [--out bench/results/history.json]
+    python -m bench.history_bench [--refreshes 150] [--out bench/results/history.json]
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB
 from gputop.history.recorder import Recorder, rollup_up, upsert
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 HOSTS, GPUS, INTERVAL = 200, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]
@@ -77,7 +76,8 @@ def bench_recorder(refreshes: int, tmp: Path) -> dict[str, object]:
     rec = Recorder(HistoryDB(path, writer=True), interval=INTERVAL, timeout=10.0,
                    commit_every=0.0, raw_keep_s=1e12)
     rec.set_reservations(StoreState(reservations=tuple(
-        new_reservation(f"node{h:03d}", g, USERS[h % 40], "m", t0, 86400 * 6, None, "")
+        new_reservation(
+            Target(f"node{h:03d}", g), Terms(86400 * 6, user=USERS[h % 40], machine="m"), t0)
         for h in range(0, HOSTS, 4) for g in range(2))))
     cpu, maint = [], []
     for i in range(refreshes):

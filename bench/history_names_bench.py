@@ -14,8 +14,8 @@ recorded time), then summed into hours and days. Scenarios:
 Bytes per table come from SQLite's page accounting (``dbstat``); rows per table are
 counted; the report is ``gputop report`` (text) over the whole run, in lines.
 
-    python bench/history_names_bench.py --tree . --out bench/results/history_names.json
-    python bench/history_names_bench.py --tree /work/main --out /tmp/main.json
+    python -m bench.history_names_bench --tree . --out bench/results/history_names.json
+    python -m bench.history_names_bench --tree /work/main --out /tmp/main.json
 """
 
 from __future__ import annotations
@@ -24,34 +24,36 @@ import argparse
 import io
 import json
 import random
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from bench.checkout import load_gputop, unload_gputop
+from gputop.reservations.terms import Target, Terms
+
 HOSTS, GPUS, INTERVAL = 4, 8, 2.0
 USERS = [f"user{i:02d}" for i in range(40)]
 
 
 def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
-    sys.path.insert(0, str(tree.resolve()))
-    import gputop
+    gputop = load_gputop(tree)
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.history.render import write_text
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     path = tmp / f"{scenario}.sqlite3"
     t0 = datetime(2026, 11, 2, tzinfo=timezone.utc)
     rng = random.Random(3)
     rec = Recorder(HistoryDB(path, writer=True), interval=INTERVAL, timeout=10.0,
                    commit_every=0.0, raw_keep_s=1e12, minute_keep_s=1e12)
-    honest = tuple(new_reservation(f"node{h}", g, USERS[(h * GPUS + g) % 40], "m", t0,
-                                   86400 * 6, None, "")
+    honest = tuple(new_reservation(
+        Target(f"node{h}", g), Terms(86400 * 6, user=USERS[(h * GPUS + g) % 40], machine="m"), t0)
                    for h in range(HOSTS) for g in range(0, GPUS, 4))
     refreshes = int(hours * 3600 / INTERVAL)
     cpu = 0.0
@@ -59,8 +61,9 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
         t = t0 + timedelta(seconds=INTERVAL * (i + 1))
         held = honest
         if scenario == "forged":
-            held = tuple(new_reservation(f"node{h}", g, f"f{i}x{h}x{g}", "m", t, 3600, None,
-                                         "") for h in range(HOSTS) for g in range(GPUS))
+            held = tuple(new_reservation(Target(f"node{h}", g),
+                                         Terms(3600, user=f"f{i}x{h}x{g}", machine="m"), t)
+                         for h in range(HOSTS) for g in range(GPUS))
         snaps = []
         for h in range(HOSTS):
             gpus = []
@@ -105,9 +108,7 @@ def run(tree: Path, scenario: str, hours: float, tmp: Path) -> dict[str, Any]:
     def tier(suffix: str) -> int:
         return sum(v for k, v in sizes.items() if k.endswith(suffix))
 
-    sys.path.pop(0)
-    for mod in [m for m in sys.modules if m == "gputop" or m.startswith("gputop.")]:
-        del sys.modules[mod]
+    unload_gputop()
     return {
         "code": str(Path(gputop.__file__).parent), "refreshes": refreshes, "gpus": n,
         "rows": rows,

@@ -1,12 +1,12 @@
 """The hub against direct collection, side by side in one run.
 
-    python bench/hub.py hosts    [--hosts 8 --clients 10 --seconds 20]   # real sshd
-    python bench/hub.py hung     [--runs 3]                              # real sshd
-    python bench/hub.py latency  [--changes 5]                           # real sshd
-    python bench/hub.py demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9850
-    python bench/hub.py hub-cpu  [--hosts 200 --gpus 8 --seconds 20]     # simulated feed
+    python -m bench.hub hosts    [--hosts 8 --clients 10 --seconds 20]   # real sshd
+    python -m bench.hub hung     [--runs 3]                              # real sshd
+    python -m bench.hub latency  [--changes 5]                           # real sshd
+    python -m bench.hub demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9850
+    python -m bench.hub hub-cpu  [--hosts 200 --gpus 8 --seconds 20]     # simulated feed
 
-- ``hosts``: N real sshd hosts (``tests/fleet.py``); ``--clients`` ``gputop --json
+- ``hosts``: N real sshd hosts (``tests/support/fleet.py``); ``--clients`` ``gputop --json
   --watch`` processes read the hosts directly, then the same number read one hub. Host
   side: CPU of everything under each host's sshd per second, and the SSH connections
   each host holds; client side: the clients' (and the hub's) CPU.
@@ -36,11 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.fleet import Fleet, GpuProcess, Host
 
-from fleet import Fleet, GpuProcess, Host  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
@@ -113,7 +111,8 @@ def start_hub(cfg: Path, env: dict[str, str], addr: str = "127.0.60.1"
               ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port(addr)
     proc = subprocess.Popen([PY, "-m", "gputop", "serve", "--config", str(cfg), "--listen",
-                             f"{addr}:{port}", "--max-subscribers", "200"], env=env,
+                             f"{addr}:{port}", "--max-subscribers", "200",
+                             "--max-subscribers-per-client", "200"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://{addr}:{port}/"
     import urllib.request
@@ -274,11 +273,13 @@ def bench_latency(args: argparse.Namespace) -> None:
 
 
 def demo_config(hosts: int, interval: float):  # type: ignore[no-untyped-def]
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, HostConfig, Reservations
 
     names = [f"node{i:03d}" for i in range(hosts)]
-    return Config(path=None, hosts=tuple(HostConfig(n) for n in names), interval=interval,
-                  timeout=5.0, reservations_path=Path(tempfile.mkdtemp()) / "r.json")
+    return Config(path=None, hosts=tuple(HostConfig(n) for n in names),
+                  defaults=Defaults(interval=interval, timeout=5.0),
+                  reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"))
 
 
 def run_demo_hub(args: argparse.Namespace) -> None:
@@ -294,7 +295,8 @@ def run_demo_hub(args: argparse.Namespace) -> None:
 
     async def main() -> int:  # SIGTERM, SIGINT, SIGHUP end it cleanly (run_until_signal)
         collector = Collector(cfg, Poller(cfg, sources))
-        await serve(cfg, args.listen, collector=collector, max_subscribers=200)
+        await serve(cfg, args.listen, collector=collector, max_subscribers=200,
+                    max_subscribers_per_client=200)  # (every stream from one address)
         return 0
 
     run_until_signal(main)

@@ -3,7 +3,7 @@ which never read.
 
     python bench/hub_load.py [--hosts 1000 --gpus 8 --seconds 60 --out bench/results/hub-load.md]
 
-One real hub process (tests/demo_hub.py: ``gputop.hub.server.serve`` over
+One real hub process (tests/support/demo_hub.py: ``gputop.hub.server.serve`` over
 ``DemoSource`` hosts, 2 s interval, the default 64 MiB window and 10 s write deadline).
 Phase 1: no subscribers. Phase 2: 50 streams from one client process: 35 read
 ``update`` events, 10 read ``patch`` events (``?patches=1``), all counting bytes and
@@ -204,10 +204,12 @@ def main() -> None:
     port = free_port()
     url = f"http://{ADDR}:{port}/"
     t_start = time.monotonic()
-    hub = subprocess.Popen([sys.executable, str(ROOT / "tests" / "demo_hub.py"), "--hosts",
+    hub = subprocess.Popen([sys.executable, "-m", "tests.support.demo_hub", "--hosts",
                             str(args.hosts), "--gpus", str(args.gpus), "--interval",
-                            str(args.interval), "--listen", f"{ADDR}:{port}"],
-                           stdout=subprocess.DEVNULL)
+                            str(args.interval), "--listen", f"{ADDR}:{port}",
+                            # (all 50 streams come from one address)
+                            "--max-subscribers-per-client", "200"],
+                           stdout=subprocess.DEVNULL, cwd=ROOT)
     rows = []
     try:
         while True:

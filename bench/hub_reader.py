@@ -1,7 +1,7 @@
 """A hub's reader alone (the board's feed, no board): its CPU and where it goes.
 
-    python bench/hub.py demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9871 &
-    python bench/hub_reader.py --hub http://127.0.0.1:9871/ [--tree DIR] [--updates 8]
+    python -m bench.hub demo-hub --hosts 200 --gpus 8 --listen 127.0.0.1:9871 &
+    python -m bench.hub_reader --hub http://127.0.0.1:9871/ [--tree DIR] [--updates 8]
 
 Reads the hub's event stream through ``HubPoller`` as the board does (the board's GC
 thresholds, ``gputop.ui.intake.tune_gc``), and prints one JSON line: the process's CPU as a
@@ -16,11 +16,12 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.checkout import load_gputop
 
 
 def main() -> None:
@@ -30,10 +31,11 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=200)
     ap.add_argument("--updates", type=int, default=8)
     args = ap.parse_args()
-    sys.path.insert(0, args.tree)
-    import gputop.sources.hub as hub
-    from gputop.config import Config
-    from gputop.poller import open_poller
+    load_gputop(args.tree)
+    import gputop.hubclient.client as hub
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub, Reservations
+    from gputop.hubclient.poller import open_poller
 
     spent = {"parse": 0.0, "check": 0.0, "model": 0.0}
 
@@ -49,8 +51,9 @@ def main() -> None:
     hub.parse_json = timed("parse", hub.parse_json)  # type: ignore[assignment]
     hub.check_update = timed("check", hub.check_update)  # type: ignore[assignment]
     hub.host_from_dict = timed("model", hub.host_from_dict)  # type: ignore[assignment]
-    cfg = Config(path=None, hosts=(), interval=2.0, timeout=5.0, hub_url=args.hub,
-                 reservations_path=Path(tempfile.mkdtemp()) / "r.json")
+    cfg = Config(path=None, hosts=(), defaults=Defaults(interval=2.0, timeout=5.0),
+                 hub=Hub(url=args.hub),
+                 reservations=Reservations(path=Path(tempfile.mkdtemp()) / "r.json"))
     gc.set_threshold(50_000, 50, 20)  # as the board's tune_gc
 
     async def run() -> dict[str, Any]:

@@ -5,7 +5,7 @@ Measures wall time of the install, packages installed and the size of the enviro
 site-packages. pip's cache is used as it is (run twice for a warm cache; the first run of
 a new machine also pays the downloads). Writes ``bench/results/install.md``.
 
-    python bench/install_size.py [--runs 2]
+    python -m bench.install_size [--runs 2]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "install.md"
     out.write_text(
         "# Installing gputop: the core against everything\n\n"
-        "`python bench/install_size.py`: each a fresh venv, `pip install` of the same wheel, "
+        "`python -m bench.install_size`: each a fresh venv, `pip install` of the same wheel, "
         "pip's cache as it was (run 1 may download, run 2 is warm).\n\n"
         "| run | install | seconds | packages | site-packages MiB |\n|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n")

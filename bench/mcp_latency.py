@@ -1,12 +1,12 @@
 """What an agent's question costs: ``gputop mcp``'s tools against running the commands.
 
-Brings up N real sshd hosts (``tests/fleet.py``), starts ``gputop mcp`` with the MCP SDK's
+Brings up N real sshd hosts (``tests/support/fleet.py``), starts ``gputop mcp`` with the MCP SDK's
 stdio client, and times, side by side: ``fleet_status`` and ``find_gpus`` over the kept
 server (the first call connects; the rest reuse each host's connection), and what an
 agent without MCP would run for the same answer, ``gputop --json`` and ``gputop free``,
 each a new process that connects to every host. Counts the SSH logins each way.
 
-    python bench/mcp_latency.py --hosts 20 --runs 5
+    python -m bench.mcp_latency --hosts 20 --runs 5
 
 Prints one JSON line.
 """
@@ -17,19 +17,16 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
 
-from mcp import ClientSession, StdioServerParameters  # noqa: E402
-from mcp.client.stdio import stdio_client  # noqa: E402
-from run import PY, connections, timed, up  # noqa: E402
+from bench.run import PY, connections, timed, up
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def over_mcp(cfg: Path, env: dict[str, str], runs: int, fleet: object

@@ -3,7 +3,7 @@ arriving at a real local webhook receiver (aiohttp) and a real local SMTP server
 (aiosmtpd), N times, while a third route's receiver hangs for 60 s on every notice (its
 try limit is 60 s): the hung route must delay nothing else.
 
-    python bench/notify_delivery.py --runs 20
+    python -m bench.notify_delivery --runs 20
 
 Prints one JSON line (seconds); bench/results/notify-delivery.md says what it measured.
 """
@@ -13,19 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from notify_servers import receiver, smtp_server  # noqa: E402
-
-from gputop.notify.delivery import Notifier  # noqa: E402
-from gputop.notify.notice import Notice, Route  # noqa: E402
-from gputop.notify_config import NotifyConfig  # noqa: E402
+from gputop.config.notify import NotifyConfig
+from gputop.notify.delivery import Notifier
+from gputop.notify.notice import Notice, Route
+from tests.support.notify_servers import receiver, smtp_server
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
 """One-shot commands with one hung host, direct (no hub): time to answer.
 
 Brings up 4 healthy real sshd hosts and 1 whose nvidia-smi never returns
-(``tests/fleet.py``'s "hang" scenario), with the default ``timeout`` (10 s) and
+(``tests/support/fleet.py``'s "hang" scenario), with the default ``timeout`` (10 s) and
 ``first_answer`` (2 s), and times ``gputop --json``, ``gputop free`` and ``gputop --once``
 as new processes, each with and without ``--wait-all`` (which waits as every one-shot did
 before the first-answer deadline). Checks that the hung host is reported (``slow``, or
 ``timeout`` with ``--wait-all``).
 
-    python bench/oneshot.py --runs 3
+    python -m bench.oneshot --runs 3
 
 Prints one JSON line.
 """
@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.support.fleet import Fleet, Host
 
-from fleet import Fleet, Host  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMANDS = {"--json": ["--json"], "free": ["free", "--count", "1"], "--once": ["--once"]}
 

@@ -1,7 +1,7 @@
 """The queue, measured on the real-sshd test fleet.
 
-    python bench/queue_bench.py                     # 20 trials, 50 waiters for 30 s
-    python bench/queue_bench.py --trials 5 --waiters 10 --seconds 10   # quick
+    python -m bench.queue_bench                     # 20 trials, 50 waiters for 30 s
+    python -m bench.queue_bench --trials 5 --waiters 10 --seconds 10   # quick
 
 1. Grant latency: a GPU held by someone, one ``gputop free --wait`` waiting for it at the
    default interval (2 s). The reservation is released; the time until the waiter's
@@ -32,13 +32,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.fleet import Fleet, GpuProcess, Host, sshd_available
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from fleet import Fleet, GpuProcess, Host, sshd_available  # noqa: E402
-
-from gputop.reservations.store import Store, StoreState, new_reservation  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 INTERVAL = 2.0  # the default refresh interval
@@ -47,7 +46,8 @@ INTERVAL = 2.0  # the default refresh interval
 def block(store: Store, gpus: list[tuple[str, int]]) -> None:
     def change(state: StoreState, now: Any) -> StoreState:
         return replace(state, reservations=state.reservations + tuple(
-            new_reservation(h, g, "someone", "m", now, 3600, None, "") for h, g in gpus))
+            new_reservation(
+                Target(h, g), Terms(3600, user="someone", machine="m"), now) for h, g in gpus))
     store.update(change)
 
 
@@ -193,7 +193,7 @@ def report(r: dict[str, Any]) -> str:
                       "0.2 s)", gr)
     return f"""# Queue benchmark
 
-Run: `python bench/queue_bench.py --trials {g['trials']} --waiters {c['waiters']} --seconds \
+Run: `python -m bench.queue_bench --trials {g['trials']} --waiters {c['waiters']} --seconds \
 {c['seconds']:g}` on {r['machine']}, {r['when']}. The fleet's sshd, the waiters and the probe
 share the machine's cores (other work ran on it too).
 

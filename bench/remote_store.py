@@ -1,9 +1,9 @@
 """The reservations file over SSH (``HOST:/path``), measured on the real-sshd test fleet.
 
-    python bench/remote_store.py                       # 50 latency trials, 4 x 100, 50 kills
-    python bench/remote_store.py --trials 10 --writes 20 --kills 10   # quick
+    python -m bench.remote_store                       # 50 latency trials, 4 x 100, 50 kills
+    python -m bench.remote_store --trials 10 --writes 20 --kills 10   # quick
 
-Needs root (it creates the SSH login users of tests/fleet.py) and flock(1).
+Needs root (it creates the SSH login users of tests/support/fleet.py) and flock(1).
 
 1. Latency: one reservation (reserve + release, two writes) through a local Store and
    through a RemoteStore to the fleet's store host, alternating; and a read of an
@@ -37,11 +37,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
-
-from fleet import (  # noqa: E402
+from gputop.config.load import load_config
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.open import open_store
+from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.remote import RemoteStore
+from gputop.reservations.store import Store
+from tests.support.fleet import (
     LOGIN_USERS,
     TEAM_GROUP,
     Fleet,
@@ -51,19 +53,15 @@ from fleet import (  # noqa: E402
     sshd_available,
 )
 
-from gputop.config import load_config  # noqa: E402
-from gputop.reservations.ops import Target, release, reserve  # noqa: E402
-from gputop.reservations.remote import RemoteStore  # noqa: E402
-from gputop.reservations.store import Store, StoreError  # noqa: E402
-from gputop.sources.shared_file import open_store  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "bench" / "results"
 
 WRITER = r"""
 import sys
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.reservations.ops import Target, reserve
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 base, n = int(sys.argv[2]), int(sys.argv[3])
 st.whoami()
@@ -75,9 +73,9 @@ for k in range(n):
 
 BUSY = r"""
 import sys
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.reservations.ops import Target, release, reserve
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
 st = open_store(load_config(sys.argv[1]))
 st.whoami()
 print("ready", flush=True)
@@ -253,7 +251,7 @@ def write_md(r: dict[str, Any]) -> None:
     lines = [
         "# Reservations over SSH (`HOST:/path`)",
         "",
-        f"Run: `python bench/remote_store.py --trials {a['trials']} --writes {a['writes']} "
+        f"Run: `python -m bench.remote_store --trials {a['trials']} --writes {a['writes']} "
         f"--kills {a['kills']}` on {os.cpu_count()} cores, {platform.platform()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. The store host is a real "
         "sshd on loopback (no network latency: over a LAN or VPN add its round trips, "

@@ -1,9 +1,9 @@
 """gputop against what people do today, side by side, on one simulated fleet.
 
-    python bench/run.py                      # N = 10, 50, 200; 60 s steady state; N = 500 scale
-    python bench/run.py --sizes 10,50 --steady 20 --runs 3 --scale 0   # quicker
+    python -m bench.run                      # N = 10, 50, 200; 60 s steady state; N = 500 scale
+    python -m bench.run --sizes 10,50 --steady 20 --runs 3 --scale 0   # quicker
 
-Brings up N real OpenSSH sshd hosts on loopback (the test fleet, ``tests/fleet.py``) whose
+Brings up N real OpenSSH sshd hosts on loopback (the test fleet, ``tests/support/fleet.py``) whose
 stand-in nvidia-smi takes ``--latency`` seconds per call (default 150 ms, like a real driver
 with persistence mode on), then measures in the same run:
 
@@ -35,11 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.fleet import GPU_ARGS, Fleet, Host, sshd_available
 
-from fleet import GPU_ARGS, Fleet, Host, sshd_available  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PY = sys.executable
 OUT = ROOT / "bench" / "results"
@@ -158,9 +156,9 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def board(hosts: int, gpus: int, seconds: float) -> dict[str, object]:
-    out = subprocess.run([PY, str(ROOT / "bench" / "board_cpu.py"), "--hosts", str(hosts),
+    out = subprocess.run([PY, "-m", "bench.board_cpu", "--hosts", str(hosts),
                           "--gpus", str(gpus), "--seconds", str(seconds)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

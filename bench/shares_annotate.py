@@ -4,7 +4,7 @@ case: no share) or with S shared GPUs. ``--watch`` builds this document every in
 Point ``--src`` at another checkout (one without shares) to compare; run the two
 alternately. Prints one JSON line: the best of ``--runs``, per document.
 
-    python bench/shares_annotate.py --hosts 200 --gpus 4 [--shares 20] [--src ../main]
+    python -m bench.shares_annotate --hosts 200 --gpus 4 [--shares 20] [--src ../main]
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import argparse
 import asyncio
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
-from demo_fleet import demo_fleet
+from bench.checkout import load_gputop
+from bench.demo_fleet import demo_fleet
+from gputop.reservations.terms import Target, Terms
 
 
 def main() -> None:
@@ -30,13 +31,14 @@ def main() -> None:
     ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1]),
                     help="the checkout whose gputop to time")
     args = ap.parse_args()
-    sys.path.insert(0, args.src)
+    load_gputop(args.src)
 
     from gputop.model import FleetSnapshot, utcnow
     from gputop.output import dumps
     from gputop.poller import Poller
     from gputop.reservations.flags import IdleTracker, annotate
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     cfg, sources = demo_fleet(args.hosts, args.gpus, Path("/nonexistent/reservations.json"))
     names = [h.name for h in cfg.hosts]
@@ -47,12 +49,13 @@ def main() -> None:
 
     snap = asyncio.run(answers())
     now = utcnow()
-    rs = [new_reservation(names[i], 0, f"user{i}", "m", now, 3600, None, "")
+    rs = [new_reservation(Target(names[i], 0), Terms(3600, user=f"user{i}", machine="m"), now)
           for i in range(0, args.hosts, 10)]
     for i in range(args.shares):
         for k in range(3):
-            rs.append(new_reservation(names[(i * 7 + 3) % args.hosts], 1, f"sharer{k}", "m",
-                                      now, 3600, None, "", share_mib=16384))
+            rs.append(new_reservation(
+                Target(names[(i * 7 + 3) % args.hosts], 1),
+                Terms(3600, user=f"sharer{k}", machine="m", share_mib=16384), now))
     state = StoreState(tuple(rs))
     tracker = IdleTracker(1800, 900)
     for h in snap.hosts:

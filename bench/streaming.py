@@ -1,10 +1,10 @@
 """Streaming collection against one query per refresh, side by side on one fleet.
 
-    python bench/streaming.py                 # 50 hosts, 30 s per mode, 5 s slow start
-    python bench/streaming.py --hosts 10 --steady 10 --slow-steady 10   # quicker
-    python bench/streaming.py --old c38dcab   # also the streams of that commit (3 sessions)
+    python -m bench.streaming                 # 50 hosts, 30 s per mode, 5 s slow start
+    python -m bench.streaming --hosts 10 --steady 10 --slow-steady 10   # quicker
+    python -m bench.streaming --old c38dcab   # also the streams of that commit (3 sessions)
 
-Brings up N real OpenSSH sshd hosts (``tests/fleet.py``; 4 GPUs and one job of a real
+Brings up N real OpenSSH sshd hosts (``tests/support/fleet.py``; 4 GPUs and one job of a real
 user each; stand-in nvidia-smi with ``--latency`` start-up) and runs ``gputop --json
 --watch`` at a 2 s interval with ``collection = "query"`` and then ``"stream"``, measuring
 in the steady state (from the first complete document on):
@@ -34,11 +34,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.fleet import Fleet, GpuProcess, Host, sshd_available
 
-from fleet import Fleet, GpuProcess, Host, sshd_available  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PY = sys.executable
 OUT = ROOT / "bench" / "results"
@@ -251,7 +249,7 @@ def report(r: dict) -> str:  # type: ignore[type-arg]
         f" ms, `gputop --json --watch` at a 2 s interval; {r['cores']} cores shared by the "
         "fleet, the client and other work, so compare the rows, not the absolute numbers "
         f"(load average before the run: {r.get('load', '?')}). "
-        "Produced by `python bench/streaming.py`. No GPU machine was used: the stand-in "
+        "Produced by `python -m bench.streaming`. No GPU machine was used: the stand-in "
         "nvidia-smi replays real captures and loops like the real one (`-lms`).\n",
         "## Steady state\n",
         "| collection | host CPU per host per refresh | process starts per host per refresh "

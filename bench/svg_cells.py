@@ -4,7 +4,7 @@ Two renderings can split a line into different runs (one wide cell or a cell plu
 filler) and still look the same; this says whether they do. Used to check that the virtual
 table draws the board exactly as the DataTable did:
 
-    python bench/svg_cells.py OLD.svg NEW.svg
+    python -m bench.svg_cells OLD.svg NEW.svg
 """
 
 from __future__ import annotations

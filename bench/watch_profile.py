@@ -1,6 +1,6 @@
 """Where ``gputop --json --watch`` spends its CPU, per host per refresh, on the real fleet.
 
-Brings up N real sshd hosts (``tests/fleet.py``, as ``bench/run.py`` does), runs
+Brings up N real sshd hosts (``tests/support/fleet.py``, as ``bench/run.py`` does), runs
 ``python -m cProfile -m gputop --json --watch`` against them for ``--seconds`` from the
 first document in which every host answered (at most 10 lines in), stops it with SIGINT
 (the profile is written on exit), and groups
@@ -8,14 +8,14 @@ the profile's own time by where the code lives: asyncssh (split into its packet 
 cipher and channel code), asyncio, gputop's parse, the document (annotate, to_dict, JSON),
 and the rest. Each ``--variant`` is one run on the same fleet:
 
-    default       the code as it is (AES-GCM preferred, see sources/transport.py)
+    default       the code as it is (AES-GCM preferred, see ssh/transport.py)
     chacha        ~/.ssh/config says ``Ciphers chacha20-poly1305@openssh.com``
     noprofile     no profiler: the plain CPU % (cProfile inflates Python-heavy parts)
 
 Each runs with the config's default ``collection = "stream"``; a variant whose name holds
 ``query`` (``query``, ``noprofile-query``) runs with ``collection = "query"``.
 
-    python bench/watch_profile.py --hosts 200 --seconds 30 --variant noprofile,noprofile-query
+    python -m bench.watch_profile --hosts 200 --seconds 30 --variant noprofile,noprofile-query
 
 Prints one JSON line per variant.
 """
@@ -34,12 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.run import _cpu, up
+from tests.support.fleet import Fleet
 
-from fleet import Fleet  # noqa: E402
-from run import _cpu, up  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 #: gputop --json --watch with the profiler switched on after the first document (the
 #: handshakes are start-up, not steady state) and written out on exit.
@@ -70,9 +68,9 @@ GROUPS = (  # first match wins: (name, substring of the function's file or name)
     ("asyncio", "asyncio/"),
     ("gputop parse", "gputop/sources/nvidia_smi"),
     ("gputop ssh source", "gputop/sources/ssh"),
-    ("gputop ssh source", "gputop/sources/transport"),
+    ("gputop ssh source", "gputop/ssh/transport"),
     ("gputop ssh source", "gputop/sources/query"),
-    ("gputop ssh source", "gputop/sources/streaming"),
+    ("gputop ssh source", "gputop/sources/stream_collector"),
     ("gputop document", "gputop/model"),
     ("gputop document", "gputop/output"),
     ("gputop document", "gputop/reservations/flags"),

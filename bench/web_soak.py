@@ -1,6 +1,6 @@
 """The web board left open: memory and script time over ten minutes at 200 hosts x 8 GPUs.
 
-    python bench/web_soak.py [--seconds 600 --hosts 200 --gpus 8 --interval 2 --tv]
+    python -m bench.web_soak [--seconds 600 --hosts 200 --gpus 8 --interval 2 --tv]
 
 A real hub (``gputop.hub`` collector and server) over simulated hosts (``DemoSource``,
 as ``bench/hub.py demo-hub``), read by the page in headless Chromium (Debian's
@@ -24,12 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.hubs import free_port, get
+from tests.support.web_hub import browser, chromium_missing
 
-from hubs import free_port, get  # noqa: E402
-from web_hub import browser, chromium_missing  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ADDR = "127.0.24.9"
 
@@ -62,10 +60,10 @@ def main() -> None:
     if missing:
         sys.exit(f"web_soak: {missing}")
     port = free_port(ADDR)
-    hub = subprocess.Popen([sys.executable, str(ROOT / "bench" / "hub.py"), "demo-hub",
+    hub = subprocess.Popen([sys.executable, "-m", "bench.hub", "demo-hub",
                             "--hosts", str(args.hosts), "--gpus", str(args.gpus),
                             "--interval", str(args.interval), "--listen", f"{ADDR}:{port}"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     url = f"http://{ADDR}:{port}/"
     b = None
     try:

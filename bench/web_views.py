@@ -1,8 +1,8 @@
 """The web board's script time per update in each view, at 200 hosts x 8 GPUs.
 
-    python bench/web_views.py [--hosts 200 --gpus 8 --updates 15]
+    python -m bench.web_views [--hosts 200 --gpus 8 --updates 15]
 
-The hub's real app holding a document the benchmark writes (tests/web_hub.py: DocHub),
+The hub's real app holding a document the benchmark writes (tests/support/web_hub.py: DocHub),
 read by the page in headless Chromium. Per view (by host, filtered, free only, sorted by
 utilisation): the first snapshot's script time, then updates of 10 hosts and of every
 host, each timed by the page's own ``performance.measure``. Prints one JSON line per
@@ -20,11 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests.support.web_hub import DocHub, browser, chromium_missing, churn, fleet_doc
 
-from web_hub import DocHub, browser, chromium_missing, churn, fleet_doc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 VIEWS = ("", "?q=alice", "?free=1", "?sort=utilization", "?sort=free-memory")
 

@@ -25,9 +25,10 @@ class MissingExtra(GputopError):
         what, _, requirement = EXTRAS[extra]
         module = exc.name or "a module"
         super().__init__(
-            f"{what} needs the '{extra}' extra ({module} is not installed): "
-            f"pip install 'gputop[{extra}]' (a pipx install: pipx inject gputop "
-            f"'{requirement}'; uv: uv tool install 'gputop[{extra}]')")
+            f"{what} needs the '{extra}' extra ({module} is not installed in gputop's "
+            f"environment): in gputop's checkout, pip install '.[{extra}]' (or pipx install "
+            f"--force '.[{extra}]'; uv tool install --force '.[{extra}]'); into an existing "
+            f"pipx install, pipx inject gputop '{requirement}'")
         self.extra = extra
 
 

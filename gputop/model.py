@@ -174,7 +174,7 @@ class GpuInfo(_HoldsMemoryAndProcesses):
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> GpuInfo:
         """A GPU from a dict of its fields by name (checked by the caller: e.g. a hub's
-        document, see gputop.sources.hub), the others' defaults; built as ``from_row``.
+        document, see gputop.hubclient.client), the others' defaults; built as ``from_row``.
         ``fields`` must hold fields only."""
         g = object.__new__(cls)
         d = g.__dict__

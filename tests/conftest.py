@@ -3,69 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fleet import Fleet, GpuProcess, Host, sshd_available
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.shared_fleet import fleet_hosts, need_sshd, world_readable
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "gputop" / "schema" / "snapshot.schema.json"
-HOSTILE = "[bold red]x[/] \x1b]0;pwned\x07"
-
-# The dozen hosts of the "done when" fleet: healthy ones and one of every fault.
-FAULTS = {
-    "unreachable": "unreachable",
-    "banner": "timeout",
-    "hang": "timeout",
-    "auth": "auth",
-    "hostkey-changed": "host-key",
-    "hostkey-unknown": "host-key",
-    "no-smi": "no-nvidia-smi",
-    "driver": "driver",
-    "nvml-mismatch": "driver",
-    "no-devices": "no-devices",
-    "parse": "parse",
-}
-
-
-def fleet_hosts() -> list[Host]:
-    return [
-        Host("gpu-h100", "127.0.0.2", gpus=("h100", "h100"), processes=[
-            GpuProcess("gtalice", "python train.py --epochs 90", gpu=0, mem_mib=19000),
-            GpuProcess("gtbob", HOSTILE, gpu=1, mem_mib=77),
-        ]),
-        Host("gpu-mixed", "127.0.0.3", gpus=("h100-mig", "l40s", "rtx2080", "rtx2080-win")),
-        Host("gpu-lost", "127.0.0.4", scenario="lost", gpus=("l40s",)),
-        Host("unreachable", "127.0.0.5", scenario="unreachable"),
-        Host("banner", "127.0.0.6", scenario="banner-timeout"),
-        Host("hang", "127.0.0.7", scenario="hang"),
-        Host("auth", "127.0.0.8", scenario="auth"),
-        Host("hostkey-changed", "127.0.0.9", scenario="host-key-changed"),
-        Host("hostkey-unknown", "127.0.0.10", scenario="host-key-unknown"),
-        Host("no-smi", "127.0.0.11", scenario="no-nvidia-smi"),
-        Host("driver", "127.0.0.12", scenario="driver"),
-        Host("nvml-mismatch", "127.0.0.13", scenario="nvml-mismatch"),
-        Host("no-devices", "127.0.0.14", scenario="no-devices"),
-        Host("parse", "127.0.0.15", scenario="parse"),
-    ]
-
-
-def _need_sshd() -> None:
-    reason = sshd_available()
-    if reason:
-        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """The dozen-host fleet, shared by the tests that only read it."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("fleet")), fleet_hosts()).start()
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("fleet")), fleet_hosts()).start()
     yield f
     f.stop()
 
@@ -73,8 +27,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 @pytest.fixture
 def small_fleet(tmp_path: Path) -> Iterator[Fleet]:
     """Two healthy hosts a test may break and mend."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("alpha", "127.0.1.2", processes=[GpuProcess("gtalice", "python a.py")]),
         Host("beta", "127.0.1.3", gpus=("l40s",)),
     ]).start()
@@ -88,15 +42,6 @@ def fleet_home(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> Fleet:
     monkeypatch.setenv("HOME", str(fleet.home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     return fleet
-
-
-def _world_readable(p: Path) -> Path:
-    # sshd (and the test users' processes) must be able to reach the fleet's files.
-    for parent in [p, *p.parents]:
-        if str(parent) in ("/", "/tmp"):
-            break
-        os.chmod(parent, os.stat(parent).st_mode | 0o755)
-    return p
 
 
 @pytest.fixture(scope="session")

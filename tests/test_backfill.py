@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from as_user import wait_as
-from fleet import Fleet
-from queue_team import Team, team_on, text, two_host_fleet, until
-from test_free_table import rows
-from test_free_table import run as run_tty
 
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.store import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.as_user import wait_as
+from tests.support.fleet import Fleet
+from tests.support.queue_team import Team, team_on, text, two_host_fleet, until
+from tests.test_free_table import rows
+from tests.test_free_table import run as run_tty
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def _hold(team: Team, gpu: str, user: str, hours: float) -> None:
         from datetime import datetime
 
         assert isinstance(now, datetime)
-        r = new_reservation(host, int(i), user, "m", now, hours * 3600, None, "")
+        r = new_reservation(Target(host, int(i)), Terms(hours * 3600, user=user, machine="m"), now)
         return replace(state, reservations=(*state.reservations, r))
 
     team.store.update(change)
@@ -98,6 +99,14 @@ def test_a_request_that_ends_before_the_waiters_turn_is_backfilled(team: Team) -
     r = team.run("reserve", "q1:0", "--for", "1h", user="gtbob")
     assert r.returncode == 0, r.stderr
     assert team.queue_users() == ["gtalice"]
+    # Granted for 1h, then extended past her turn: that is taking it anew, and refused
+    # (a short --for was a way round the queue); within what he holds, it is kept.
+    r = team.run("reserve", "q1:0", "--for", "3h", user="gtbob")
+    assert r.returncode == 1 and "their turn comes" in r.stderr, r.stderr
+    r = team.run("reserve", "q1:0", "--for", "30m", user="gtbob")
+    assert r.returncode == 0 and "kept your reservation" in r.stdout, (r.stdout, r.stderr)
+    assert team.state().events == () or all(e.get("kind") != "skip-queue"
+                                             for e in team.state().events)
     os.kill(a[0], signal.SIGINT)
     assert wait_as(a[0], 20) == 130, text(a[2])
 

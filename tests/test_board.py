@@ -13,14 +13,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 from rich.text import Text
 
 from gputop.model import HostSnapshot
-from gputop.reservations import Store
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow, HostRow
-from gputop.ui.widgets import BoardTable, DetailPane
+from gputop.ui.table import BoardTable
+from gputop.ui.widgets import DetailPane
+from tests.support.board_data import HOSTILE_USER, NOW, board_config, fixed_snapshots, seed
 
 
 def make_app(tmp_path: Path, user: str = "ann", clock: object = lambda: NOW,
@@ -67,7 +69,7 @@ def gk(host: str, index: int) -> str:
 
 
 def fk(host: str, index: int) -> str:
-    """The row key of a GPU of the real test fleet (tests/fleet.py numbers its uuids)."""
+    """The row key of a GPU of the real test fleet (tests/support/fleet.py numbers its uuids)."""
     return f"{host}{K}GPU-{host[:8]:0>8}-0000-4000-8000-{index:012d}"
 
 
@@ -153,7 +155,7 @@ async def test_conflict_shows_the_holder(tmp_path: Path) -> None:
 
 async def test_store_race_is_refused_with_the_holder(tmp_path: Path) -> None:
     """Someone reserves the GPU while our dialog is open: the write is refused, naming them."""
-    from gputop.reservations import Target, reserve
+    from gputop.reservations.ops import Target, reserve
 
     app = make_app(tmp_path, user="erin")
     seen: list[str] = []
@@ -297,7 +299,7 @@ async def test_updates_change_only_what_changed_and_keep_the_cursor(tmp_path: Pa
 
 async def test_two_hundred_hosts_update_in_place(tmp_path: Path) -> None:
     """200 hosts x 8 GPUs: one host's refresh rewrites that host's cells only."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
 
     base = fixed_snapshots()[0]
     gpus = tuple(replace(base.gpus[i % 4], index=i) for i in range(8))
@@ -335,7 +337,7 @@ async def test_an_answer_rebuilds_only_the_gpus_that_moved(tmp_path: Path) -> No
     """A hub's patch keeps the objects of the GPUs that did not change; the board keeps
     their rows and builds no cells for them, and a copy that is merely equal costs no
     cells either. The GPU that moved, and its host's header, are built again."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
 
     base = fixed_snapshots()[0]
     gpus = tuple(replace(base.gpus[i % 4], index=i, uuid=f"GPU-{i}") for i in range(8))
@@ -389,7 +391,8 @@ async def test_detail_pane_shows_processes_history_and_reservation(tmp_path: Pat
 
 async def test_detail_pane_says_a_run_reservation_ends_with_its_job(tmp_path: Path) -> None:
     """A `gputop run` reservation read like a plain one of its full time in the details."""
-    from gputop.reservations.store import Job, StoreState
+    from gputop.reservations.records import Job
+    from gputop.reservations.state import StoreState
 
     store = Store(tmp_path / "reservations.json")
     seed(store)
@@ -446,7 +449,7 @@ async def test_board_on_the_real_fleet_and_a_teammates_reservation(
 ) -> None:
     """Fed by the real data layer over real sshd; a reservation made with the CLI (another
     terminal) appears on the board once the shared file is re-read."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
 
     cfg_path = fleet_home.write_config(["gpu-h100", "driver", "gpu-lost"], timeout=3.0)
     config = load_config(str(cfg_path))
@@ -823,11 +826,11 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
     import asyncio
     import time
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
 
     monkeypatch.setenv("HOME", str(small_fleet.home))
     # No jitter: the backoff after the n-th failure is exactly 1 s x 2^(n-1).
-    monkeypatch.setattr("gputop.sources.transport.random.uniform", lambda _lo, hi: hi)
+    monkeypatch.setattr("gputop.ssh.transport.random.uniform", lambda _lo, hi: hi)
     config = load_config(str(small_fleet.write_config(timeout=3.0, interval=1.0)))
     app = GputopApp(config, user="ann")
     alpha = small_fleet.hosts["alpha"]
@@ -867,7 +870,8 @@ async def test_reconnect_key_skips_the_backoff_on_the_real_fleet(
 async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
     """`Q` lists the shared file's queue: position, who, for what, since when; markup in
     what a waiter typed stays inert text."""
-    from gputop.reservations.store import StoreState, Waiter
+    from gputop.reservations.records import Waiter
+    from gputop.reservations.state import StoreState
 
     def w(i: int, user: str, count: int, want: str = "") -> Waiter:
         t = NOW - timedelta(minutes=10 - i)
@@ -899,7 +903,7 @@ async def test_queue_key_shows_who_waits_in_order(tmp_path: Path) -> None:
 async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) -> None:
     """With a history database ([history] path), the details add the GPU's (or the
     host's) recorded last hour and day, looked up off the UI thread."""
-    from test_history import record_recent
+    from tests.test_history import record_recent
 
     record_recent(tmp_path / "history.sqlite3", "gpu-h100", "GPU-00000000-test", 0)
     app = make_app(tmp_path)
@@ -930,7 +934,7 @@ async def test_detail_pane_shows_the_recorded_last_hour_and_day(tmp_path: Path) 
 
 async def test_fleet_history_view(tmp_path: Path) -> None:
     """`h`: every host's recorded last hour and day; without a database, how to get one."""
-    from test_history import record_recent
+    from tests.test_history import record_recent
 
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -1029,7 +1033,7 @@ def test_cells_are_drawn_as_rich_draws_them() -> None:
 async def test_the_board_is_on_screen_before_any_host_is_polled(tmp_path: Path) -> None:
     """1,000 configured hosts: the first frame shows every one of them waiting, and no
     host is queried before it (a thousand connections starting must not delay it)."""
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.sources.demo import DemoSource
 
     names = [f"node{i:04d}" for i in range(1000)]
@@ -1089,11 +1093,13 @@ def test_rows_reused_between_answers_still_follow_the_clock(tmp_path: Path) -> N
     assert r.reservation is None and m.summary().reserved == 0
     # A reservation made 10 min ago, its holder never on the GPU: idle once the 15 min
     # grace has passed, with no new answer from the host in between.
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     clock[0] = NOW
     m.set_state(StoreState(reservations=(new_reservation(
-        "gpu-mixed", 2, "ann", "ws", NOW - timedelta(minutes=10), 3600, None, ""),)))
+        Target("gpu-mixed", 2), Terms(3600, user="ann", machine="ws"),
+        NOW - timedelta(minutes=10)),)))
     assert row(gk("gpu-mixed", 2)).reservation is not None
     assert "idle-reservation" not in row(gk("gpu-mixed", 2)).flags
     clock[0] = NOW + timedelta(minutes=6)
@@ -1270,7 +1276,8 @@ async def test_answers_from_hosts_off_screen_wait_for_a_frame_with_something_on_
         app.intake._last_render = time.monotonic()  # (the last frame just now, whatever the load)
         app.intake.tick()
         assert frames == [] and app.intake.dirty
-        app.intake._last_render -= app.config.interval * intake_module.OFFSCREEN_WAIT_INTERVALS
+        app.intake._last_render -= (app.config.defaults.interval
+                                    * intake_module.OFFSCREEN_WAIT_INTERVALS)
         app.intake.tick()  # ...an interval at most
         assert frames == ["frame"] and not app.intake.dirty
         answer("n29")

@@ -10,18 +10,20 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, board_config, fixed_snapshots, seed
 from rich.cells import cell_len
 from rich.text import Text
-from test_board import cell, gk, goto, load, make_app
 from textual import events
 
 from gputop.model import HostError, HostSnapshot, ProcessInfo
-from gputop.reservations import Store
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.app import GputopApp
 from gputop.ui.board_model import BoardModel
-from gputop.ui.widgets import BoardTable, DetailPane
+from gputop.ui.table import BoardTable
+from gputop.ui.widgets import DetailPane
+from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
+from tests.test_board import cell, gk, goto, load, make_app
 
 
 def screen_lines(app: GputopApp) -> list[str]:
@@ -185,7 +187,7 @@ async def test_keys_typed_before_the_filter_has_focus_go_to_the_filter(tmp_path:
     filter's; the ``u`` never reaches the board (there: a release of my reservation)."""
     store = Store(tmp_path / "reservations.json")
     store.update(lambda state, _now: StoreState(reservations=(
-        new_reservation("gpu-h100", 2, "ann", "ws-ann", NOW, 3600, None, ""),)))
+        new_reservation(Target("gpu-h100", 2), Terms(3600, user="ann", machine="ws-ann"), NOW),)))
     app = make_app(tmp_path)
     seen: list[str] = []
     app.notify = lambda message, **kw: seen.append(str(message))  # type: ignore[method-assign]
@@ -254,7 +256,7 @@ async def test_the_demo_queue_grants_on_the_simulated_fleet(tmp_path: Path) -> N
             await pilot.press("Q")
             await pilot.pause()
             await pilot.press("enter")  # one GPU (the dialog's default)
-            store = Store(cfg.reservations_path)
+            store = Store(cfg.reservations.path)
             for _ in range(300):
                 mine = [r for r in store.read().reservations if r.user == me]
                 if mine:
@@ -263,7 +265,7 @@ async def test_the_demo_queue_grants_on_the_simulated_fleet(tmp_path: Path) -> N
             assert mine, "not granted within 15 s"
             assert mine[0].host in {s.name for s in sources}
         assert all(s.connects == 0 for s in sources)
-    assert not board_config(tmp_path).reservations_path.exists()  # (the demo's own file)
+    assert not board_config(tmp_path).reservations.path.exists()  # (the demo's own file)
 
 
 async def test_a_key_typed_before_a_dialog_is_drawn_does_not_answer_it(tmp_path: Path) -> None:
@@ -320,7 +322,8 @@ async def test_a_lost_gpus_details_say_what_the_driver_said(tmp_path: Path) -> N
 async def test_a_long_holder_name_gives_way_to_the_time_left(tmp_path: Path) -> None:
     store = Store(tmp_path / "reservations.json")
     store.update(lambda state, _now: StoreState(reservations=(
-        new_reservation("gpu-h100", 2, "mgarcia-long", "ws", NOW, 3 * 3600, None, ""),)))
+        new_reservation(
+            Target("gpu-h100", 2), Terms(3 * 3600, user="mgarcia-long", machine="ws"), NOW),)))
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         table = await load(app, pilot)

@@ -15,14 +15,16 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 
 import pytest
-from board_data import NOW, fixed_snapshots
 
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.reservations.flags import instance_index, reservation_index
-from gputop.reservations.store import Reservation, StoreState, new_reservation
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import gpu_class, instance_class
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.board_model import BoardModel, SortMode
 from gputop.ui.board_rows import Summary
+from tests.support.board_data import NOW, fixed_snapshots
 
 _MIG = (MigInstance(gpu_instance_id=3, compute_instance_id=0, device_index=0, uuid="MIG-3",
                     profile="1g.10gb", memory_used_mib=0, memory_total_mib=9856,
@@ -57,10 +59,11 @@ def _reservations(rnd: random.Random, hosts: list[str], now: datetime) -> StoreS
     out: list[Reservation] = []
     for _ in range(rnd.randint(0, 3)):
         made = now - timedelta(minutes=rnd.randint(0, 40))
-        out.append(new_reservation(rnd.choice(hosts), rnd.randint(0, 3),
-                                   rnd.choice(["ann", "bob"]), "ws", made,
-                                   rnd.choice([60, 3600]), None, "",
-                                   share_mib=rnd.choice([None, None, 1000])))
+        out.append(new_reservation(
+            Target(rnd.choice(hosts), rnd.randint(0, 3)),
+            Terms(user=rnd.choice(["ann", "bob"]), machine="ws",
+                  seconds=rnd.choice([60, 3600]), share_mib=rnd.choice([None, None, 1000])),
+            made))
     return StoreState(reservations=tuple(out))
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from board_data import fixed_snapshots
-
 from gputop.model import HostError, HostSnapshot
 from gputop.ui.board_history import HISTORY, BoardHistory
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import gpu_keys
+from tests.support.board_data import fixed_snapshots
 
 HOST = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
 

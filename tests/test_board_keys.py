@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, HostConfig, Reservations
 from gputop.model import HostSnapshot, utcnow
 from gputop.poller import Poller
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources.demo import DemoSource
 from gputop.ui import feed as feed_module
 from gputop.ui import intake as intake_module
@@ -81,9 +83,11 @@ async def test_typing_and_deleting_keeps_exactly_the_rows_of_the_rule() -> None:
     now = utcnow()
     model = BoardModel(host_order=[s.name for s in sources], clock=utcnow, me="amira")
     model.set_state(StoreState(reservations=(
-        new_reservation("node03", 1, "chen", "m", now - timedelta(minutes=1), 3600, None, ""),
-        new_reservation("node07", 0, "amira", "m", now - timedelta(minutes=1), 3600, None,
-                        ""))))
+        new_reservation(
+            Target("node03", 1), Terms(3600, user="chen", machine="m"), now - timedelta(minutes=1)),
+        new_reservation(
+            Target("node07", 0), Terms(3600, user="amira", machine="m"),
+            now - timedelta(minutes=1)))))
     await _answer(model, sources)
     typed = ["n", "no", "node", "node0", "node07", "node07 a", "node07 am", "node07 ami"]
     words = ["h", "h1", "h10", "h100", "h100 c", "h100 ch", "h100 che", "h100 chen"]
@@ -107,8 +111,9 @@ async def test_typing_and_deleting_keeps_exactly_the_rows_of_the_rule() -> None:
 async def test_a_hold_is_bounded_and_the_feed_then_runs() -> None:
     """The feed waits while the board holds it, never longer than MAX_HOLD_S in a row,
     and then runs MIN_RUN_S before it honours a hold again."""
-    cfg = Config(path=None, hosts=(HostConfig("node00"),), interval=2.0, timeout=5.0,
-                 reservations_path=Path("/nonexistent/r.json"))
+    cfg = Config(path=None, hosts=(HostConfig("node00"),),
+                 defaults=Defaults(interval=2.0, timeout=5.0),
+                 reservations=Reservations(path=Path("/nonexistent/r.json")))
     thread = feed_module.FeedThread(Poller(cfg, _fleet(1)), lambda s: None)
     t = time.monotonic()
     thread.hold(t + 0.05)
@@ -129,8 +134,9 @@ async def test_a_hold_is_bounded_and_the_feed_then_runs() -> None:
 async def test_a_key_holds_the_feed_the_drain_and_the_collector(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sources = _fleet(6)
-    cfg = Config(path=None, hosts=tuple(HostConfig(s.name) for s in sources), interval=0.5,
-                 timeout=5.0, reservations_path=tmp_path / "r.json")
+    cfg = Config(path=None, hosts=tuple(HostConfig(s.name) for s in sources),
+                 defaults=Defaults(interval=0.5, timeout=5.0),
+                 reservations=Reservations(path=tmp_path / "r.json"))
     collected: list[int] = []
 
     def collect(gen: int = 2) -> int:

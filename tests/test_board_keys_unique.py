@@ -11,14 +11,14 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, fixed_snapshots
-from test_board import make_app, on_screen
-
 from gputop.model import GpuInfo, MigInstance
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, gpu_keys, split_instance, split_share
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.support.board_data import NOW, fixed_snapshots
+from tests.test_board import make_app, on_screen
 
 BASE = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
 
@@ -75,8 +75,10 @@ async def test_each_compute_instance_row_draws_its_own_memory(tmp_path: Path) ->
 def _two_shares_of_bob() -> StoreState:
     made = NOW - timedelta(minutes=1)
     return StoreState(reservations=(
-        new_reservation(BASE.name, 2, "bob", "ws", made, 3600, None, "", share_mib=1024),
-        new_reservation(BASE.name, 2, "bob", "ws2", made, 3600, None, "", share_mib=8192)))
+        new_reservation(
+            Target(BASE.name, 2), Terms(3600, user="bob", machine="ws", share_mib=1024), made),
+        new_reservation(
+            Target(BASE.name, 2), Terms(3600, user="bob", machine="ws2", share_mib=8192), made)))
 
 
 def test_two_shares_of_one_holder_on_one_gpu_are_two_rows() -> None:

@@ -13,12 +13,11 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, board_config, fixed_snapshots
-from test_board import make_app, on_screen
-
 from gputop.model import HostError, HostSnapshot, MigInstance, ProcessInfo
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.support.board_data import NOW, board_config, fixed_snapshots
+from tests.test_board import make_app, on_screen
 
 BASE = fixed_snapshots()[0]  # gpu-h100: 4 GPUs
 LATER = BASE.time + timedelta(seconds=2)

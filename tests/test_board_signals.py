@@ -107,12 +107,12 @@ def screen(pane: Pane) -> str:
 def test_sigterm_leaves_no_refresh_running_on_a_host(tmp_path: Path) -> None:
     """The board on real sshd hosts, one of them hung: after SIGTERM nothing of gputop's
     is left running there."""
-    from conftest import _need_sshd, _world_readable
-    from fleet import Fleet, Host
+    from tests.support.fleet import Fleet, Host
+    from tests.support.shared_fleet import need_sshd, world_readable
 
-    _need_sshd()
+    need_sshd()
     (tmp_path / "fleet").mkdir()
-    fleet = Fleet(_world_readable(tmp_path / "fleet"), [
+    fleet = Fleet(world_readable(tmp_path / "fleet"), [
         Host("ok", "127.0.4.2"), Host("hang", "127.0.4.3", scenario="hang")]).start()
     p: Pane | None = None
     try:
@@ -150,9 +150,8 @@ def test_a_board_wedged_after_a_signal_still_exits(tmp_path: Path) -> None:
 
 async def test_the_first_signal_arms_the_watchdog(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from board_data import board_config
-
     from gputop.ui import app as app_module
+    from tests.support.board_data import board_config
 
     armed: list[int] = []
     monkeypatch.setattr(app_module, "arm_exit_watchdog",

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from board_data import NOW, board_config, fixed_snapshots, seed
 from textual.widgets import Input
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
 
 # The details show local times: the saved pictures are of a board in UTC, wherever run.
 os.environ["TZ"] = "UTC"

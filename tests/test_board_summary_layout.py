@@ -4,15 +4,12 @@ refresh was a third of the board's drawing at 200 hosts x 8 GPUs, bench/results/
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-from board_data import NOW, board_config, fixed_snapshots
-
 from gputop.ui.app import GputopApp
+from tests.support.board_data import NOW, board_config, fixed_snapshots
 
 
 async def test_a_changed_summary_is_drawn_without_a_layout(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations.ops import Target, reserve
+from gputop.reservations.store import Store
 
 
 @pytest.fixture

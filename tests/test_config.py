@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gputop.config import ConfigError, load_config, parse_duration
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError, parse_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,9 +44,9 @@ default_duration = "2h"
 max_duration = "1d"
 """)))
     assert [h.name for h in cfg.hosts] == ["a", "b"]
-    assert (cfg.interval, cfg.timeout) == (5.0, 4.5)
-    assert cfg.reservations_path == tmp_path / "res.json"
-    assert (cfg.reservation_default_s, cfg.reservation_max_s) == (7200, 86400)
+    assert (cfg.defaults.interval, cfg.defaults.timeout) == (5.0, 4.5)
+    assert cfg.reservations.path == tmp_path / "res.json"
+    assert (cfg.reservations.default_s, cfg.reservations.max_s) == (7200, 86400)
 
 
 def test_table_hosts(tmp_path: Path) -> None:
@@ -111,7 +112,7 @@ def test_mistakes_name_the_key(tmp_path: Path, text: str, key: str, words: str) 
 def test_keep_hours(tmp_path: Path, value: str | None, seconds: float | None) -> None:
     body = 'hosts = ["a"]\n[history]\nkeep_raw = "6h"\n'
     cfg = load_config(str(write(tmp_path, body + (f"keep_hours = {value}\n" if value else ""))))
-    assert cfg.history_hour_keep_s == seconds and cfg.history_raw_keep_s == 6 * 3600
+    assert cfg.history.keep_hours_s == seconds and cfg.history.keep_raw_s == 6 * 3600
 
 
 def test_invalid_toml_names_the_line(tmp_path: Path) -> None:

@@ -18,7 +18,9 @@ else:  # pragma: no cover - exercised on 3.10 only
 import pytest
 
 from gputop.cli import main
-from gputop.config import ConfigError, load_config
+from gputop.config.load import Config, load_config
+from gputop.config.tables import Defaults, History, HostConfig, Hub, Reservations
+from gputop.config.values import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A commented-out setting: ``# key = value`` or ``# [table]`` (prose never starts so).
@@ -70,7 +72,7 @@ def test_every_commented_setting_uncommented_still_loads(tmp_path: Path, source:
     gpu02 = cfg.host("gpu-02")
     assert gpu02 is not None and (gpu02.address, gpu02.port, gpu02.user) == (
         "10.0.0.12", 22, "alice")
-    assert str(cfg.reservations_path) == "/shared/team/gputop/reservations.json"
+    assert str(cfg.reservations.path) == "/shared/team/gputop/reservations.json"
 
 
 def test_init_config_writes_the_example() -> None:
@@ -91,3 +93,43 @@ def test_uncomment_leaves_prose_alone() -> None:
     assert uncomment("# Each host is an SSH destination\n#   (see: x = y)\n")[1] == 0
     assert uncomment("  # port = 22   # a note\n# [history]\n") == (
         "  port = 22   # a note\n[history]\n", 2)
+
+
+#: Commented keys whose value in the example is an illustration, not the default.
+ILLUSTRATIONS = {"path", "ssh_config", "theme", "listen", "token_file", "url"}
+_COMMENTED_KEY = re.compile(r"^\s*#\s?([A-Za-z_][A-Za-z0-9_-]*)\s*=")
+
+
+def test_a_file_that_sets_nothing_gives_the_dataclasses_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each default is the table dataclass's: the parser restates none of them."""
+    monkeypatch.delenv("GPUTOP_RESERVATIONS", raising=False)
+    p = tmp_path / "hosts.toml"
+    p.write_text('hosts = ["a"]\n[defaults]\n[reservations]\n[history]\n[hub]\n')
+    assert load_config(str(p)) == Config(path=p, hosts=(HostConfig("a"),))
+    monkeypatch.delenv("GPUTOP_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "nothing-here"))
+    assert load_config() == Config(path=None, hosts=(HostConfig("localhost", local=True),),
+                                   implicit=True)
+
+
+def test_the_examples_values_are_the_defaults(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the example shows, live or commented out (but for illustrations such as a
+    path), is what leaving the key out gives."""
+    monkeypatch.delenv("GPUTOP_RESERVATIONS", raising=False)
+    lines, table, shown = [], "", 0
+    for line in (ROOT / "hosts.example.toml").read_text(encoding="utf-8").splitlines():
+        if line.startswith("["):
+            table = line.strip("[]")
+        m = _COMMENTED_KEY.match(line)
+        if m and table in ("defaults", "reservations", "history", "hub") \
+                and m.group(1) not in ILLUSTRATIONS:
+            line, shown = SETTING.sub(r"\1", line), shown + 1
+        lines.append(line)
+    assert shown >= 10
+    p = tmp_path / "hosts.toml"
+    p.write_text("\n".join(lines) + "\n")
+    cfg = load_config(str(p))
+    assert (cfg.defaults, cfg.reservations, cfg.history, cfg.hub) == (
+        Defaults(), Reservations(), History(), Hub())

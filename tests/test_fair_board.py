@@ -9,13 +9,12 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from board_data import NOW, board_config
-from board_pilot import keep_notices, load_fixed, reserve_row
-
 from gputop.model import utcnow
-from gputop.reservations import Store
-from gputop.reservations.store import Waiter
+from gputop.reservations.records import Waiter
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
+from tests.support.board_data import NOW, board_config
+from tests.support.board_pilot import keep_notices, load_fixed, reserve_row
 
 
 async def _press_r(tmp_path: Path, seen: list[str]) -> None:

@@ -17,8 +17,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from fleet import Fleet
-from queue_team import (
+
+from gputop.jobs.remote import local_start
+from gputop.reservations.records import Job
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.fleet import Fleet
+from tests.support.queue_team import (
     Team,
     file_locked,
     gpu_docs,
@@ -28,9 +33,6 @@ from queue_team import (
     two_host_fleet,
     until,
 )
-
-from gputop.jobs.remote import local_start
-from gputop.reservations.store import Job, StoreState, new_reservation
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_a_waiter_who_sees_some_hosts_blocks_gpus_only_there(team: Team) -> None
     # What she can be granted on is still hers: q2:0 freed goes to her, not to gtbob.
     team.free("q2:0")
     until(lambda: team.held().get("q2:0") == "gtalice", what="A granted q2:0")
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     assert wait_as(a[0], 30) == 0, text(a[2])
     # Nothing more until the grant: the host's error is not repeated.
@@ -103,7 +105,7 @@ def test_a_waiter_who_reaches_no_host_blocks_nobody(team: Team) -> None:
     at once, naming each host and its error, and blocks nobody meanwhile: gtbob's `free
     --reserve`, `reserve HOST:GPU` and `free --wait` are served while she waits (they were
     refused, or never served, for as long as she waited)."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     _known_only(team, "gtalice")
     a = team.start("free", "--wait", "--count", "1", "--lease", "5", user="gtalice", tag="a")
@@ -129,9 +131,8 @@ def test_a_waiter_who_reaches_no_host_leaves_after_a_bounded_time(
         team: Team, monkeypatch: pytest.MonkeyPatch) -> None:
     """Finding 1: ... and leaves the queue with exit 3 (no host answered, as `free` says
     it) and the reason (after 2 minutes; shortened to 2 s here)."""
-    from as_user import wait_as
-
     from gputop.jobs import wait as wait_mod
+    from tests.support.as_user import wait_as
 
     monkeypatch.setattr(wait_mod, "BLIND_GIVE_UP_S", 2.0)
     _known_only(team, "gtalice")
@@ -147,7 +148,7 @@ def test_naming_a_host_does_not_jump_the_queue(team: Team) -> None:
     gtbob's `reserve q2:0`, `free --host q2 --reserve` and `run --host q2` were judged on
     q2's one GPU only and succeeded, with no record. Now each is refused naming her;
     `--skip-queue` reserves it, recorded once; with nobody waiting it records nothing."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     team.block("q1:0", user="gtcarol")
     a = team.start("free", "--wait", "--count", "3", "--lease", "5", user="gtalice", tag="a")
@@ -195,7 +196,7 @@ def test_run_keeps_the_gpu_while_the_holders_login_uses_it(team: Team) -> None:
     """Finding 5: a `run` job's `setsid` child, owned by the account gtalice logs in as
     (root), still holds the GPU when the command exits: the reservation stays (it was
     released: the child's owner was compared with her local name)."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     flag = team.tmp / "go"
     pid, out, err = team.start("run", "--host", "q2", "--", "sh", "-c",
@@ -215,7 +216,8 @@ def _pending_run(team: Team, runner: int, start: Any) -> None:
     """What the file holds after `gputop run` as gtalice won its GPU and was killed before
     it recorded the job's pid: the job without a pid, tied to that run process."""
     def change(state: StoreState, now: Any) -> StoreState:
-        r = new_reservation("q2", 0, "gtalice", socket.gethostname(), now, 86400, None, "")
+        r = new_reservation(
+            Target("q2", 0), Terms(86400, user="gtalice", machine=socket.gethostname()), now)
         return replace(state, reservations=(*state.reservations, replace(
             r, job=Job(None, session=True, runner=runner, runner_start=start))))
     team.store.update(change)
@@ -255,7 +257,7 @@ def test_a_real_run_sigkilled_before_it_recorded_the_pid_is_released(team: Team)
     commands release the GPU a job_grace later."""
     import time
 
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 1",
                                 user="gtalice", tag="run")

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 
 from gputop.model import iso, utcnow
-from gputop.reservations import Store, Target, release, reserve_outcomes
-from gputop.reservations.store import MAX_EVENTS, StoreState, Waiter, new_reservation
+from gputop.reservations.ops import release, reserve_outcomes
+from gputop.reservations.order import QueueView
+from gputop.reservations.records import MAX_EVENTS, Waiter
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 H = 3600.0
 
@@ -25,10 +29,12 @@ _SECOND_WRITER = """
 import sys
 from dataclasses import replace
 from pathlib import Path
-from gputop.reservations.store import Store, new_reservation
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms
 store = Store(Path(sys.argv[1]))
 store.update(lambda s, now: replace(s, reservations=s.reservations + (
-    new_reservation("h", 1, "bob", "m", now, 3600, None, "bob's"),)), timeout=10)
+    new_reservation(Target("h", 1), Terms(3600, note="bob's", user="bob", machine="m"),
+                    now),)), timeout=10)
 """
 
 
@@ -50,7 +56,8 @@ def test_a_writer_stalled_while_the_lock_file_is_removed_loses_nobodys_update(
             inside.set()
             assert go.wait(30)
         return replace(state, reservations=(
-            *state.reservations, new_reservation("h", 0, "ann", "m", utcnow(), H, None, "")))
+            *state.reservations, new_reservation(
+                Target("h", 0), Terms(H, user="ann", machine="m"), utcnow())))
 
     a = threading.Thread(target=store.update, args=(change,))
     a.start()
@@ -86,8 +93,9 @@ def test_a_replaced_lock_file_is_not_a_lock(tmp_path: Path) -> None:
 def _round(store: Store, user: str) -> None:
     targets = [Target("h", i) for i in range(40)]
     # Each new reservation recorded as a skip-queue (as if a waiter claimed every GPU).
-    reserve_outcomes(store, targets, seconds=H, max_seconds=7 * 86400, user=user,
-                     event="skip-queue", check=lambda s, n: [t.label for t in targets])
+    reserve_outcomes(
+        store, targets, Terms(H, max_seconds=7 * 86400, user=user), check=lambda s,
+        n: [t.label for t in targets], event="skip-queue")
     release(store, None, user=user)
 
 
@@ -97,7 +105,7 @@ def test_cheap_rounds_cannot_push_a_force_release_out_of_the_trail(tmp_path: Pat
     MAX_EVENTS events followed. The force-release stays: forced actions keep their own
     bound, apart from other kinds."""
     store = Store(tmp_path / "r.json")
-    reserve_outcomes(store, [Target("g", 0)], seconds=H, max_seconds=7 * 86400, user="ann")
+    reserve_outcomes(store, [Target("g", 0)], Terms(H, max_seconds=7 * 86400, user="ann"))
     release(store, [Target("g", 0)], force=True, user="bob")
     for _ in range(6):
         _round(store, "mallory")
@@ -142,11 +150,12 @@ def test_the_listing_shows_far_future_waiters_as_lapsed(
     import argparse
 
     from gputop.cli.reserve import cmd_reservations
-    from gputop.config import Config
+    from gputop.config.load import Config
+    from gputop.config.tables import Reservations
 
     path = tmp_path / "r.json"
     path.write_text(StoreState(queue=(_waiter(1, "mallory", 86400 * 365),)).to_json())
-    config = Config(path=None, hosts=(), reservations_path=path)
+    config = Config(path=None, hosts=(), reservations=Reservations(path=path))
     assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
     out = capsys.readouterr().out
     assert "lapsed" in out and "mallory" in out and "[id w1]" in out, out
@@ -162,8 +171,9 @@ def test_a_reservation_beyond_max_duration_counts_until_created_plus_max(
 
     now = utcnow()
     path = tmp_path / "r.json"
-    old = new_reservation("h", 0, "ann", "m", now - timedelta(days=8), 86400 * 365, None, "")
-    fresh = new_reservation("h", 1, "ann", "m", now, 86400 * 365, None, "")
+    old = new_reservation(
+        Target("h", 0), Terms(86400 * 365, user="ann", machine="m"), now - timedelta(days=8))
+    fresh = new_reservation(Target("h", 1), Terms(86400 * 365, user="ann", machine="m"), now)
     path.write_text(StoreState(reservations=(old, fresh)).to_json())
     store = Store(path, max_s=7 * 86400.0)
     state = store.read()
@@ -195,10 +205,11 @@ def test_the_waste_report_credits_the_holders_login_to_the_holder(tmp_path: Path
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
-    held = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, ""),
+    held = replace(new_reservation(Target("a", 0), Terms(3600 * 24, user="maria", machine="m"), t0),
                    login="mgarcia")
-    far = new_reservation("a", 1, "ann", "m", t0 - timedelta(days=1, minutes=5),
-                          86400 * 365, None, "")
+    far = new_reservation(
+        Target("a", 1), Terms(86400 * 365, user="ann", machine="m"),
+        t0 - timedelta(days=1, minutes=5))
     db = tmp_path / "h.sqlite3"
     rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
                    clock=lambda: 0.0)
@@ -230,7 +241,6 @@ def test_a_forged_place_cannot_claim_gpus_the_reader_knows_it_cannot_use() -> No
     HOST:GPU` looks at the named host only)."""
     from gputop.model import GpuInfo, HostSnapshot
     from gputop.reservations.flags import FreeGpu
-    from gputop.reservations.queue import could_use
 
     now = utcnow()
     hosts = [HostSnapshot(name=h, gpus=tuple(
@@ -242,11 +252,12 @@ def test_a_forged_place_cannot_claim_gpus_the_reader_knows_it_cannot_use() -> No
                       lease=now + timedelta(seconds=60), one_host=one_host, sees=("a", "b"))
 
     a0 = FreeGpu("a", hosts[0].gpus[0])
-    assert could_use([w(4)], hosts, None)(a0)
-    assert could_use([w(2, True)], hosts, None)(a0)
-    assert not could_use([w(50)], hosts, None)(a0)
-    assert not could_use([w(3, True)], hosts, None)(a0)
-    assert could_use([w(50)], hosts[:1], None)(a0)  # b not seen: it may be big
+    assert QueueView(StoreState(), hosts, utcnow(), None).could_use([w(4)])(a0)
+    assert QueueView(StoreState(), hosts, utcnow(), None).could_use([w(2, True)])(a0)
+    assert not QueueView(StoreState(), hosts, utcnow(), None).could_use([w(50)])(a0)
+    assert not QueueView(StoreState(), hosts, utcnow(), None).could_use([w(3, True)])(a0)
+    assert QueueView(
+        StoreState(), hosts[:1], utcnow(), None).could_use([w(50)])(a0)  # b not seen: it may be big
 
 
 def test_a_smaller_max_duration_of_ones_own_cuts_nobody_elses_reservation(
@@ -257,11 +268,12 @@ def test_a_smaller_max_duration_of_ones_own_cuts_nobody_elses_reservation(
     requests only."""
     now = utcnow()
     path = tmp_path / "r.json"
-    ann = new_reservation("h", 0, "ann", "m", now - timedelta(days=2), 3 * 86400, None, "")
+    ann = new_reservation(
+        Target("h", 0), Terms(3 * 86400, user="ann", machine="m"), now - timedelta(days=2))
     path.write_text(StoreState(reservations=(ann,)).to_json())
     bob = Store(path, max_s=86400.0)
     assert [r.id for r in bob.read().active(now)] == [ann.id]
     bob.update(lambda s, n: replace(s, reservations=(
-        *s.reservations, new_reservation("h", 1, "bob", "m", n, 3600, None, ""))))
+        *s.reservations, new_reservation(Target("h", 1), Terms(3600, user="bob", machine="m"), n))))
     assert {r.user for r in Store(path).read().active()} == {"ann", "bob"}
     assert not bob.read().active(now)[0].beyond_max

@@ -15,18 +15,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
 
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 TIMEOUT = 20.0
 
 
 @pytest.fixture(scope="module")
 def hung_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hungfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("hungfleet")), [
         Host("fa-one", "127.0.71.2", gpus=("rtx2080",)),
         Host("fa-two", "127.0.71.3", gpus=("rtx2080",)),
         Host("fa-hung", "127.0.71.4", scenario="hang"),
@@ -101,7 +102,7 @@ def test_first_answer_is_checked_against_the_timeout(tmp_path: Path) -> None:
     assert str(cfg) in str(err.value) and "defaults.first_answer" in str(err.value)
     cfg.write_text('[defaults]\nfirst_answer = 1.5\nwait_all = true\n[[hosts]]\nname = "a"\n')
     loaded = load_config(str(cfg))
-    assert loaded.first_answer == 1.5 and loaded.wait_all
+    assert loaded.defaults.first_answer == 1.5 and loaded.defaults.wait_all
 
 
 async def test_mcp_find_gpus_answers_without_the_hung_host(hung_fleet: Fleet) -> None:

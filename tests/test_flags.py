@@ -14,7 +14,8 @@ from gputop.reservations.flags import (
     is_free,
     other_users,
 )
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 T0 = utcnow()
 IDLE_JOB = GpuInfo(index=0, uuid="GPU-a", utilization_percent=0, memory_used_mib=30000,
@@ -39,7 +40,7 @@ def test_idle_holder_needs_a_long_stretch_and_resets_on_work() -> None:
 
 
 def test_flags_for_reserved_gpus() -> None:
-    r = new_reservation("h", 0, "ann", "m", T0, 3600, "GPU-a", "")
+    r = new_reservation(Target("h", 0, "GPU-a"), Terms(3600, user="ann", machine="m"), T0)
     assert gpu_flags(IDLE_JOB, r, False) == ["unreserved-use"]  # sam runs on ann's GPU
     assert gpu_flags(replace(IDLE_JOB, processes=()), r, False, True) == ["idle-reservation"]
     mine = replace(IDLE_JOB, processes=(ProcessInfo(2, "ann", "python", 10),))
@@ -49,7 +50,7 @@ def test_flags_for_reserved_gpus() -> None:
 
 
 def test_annotate_puts_reservation_and_flags_on_each_gpu() -> None:
-    r = new_reservation("h", 0, "ann", "m", T0, 3600, None, "note")
+    r = new_reservation(Target("h", 0), Terms(3600, note="note", user="ann", machine="m"), T0)
     tr = IdleTracker(after_s=0)
     snap = host(0, IDLE_JOB, replace(IDLE_JOB, index=1, processes=()))
     tr.observe(snap)
@@ -68,7 +69,8 @@ def test_free_is_idle_and_unreserved_best_first() -> None:
     assert is_free(small) and not is_free(busy) and not is_free(unknown_mem)
     snap = host(0, small, big, busy, unknown_mem)
     assert [f.gpu.index for f in free_gpus([snap], None)] == [1, 0]
-    held = StoreState((new_reservation("h", 1, "bob", "m", utcnow(), 3600, None, ""),))
+    held = StoreState((new_reservation(
+        Target("h", 1), Terms(3600, user="bob", machine="m"), utcnow()),))
     assert [f.gpu.index for f in free_gpus([snap], held, user="ann")] == [0]
     assert [f.gpu.index for f in free_gpus([snap], held, user="bob")] == [1, 0]
     assert [f.gpu.index for f in free_gpus([snap], None, min_free_mib=30000)] == [1]
@@ -80,7 +82,7 @@ EMPTY = replace(IDLE_JOB, processes=(), memory_used_mib=3, utilization_percent=0
 def test_idle_reservation_only_after_the_grace_period() -> None:
     """A reservation is not "idle" the moment it is made: only once no process of its
     holder was seen on the GPU for the grace period (since creation or since last seen)."""
-    r = new_reservation("h", 0, "ann", "m", T0, 4 * 3600, None, "")
+    r = new_reservation(Target("h", 0), Terms(4 * 3600, user="ann", machine="m"), T0)
     tr = IdleTracker(after_s=1800, grace_s=900)
 
     def flags(at_s: float, g: GpuInfo) -> list[str]:
@@ -103,8 +105,10 @@ def test_idle_reservation_only_after_the_grace_period() -> None:
 
 
 def test_one_shot_json_counts_the_grace_from_creation() -> None:
-    old = new_reservation("h", 0, "ann", "m", T0 - timedelta(hours=1), 4 * 3600, None, "")
-    new = new_reservation("h", 1, "ann", "m", T0 - timedelta(minutes=5), 4 * 3600, None, "")
+    old = new_reservation(
+        Target("h", 0), Terms(4 * 3600, user="ann", machine="m"), T0 - timedelta(hours=1))
+    new = new_reservation(
+        Target("h", 1), Terms(4 * 3600, user="ann", machine="m"), T0 - timedelta(minutes=5))
     snap = host(0, EMPTY, replace(EMPTY, index=1))
     tr = IdleTracker(after_s=1800)  # default grace: 15 minutes
     tr.observe(snap)

@@ -17,12 +17,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from fleet import Fleet
 
 from gputop.cli.free_table import render
 from gputop.model import GpuInfo, MigInstance, utcnow
 from gputop.reservations.flags import FreeGpu
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
+from tests.support.fleet import Fleet
 
 SGR = re.compile(r"\x1b\[[0-9;]*m")
 

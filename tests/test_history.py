@@ -23,7 +23,8 @@ from gputop.history.db import HistoryDB, HistoryError
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = datetime(2026, 11, 2, 8, 0, tzinfo=timezone.utc)
@@ -45,7 +46,8 @@ def snap(name: str, t: datetime, *gpus: GpuInfo, down: bool = False) -> HostSnap
 
 def reservations(*held: tuple[str, int, str]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", T0 - timedelta(hours=1), 86400 * 3, None, "")
+        new_reservation(
+            Target(h, g), Terms(86400 * 3, user=u, machine="m"), T0 - timedelta(hours=1))
         for h, g, u in held))
 
 
@@ -340,8 +342,7 @@ def test_one_writer_per_database(tmp_path: Path) -> None:
 WRITER = r"""
 import sys, time
 from datetime import datetime, timedelta, timezone
-sys.path.insert(0, {tests!r})
-from test_history import gpu, snap, open_recorder, reservations, T0
+from tests.test_history import gpu, snap, open_recorder, reservations, T0
 rec = open_recorder(__import__("pathlib").Path({db!r}), interval=2.0, raw_keep_s=120,
                     minute_keep_s=600)
 rec.commit_every = 0.0
@@ -367,10 +368,11 @@ def test_sigkill_while_recording_leaves_a_valid_database(tmp_path: Path) -> None
     rng = random.Random(12)
     counts = []
     for round_ in range(4):
-        code = WRITER.format(tests=str(Path(__file__).parent), db=str(db),
-                             start=100_000 * round_)
+        code = WRITER.format(db=str(db), start=100_000 * round_)
+        # (run from the checkout's root, so ``tests`` imports as a package)
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.stderr else ""
         time.sleep(rng.uniform(0.3, 1.2))

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 from gputop.history.names import (
     MAX_NAMED,
@@ -23,14 +22,16 @@ from gputop.history.names import (
     OTHER_NAMES,
 )
 from gputop.history.render import write_text
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.test_history import T0, drop_share_sums, gpu, hours, open_recorder, report, snap
 
 OTHERS = OTHER_NAMES
 
 
 def held(t: datetime, *what: tuple[str, int, str]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", t - timedelta(minutes=1), 3600, None, "")
+        new_reservation(Target(h, g), Terms(3600, user=u, machine="m"), t - timedelta(minutes=1))
         for h, g, u in what))
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
-from recorder_proc import running, stop_recorder
 
-from gputop.reservations.store import Store, new_reservation
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.recorder_proc import running, stop_recorder
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 PHASE = 1.5
@@ -30,9 +31,9 @@ PHASE = 1.5
 
 @pytest.fixture
 def history_fleet(tmp_path: Path) -> Iterator[Fleet]:
-    _need_sshd()
+    need_sshd()
     (tmp_path / "fleet").mkdir()
-    f = Fleet(_world_readable(tmp_path / "fleet"), [
+    f = Fleet(world_readable(tmp_path / "fleet"), [
         # alpha: an H100 at 100 % under gtalice's job, unreserved
         Host("alpha", "127.0.2.2", processes=[GpuProcess("gtalice", "python train.py")]),
         # beta: an idle RTX 2080 (0 %) that gtbob reserved
@@ -86,7 +87,8 @@ def test_recorded_run_matches_the_ground_truth(history_fleet: Fleet, tmp_path: P
                              extra=f'[history]\npath = "{db}"\n')
     Store(fleet.root / "reservations.json").update(lambda st, now: replace(
         st, reservations=(*st.reservations,
-                          new_reservation("beta", 0, "gtbob", "m", now, 3600, None, ""))))
+                          new_reservation(
+                              Target("beta", 0), Terms(3600, user="gtbob", machine="m"), now))))
     rec = _record(fleet, cfg)
     with running(rec):
         _wait_for_samples(db, 2, time.monotonic() + 30)
@@ -182,9 +184,9 @@ def test_json_watch_can_record_while_it_runs(history_fleet: Fleet, tmp_path: Pat
 
 @pytest.fixture
 def forged_fleet(tmp_path: Path) -> Iterator[Fleet]:
-    _need_sshd()
+    need_sshd()
     (tmp_path / "fleet").mkdir()
-    f = Fleet(_world_readable(tmp_path / "fleet"), [
+    f = Fleet(world_readable(tmp_path / "fleet"), [
         Host("alpha", "127.0.2.2", processes=[GpuProcess("gtalice", "python train.py")]),
         Host("gamma", "127.0.2.4", scenario="unreachable"),  # down all along
     ]).start()
@@ -207,7 +209,8 @@ def test_forged_holders_are_not_kept_and_a_host_down_all_along_is_reported(
 
     def forge(i: int) -> None:
         store.update(lambda st, now: replace(st, reservations=(
-            new_reservation("alpha", 0, f"forged{i}", "m", now, 3600, None, ""),)))
+            new_reservation(
+                Target("alpha", 0), Terms(3600, user=f"forged{i}", machine="m"), now),)))
 
     forge(0)
     rec = _record(fleet, cfg)

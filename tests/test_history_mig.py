@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import drop_share_sums
 
 from gputop.history.accounting import mig_fraction
 from gputop.history.db import SCHEMA_VERSION, HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources import mig
+from tests.test_history import drop_share_sums
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 MIXED_L = (DATA / "table/list-L-h100-80gb-hbm3-mig-mixed-profiles-driver-590.48.01.txt").read_text()
@@ -65,7 +66,9 @@ def plain_gpu(index: int, util: int, *users: str) -> GpuInfo:
 
 def held(*what: tuple[str, int, str, int | None]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, u, "m", T0 - timedelta(hours=1), 86400 * 3, None, "", inst)
+        new_reservation(
+            Target(h, g, None, inst), Terms(86400 * 3, user=u, machine="m"),
+            T0 - timedelta(hours=1))
         for h, g, u, inst in what))
 
 

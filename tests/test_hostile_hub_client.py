@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gputop.sources.hub import _sse, check_document
+from gputop.hubclient.client import _sse, check_document
 from gputop.text import clean
 
 ADDR = "127.0.24.1"
@@ -186,7 +186,7 @@ def test_the_hub_closes_a_socket_that_never_finishes_its_request(tmp_path: Path)
     sockets from anyone on the machine could use up the hub's file descriptors)."""
     from aiohttp import web
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub, make_runner
 
     cfg = tmp_path / "hosts.toml"
@@ -244,7 +244,7 @@ def test_a_token_or_cookie_that_is_not_utf8_is_refused_not_a_server_error(
     the check raised UnicodeEncodeError: a 500 and a log line for each such request."""
     from aiohttp import web
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub, make_runner
 
     cfg = tmp_path / "hosts.toml"
@@ -278,11 +278,11 @@ def test_a_token_or_cookie_that_is_not_utf8_is_refused_not_a_server_error(
 def test_a_snapshot_naming_one_host_twice_is_refused() -> None:
     """On main the reader took it, and the first update removing that host left the
     reader's document broken (KeyError on this and every later update of the stream)."""
-    from gputop.sources.hub_schema import Invalid as _Invalid
+    from gputop.hubclient.schema import SchemaError
 
     d = _doc("")
     d["hosts"] = d["hosts"] * 2  # type: ignore[operator]
-    with pytest.raises(_Invalid, match="twice"):
+    with pytest.raises(SchemaError, match="twice"):
         check_document(json.loads(json.dumps(d)))
     check_document(json.loads(json.dumps(_doc(""))))
 
@@ -298,7 +298,7 @@ def test_a_snapshot_reader_that_never_reads_is_cut_off(tmp_path: Path,
     from aiohttp import web
 
     import gputop.hub.server as server
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub, make_runner
 
     monkeypatch.setattr(server, "WRITE_TIMEOUT_S", 1.0)
@@ -360,7 +360,7 @@ def test_head_of_the_snapshot_has_its_length_and_no_body(tmp_path: Path) -> None
     read by a kept-alive client as the start of its next answer)."""
     from aiohttp import web
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub, make_runner
 
     cfg = tmp_path / "hosts.toml"
@@ -421,7 +421,7 @@ def test_the_hub_bounds_its_open_connections_and_serves_again_below_the_bound(
     once one of them goes, the next client is served."""
     from aiohttp import web
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub, limit_connections, make_runner
 
     cfg = tmp_path / "hosts.toml"

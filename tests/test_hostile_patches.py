@@ -18,16 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, fixed_snapshots
-from web_hub import fleet_doc
 
+from gputop.hubclient.client import Document, check_document, check_patch, check_update
 from gputop.model import HostSnapshot, utcnow
 from gputop.output import dumps
-from gputop.reservations.store import StoreState, new_reservation
-from gputop.sources.hub import Document, check_document, check_patch, check_update
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow
 from gputop.ui.cells import Palette, row_cells
+from tests.support.board_data import NOW, board_config, fixed_snapshots
+from tests.support.web_hub import fleet_doc
 
 # --- a hostile hub's patches ------------------------------------------------------------------
 
@@ -57,7 +58,7 @@ def test_a_patch_naming_one_host_again_and_again_costs_its_length(
     0.12 s now). Counted, not timed: the same positions as one change and as one change
     each copy nothing (a patch is applied in place: the reader's host objects are its
     own) but the list of what it touched."""
-    from gputop.sources import hub_patch
+    from gputop.hubclient import patch as hub_patch
 
     n = 2000
     name = _one_host_of(n).order[0]
@@ -133,7 +134,7 @@ def test_an_event_whose_hosts_all_go_complete_is_kept_once(tmp_path: Path) -> No
     ``"changes": []``: the window (256 events, each about 1 MB at 200 x 8) held it
     twice. Now there is no patch form then: patch readers get the update (they take
     both)."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.collector import Collector
     from gputop.hub.events import EventLog
 
@@ -217,9 +218,9 @@ def test_equal_signatures_mean_equal_cells_as_time_left_runs_down() -> None:
     clock = [NOW]
     model = BoardModel(host_order=[host.name], clock=lambda: clock[0], me="ann")
     model.set_state(StoreState(reservations=(
-        new_reservation(host.name, 0, "alice", "m", NOW, 3600, None, "",
-                        share_mib=30 * 1024),
-        new_reservation(host.name, 1, "bob", "m", NOW, 10 * 60 + 40, None, ""))))
+        new_reservation(
+            Target(host.name, 0), Terms(3600, user="alice", machine="m", share_mib=30 * 1024), NOW),
+        new_reservation(Target(host.name, 1), Terms(10 * 60 + 40, user="bob", machine="m"), NOW))))
     model.ingest(host)
     seen = [_cells(model)]
     for later in (timedelta(seconds=50), timedelta(minutes=10)):
@@ -244,9 +245,9 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     of keys (the inline ones and others) and hostile values (a bool, a float where an
     integer goes, NaN, infinity, a huge integer, a string, a dict) it keeps, cleans or
     refuses exactly what each key's own check does."""
-    from gputop.sources.hub_hosts import GPU_FIELDS
-    from gputop.sources.hub_patch import _fields, _gpu_fields
-    from gputop.sources.hub_schema import MAX_INT, Invalid
+    from gputop.hubclient.hosts import GPU_FIELDS
+    from gputop.hubclient.patch import _fields, _gpu_fields
+    from gputop.hubclient.schema import MAX_INT, SchemaError
 
     values: list[Any] = [None, 0, 7, -3, 2.5, True, False, float("nan"), float("inf"),
                          MAX_INT, -MAX_INT, MAX_INT - 1, "12", "\x1b[31mx", {}, []]
@@ -256,7 +257,7 @@ def test_a_gpu_patchs_numbers_checked_inline_pass_and_fail_as_their_own_checks_d
     def outcome(check: Any, d: dict[str, Any]) -> object:
         try:
             out = check(d)
-        except Invalid as exc:
+        except SchemaError as exc:
             return ("refused", str(exc))
         return ("kept" if out is d else "cleaned", json.dumps(out, sort_keys=True))
 

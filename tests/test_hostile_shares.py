@@ -16,8 +16,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from fleet import Fleet
-from queue_team import (
+
+from gputop.reservations.terms import Target, Terms
+from tests.support.fleet import Fleet
+from tests.support.queue_team import (
     Team,
     file_locked,
     gpu_docs,
@@ -85,7 +87,7 @@ def test_run_share_keeps_the_share_while_the_holders_login_uses_it(team: Team) -
     (root), still uses the GPU when the command exits: the share stays, as a whole
     reservation's does (it was released: the child's owner was compared with her local
     name, as the share recorded no login)."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     flag = team.tmp / "go"
     pid, out, err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
@@ -104,7 +106,7 @@ def test_a_run_share_killed_before_its_pid_was_recorded_is_released(team: Team) 
     another writer meanwhile) left a share tied to a job that never got a pid and to no
     run process: it was never taken for gone and stayed for max_duration (7 days). Like a
     whole GPU's `run`, its holder's next commands release it a job_grace later."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     pid, out, _err = team.start("run", "--share", "2G", "--host", "q2", "--", "sh", "-c",
                                 "echo up; sleep 1", user="gtalice", tag="run")
@@ -138,11 +140,13 @@ def test_the_waste_report_credits_a_share_holders_login_to_the_holder(tmp_path: 
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, utcnow
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
-    share = replace(new_reservation("a", 0, "maria", "m", t0, 3600 * 24, None, "",
-                                    share_mib=40960), login="mgarcia")
+    share = replace(new_reservation(
+        Target("a", 0), Terms(3600 * 24, user="maria", machine="m", share_mib=40960), t0),
+        login="mgarcia")
     db = tmp_path / "h.sqlite3"
     rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
                    clock=lambda: 0.0)
@@ -169,7 +173,7 @@ def test_a_share_that_skips_the_queue_is_recorded(team: Team) -> None:
     took the share and recorded nothing (the refusal says "that is recorded in the file
     with your name"; a whole GPU's skip is): the audit trail now names gtbob. A
     --skip-queue share that skipped nobody records nothing."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     team.block("q1:1", user="gtcarol")
     # gtalice waits for both of q1's GPUs: q1:0 is free, one she could use.
@@ -201,7 +205,7 @@ def test_a_login_that_never_logged_in_is_not_recorded(team: Team) -> None:
     cfg.write_text(team.config.read_text().replace(
         'name = "q1"\n', 'name = "q1"\nuser = "gtbob"\ngpus = 1\n'))
     cfg.chmod(0o644)
-    from as_user import run_as
+    from tests.support.as_user import run_as
 
     r = run_as("gtalice", ["--config", str(cfg), "reserve", "q1:0"], team.env("gtalice"),
                team.tmp, timeout=60)
@@ -227,10 +231,12 @@ def test_a_flood_of_forged_shares_does_not_grow_history(tmp_path: Path) -> None:
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise
     from gputop.model import GpuInfo, HostSnapshot, utcnow
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     t0 = utcnow().replace(microsecond=0) - timedelta(hours=2)
-    rs = tuple(new_reservation("a", 0, f"u{i}", "m", t0, 86400, None, "", share_mib=1)
+    rs = tuple(new_reservation(
+        Target("a", 0), Terms(86400, user=f"u{i}", machine="m", share_mib=1), t0)
                for i in range(10_000))
     db = tmp_path / "h.sqlite3"
     rec = Recorder(HistoryDB(db, writer=True), interval=10.0, timeout=5.0,
@@ -258,7 +264,7 @@ def test_a_run_whose_holder_never_comes_back_is_released_by_a_teammate(team: Tea
     it recorded its job's pid, and the job ends. Only her own gputop decides that a job
     ended, so until she runs gputop again her GPU stays reserved, up to run's default
     of max_duration (7 days), while gtbob's commands and waiters look on."""
-    from as_user import wait_as
+    from tests.support.as_user import wait_as
 
     pid, out, _err = team.start("run", "--host", "q2", "--", "sh", "-c", "echo up; sleep 1",
                                 user="gtalice", tag="run")
@@ -279,7 +285,7 @@ def test_one_gpu_under_two_host_names_is_not_reserved_twice(team: Team) -> None:
     reserved q1:0; her `reserve q1b:0` succeeded: two people held one GPU, each told it
     was theirs. The reservation records the GPU's uuid: a GPU reserved under another
     host name is refused (naming the holder) and is not free for `free --reserve`."""
-    from as_user import run_as
+    from tests.support.as_user import run_as
 
     cfg = team.tmp / "alice.toml"
     cfg.write_text(team.config.read_text() + '\n[[hosts]]\nname = "q1b"\naddress = "q1"\n')

@@ -9,7 +9,10 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from gputop.reservations.queue import remove_waiter
-from gputop.reservations.store import MAX_EVENTS, Store, StoreState, Waiter
+from gputop.reservations.records import MAX_EVENTS, Waiter
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms
 
 
 def _place(store: Store, user: str, wid: str) -> None:
@@ -43,7 +46,8 @@ def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: P
     200 skip-queue and 200 force-release events of hers took 3.8 MB of the file's 4 MiB,
     after which a few reservations of her own made every teammate's write fail
     ("refusing to write ... bytes"). An event keeps the start of a note only."""
-    from gputop.reservations.store import MAX_FILE_BYTES, new_reservation
+    from gputop.reservations.records import MAX_FILE_BYTES
+    from gputop.reservations.store import new_reservation
 
     store = Store(tmp_path / "reservations.json")
     note = "\U0001f600" * 500
@@ -52,8 +56,9 @@ def test_long_notes_copied_into_the_audit_trail_cannot_fill_the_file(tmp_path: P
         evs = []
         for action in ("job-ended", "skip-queue", "force-release"):
             for i in range(MAX_EVENTS):
-                r = new_reservation(f"host-{i:03d}", 0, "alice", "laptop", now, 3600, None,
-                                    note)
+                r = new_reservation(
+                    Target(f"host-{i:03d}", 0),
+                    Terms(3600, note=note, user="alice", machine="laptop"), now)
                 evs.append({"time": "2026-01-01T00:00:00Z", "action": action,
                             "by": "alice" if action != "force-release" else "bob",
                             "machine": "laptop", "reservation": r.to_dict()})

@@ -16,10 +16,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import HOSTILE, _need_sshd, _world_readable
-from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
-from hubs import Hub, Sse, free_port, get
+from tests.support.fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+from tests.support.hubs import Hub, Sse, free_port, get
+from tests.support.shared_fleet import HOSTILE, need_sshd, world_readable
 
 ADDR = "127.0.23.1"
 NOTE = "<script>alert(1)</script> \"quoted\" {json} data: x"
@@ -27,8 +26,8 @@ NOTE = "<script>alert(1)</script> \"quoted\" {json} data: x"
 
 @pytest.fixture(scope="module")
 def hub_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("hubfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("hubfleet")), [
         Host("alpha", "127.0.23.2", gpus=("h100", "rtx2080"), processes=[
             GpuProcess("gtalice", "python train.py", gpu=0, mem_mib=9000),
             GpuProcess("gtbob", HOSTILE, gpu=1, mem_mib=77),
@@ -281,14 +280,14 @@ def test_a_change_on_a_host_reaches_a_subscriber(hub: Hub, hub_fleet: Fleet) -> 
 def test_a_waiter_reaches_the_stream_and_the_metrics(hub: Hub, config: Path) -> None:
     """The queue is in the document (schema 3): a waiter joining is one ``update`` whose
     ``set`` carries the whole new queue, and ``/metrics`` counts it; leaving, the same."""
-    from gputop.config import load_config
-    from gputop.reservations import Store
+    from gputop.config.load import load_config
     from gputop.reservations.queue import Queue, Request
+    from gputop.reservations.store import Store
 
     sse = Sse(hub.url)
     events = sse.events()
     next(events)
-    q = Queue(Store(load_config(str(config)).reservations_path),
+    q = Queue(Store(load_config(str(config)).reservations.path),
               Request(2, 0, ("alpha",), want="--host alpha"))
     q.join()
     try:
@@ -456,7 +455,7 @@ def test_watch_and_sse_survive_a_hub_restart(hub_fleet: Fleet, config: Path,
          "--hub", h.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=hub_fleet.env())
     try:
-        from test_cli import read_lines
+        from tests.test_cli import read_lines
 
         first = json.loads(read_lines(watch, 1, 20)[0])
         assert first["hosts"][0]["status"] == "ok"
@@ -489,7 +488,7 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
     """The real board (Textual's pilot) on ``[hub] url``: the hub's hosts, no SSH; the hub
     killed mid-stream is every row's classified error and a summary-bar banner, and the
     restarted hub's data comes back by itself."""
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import SummaryBar
 
@@ -522,7 +521,7 @@ async def test_the_board_reads_a_hub_and_recovers_when_it_is_killed(
             assert "hub unreachable" in str(app.query_one(SummaryBar).render())
             assert h.url in alpha().error.message
             # `c` cannot reconnect a host the hub polls: it says it asks the hub again.
-            from gputop.ui.widgets import BoardTable
+            from gputop.ui.table import BoardTable
 
             table = app.query_one(BoardTable)
             table.move_cursor(row=table.get_row_index("alpha"))

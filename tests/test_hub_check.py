@@ -1,10 +1,10 @@
-"""The hand-written check of a hub's host objects (gputop.sources.hub_hosts) against the
+"""The hand-written check of a hub's host objects (gputop.hubclient.hosts) against the
 schema itself: ``jsonschema`` and it accept and refuse the same documents, random valid
 ones and each of them broken at one random place with a hostile value; where they differ
 it is only one of the bounds on top of the schema (integers within 64 bits, a float
 where the schema's ``integer`` also takes 1.0, ASCII times without a trailing newline,
 short printable keys). What it accepts, it returns exactly as the schema's compiled
-check (gputop.sources.hub_schema) does: strings cleaned the same way."""
+check (gputop.hubclient.schema) does: strings cleaned the same way."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gputop.sources.hub import check_document, check_update
-from gputop.sources.hub_hosts import check_hosts
-from gputop.sources.hub_schema import Invalid, check
+from gputop.hubclient.client import check_document, check_update
+from gputop.hubclient.hosts import check_hosts
+from gputop.hubclient.schema import SchemaError, check
 from gputop.text import clean
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "gputop" / "schema"
@@ -163,7 +163,7 @@ def _schema_takes(hosts: list[Any]) -> bool:
 def _ours(hosts: list[Any]) -> Any:
     try:
         return check_hosts(copy.deepcopy(hosts), "$.hosts")
-    except Invalid as exc:
+    except SchemaError as exc:
         return exc
 
 
@@ -175,16 +175,16 @@ def test_the_hand_written_check_takes_and_refuses_what_the_schema_does(seed: int
         hosts = [_host(r) for _ in range(r.randrange(1, 3))]
         assert _schema_takes(hosts)
         ours = _ours(hosts)
-        assert not isinstance(ours, Invalid), (ours, hosts)
+        assert not isinstance(ours, SchemaError), (ours, hosts)
         assert ours == check(copy.deepcopy(hosts), "hosts")  # cleaned the same way
         assert "\x1b" not in json.dumps(ours) and "\\u202e" not in json.dumps(ours)
         broken, lax, what = _break(r, hosts)
         schema, mine = _schema_takes(broken), _ours(broken)
-        if not isinstance(mine, Invalid):
+        if not isinstance(mine, SchemaError):
             assert schema, what  # never takes what the schema refuses
         elif schema:
             assert lax, (what, str(mine))  # refuses what the schema takes: a bound on top
-        refused += isinstance(mine, Invalid)
+        refused += isinstance(mine, SchemaError)
     assert refused > 200  # (most hostile changes are refused: the test bites)
 
 
@@ -195,7 +195,7 @@ def test_odd_lines_first_middle_last_name_where() -> None:
     for i in (0, len(hosts) // 2, len(hosts) - 1):
         broken = copy.deepcopy(hosts)
         broken[i]["gpus"][-1]["utilization_percent"] = "50"
-        with pytest.raises(Invalid) as exc:
+        with pytest.raises(SchemaError) as exc:
             check_hosts(broken, "$.hosts")
         n = len(broken[i]["gpus"]) - 1
         assert str(exc.value).startswith(f"$.hosts[{i}].gpus[{n}].utilization_percent: ")
@@ -211,7 +211,7 @@ def test_strings_cleaned_and_bounded_keys_refused() -> None:
         deep = [deep]
     g = _gpu(random.Random(2))
     g["reservation"] = {**_reservation(random.Random(3)), "extra": deep}
-    with pytest.raises(Invalid, match="nested too deep"):
+    with pytest.raises(SchemaError, match="nested too deep"):
         check_hosts([{"name": "h", "status": "ok", "error": None, "gpus": [g]}], "$.hosts")
 
 
@@ -225,11 +225,11 @@ def test_documents_and_updates_go_through_it() -> None:
     assert list(check_document(copy.deepcopy(doc))) == list(doc)
     broken = copy.deepcopy(hosts)
     broken[1]["status"] = "fine"
-    with pytest.raises(Invalid, match=r"^\$\.hosts\[1\]\.status: "):
+    with pytest.raises(SchemaError, match=r"^\$\.hosts\[1\]\.status: "):
         check_document({**doc, "hosts": broken})
-    with pytest.raises(Invalid, match=r"^update\.hosts\[1\]\.status: "):
+    with pytest.raises(SchemaError, match=r"^update\.hosts\[1\]\.status: "):
         check_update({"time": T, "hosts": broken, "removed": [], "set": {}})
-    with pytest.raises(Invalid, match="missing 'hosts'"):
+    with pytest.raises(SchemaError, match="missing 'hosts'"):
         check_document({"version": 5, "time": T})
 
 
@@ -248,5 +248,5 @@ def test_a_share_is_a_reservation_with_minima(where: str, key: str, value: Any) 
         g["reservation"] = {**_reservation(random.Random(6)), key: value}
     hosts = [{"name": "h", "status": "ok", "error": None, "gpus": [g]}]
     assert _schema_takes(hosts) == (where == "reservation" and key == "expires")
-    with pytest.raises(Invalid, match=rf"\.{where if where == 'reservation' else 'shares'}"):
+    with pytest.raises(SchemaError, match=rf"\.{where if where == 'reservation' else 'shares'}"):
         check_hosts(hosts, "$.hosts")

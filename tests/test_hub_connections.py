@@ -1,4 +1,4 @@
-"""The hub's connections against a real ``gputop serve`` process (tests/demo_hub.py: the
+"""The hub's connections against a real ``gputop serve`` process (tests/support/demo_hub.py: the
 hub's own serve() over simulated hosts): clients that stop reading are cut off within
 the write deadline, whatever they asked for; a resume from far back costs a snapshot,
 not a copy of the retained window; a refusal is one log line."""
@@ -6,15 +6,13 @@ not a copy of the retained window; a refusal is one log line."""
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hubs import DemoHub, get
+from tests.support.hubs import DemoHub, get
 
 ADDR = "127.0.31.1"
 

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from hubs import Hub as HubProcess
-from hubs import get
-
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError
 from gputop.hub.events import EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.server import Hub, listen_warning
-from gputop.sources.hub import _Invalid, check_document, check_update, parse_json
+from gputop.hubclient.client import check_document, check_update, parse_json
+from gputop.hubclient.schema import SchemaError
+from tests.support.hubs import Hub as HubProcess
+from tests.support.hubs import get
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "gputop" / "hub" / "deploy"
@@ -167,21 +167,21 @@ def test_the_reader_checks_and_cleans_what_a_hub_sends() -> None:
     assert doc["hosts"][0]["gpus"][0]["processes"][0]["command"] == "evil  "
     for bad in ({**_doc(), "version": 2}, {**_doc(), "extra": 1}, {**_doc(), "time": "now"},
                 {**_doc(), "hosts": [{"name": "a"}]}, [], "x"):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_document(bad)
     d = _doc()
     d["hosts"][0]["gpus"][0]["index"] = True  # a boolean is not an integer
-    with pytest.raises(_Invalid):
+    with pytest.raises(SchemaError):
         check_document(d)
     for raw in (b"[" * 10000 + b"]" * 10000, b'{"a": NaN}', b'{"a": Infinity}', b"\xff"):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_document(parse_json(raw))
     up = {"time": "2026-01-01T00:00:00Z", "hosts": [], "removed": ["a"],
           "set": {"queue": [], "reservations_error": None}}
     assert check_update(up)["set"] == {"queue": [], "reservations_error": None}
     for bad in ({**up, "set": {"version": 9}}, {**up, "set": {"hosts": []}},
                 {**up, "extra": 1}, {**up, "removed": [1]}):
-        with pytest.raises(_Invalid):
+        with pytest.raises(SchemaError):
             check_update(bad)
 
 
@@ -278,7 +278,7 @@ def test_a_reader_needs_no_hosts_only_the_hub(tmp_path: Path) -> None:
 async def test_a_hub_reader_says_when_it_fell_back_to_polling_directly(tmp_path: Path) -> None:
     """The board asks ``direct`` whether ``c`` reconnects a host itself or only asks the
     hub again, and shows ``error`` in its bar: both public on the hub's reader."""
-    from gputop.poller import HubPoller
+    from gputop.hubclient.poller import HubPoller
 
     cfg = tmp_path / "reader.toml"
     cfg.write_text('[hub]\nurl = "http://127.0.0.1:9/"\nfallback = "direct"\n'
@@ -383,7 +383,7 @@ def test_a_broken_shared_file_is_reported_and_read_again_only_when_it_changes(
         return real()
 
     c.store.read = counted  # type: ignore[method-assign]
-    path = config.reservations_path
+    path = config.reservations.path
     path.write_text('{"version": 1, "reservations": [{"id": 1e999}], "events": []}')
     assert c.refresh_store()
     c.fold()
@@ -409,13 +409,12 @@ async def test_a_reader_resumes_a_dropped_stream_where_it_broke(
     """gputop's reader (``HubPoller``) on a real hub whose streams are all ended while it
     keeps running: the host shows the hub's error, then, back within the window, the
     missed update (no second snapshot), the host's data first restored."""
-    from dataclasses import replace
 
+    from gputop.hubclient.poller import HubPoller
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.poller import HubPoller
 
     hub, port = served
-    poller = HubPoller(replace(hub.config, hub_url=f"http://127.0.0.1:{port}/"))
+    poller = HubPoller(hub.config.with_hub(url=f"http://127.0.0.1:{port}/"))
     got: list[HostSnapshot] = []
 
     async def read() -> None:
@@ -483,7 +482,7 @@ def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
     import jsonschema
 
     from gputop.model import utcnow
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     now = utcnow()
     w = Waiter("w1", "ann", "laptop", 2, now, now + timedelta(seconds=60), min_free_mib=1,
@@ -506,7 +505,7 @@ def test_every_waiter_field_is_in_the_schema(schema: dict) -> None:
 def test_listen_says_what_is_wrong_with_it(text: str, said: str) -> None:
     """One rule for --listen and [hub] listen, and a port out of range is said as one
     (it was "expected HOST:PORT" to someone who gave HOST:PORT)."""
-    from gputop.config import listen_problem
+    from gputop.config.values import listen_problem
     from gputop.hub.server import ListenError, parse_listen
 
     assert listen_problem(text) == said
@@ -523,11 +522,12 @@ def test_a_down_hosts_reservations_are_in_the_document_and_the_metrics(
     while `gputop reservations` listed them. The document's top-level ``reservations``
     lists every active one."""
     from gputop.hub.collector import Collector
-    from gputop.reservations import Store, Target, reserve
-    from gputop.sources.hub_schema import check
+    from gputop.hubclient.schema import check
+    from gputop.reservations.ops import Target, reserve
+    from gputop.reservations.store import Store
 
     config = load_config(str(local_config(tmp_path)))
-    store = Store(config.reservations_path)
+    store = Store(config.reservations.path)
     made = reserve(store, [Target("here", 3)], seconds=3600, max_seconds=7200, user="eve")
     reserve(store, [Target("gone", 0)], seconds=3600, max_seconds=7200, user="ann")
     c = Collector(config)
@@ -564,9 +564,8 @@ def test_serve_demo_is_a_hub_of_the_simulated_fleet_that_leaves_nothing(
     import signal
     import time
 
-    from hubs import free_port
-
     from gputop.history.db import HistoryDB
+    from tests.support.hubs import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOP_")}
     env |= {"TMPDIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "nothing"),

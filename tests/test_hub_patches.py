@@ -13,12 +13,12 @@ import random
 from typing import Any
 
 import pytest
-from web_hub import fleet_doc
 
 from gputop.hub.patches import host_change
+from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
+from gputop.hubclient.schema import SchemaError
 from gputop.output import dumps
-from gputop.sources.hub import Document, check_document, check_patch, host_from_dict
-from gputop.sources.hub_schema import Invalid
+from tests.support.web_hub import fleet_doc
 
 
 def _event(old: dict[str, dict[str, Any]], new: list[dict[str, Any]]) -> str:
@@ -148,7 +148,7 @@ def test_a_hostile_patch_is_refused_whole(change: dict[str, Any]) -> None:
         change = {**change, "name": name}
     good = {"name": name, "set": {}, "gpus": [[0, {"utilization_percent": 1}]]}
     before = copy.deepcopy(reader.doc)
-    with pytest.raises(Invalid):
+    with pytest.raises(SchemaError):
         reader.apply_patch(*check_patch(json.loads(json.dumps(_patch([good, change])))))
     assert reader.doc == before  # nothing was applied, not even the good change
 
@@ -192,7 +192,7 @@ def test_each_subscriber_gets_its_kind_and_a_resume_gets_the_same() -> None:
 def _recording_hub(answer: Any, asked: list[bytes]) -> Any:
     """A fake hub (``test_hostile_hub_client.FakeHub``) that keeps each request it is sent
     in ``asked`` before ``answer`` answers it."""
-    from test_hostile_hub_client import FakeHub
+    from tests.test_hostile_hub_client import FakeHub
 
     hub = FakeHub(answer)
 
@@ -214,8 +214,9 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
     import asyncio
     import socket
 
-    from gputop.config import Config
-    from gputop.poller import HubPoller
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub
+    from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(1, 1, seed=2)
     bad = json.dumps(_patch([{"name": "ghost", "set": {}, "gpus": []}]))
@@ -227,7 +228,8 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
                   + f"event: patch\nid: e-2\ndata: {bad}\n\n".encode())
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     errors = 0
     try:
         async def read() -> None:
@@ -248,11 +250,10 @@ async def test_a_broken_patch_makes_the_reader_start_again_from_a_snapshot() -> 
 async def test_the_hub_works_out_patches_only_while_someone_reads_them(tmp_path: Any) -> None:
     """A real hub's collector folds an answer as an update alone while only update
     readers listen, and as both once a patch reader is there."""
-    from test_hub_parts import local_config
-
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.hub.server import Hub
     from gputop.model import GpuInfo, HostSnapshot
+    from tests.test_hub_parts import local_config
 
     hub = Hub(load_config(str(local_config(tmp_path))))
     seen: list[str | None] = []
@@ -289,8 +290,9 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
     import asyncio
     import socket
 
-    from gputop.config import Config
-    from gputop.poller import HubPoller
+    from gputop.config.load import Config
+    from gputop.config.tables import Defaults, Hub
+    from gputop.hubclient.poller import HubPoller
 
     doc = fleet_doc(2, 1, seed=3)
     gone = doc["hosts"][1]["name"]
@@ -311,7 +313,8 @@ async def test_a_host_the_hub_removed_does_not_come_back_when_the_reader_resumes
                 c.recv(1)
 
     hub = _recording_hub(answer, asked)
-    poller = HubPoller(Config(path=None, hosts=(), hub_url=hub.url, timeout=5.0))
+    poller = HubPoller(Config(path=None, hosts=(), hub=Hub(url=hub.url),
+                              defaults=Defaults(timeout=5.0)))
     after_resume: list[str] = []
     try:
         async def read() -> None:

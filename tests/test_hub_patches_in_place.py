@@ -15,11 +15,11 @@ import random
 from typing import Any
 
 import pytest
-from web_hub import fleet_doc
 
+from gputop.hubclient.client import Document, check_document, check_patch, host_from_dict
+from gputop.hubclient.schema import SchemaError
 from gputop.output import dumps
-from gputop.sources.hub import Document, check_document, check_patch, host_from_dict
-from gputop.sources.hub_schema import Invalid
+from tests.support.web_hub import fleet_doc
 
 _GPU_VALUES: dict[str, list[Any]] = {
     "utilization_percent": [None, 0, 55, 100],
@@ -120,7 +120,7 @@ def test_patches_applied_in_place_leave_what_a_snapshot_gives(seed: int) -> None
         want = _reference(before, event)
         try:
             touched = reader.apply_patch(*check_patch(json.loads(json.dumps(event))))
-        except Invalid:
+        except SchemaError:
             assert want is None, event
             assert reader.doc == before  # whole or not at all
             refused += 1

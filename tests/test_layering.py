@@ -9,17 +9,19 @@ from pathlib import Path
 DATA_LAYER = [
     "gputop.model", "gputop.config", "gputop.text", "gputop.output", "gputop.poller",
     "gputop.sources", "gputop.sources.nvidia_smi", "gputop.sources.ssh", "gputop.sources.nvml",
-    "gputop.sources.transport", "gputop.sources.query", "gputop.sources.streaming",
+    "gputop.ssh.transport", "gputop.sources.query", "gputop.sources.stream_collector",
     "gputop.reservations", "gputop.reservations.state", "gputop.reservations.records",
     "gputop.cli", "gputop.cli.table", "gputop.cli.bootstrap", "gputop.sources.demo",
     "gputop.history", "gputop.history.db", "gputop.history.recorder", "gputop.history.report",
     "gputop.history.render", "gputop.history.live", "gputop.history.cli", "gputop.cli.main",
     "gputop.cli.subcommands", "gputop.cli.headless", "gputop.cli.reserve", "gputop.cli.free",
     "gputop.cli.run", "gputop.cli.waiting", "gputop.cli.targets", "gputop.cli.lifecycle",
-    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.sources.hub",
+    "gputop.cli.options", "gputop.cli.free_table", "gputop.history.unit", "gputop.hubclient.client",
+    "gputop.hubclient.poller",
     "gputop.hub.server", "gputop.cli.serve", "gputop.reservations.remote",
-    "gputop.reservations.remote_scripts", "gputop.sources.shared_file", "gputop.sources.stream",
-    "gputop.sources.stream_samples", "gputop.ui.board_rows", "gputop.ui.board_model",
+    "gputop.reservations.remote_scripts", "gputop.reservations.open",
+    "gputop.sources.stream_session", "gputop.sources.stream_parse",
+    "gputop.ui.board_rows", "gputop.ui.board_model",
 ]
 
 
@@ -63,13 +65,14 @@ def test_the_ui_does_load_textual() -> None:
 # --- arrows only downward, no circles ------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Each package's floor: a module may import only from its own floor or below. ``sources``
-#: sits above ``reservations`` because the demo seeds the demo's reservations file.
+#: Each package's floor: a module may import only from its own floor or below. ``ssh`` (the
+#: transport) sits below every room that opens connections; ``sources`` sits above
+#: ``reservations`` because the demo seeds the demo's reservations file.
 FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
-    "errors": 0, "notify_config": 0,
-    "reservations": 1, "sources": 2, "poller": 3, "jobs": 4, "history": 4,
-    "hub": 5, "agents": 5, "notify": 4, "ui": 6, "cli": 7, "__main__": 8,
+    "errors": 0,
+    "ssh": 1, "reservations": 2, "sources": 3, "poller": 4, "hubclient": 5, "jobs": 6,
+    "history": 6, "notify": 6, "hub": 7, "agents": 7, "ui": 8, "cli": 9, "__main__": 10,
 }
 #: Rooms on one floor that must still not see each other.
 FORBIDDEN = {("ui", "hub"), ("ui", "agents"), ("jobs", "history"), ("history", "jobs"),
@@ -153,3 +156,62 @@ def test_the_layering_check_can_fail(monkeypatch: object) -> None:
     edges = _imports()
     assert any(b.startswith("gputop.reservations") for b in edges["gputop.cli.reserve"])
     assert FLOORS[_room("gputop.cli.reserve")] > FLOORS[_room("gputop.reservations.store")]
+
+
+# --- the reservations' functions take few values ------------------------------------------
+
+#: The most parameters (besides ``self``/``cls``) a function of ``gputop/reservations/`` takes:
+#: more means values that travel together (a decision's view of the queue, a reservation's
+#: terms) should be one object.
+MAX_PARAMS = 6
+
+
+def _wide(source: str) -> list[str]:
+    """The functions and methods in ``source`` that take more than ``MAX_PARAMS``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+            if names[:1] in (["self"], ["cls"]):
+                names = names[1:]
+            if len(names) > MAX_PARAMS:
+                out.append(f"{node.name}:{node.lineno} ({len(names)})")
+    return out
+
+
+def test_no_reservations_function_takes_more_than_six_parameters() -> None:
+    wide = [f"{p.relative_to(ROOT)}:{w}" for p in sorted((ROOT / "gputop" / "reservations")
+                                                         .rglob("*.py"))
+            for w in _wide(p.read_text())]
+    assert not wide, "functions with more than 6 parameters: " + ", ".join(wide)
+
+
+def test_the_parameter_check_can_fail() -> None:
+    """Seven parameters are caught, ``self`` aside."""
+    src = ("def f(a, b, c, d, e, f, *, g): ...\n"
+           "class C:\n    def m(self, a, b, c, d, e, f): ...\n")
+    assert _wide(src) == ["f:1 (7)"]
+
+
+def test_the_map_in_the_docs_is_the_floors() -> None:
+    """docs/development.md's map of the house names every room on its floor, and no other."""
+    import re
+
+    text = (ROOT / "docs" / "development.md").read_text()
+    block = text.split("floor  room            what it owns\n", 1)[1].split("```", 1)[0]
+    shown: dict[str, int] = {}
+    for line in block.splitlines():
+        m = re.match(r"\s+(\d+)\s+(.+?)(?:\s{2,}|$)", line)
+        if m:
+            for room in m.group(2).split():
+                shown[room.rstrip("/")] = int(m.group(1))
+    rooms = {p.name if p.is_dir() else p.stem for p in (ROOT / "gputop").iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists())
+             or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    assert set(shown) == rooms, (sorted(set(shown) ^ rooms))
+    for room, floor in shown.items():
+        assert FLOORS[room] == floor, (room, floor, FLOORS[room])

@@ -16,19 +16,22 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HOSTILE, _need_sshd, _world_readable
-from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+
+from tests.support.fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host
+from tests.support.shared_fleet import HOSTILE, need_sshd, world_readable
 
 pytest.importorskip("mcp")
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from gputop.reservations import Store, Target, release, reserve
+from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.queue import Queue, Request
+from gputop.reservations.store import Store
 from gputop.text import clean
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -40,8 +43,8 @@ TOOLS = {"fleet_status", "find_gpus", "reserve", "release", "my_reservations",
 def mcp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two free GPUs on one host; on the other, a teammate's process with a hostile name, a
     GPU whose name is an escape sequence and a lost GPU whose error has one."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("mcpfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("mcpfleet")), [
         Host("mcp-free", "127.0.25.2", gpus=("rtx2080", "rtx2080")),
         Host("mcp-busy", "127.0.25.3", gpus=("rtx2080",), scenario="hostile-names", processes=[
             GpuProcess("gtbob", HOSTILE, gpu=0, mem_mib=77)]),
@@ -256,6 +259,31 @@ async def test_reserve_takes_only_gpus_a_host_is_known_to_have(
         assert [d["gpu"] for d in got["reserved"]] == ["mcp-said:0", "mcp-said:1"]
         assert any("could not check mcp-said:1" in w for w in got["warnings"])
     assert holders(res) == [("mcp-said", 0, ME), ("mcp-said", 1, ME)]
+
+
+async def test_your_own_reservation_on_a_host_that_does_not_answer_is_extended(
+        mcp_fleet: Fleet, tmp_path: Path) -> None:
+    """A host never seen that does not answer: the agent's own live reservation there may
+    be extended; a teammate's entry proves no GPU to it."""
+    cfg, res = config_for(mcp_fleet, tmp_path)
+    with cfg.open("a") as f:
+        f.write('[[hosts]]\nname = "mcp-gone"\naddress = "127.0.0.1"\nport = 1\n\n'
+                f'[history]\npath = "{tmp_path / "none.sqlite3"}"\n')
+    store = Store(res)
+    reserve(store, [Target("mcp-gone", 0)], seconds=600, max_seconds=7 * 86400, user=ME)
+    reserve(store, [Target("mcp-gone", 1)], seconds=600, max_seconds=7 * 86400,
+            user="gtbob")
+    async with session(mcp_fleet, cfg) as s:
+        got = await call(s, "reserve", gpus=["mcp-gone:0"], duration="2h")
+        assert [d["gpu"] for d in got["reserved"]] == ["mcp-gone:0"]
+        with pytest.raises(ToolErr, match=r"^invalid: mcp-gone did not answer .*no GPU 1 "):
+            await call(s, "reserve", gpus=["mcp-gone:1"])
+    mine = [r for r in json.loads(res.read_text())["reservations"] if r["user"] == ME]
+    assert len(mine) == 1
+    left = (datetime.fromisoformat(mine[0]["expires"].replace("Z", "+00:00"))
+            - datetime.fromisoformat(mine[0]["created"].replace("Z", "+00:00")))
+    assert left > timedelta(hours=1)  # extended to 2 h, not the 10 minutes it had
+    assert holders(res) == [("mcp-gone", 0, ME), ("mcp-gone", 1, "gtbob")]
 
 
 async def test_the_queue_comes_first_and_a_bounded_wait_is_granted(

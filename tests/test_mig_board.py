@@ -9,12 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from test_board import K, cell, fk, goto, keys
-
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
 from gputop.ui.board_rows import GpuRow
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.test_board import K, cell, fk, goto, keys
 
 
 async def until(pilot: Any, ok: Callable[[], bool]) -> None:
@@ -28,7 +27,7 @@ async def until(pilot: Any, ok: Callable[[], bool]) -> None:
 async def test_instance_rows_under_their_gpu_and_reserved_by_key(
     fleet_home, tmp_path: Path  # type: ignore[no-untyped-def]
 ) -> None:
-    from gputop.config import load_config
+    from gputop.config.load import load_config
 
     cfg_path = fleet_home.write_config(["gpu-mixed"], timeout=5.0)
     text = cfg_path.read_text().replace(str(fleet_home.root / "reservations.json"),

@@ -11,8 +11,10 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
+
+from gputop.reservations.terms import Target, Terms
+from tests.support.fleet import Fleet, GpuProcess, Host, gpu_uuid, mig_uuid
+from tests.support.shared_fleet import need_sshd, world_readable
 
 #: argv0 a user chose to break (or forge inside) nvidia-smi's unescaped XML.
 XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
@@ -21,8 +23,8 @@ XML_HOSTILE = ("evil</process_name><pid>1</pid>&amp;<gpu_instance_id>3"
 
 @pytest.fixture(scope="module")
 def mig_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("migfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("migfleet")), [
         Host("gpu-mig", "127.0.3.2", gpus=("h100-mig", "l40s", "h100-mig"), processes=[
             GpuProcess("gtalice", "python big.py", gpu=0, mem_mib=7484, mig=(2, 0)),
             GpuProcess("gtbob", "python small.py", gpu=0, mem_mib=900, mig=(9, 0)),
@@ -104,7 +106,7 @@ def test_inventory_is_read_rarely(mig_fleet: Fleet, monkeypatch: pytest.MonkeyPa
     """Three refreshes, one inventory: the layout and the process set did not change."""
     import asyncio
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.poller import Poller
     from gputop.sources.ssh import SshSource
 
@@ -150,13 +152,14 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     from datetime import timedelta
     from pathlib import Path
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.history.report import collect, summarise
     from gputop.model import utcnow
     from gputop.poller import Poller
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     if not mig_fleet.users:
         pytest.skip("needs the test users (root)")
@@ -166,7 +169,8 @@ def test_recorded_run_counts_each_instance_as_its_fraction(
     start = utcnow()
     rec = Recorder(HistoryDB(path, writer=True), interval=1.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(new_reservation(
-        "gpu-mig", 0, "gtbob", "m", start - timedelta(hours=1), 7200, None, "", 9),)))
+        Target("gpu-mig", 0, None, 9), Terms(7200, user="gtbob", machine="m"),
+        start - timedelta(hours=1)),)))
 
     want = len(mig_fleet.hosts["gpu-mig"].processes)
 

@@ -9,7 +9,7 @@ import pytest
 
 from gputop.model import GpuInfo, ProcessInfo
 from gputop.sources import mig
-from gputop.sources.protocol import ParseError
+from gputop.ssh.transport import ParseError
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 MIXED_L = (DATA / "table/list-L-h100-80gb-hbm3-mig-mixed-profiles-driver-590.48.01.txt").read_text()

@@ -9,9 +9,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from as_user import need_test_users, shared_tmp
-from fleet import Fleet, mig_uuid
-from test_reservation_commands import _runner, only
+
+from tests.support.as_user import need_test_users, shared_tmp
+from tests.support.fleet import Fleet, mig_uuid
+from tests.test_reservation_commands import _runner, only
 
 
 @pytest.fixture

@@ -15,13 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from notify_servers import Mailbox, Receiver, receiver, smtp_server
 
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.notify import NotifyConfig, NotifyConfigError
+from gputop.config.values import ConfigError
 from gputop.errors import GputopError
 from gputop.notify.delivery import Notifier, read_status
 from gputop.notify.notice import Notice, Route
-from gputop.notify_config import NotifyConfig, NotifyConfigError
+from tests.support.notify_servers import Mailbox, Receiver, receiver, smtp_server
 
 HOSTILE_PROC = "<!channel> @here\r\nBcc: x@evil.example"
 HOSTILE_NOTE = "see <http://evil.example|click> [here](http://evil.example) <@U123>"
@@ -255,8 +256,8 @@ def test_the_senders_notifier_reads_each_persons_route_from_the_store(
         rec: Receiver, tmp_path: Path) -> None:
     from gputop.notify.delivery import start_notifier, status_path
     from gputop.notify.routes import set_route
+    from gputop.reservations.open import open_store
     from gputop.reservations.ops import whoami
-    from gputop.sources.shared_file import open_store
 
     cfg = tmp_path / "hosts.toml"
     cfg.write_text(f'hosts = ["h"]\n[reservations]\npath = "{tmp_path / "r.json"}"\n'
@@ -274,6 +275,6 @@ def test_the_senders_notifier_reads_each_persons_route_from_the_store(
         n.close()
     assert json.loads(rec.wait_for("/ok/from-store")[0].body)["user"] == me
     assert n.counters.snapshot() == {("webhook", "sent"): 1, ("none", "no-route"): 1}
-    path = status_path(config.notify, config.history_path)
+    path = status_path(config.notify, config.history.path)
     assert path == tmp_path / "notify-status.json"
     assert [(d["user"], d["result"]) for d in read_status(path)] == [(me, "sent")]

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from as_user import need_test_users, run_as, shared_tmp, team_dir
 
+from gputop.config.notify import NotifyConfig
 from gputop.notify.routes import clear_routes, routes_for, set_route
-from gputop.notify_config import NotifyConfig
 from gputop.reservations.ops import Invalid, Target, reserve, whoami
 from gputop.reservations.records import MAX_USER_ENTRIES
 from gputop.reservations.state import OverBudget
 from gputop.reservations.store import Store, StoreError
+from tests.support.as_user import need_test_users, run_as, shared_tmp, team_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 #: gputop as it was before routes (the commit they were built on).

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fleet import CAPTURES, project_capture
 
 from gputop.model import GpuInfo, HostError
 from gputop.sources.nvidia_smi import (
@@ -13,7 +12,6 @@ from gputop.sources.nvidia_smi import (
     GPU_FIELDS,
     GPU_QUERY,
     REMOTE_SCRIPT,
-    ParseError,
     classify_failure,
     gpus_from_records,
     parse_apps_rows,
@@ -27,6 +25,8 @@ from gputop.sources.nvidia_smi import (
     to_int,
 )
 from gputop.sources.protocol import MARK, frame
+from gputop.ssh.transport import ParseError
+from tests.support.fleet import CAPTURES, project_capture
 
 DATA = Path(__file__).parent / "data" / "nvidia-smi"
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "nvidia-smi"

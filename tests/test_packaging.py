@@ -139,7 +139,7 @@ def test_a_command_whose_extra_is_missing_says_what_to_install(
     r = _core(core_venv, tmp_path, *command)
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("gputop: ") and f"pip install 'gputop[{extra}]'" in line, line
+    assert line.startswith("gputop: ") and f"pip install '.[{extra}]'" in line, line
     assert "Traceback" not in r.stderr
 
 

@@ -11,12 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fleet import CAPTURES, project_capture
 
 from gputop.sources.nvidia_smi import (
     GPU_QUERY,
     REMOTE_SCRIPT,
-    ParseError,
     classify_failure,
     parse_args_rows,
     parse_gpu_rows,
@@ -35,6 +33,8 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
+from gputop.ssh.transport import ParseError
+from tests.support.fleet import CAPTURES, project_capture
 
 NONCE = "a" * 32
 DATA = Path(__file__).parent / "data" / "nvidia-smi"

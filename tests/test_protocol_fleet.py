@@ -19,13 +19,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host, gpu_uuid
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import SCHEMA_VERSION
 from gputop.poller import Poller
 from gputop.sources.protocol import MAX_OUTPUT
+from tests.support.fleet import HOSTILE_GPU_NAME, Fleet, GpuProcess, Host, gpu_uuid
+from tests.support.shared_fleet import need_sshd, world_readable
 
 TIMEOUT = 4.0
 CONTROL = [chr(c) for c in (*range(0x20), 0x7F, 0x9B)] + ["\u202e"]
@@ -67,8 +67,8 @@ def hosts() -> list[Host]:
 
 @pytest.fixture(scope="module")
 def pfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("pfleet")), hosts()).start()
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("pfleet")), hosts()).start()
     yield f
     f.stop()
 
@@ -269,8 +269,8 @@ def test_dropped_packets_hold_no_handshake_slot(
     """Two hosts ahead in the list that never answer (SYNs dropped; a listener that never
     speaks) and two handshake slots: the healthy hosts behind them must not wait for the
     bad ones' whole timeout."""
-    _need_sshd()
-    fleet = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    fleet = Fleet(world_readable(tmp_path), [
         Host("dropped", "127.0.5.2", scenario="drop"),
         Host("silent", "127.0.5.3", scenario="banner-timeout"),
         Host("ok1", "127.0.5.4"),
@@ -310,10 +310,10 @@ async def _time_each(cfg: str) -> dict[str, tuple[float, str | None, str]]:
 
 
 def test_retries_of_many_failing_hosts_are_spread_out() -> None:
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.model import HostError
     from gputop.sources.ssh import SshSource
-    from gputop.sources.transport import JumpPool
+    from gputop.ssh.transport import JumpPool
 
     async def retry_times() -> list[float]:
         sem, jumps = asyncio.Semaphore(1), JumpPool(None)

@@ -22,11 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import (
+
+from gputop.model import utcnow
+from gputop.reservations.ops import Refused
+from gputop.reservations.order import QueueView
+from gputop.reservations.state import StoreState, decode
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.as_user import (
     wait_as,
 )
-from fleet import Fleet, gpu_uuid
-from queue_team import (
+from tests.support.fleet import Fleet, gpu_uuid
+from tests.support.queue_team import (
     GRACE,
     INTERVAL,
     Team,
@@ -36,10 +43,6 @@ from queue_team import (
     two_host_fleet,
     until,
 )
-
-from gputop.model import utcnow
-from gputop.reservations.ops import Refused
-from gputop.reservations.store import Store, StoreState, decode, new_reservation
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +184,10 @@ def test_reservations_say_a_run_reservation_ends_with_its_job(team: Team) -> Non
     listed = json.loads(team.run("reservations", "--json", user="gtbob").stdout)
     (res,) = listed["reservations"]
     assert (res["host"], res["job"]["pid"], res["job"]["session"]) == ("q2", job, True)
+    # The one-shot table gives it no time left (its expiry is only a bound): "job".
+    once = team.run("--once", user="gtbob")
+    (row,) = [ln for ln in once.stdout.splitlines() if ln.startswith("q2 ")]
+    assert "gtalice job" in row and "7d" not in row, once.stdout
     os.kill(pid, signal.SIGTERM)
     wait_as(pid, 20)
     assert team.held() == {}, err.read_text()
@@ -323,7 +330,7 @@ def test_a_process_of_yours_on_the_jobs_gpu_keeps_the_reservation(team: Team) ->
     id, but the driver lists it on the GPU: while a process of the holder uses the job's GPU
     the reservation stays. (The fleet starts that real process of gtalice's and its
     nvidia-smi stand-in reports it on q2:0.)"""
-    from fleet import GpuProcess
+    from tests.support.fleet import GpuProcess
 
     q2 = team.fleet.hosts["q2"]
     flag = team.tmp / "go"
@@ -493,7 +500,7 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     now = utcnow()
     store = Store(p)
     store.update(lambda s, n: replace(s, reservations=(
-        new_reservation("h", 0, "u", "m", n, 60, None, ""),)))
+        new_reservation(Target("h", 0), Terms(60, user="u", machine="m"), n),)))
     assert json.loads(p.read_text())["version"] == 1  # nothing new in it: readable by v1
     from gputop.reservations.queue import Queue, Request
 
@@ -521,7 +528,7 @@ def test_version_1_file_is_read_and_kept_version_1(tmp_path: Path) -> None:
     ' "hosts": [], "want": "", "one_host": false}]',
 ])
 def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     raw = f'{{"version": 2, "reservations": [], "events": [], "queue": {queue}}}'.encode()
     with pytest.raises(StoreError, match="left untouched"):
@@ -529,7 +536,7 @@ def test_hostile_queue_is_refused(tmp_path: Path, queue: str) -> None:
 
 
 def test_queue_in_a_version_1_file_is_refused(tmp_path: Path) -> None:
-    from gputop.reservations.store import StoreError
+    from gputop.reservations.filelock import StoreError
 
     with pytest.raises(StoreError, match="queue"):
         decode(b'{"version": 1, "reservations": [], "queue": []}', tmp_path / "r.json")
@@ -549,7 +556,7 @@ def test_a_lease_of_years_is_not_honoured(tmp_path: Path) -> None:
     """A waiter SIGKILLed with a lease of centuries (written by hand or an old flag) would
     hold the head for good: a lease further ahead than any live waiter writes is ignored."""
     from gputop.reservations.queue import Queue, Request
-    from gputop.reservations.store import MAX_LEASE_S
+    from gputop.reservations.records import MAX_LEASE_S
 
     store = Store(tmp_path / "r.json")
     Queue(store, Request(1), lease_s=MAX_LEASE_S).join()
@@ -594,7 +601,7 @@ def _hosts(spec: dict[str, list[int]]) -> list[Any]:
 
 
 def _queue(*reqs: Any) -> StoreState:
-    from gputop.reservations.store import Waiter
+    from gputop.reservations.records import Waiter
 
     now = utcnow()
     return StoreState(queue=tuple(
@@ -604,32 +611,33 @@ def _queue(*reqs: Any) -> StoreState:
 
 
 def test_order_rule_later_waiter_goes_first_only_with_gpus_nobody_ahead_can_use() -> None:
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 80], "b": [24, 24]})
     # Head wants 2 GPUs with 40G: only a's fit it, a:1 is held, and one is not enough.
     state = _held(_queue(Request(2, 40 * 1024), Request(1), Request(2, 0, ("b",))), "a:1")
-    assert grantable(state, "w0", hosts, now) is None
+    assert QueueView(state, hosts, now).grantable("w0") is None
     # Second (any GPU): a:0 is the head's to wait for, b's GPUs are not: it gets b's best.
-    got = grantable(state, "w1", hosts, now)
+    got = QueueView(state, hosts, now).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("b", 0)]
     # Third wants b:0 and b:1, but the second waiter (ahead) could use them: it waits.
-    assert grantable(state, "w2", hosts, now) is None
+    assert QueueView(state, hosts, now).grantable("w2") is None
     # Someone outside the queue (no --wait) comes after every waiter.
-    assert grantable(state, None, hosts, now, Request(1)) is None
+    assert QueueView(state, hosts, now).grantable(None, Request(1)) is None
     # one_host: two GPUs on one host or nothing, never one here and one there.
     alone = _queue(Request(2, 0, (), True))
-    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24]}), now)
+    got = QueueView(alone, _hosts({"a": [80], "b": [24]}), now).grantable("w0")
     assert got is None
-    got = grantable(alone, "w0", _hosts({"a": [80], "b": [24, 24]}), now)
+    got = QueueView(alone, _hosts({"a": [80], "b": [24, 24]}), now).grantable("w0")
     assert got is not None and {f.host for f in got} == {"b"}
 
 
 def _held(state: StoreState, *gpus: str) -> StoreState:
     now = utcnow()
     return replace(state, reservations=tuple(
-        new_reservation(g.split(":")[0], int(g.split(":")[1]), "x", "m", now, 3600, None, "")
+        new_reservation(
+            Target(g.split(":")[0], int(g.split(":")[1])), Terms(3600, user="x", machine="m"), now)
         for g in gpus))
 
 
@@ -637,24 +645,24 @@ def test_could_use_means_one_host_with_enough_gpus_of_the_size() -> None:
     """Hosts of different sizes: a has one 80G GPU and one 24G, b two 80G (b:0 held). A
     head that wants 2 GPUs with 40G on one host can only ever be served by b, so a:0 is not
     its to wait for: a later waiter for 1 GPU with 40G gets a:0 at once."""
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now = utcnow()
     hosts = _hosts({"a": [80, 24], "b": [80, 80]})
     state = _held(_queue(Request(2, 40 * 1024, (), True), Request(1, 40 * 1024)), "b:0")
-    assert grantable(state, "w0", hosts, now, fleet=["a", "b"]) is None
-    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    assert QueueView(state, hosts, now, ["a", "b"]).grantable("w0") is None
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
     # The same head, but free to span hosts: a:0 and b:1 together meet it, so a:0 waits.
     state = _held(_queue(Request(2, 40 * 1024), Request(1, 40 * 1024)), "b:0")
-    assert grantable(state, "w1", hosts, now, fleet=["a", "b"]) is None
+    assert QueueView(state, hosts, now, ["a", "b"]).grantable("w1") is None
     # Only b for the head (--host b): a:0 is free for the later waiter.
     state = _held(_queue(Request(2, 40 * 1024, ("b",)), Request(1, 40 * 1024)), "b:0")
-    got = grantable(state, "w1", hosts, now, fleet=["a", "b"])
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable("w1")
     assert got is not None and [(f.host, f.gpu.index) for f in got] == [("a", 0)]
     # Someone outside the queue is judged by the same rule.
     state = _held(_queue(Request(2, 40 * 1024, (), True)), "b:0")
-    got = grantable(state, None, hosts, now, Request(1), fleet=["a", "b"])
+    got = QueueView(state, hosts, now, ["a", "b"]).grantable(None, Request(1))
     assert got is not None and got[0].host == "a"
 
 
@@ -662,28 +670,30 @@ def _held_for(state: StoreState, **hours: float) -> StoreState:
     """``a_1=2``: a:1 held by someone else for 2 hours."""
     now = utcnow()
     return replace(state, reservations=tuple(
-        new_reservation(k.split("_")[0], int(k.split("_")[1]), "x", "m", now, h * 3600,
-                        None, "") for k, h in hours.items()))
+        new_reservation(
+            Target(k.split("_")[0], int(k.split("_")[1])), Terms(h * 3600, user="x", machine="m"),
+            now) for k, h in hours.items()))
 
 
 def test_backfill_grants_what_ends_before_the_head_waiters_turn() -> None:
     """Head wants 3 GPUs: a:0 is free, a:1 held 2h, b:0 held 1h, so its turn is in 2h and
     takes all three. a:0 goes to a request that ends before then, not to a longer one (nor
     to one that names no end)."""
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now, fleet = utcnow(), ["a", "b"]
     hosts = _hosts({"a": [24, 24], "b": [24]})
     state = _held_for(_queue(Request(3)), a_1=2, b_0=1)
-    got = grantable(state, None, hosts, now, Request(1), fleet, seconds=3600)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1), seconds=3600)
     assert got is not None and [f.label for f in got] == ["a:0"]
     for seconds in (3 * 3600, None):
-        assert grantable(state, None, hosts, now, Request(1), fleet, seconds=seconds) is None
+        assert QueueView(
+            state, hosts, now, fleet).grantable(None, Request(1), seconds=seconds) is None
     # A later waiter is judged the same way.
     state = replace(state, queue=_queue(Request(3), Request(1)).queue)
-    got = grantable(state, "w1", hosts, now, fleet=fleet, seconds=1800)
+    got = QueueView(state, hosts, now, fleet).grantable("w1", seconds=1800)
     assert got is not None and [f.label for f in got] == ["a:0"]
-    assert grantable(state, "w1", hosts, now, fleet=fleet, seconds=4 * 3600) is None
+    assert QueueView(state, hosts, now, fleet).grantable("w1", seconds=4 * 3600) is None
 
 
 def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> None:
@@ -692,36 +702,37 @@ def test_backfill_gives_away_gpus_the_head_would_not_be_given_at_its_turn() -> N
     then. A GPU busy without a reservation has no known end: a head that needs it keeps
     every GPU it could use, as without backfill."""
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.queue import Request, grantable
+    from gputop.reservations.queue import Request
 
     now, fleet = utcnow(), ["a", "c"]
     hosts = _hosts({"a": [24, 24], "c": [24, 24]})
     state = _held_for(_queue(Request(2, 0, (), True)), a_1=1, c_1=3)
-    got = grantable(state, None, hosts, now, Request(1, 0, ("c",)), fleet)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1, 0, ("c",)))
     assert got is not None and [f.label for f in got] == ["c:0"]
-    assert grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=7200) \
+    assert QueueView(
+        state, hosts, now, fleet).grantable(None, Request(1, 0, ("a",)), seconds=7200) \
         is None
-    got = grantable(state, None, hosts, now, Request(1, 0, ("a",)), fleet, seconds=1800)
+    got = QueueView(state, hosts, now, fleet).grantable(None, Request(1, 0, ("a",)), seconds=1800)
     assert got is not None and [f.label for f in got] == ["a:0"]
     busy = GpuInfo(index=1, uuid="GPU-a-1", memory_used_mib=9000,
                    memory_total_mib=24 * 1024, utilization_percent=90)
     unknown = [HostSnapshot(name="a", gpus=(hosts[0].gpus[0], busy))]
     state = _queue(Request(2))
-    assert grantable(state, None, unknown, now, Request(1), ["a"], seconds=60) is None
+    assert QueueView(state, unknown, now, ["a"]).grantable(None, Request(1), seconds=60) is None
 
 
 def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     """A head no host can ever serve (3 GPUs on one host of two; more memory than any GPU)
     must not hold the queue; a host that did not answer keeps the doubt on the head's side."""
     from gputop.model import HostError, HostSnapshot
-    from gputop.reservations.queue import Request, grantable, unsatisfiable
+    from gputop.reservations.queue import Request, unsatisfiable
 
     now = utcnow()
     hosts = _hosts({"a": [24, 24], "b": [24, 24]})
     fleet = ["a", "b"]
     for head in (Request(3, 0, (), True), Request(1, 100 * 1024), Request(5)):
         assert unsatisfiable(head, hosts, fleet), head
-        got = grantable(_queue(head, Request(1)), "w1", hosts, now, fleet=fleet)
+        got = QueueView(_queue(head, Request(1)), hosts, now, fleet).grantable("w1")
         assert got is not None, head
     assert unsatisfiable(Request(3, 0, (), True), hosts, fleet) == (
         "no host can ever give 3 GPU(s) on one host (a has 2, the largest 24G; b has 2, "
@@ -734,13 +745,13 @@ def test_an_unsatisfiable_head_blocks_nobody_and_is_named() -> None:
     # ...but holds back no GPU on the strength of capacity nobody can see: a request for
     # more than the hosts that answered have (a host down, or one named only in the
     # waiter's own config) froze every GPU it accepts (found by the hostile review).
-    assert grantable(_queue(Request(5), Request(1)), "w1", down, now,
-                     fleet=[*fleet, "c"]) is not None
+    assert QueueView(
+        _queue(Request(5), Request(1)), down, now, [*fleet, "c"]).grantable("w1") is not None
     ghost = Request(50, 0, ("a", "b", "ghost"))
-    assert grantable(_queue(ghost, Request(1)), "w1", hosts, now, fleet=fleet) is not None
+    assert QueueView(_queue(ghost, Request(1)), hosts, now, fleet).grantable("w1") is not None
     # What the answering hosts can meet still waits its turn.
-    assert grantable(_queue(Request(4), Request(1)), "w1", down, now,
-                     fleet=[*fleet, "c"]) is None
+    assert QueueView(
+        _queue(Request(4), Request(1)), down, now, [*fleet, "c"]).grantable("w1") is None
 
 
 def test_a_request_no_host_can_meet_is_refused_before_joining(team: Team) -> None:
@@ -1020,10 +1031,11 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
     is which hosts are asked."""
     import asyncio
 
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.jobs import reap
     from gputop.reservations.ops import whoami
-    from gputop.reservations.store import Job
+    from gputop.reservations.records import Job
 
     me = whoami()[0]
     store = Store(tmp_path / "reservations.json")
@@ -1031,8 +1043,10 @@ def test_the_job_check_asks_only_the_hosts_of_your_own_jobs(
 
     def seed(state: StoreState, _now: Any) -> StoreState:
         return replace(state, reservations=(
-            replace(new_reservation("mine", 0, me, "m", now, 3600, None, ""), job=Job(4242)),
-            replace(new_reservation("slow", 0, "someone-else", "m", now, 3600, None, ""),
+            replace(new_reservation(
+                Target("mine", 0), Terms(3600, user=me, machine="m"), now), job=Job(4242)),
+            replace(new_reservation(
+                Target("slow", 0), Terms(3600, user="someone-else", machine="m"), now),
                     job=Job(4343, session=True))))
 
     store.update(seed)
@@ -1063,8 +1077,9 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     from datetime import timedelta
 
     from gputop.cli.reserve import cmd_reservations
-    from gputop.config import Config
-    from gputop.reservations.store import Waiter
+    from gputop.config.load import Config
+    from gputop.config.tables import Reservations
+    from gputop.reservations.records import Waiter
 
     store = Store(tmp_path / "reservations.json")
     now = utcnow()
@@ -1073,7 +1088,7 @@ def test_a_waiters_words_cannot_draw_a_line_of_the_queue_listing(
     store.update(lambda s, _n: replace(s, queue=(Waiter(
         id="w1", user="gtbob", machine="m", count=1, created=now,
         lease=now + timedelta(seconds=60), want=forged),)))
-    config = Config(path=None, hosts=(), reservations_path=store.path)
+    config = Config(path=None, hosts=(), reservations=Reservations(path=store.path))
     assert cmd_reservations(config, argparse.Namespace(json=False)) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("waiting")]
     assert "  " not in line and len(line) < 140 and line.count("waiting") == 2, line

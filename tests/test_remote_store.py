@@ -29,15 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import need_test_users, run_as, user_home
-from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
-from gputop.config import ConfigError, load_config
+from gputop.config.load import load_config
+from gputop.config.values import ConfigError
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import Target, release, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.state import OverBudget
-from gputop.reservations.store import Store, StoreError, StoreState, new_reservation
-from gputop.sources.shared_file import open_store
+from gputop.reservations.state import OverBudget, StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Terms, new_reservation
+from tests.support.as_user import need_test_users, run_as, user_home
+from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
 
 ROOT = Path(__file__).resolve().parents[1]
 STORE_IP = "127.0.22.2"
@@ -184,10 +187,10 @@ def test_scp_style_path_is_remote_and_a_slash_path_is_not(tmp_path: Path) -> Non
     cfg = tmp_path / "hosts.toml"
     cfg.write_text('[reservations]\npath = "login-1:/shared/r.json"\n[[hosts]]\nname = "a"\n')
     c = load_config(str(cfg))
-    assert (c.reservations_host, str(c.reservations_path)) == ("login-1", "/shared/r.json")
+    assert (c.reservations.host, str(c.reservations.path)) == ("login-1", "/shared/r.json")
     cfg.write_text('[reservations]\npath = "./odd:name/r.json"\n[[hosts]]\nname = "a"\n')
     c = load_config(str(cfg))
-    assert c.reservations_host is None and c.reservations_path == tmp_path / "odd:name/r.json"
+    assert c.reservations.host is None and c.reservations.path == tmp_path / "odd:name/r.json"
 
 
 # --- identity, reads ------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def test_a_remote_writer_whose_lock_file_is_removed_loses_nobodys_update(
             inside.set()
             assert go.wait(30)
         return replace(state, reservations=(*state.reservations, new_reservation(
-            "gpu", 0, "gtdave", "m", now, 600, None, "")))
+            Target("gpu", 0), Terms(600, user="gtdave", machine="m"), now)))
 
     errors: list[BaseException] = []
 
@@ -395,19 +398,20 @@ def test_concurrent_local_and_remote_writers_lose_nothing(clean: World) -> None:
 
 CHILD = r"""
 import sys, time
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import utcnow
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import MARK
 from gputop.reservations.store import encode, new_reservation, replace
-from gputop.sources.shared_file import open_store
+from gputop.reservations.open import open_store
+from gputop.reservations.terms import Terms
 
 st = open_store(load_config(sys.argv[1]))
 point = sys.argv[2]
 if len(sys.argv) > 3:
     st.hold_s = int(sys.argv[3])
 ch, nonce, state = st._call(st._begin(10), 30)
-r = new_reservation("gpu", 7, "gtdave", "x", utcnow(), 600, None, "")
+r = new_reservation(Target("gpu", 7), Terms(600, user="gtdave", machine="x"), utcnow())
 data = encode(replace(state, reservations=state.reservations + (r,)), st._named)
 head = f"{nonce} write {len(data)}\n".encode()
 send = {"locked": b"", "partial": head + data[: len(data) // 2], "all-but-commit": head + data,
@@ -644,15 +648,14 @@ def test_laptop_user_reserves_as_their_account_on_the_store_host(clean: World) -
 
 async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_down(
         clean: World) -> None:
-    from board_data import NOW, board_config, fixed_snapshots, seed
-    from board_pilot import reserve_row
-
     from gputop.ui.app import GputopApp
-    from gputop.ui.widgets import BoardTable
+    from gputop.ui.table import BoardTable
+    from tests.support.board_data import NOW, board_config, fixed_snapshots, seed
+    from tests.support.board_pilot import reserve_row
 
     seed(Store(clean.path))
-    cfg = replace(board_config(clean.root), interval=0.5, reservations_path=clean.path,
-                  reservations_host="store-as-gtcarol")
+    cfg = board_config(clean.root).with_defaults(interval=0.5).with_reservations(
+        path=clean.path, host="store-as-gtcarol")
     app = GputopApp(cfg, feed=False, clock=lambda: NOW)
     assert app.reservations.store.remote
     async with app.run_test(size=(120, 40)) as pilot:
@@ -687,7 +690,7 @@ async def test_board_over_ssh_learns_me_reserves_and_survives_the_host_going_dow
 def test_run_and_free_over_ssh_hold_and_release_as_the_store_login(clean: World) -> None:
     """``gputop run`` and ``free --reserve`` with the file over SSH: the job's reservation is
     the store login's while it runs, and released when it ends."""
-    from fleet import gpu_uuid
+    from tests.support.fleet import gpu_uuid
 
     cfg = str(clean.config("gtcarol"))
     env = clean.fleet.env()

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
-from test_history import T0, gpu, open_recorder, snap
+
+from tests.test_history import T0, gpu, open_recorder, snap
 
 #: A 1 h range: 07:40 to 08:40 UTC. The recorder ran 08:00-08:10 and 08:30-08:38.
 RANGE = ("--from", "2026-11-02T07:40Z", "--to", "2026-11-02T08:40Z")

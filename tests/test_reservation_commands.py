@@ -11,18 +11,22 @@ import os
 import pwd
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
-from fleet import Fleet
 
 from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import new_reservation
+from tests.support.as_user import need_test_users, run_as, shared_tmp, team_dir, user_home
+from tests.support.fleet import Fleet
 
 
 @pytest.fixture
@@ -360,6 +364,39 @@ def test_a_host_that_does_not_answer_takes_only_gpus_it_is_known_to_have(
     assert gputop("reserve", "gpu-big:255", "--for", "7d").returncode == 0
     assert sorted(held(gputop)) == [("gpu-big", 255, "gtalice"), ("gpu-rec", 1, "gtbob"),
                                     ("gpu-said", 0, "gtalice"), ("gpu-said", 1, "gtalice")]
+
+
+def test_your_live_reservation_on_a_host_that_does_not_answer_can_be_extended(
+        gputop: Any) -> None:
+    """A host gputop has never seen (no history, no ``gpus = N``) that does not answer:
+    its holder may extend a live reservation there, and the GPU it names is known to them
+    only; a teammate cannot use that entry (nor a forged one in their name elsewhere) to
+    reserve a GPU gputop does not know."""
+    only(gputop, "gpu-h100")
+    with gputop.config.open("a") as f:
+        f.write('[[hosts]]\nname = "gpu-gone"\naddress = "127.0.0.1"\nport = 1\n')
+
+    def plant(state: StoreState, now: datetime) -> StoreState:
+        return replace(state, reservations=(
+            new_reservation("gpu-gone", 0, "gtalice", "m", now, 600, None, ""),
+            new_reservation("gpu-gone", 1, "gtbob", "m", now - timedelta(hours=2), 60, None,
+                            "")))  # gtbob's, ended
+    Store(gputop.path).update(plant)
+    gputop.path.chmod(0o664)
+    before = {r.id: r.expires for r in Store(gputop.path).read().reservations}
+    r = gputop("reserve", "gpu-gone:0", "--for", "1h")
+    assert r.returncode == 0, r.stderr
+    assert "your live reservation" in r.stderr, r.stderr
+    now = {(r.host, r.gpu, r.user): r for r in Store(gputop.path).read().reservations}
+    mine = now[("gpu-gone", 0, "gtalice")]
+    assert mine.expires > before[mine.id] + timedelta(minutes=30)  # extended, not a new one
+    r = gputop("reserve", "gpu-gone:1")  # another GPU there: still unknown
+    assert r.returncode == 2 and "no GPU 1" in r.stderr, r.stderr
+    r = gputop("reserve", "gpu-gone:0", user="gtbob")  # someone else's entry proves nothing
+    assert r.returncode == 2 and "never seen its GPUs" in r.stderr, r.stderr
+    r = gputop("reserve", "gpu-gone:1", user="gtbob")  # nor their own ended one
+    assert r.returncode == 2 and "never seen its GPUs" in r.stderr, r.stderr
+    assert held(gputop) == [("gpu-gone", 0, "gtalice")]
 
 
 def test_a_count_past_the_budget_is_refused_before_it_queues(gputop: Any) -> None:

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from gputop.model import iso, utcnow
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
-from gputop.reservations.records import MAX_USER_BYTES, MAX_USER_ENTRIES
+from gputop.reservations.filelock import StoreError, nfs_lock_problem
+from gputop.reservations.ops import Invalid, Refused, Target, release, reserve
+from gputop.reservations.records import MAX_FILE_BYTES, MAX_USER_BYTES, MAX_USER_ENTRIES
 from gputop.reservations.state import OverBudget
-from gputop.reservations.store import MAX_FILE_BYTES, nfs_lock_problem
+from gputop.reservations.store import Store
 
 H = 3600.0
 
@@ -220,7 +221,7 @@ def test_files_are_created_group_writable(tmp_path: Path) -> None:
 def test_setgid_team_directory_gives_files_the_team_group(tmp_path: Path) -> None:
     import grp
 
-    from fleet import ensure_test_users
+    from tests.support.fleet import ensure_test_users
 
     if "gtbob" not in ensure_test_users():
         pytest.skip("test user gtbob unavailable")
@@ -249,7 +250,7 @@ def _as_user_release(path: str, uid: int, gid: int, out: multiprocessing.Queue) 
 def test_permission_problem_names_path_and_fix(tmp_path: Path) -> None:
     import pwd
 
-    from fleet import ensure_test_users
+    from tests.support.fleet import ensure_test_users
 
     if "gtbob" not in ensure_test_users():
         pytest.skip("test user gtbob unavailable")
@@ -325,7 +326,8 @@ def test_sixteen_writers_lose_no_update(tmp_path: Path) -> None:
 CRASH_WRITER = """
 import sys
 from pathlib import Path
-from gputop.reservations import Store, Target, reserve, release
+from gputop.reservations.ops import Target, release, reserve
+from gputop.reservations.store import Store
 store = Store(Path(sys.argv[1]))
 n = int(sys.argv[2])
 print("ready", flush=True)

@@ -20,11 +20,16 @@ from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.history.report import collect, summarise
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo, iso, utcnow
-from gputop.reservations import Invalid, Refused, Store, StoreError, Target, release, reserve
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import IdleTracker, annotate, share_fits
-from gputop.reservations.queue import Request, share_taken
+from gputop.reservations.ops import Invalid, Refused, release, reserve
+from gputop.reservations.order import QueueView
+from gputop.reservations.records import Waiter
+from gputop.reservations.requests import Request
 from gputop.reservations.shares import best_fit, parse_size_mib, reserve_share, size_text
-from gputop.reservations.store import StoreState, Waiter, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 ROOT = Path(__file__).resolve().parents[1]
 H = 3600.0
@@ -34,8 +39,9 @@ G = 1024
 
 def share(store: Store, user: str, gib: float, gpu: int = 0, host: str = "h",
           total: int = TOTAL) -> Any:
-    return reserve_share(store, Target(host, gpu, f"GPU-{host}-{gpu}"), int(gib * G), total,
-                         seconds=H, max_seconds=7 * 86400, user=user, machine="m")
+    return reserve_share(
+        store, Target(host, gpu, f"GPU-{host}-{gpu}"), total,
+        Terms(H, max_seconds=7 * 86400, user=user, machine="m", share_mib=int(gib * G)))
 
 
 def test_shares_fit_whole_and_share_exclude_each_other(tmp_path: Path) -> None:
@@ -65,8 +71,9 @@ def test_shares_fit_whole_and_share_exclude_each_other(tmp_path: Path) -> None:
     with pytest.raises(Invalid):  # bigger than the GPU
         share(store, "eve", 100, gpu=2)
     with pytest.raises(Invalid):
-        reserve_share(store, Target("h", 2, instance=3), G, TOTAL, seconds=H,
-                      max_seconds=H, user="eve")
+        reserve_share(
+            store, Target("h", 2, instance=3), TOTAL,
+            Terms(H, max_seconds=H, user="eve", share_mib=G))
     # release: your own share; someone else's needs --force and is recorded
     assert [r.user for r in release(store, [Target("h", 0)], user="bob")] == ["bob"]
     with pytest.raises(Refused):
@@ -224,8 +231,8 @@ def _gpu(index: int, util: int = 0, used: int = 100, total: int = TOTAL,
 
 def _state(*shares: tuple[int, str, int], queue: tuple[Waiter, ...] = ()) -> StoreState:
     now = utcnow()
-    return StoreState(tuple(new_reservation("h", gpu, user, "m", now, H, None, "",
-                                            share_mib=mib * G)
+    return StoreState(tuple(new_reservation(
+        Target("h", gpu), Terms(H, user=user, machine="m", share_mib=mib * G), now)
                             for gpu, user, mib in shares), (), queue)
 
 
@@ -255,17 +262,17 @@ def test_the_order_rule_for_shares() -> None:
     # a whole-GPU waiter ahead could use an untouched GPU: a share would spoil it
     whole = _waiter("ann", count=1)
     state = _state()
-    assert share_taken(state, [whole], [host], fleet, "h", 0, 4 * G, utcnow()) == whole
+    assert QueueView(state, [host], utcnow(), fleet).share_taken([whole], "h", 0, 4 * G) == whole
     # ... but never a shared one
     state = _state((0, "cat", 10))
-    assert share_taken(state, [whole], [host], fleet, "h", 0, 4 * G, utcnow()) is None
+    assert QueueView(state, [host], utcnow(), fleet).share_taken([whole], "h", 0, 4 * G) is None
     # a share waiter ahead: spoilt only if it would no longer fit after the share
     sw = _waiter("bob", share_gib=60)
-    assert share_taken(state, [sw], [host], fleet, "h", 0, 4 * G, utcnow()) is None
-    assert share_taken(state, [sw], [host], fleet, "h", 0, 10 * G, utcnow()) == sw
+    assert QueueView(state, [host], utcnow(), fleet).share_taken([sw], "h", 0, 4 * G) is None
+    assert QueueView(state, [host], utcnow(), fleet).share_taken([sw], "h", 0, 10 * G) == sw
     # a waiter for another host claims nothing here
     other = _waiter("dan", hosts=("elsewhere",))
-    assert share_taken(_state(), [other], [host], fleet, "h", 0, 4 * G, utcnow()) is None
+    assert QueueView(_state(), [host], utcnow(), fleet).share_taken([other], "h", 0, 4 * G) is None
     # sizes: a share request can never use a MIG GPU, and needs the GPU's total known
     req = Request(1, share_mib=16 * G, one_host=True)
     assert req.sized(_gpu(0)) and not req.sized(replace(_gpu(0), mig_mode="Enabled"))
@@ -316,9 +323,11 @@ def test_history_counts_each_share_as_its_fraction(tmp_path: Path) -> None:
     t0 = datetime(2026, 11, 2, 8, 0, tzinfo=timezone.utc)
     rec = Recorder(HistoryDB(tmp_path / "h.sqlite3", writer=True), interval=10.0,
                    timeout=5.0, clock=lambda: 0.0)
-    st = StoreState((new_reservation("h", 0, "ann", "m", t0, H, None, "", share_mib=30 * G),
-                     new_reservation("h", 0, "bob", "m", t0, H, None, "", share_mib=16 * G),
-                     new_reservation("h", 1, "cat", "m", t0, H, None, "")))
+    st = StoreState((new_reservation(
+        Target("h", 0), Terms(H, user="ann", machine="m", share_mib=30 * G), t0),
+                     new_reservation(
+                         Target("h", 0), Terms(H, user="bob", machine="m", share_mib=16 * G), t0),
+                     new_reservation(Target("h", 1), Terms(H, user="cat", machine="m"), t0)))
     rec.set_reservations(st)
     for i in range(7):  # 60 s recorded after the first sample
         rec.record(HostSnapshot("h", time=t0 + timedelta(seconds=10 * i), gpus=(
@@ -345,7 +354,8 @@ def test_history_counts_each_share_as_its_fraction(tmp_path: Path) -> None:
 def test_share_env_is_quoted_and_capped_below_the_share() -> None:
     from gputop.jobs.run import portable, remote_command, share_env
 
-    r = new_reservation("h", 0, "ann", "m", utcnow(), H, "GPU-x", "", share_mib=16 * G)
+    r = new_reservation(
+        Target("h", 0, "GPU-x"), Terms(H, user="ann", machine="m", share_mib=16 * G), utcnow())
     env = share_env([r], TOTAL)
     assert env["GPUTOP_SHARE_MIB"] == "16384"
     assert float(env["GPUTOP_SHARE_FRACTION"]) <= 16 * G / TOTAL

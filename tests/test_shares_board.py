@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_board import cell, gk, goto, load, make_app
-
 from gputop.model import utcnow
-from gputop.reservations import Store, Target
+from gputop.reservations.ops import Target
 from gputop.reservations.shares import reserve_share
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Terms
 from gputop.ui.board_rows import SHARE_SEP
+from tests.test_board import cell, gk, goto, load, make_app
 
 TOTAL = 81559
 G = 1024
@@ -25,8 +26,9 @@ async def test_a_shared_gpu_shows_its_shares_and_r_takes_one(tmp_path: Path) -> 
     store = Store(tmp_path / "reservations.json")
     # gpu-h100:0 runs alice's job (19000 MiB); she and bob share it
     for user, gib in (("alice", 30), ("bob", 16)):
-        reserve_share(store, Target("gpu-h100", 0, "GPU-00000000-test"), gib * G, TOTAL,
-                      seconds=3600, max_seconds=86400, user=user, machine="m")
+        reserve_share(
+            store, Target("gpu-h100", 0, "GPU-00000000-test"), TOTAL,
+            Terms(3600, max_seconds=86400, user=user, machine="m", share_mib=gib * G))
     app = make_app(tmp_path, clock=utcnow)
     async with app.run_test(size=(120, 40)) as pilot:
         table = await load(app, pilot)
@@ -40,6 +42,10 @@ async def test_a_shared_gpu_shows_its_shares_and_r_takes_one(tmp_path: Path) -> 
         assert cell(table, f"{key}{SHARE_SEP}bob", "resv").startswith("bob ")
         # the summary counts the GPU once, as shared (the document's summary's class)
         assert app.model.summary().shared == 1
+        # and its host's header counts GPUs, not the share rows under one
+        head = next(r for r in app.model.rows() if getattr(r, "host", None) == "gpu-h100"
+                    and type(r).__name__ == "HostRow")
+        assert head.gpu_count == 4, head  # (4 GPUs; 2 share rows under one)
         # r on a share row: a share of its GPU (ann's), sized in the dialog
         goto(app, table, f"{key}{SHARE_SEP}bob")
         await pilot.press("r")

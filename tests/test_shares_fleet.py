@@ -22,7 +22,8 @@ from typing import Any
 
 import jsonschema
 import pytest
-from as_user import (
+
+from tests.support.as_user import (
     need_test_users,
     run_as,
     shared_tmp,
@@ -31,9 +32,9 @@ from as_user import (
     user_home,
     wait_as,
 )
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host, gpu_uuid
-from recorder_proc import running, stop_recorder
+from tests.support.fleet import Fleet, GpuProcess, Host, gpu_uuid
+from tests.support.recorder_proc import running, stop_recorder
+from tests.support.shared_fleet import need_sshd, world_readable
 
 HOST = "share-h100"
 CAROL = pwd.getpwuid(os.getuid()).pw_name
@@ -42,9 +43,9 @@ TOTAL = 81559  # the H100 capture's memory.total (MiB)
 
 @pytest.fixture(scope="module")
 def share_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
+    need_sshd()
     need_test_users()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("shares")), [
+    f = Fleet(world_readable(tmp_path_factory.mktemp("shares")), [
         Host(HOST, "127.0.8.2", gpus=("h100", "h100"), processes=[
             GpuProcess("gtalice", "python -m jupyter notebook", gpu=0, mem_mib=20000),
             GpuProcess("gtbob", "python eval.py", gpu=1, mem_mib=5000),

@@ -10,7 +10,8 @@ import asyncio
 import inspect
 from pathlib import Path
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import HostConfig, Reservations
 from gputop.poller import Poller, build_sources
 from gputop.sources import Source
 from gputop.sources.demo import demo_sources
@@ -27,7 +28,7 @@ def the_sources(tmp_path: Path) -> list[Source]:
     async def build() -> list[Source]:
         cfg = Config(path=None, hosts=(HostConfig("remote", address="127.0.0.1"),
                                        HostConfig("here", local=True)),
-                     reservations_path=tmp_path / "r.json")
+                     reservations=Reservations(path=tmp_path / "r.json"))
         built, jumps = build_sources(cfg)
         assert jumps is not None
         await jumps.close()

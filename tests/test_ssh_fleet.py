@@ -11,11 +11,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import FAULTS
-from fleet import Fleet, GpuProcess, Host
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.poller import Poller
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.shared_fleet import FAULTS
 
 TIMEOUT = 3.0
 
@@ -292,15 +292,15 @@ def test_forty_hosts_behind_one_bastion(tmp_path: Path, n_behind: int) -> None:
     Without a shared jump connection 40 simultaneous handshakes to the bastion would be
     dropped in part; gputop opens one connection to the bastion and tunnels all 40 through it.
     """
-    from conftest import _need_sshd, _world_readable
+    from tests.support.shared_fleet import need_sshd, world_readable
 
-    _need_sshd()
+    need_sshd()
     hosts = [Host("bastion", "127.0.2.1")] + [
         Host(f"node{i:02d}", f"127.0.3.{i + 1}", behind="bastion",
              processes=[GpuProcess("gtalice", f"python job{i}.py")] if i % 10 == 0 else [])
         for i in range(n_behind)
     ]
-    fleet = Fleet(_world_readable(tmp_path), hosts).start()
+    fleet = Fleet(world_readable(tmp_path), hosts).start()
     try:
         names = [h.name for h in hosts[1:]]
         cfg = fleet.write_config(names, timeout=10.0)
@@ -363,7 +363,8 @@ def test_ssh_agent_is_used(fleet: Fleet, tmp_path: Path) -> None:
 
 
 async def test_a_source_that_raises_becomes_that_hosts_error() -> None:
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.model import GpuInfo, HostError
 
     class Broken:

@@ -5,16 +5,15 @@ Hosts come from the fixed snapshots of board_data (no SSH needed); the file is r
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from board_data import NOW, board_config, seed
-from board_pilot import keep_notices, load_fixed, reserve_row
 
-from gputop.reservations import Store
+from gputop.reservations.store import Store
 from gputop.ui.app import GputopApp
+from tests.support.board_data import NOW, board_config, seed
+from tests.support.board_pilot import keep_notices, load_fixed, reserve_row
 
 HOSTILE = {
     "deep-nesting": '{"version": 1, "reservations": ' + "[" * 50_000 + "]" * 50_000 + "}",
@@ -60,7 +59,7 @@ async def test_the_periodic_reread_is_off_the_ui_thread_and_once_per_change(
 
     path = tmp_path / "reservations.json"
     path.write_text(HOSTILE["gpu-5000-digits"])
-    cfg = replace(board_config(tmp_path), interval=0.5)
+    cfg = board_config(tmp_path).with_defaults(interval=0.5)
     app = GputopApp(cfg, feed=False, clock=lambda: NOW, user="ann")
     reads: list[str] = []
     read = app.reservations.store.read

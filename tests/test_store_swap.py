@@ -22,12 +22,13 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
-from fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
-from test_remote_store import World, _alias, _script_pids, _under
 
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Target, reserve
 from gputop.reservations.remote import RemoteStore
-from gputop.reservations.store import ReservationStore, Store, StoreError
+from gputop.reservations.store import SWEEP_MAX, ReservationStore, Store
+from tests.support.fleet import TEAM_GROUP, Fleet, Host, ensure_login_users, is_root, sshd_available
+from tests.test_remote_store import World, _alias, _script_pids, _under
 
 STORE_IP = "127.0.61.2"
 ATTACKER = "gtdave"  # a member of the team's group
@@ -158,15 +159,92 @@ def test_a_directory_renamed_to_a_temp_name_keeps_what_it_holds(tmp_path: Path) 
     that a teammate renamed to a temp name loses nothing of yours."""
     path = tmp_path / "reservations.json"
     reserve(Store(path), [Target("gpu", 0)], seconds=600, max_seconds=3600)
-    mine = tmp_path / (PREFIX + "1.abc")
+    mine = tmp_path / f"{PREFIX}{os.geteuid()}.1.abc"
     mine.mkdir(mode=0o700)
     (mine / "work.txt").write_text("keep")
-    left = tmp_path / (PREFIX + "2.def")  # a killed writer's: its one file, then itself
+    left = tmp_path / f"{PREFIX}{os.geteuid()}.2.def"  # a killed writer's: its one file
     left.mkdir(mode=0o700)
     (left / "gputop-new-file").write_text("{}")
     reserve(Store(path), [Target("gpu", 1)], seconds=600, max_seconds=3600)
     assert (mine / "work.txt").read_text() == "keep"
     assert not left.exists()
+
+
+PLANTED = 30_000
+
+
+def _fill(team: str, victim_uid: int) -> None:
+    """As ``ATTACKER``: ``PLANTED`` non-empty directories at temp names, half of them
+    named with the victim's uid (which the victim cannot remove: not theirs)."""
+    pw = pwd.getpwnam(ATTACKER)
+    os.setgroups([grp.getgrnam(TEAM_GROUP).gr_gid])
+    os.setgid(pw.pw_gid)
+    os.setuid(pw.pw_uid)
+    for i in range(PLANTED):
+        name = os.path.join(team, f"{PREFIX}{victim_uid if i % 2 else 'c'}.{i}")
+        os.mkdir(name)
+        os.close(os.open(os.path.join(name, "gputop-new-file"), os.O_CREAT | os.O_WRONLY))
+    os._exit(0)
+
+
+def _planted(team: Path, victim: str) -> Path:
+    """``team`` filled by the attacker, and a killed writer's leftover of the victim's own
+    (its private directory and file): the one name a write of theirs removes."""
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_fill, args=(str(team), pwd.getpwnam(victim).pw_uid))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    pw = pwd.getpwnam(victim)
+    left = team / f"{PREFIX}{pw.pw_uid}.1.dead"
+    left.mkdir(mode=0o700)
+    (left / "gputop-new-file").write_text("{}")
+    for p in (left, left / "gputop-new-file"):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    return left
+
+
+def _swept(team: Path, left: Path) -> None:
+    assert not left.exists()  # the victim's own leftover went
+    assert sum(1 for n in os.listdir(team) if n.startswith(PREFIX)) == PLANTED
+
+
+@pytest.fixture
+def flooded() -> Iterator[Path]:
+    """A team directory on tmpfs where there is one (30,000 directories made on a loaded
+    disk take a minute; the writers' work is the same there)."""
+    if not is_root():
+        pytest.skip("needs root to become the attacker")
+    ensure_login_users()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    d = Path(tempfile.mkdtemp(prefix="gputop-flood-", dir=base))
+    d.chmod(0o755)
+    try:
+        yield _team(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_local_write_passes_over_a_teammates_planted_temp_names(flooded: Path) -> None:
+    """Thousands of non-empty directories at temp names, the victim's uid in half of them:
+    the write opens none of them (it held the lock for most of its 15 s and writers queued
+    behind it failed), removes its own leftover, and at most ``SWEEP_MAX`` of its own a
+    write (the rest go with later writes)."""
+    left = _planted(flooded, "root")
+    path = flooded / "reservations.json"
+    started = time.monotonic()
+    reserve(Store(path), [Target("gpu", 0)], seconds=600, max_seconds=3600)
+    assert time.monotonic() - started < 5  # far inside the lock's 15 s
+    assert [r.gpu for r in Store(path).read().reservations] == [0]
+    _swept(flooded, left)
+    many = [flooded / f"{PREFIX}{os.geteuid()}.{i}.dead" for i in range(SWEEP_MAX + 10)]
+    for p in many:
+        p.mkdir(mode=0o700)
+        (p / "gputop-new-file").write_text("{}")
+    Store(path).update(lambda s, now: s)
+    assert sum(p.exists() for p in many) == 10
+    Store(path).update(lambda s, now: s)
+    assert not any(p.exists() for p in many)
 
 
 def _plant(path: Path, kind: str) -> socket.socket | None:
@@ -251,6 +329,23 @@ def test_a_teammate_swapping_links_over_temp_names_cannot_turn_a_remote_writer(
     finally:
         for st in stores:
             st.close()
+    _no_writer_left(clean.root)
+
+
+def test_a_remote_write_passes_over_a_teammates_planted_temp_names(
+        clean: World, flooded: Path) -> None:
+    """Over SSH: the script forks nothing for a teammate's names and sweeps after its first
+    marker, so the write ends within its deadline (it used to answer nothing in time),
+    and its own leftover still goes."""
+    left = _planted(flooded, VICTIM)
+    path = flooded / "reservations.json"
+    st = clean.store(VICTIM, path)
+    try:
+        reserve(st, [Target("gpu", 0)], seconds=600, max_seconds=3600)
+    finally:
+        st.close()
+    assert [(r.gpu, r.user) for r in Store(path).read().reservations] == [(0, VICTIM)]
+    _swept(flooded, left)
     _no_writer_left(clean.root)
 
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host, gpu_uuid
 
-from gputop.config import load_config
+from gputop.config.load import load_config
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.poller import Poller
 from gputop.sources.protocol import PS_ARGS, PS_OWNERS
 from gputop.sources.ssh import SshSource
+from tests.support.fleet import Fleet, GpuProcess, Host, gpu_uuid
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -33,8 +33,8 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def sfleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("alpha", "127.0.6.2", gpus=("h100", "l40s"),
              processes=[GpuProcess("gtalice", "python train.py", gpu=0)]),
         Host("slow", "127.0.6.3", gpus=("l40s",), delay=2.5),

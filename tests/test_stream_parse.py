@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
-from gputop.sources.protocol import LineReader, OutputTooLarge, ParseError
-from gputop.sources.stream import session_command
-from gputop.sources.stream_samples import AppsBatches, GpuSampler, parse_timestamp
+from gputop.sources.protocol import LineReader, OutputTooLarge
+from gputop.sources.stream_parse import AppsBatches, GpuSampler, parse_timestamp
+from gputop.sources.stream_session import session_command
+from gputop.ssh.transport import ParseError
+from tests.support.fleet import CAPTURES, DATA, ROW_QUERY, project_capture
 
 TS = "2026/07/14 08:12:53.500"  # as the real h100 captures print it
 LOST = (DATA / "errors/device-handle-gpu-is-lost.txt").read_text().strip()
@@ -177,11 +178,11 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
     cache's; tests/test_stream_fleet.py runs the real ps over real SSH)."""
     import asyncio
 
-    from gputop.config import HostConfig
+    from gputop.config.tables import HostConfig
     from gputop.sources.nvidia_smi import AppRow, Owner
     from gputop.sources.ssh import SshSource
-    from gputop.sources.streaming import OWNER_MEMORY
-    from gputop.sources.transport import JumpPool
+    from gputop.sources.stream_collector import OWNER_MEMORY
+    from gputop.ssh.transport import JumpPool
 
     async def scenario(steps: list[tuple[float, str | None]]) -> list[list[int]]:
         src = SshSource(HostConfig(name="h"), timeout=3.0, interval=1.0, ssh_config=None,
@@ -212,7 +213,7 @@ def test_owner_cache_is_keyed_by_pid_and_start_time() -> None:
 
 
 def test_session_apps_rows_carry_the_start_time() -> None:
-    from gputop.sources.stream_samples import parse_session_apps_row
+    from gputop.sources.stream_parse import parse_session_apps_row
 
     row = parse_session_apps_row("2026/11/30 10:00:00.000, GPU-1, 42, 100, 1553884")
     assert (row.pid, row.used_memory_mib, row.start) == (42, 100, "1553884")

@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
 
-from gputop.config import load_config
+from gputop.config.load import load_config
+from gputop.config.tables import Defaults, Reservations
 from gputop.poller import Poller
 from gputop.sources.ssh import SshSource
-from gputop.sources.stream import HostSession
+from gputop.sources.stream_session import HostSession
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 TIMEOUT = 2.0
@@ -29,8 +30,8 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def rfleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("alpha", "127.0.6.12", gpus=("h100", "l40s")),
     ]).start()
     monkeypatch.setenv("HOME", str(f.home))
@@ -97,7 +98,7 @@ async def _freeze_until_back(poller: Poller, host: Host, limit: float,
 
 
 async def test_a_frozen_connection_is_dropped_and_the_host_comes_back(rfleet: Fleet) -> None:
-    """Finding: no keepalive on streaming connections (sources/transport.py connect) and a
+    """Finding: no keepalive on streaming connections (ssh/transport.py connect) and a
     stream stall keeps the connection (kind "timeout" is not dropped), so a connection
     whose peer went silent without a FIN/RST (sshd hung, conntrack/NAT state lost) is
     reused for ever: every restart opens a channel on it and times out. The host never
@@ -265,9 +266,10 @@ async def test_reconnect_during_a_query_or_a_nap_queries_again_at_once(paced: bo
     """reconnect() while a query is in flight: the next query follows it without the
     interval's sleep; during the sleep: it ends the sleep. Each nap leaves no timer or
     future behind."""
-    from gputop.config import Config, HostConfig
-    cfg = Config(path=None, hosts=(HostConfig("h"),), interval=5.0, timeout=5.0,
-                 reservations_path=Path("/nonexistent/r.json"))
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"),), defaults=Defaults(interval=5.0, timeout=5.0),
+                 reservations=Reservations(path=Path("/nonexistent/r.json")))
     src = _Gated("h", paced)
     poller = Poller(cfg, [src])  # type: ignore[list-item]
     got: list[float] = []
@@ -341,9 +343,11 @@ class _Swallows:
 async def test_stopping_the_poller_outlasts_a_cancel_that_was_dropped() -> None:
     """A host's loop that went on after its cancel (it napped, then would have polled on
     for ever) still ends: SIGINT at 200 hosts in query mode hung the process on it."""
-    from gputop.config import Config, HostConfig
-    cfg = Config(path=None, hosts=(HostConfig("h"), HostConfig("g")), interval=0.2,
-                 timeout=5.0, reservations_path=Path("/nonexistent/r.json"))
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
+    cfg = Config(path=None, hosts=(HostConfig("h"), HostConfig("g")),
+                 defaults=Defaults(interval=0.2, timeout=5.0),
+                 reservations=Reservations(path=Path("/nonexistent/r.json")))
     sources = [_Swallows("h"), _Swallows("g")]
     poller = Poller(cfg, sources)  # type: ignore[list-item]
 
@@ -370,9 +374,10 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
 
     from gputop import output
     from gputop.model import GpuInfo, ProcessInfo, iso
-    from gputop.sources import stream_samples
-    from gputop.sources.protocol import LineReader, ParseError
-    from gputop.sources.stream_samples import parse_timestamp
+    from gputop.sources import stream_parse
+    from gputop.sources.protocol import LineReader
+    from gputop.sources.stream_parse import parse_timestamp
+    from gputop.ssh.transport import ParseError
 
     rnd = random.Random(4)
     names = [f.name for f in dataclasses.fields(GpuInfo)]
@@ -409,7 +414,7 @@ def test_fast_paths_read_exactly_as_the_old_ones() -> None:
                                                       if u.microsecond else "")
             assert parse_timestamp(text) == u.timestamp(), text
         t += timedelta(days=1)
-    assert len(stream_samples._DAYS) <= 64
+    assert len(stream_parse._DAYS) <= 64
     for bad in ("2023/02/29 00:00:00", "2024/02/30 00:00:00", "2024/13/01 00:00:00",
                 "2024/01/01 24:00:00", "2024/01/01 23:60:00", "2024/01/01 23:00:60"):
         with pytest.raises(ParseError):
@@ -527,11 +532,9 @@ async def test_the_channel_callbacks_take_any_banner_flood_or_close_without_rais
     UTF-8, a start line split in two with a sample behind it, a flood with no line end,
     a close before the start line, data after close: every outcome is the session's own,
     nothing raises out of a callback."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_stream_parse import row
-
-    from gputop.sources.protocol import MARK, ParseError
+    from gputop.sources.protocol import MARK
+    from gputop.ssh.transport import ParseError
+    from tests.test_stream_parse import row
 
     def g(i: int) -> bytes:
         return f"g {row(i, 2)}\n".encode()

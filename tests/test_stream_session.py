@@ -11,9 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_stream_parse import row
-
-from gputop.sources.stream import session_command
+from gputop.sources.stream_session import session_command
+from tests.test_stream_parse import row
 
 NONCE = "0123456789abcdef0123456789abcdef"
 

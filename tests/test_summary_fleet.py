@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
-from hubs import Hub, get
-from web_hub import browser, chromium_missing
 
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations.ops import Target, reserve
+from gputop.reservations.store import Store
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.hubs import Hub, get
+from tests.support.shared_fleet import need_sshd, world_readable
+from tests.support.web_hub import browser, chromium_missing
 
 ADDR = "127.0.47.1"
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -39,8 +40,8 @@ WANT = {"hosts": {"up": 2, "down": 1, "waiting": 0},
 
 @pytest.fixture(scope="module")
 def sum_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("sumfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("sumfleet")), [
         Host("mixed", "127.0.47.2", gpus=("h100-mig", "l40s", "rtx2080", "rtx2080"),
              processes=[GpuProcess("gtbob", "python train.py", gpu=2, mem_mib=3000)]),
         Host("lost", "127.0.47.3", scenario="lost", gpus=("l40s",)),
@@ -104,7 +105,7 @@ def test_once_shows_the_summary_and_every_reservation(sum_fleet: Fleet, cfg: Pat
 
 async def test_the_board_top_line_is_the_summary(sum_fleet: Fleet, cfg: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.ui.app import GputopApp
     from gputop.ui.widgets import SummaryBar
 
@@ -180,7 +181,7 @@ def test_the_web_page_shows_the_summary(hub: Hub) -> None:
 
 async def test_mcp_fleet_status_carries_the_summary(sum_fleet: Fleet, cfg: Path) -> None:
     pytest.importorskip("mcp")
-    from test_mcp import call, session  # (the real `gputop mcp`, over stdio)
+    from tests.test_mcp import call, session  # (the real `gputop mcp`, over stdio)
 
     async with session(sum_fleet, cfg) as s:
         status = await call(s, "fleet_status")

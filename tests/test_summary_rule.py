@@ -7,11 +7,12 @@ from datetime import datetime, timezone
 
 import pytest
 
+from gputop.hubclient.client import check_document
+from gputop.hubclient.schema import check
 from gputop.model import GpuInfo, HostError, HostSnapshot, MigInstance, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
-from gputop.sources.hub import check_document
-from gputop.sources.hub_schema import check
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 NOW = datetime(2026, 12, 5, 1, 0, tzinfo=timezone.utc)
 P = (ProcessInfo(pid=1, user="gtbob", command="python", gpu_memory_mib=4000),)
@@ -44,8 +45,9 @@ def _mig(i: int, used: tuple[bool, ...]) -> GpuInfo:
 
 def _state(*specs: tuple[str, int, int | None, int | None]) -> StoreState:
     return StoreState(reservations=tuple(
-        new_reservation(h, g, "gtalice", "ws", NOW, 3600, None, "", instance=inst,
-                        share_mib=share) for h, g, inst, share in specs))
+        new_reservation(
+            Target(h, g, None, inst), Terms(3600, user="gtalice", machine="ws", share_mib=share),
+            NOW) for h, g, inst, share in specs))
 
 
 def _host(name: str, *gpus: GpuInfo) -> HostSnapshot:

@@ -10,7 +10,8 @@ import pytest
 
 from gputop.cli.table import cell_width, render
 from gputop.model import FleetSnapshot, GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 NOW = datetime(2026, 1, 1, 12, tzinfo=timezone.utc)
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202eevil\x9b1m\r\nnext"
@@ -32,7 +33,8 @@ def fleet(bad_at: int) -> tuple[FleetSnapshot, StoreState]:
         HostSnapshot("down", time=NOW, error=HostError("ssh", HOSTILE), last_ok=None),
     )
     state = StoreState(reservations=(
-        new_reservation("gpu-01", bad_at, HOSTILE, "m", NOW, 3600, None, HOSTILE),))
+        new_reservation(
+            Target("gpu-01", bad_at), Terms(3600, note=HOSTILE, user=HOSTILE, machine="m"), NOW),))
     return FleetSnapshot(hosts=hosts, time=NOW), state
 
 
@@ -67,7 +69,7 @@ def test_colour_is_only_sgr_and_only_when_asked() -> None:
 def test_reservation_and_flags_are_shown() -> None:
     snap, _ = fleet(0)
     state = StoreState(reservations=(
-        new_reservation("gpu-01", 2, "bob", "m", NOW, 7200, None, ""),))
+        new_reservation(Target("gpu-01", 2), Terms(7200, user="bob", machine="m"), NOW),))
     lines = render(snap, state, now=NOW).splitlines()
     assert "RESERVED" in lines[0] and "FLAGS" in lines[0]
     assert "bob 2h00m" in lines[3] and "unreserved-use" in lines[3]
@@ -119,7 +121,8 @@ def test_idle_reservation_is_flagged_after_the_grace_period() -> None:
                    memory_used_mib=0, memory_total_mib=46068)
     snap = FleetSnapshot(hosts=(HostSnapshot("h", time=NOW, gpus=(idle,), last_ok=NOW),),
                          time=NOW)
-    state = StoreState(reservations=(new_reservation("h", 0, "bob", "m", made, 7200, None, ""),))
+    state = StoreState(reservations=(new_reservation(
+        Target("h", 0), Terms(7200, user="bob", machine="m"), made),))
     tracker = IdleTracker(1800, grace_s=900)
     tracker.observe(snap.hosts[0])
     line = render(snap, state, tracker=tracker, now=NOW).splitlines()[1]

@@ -9,10 +9,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from as_user import need_test_users, run_as, shared_tmp, user_home
-from fleet import Fleet
 
-from gputop.sources.transport import KeyLoadError, classify_exception, resolve_options
+from gputop.ssh.transport import KeyLoadError, classify_exception, resolve_options
+from tests.support.as_user import need_test_users, run_as, shared_tmp, user_home
+from tests.support.fleet import Fleet
 
 
 def test_a_name_that_does_not_resolve_says_so_without_errno_numbers() -> None:

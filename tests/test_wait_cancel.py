@@ -14,11 +14,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, HostConfig, Reservations
 from gputop.jobs.wait import run_to_end, wait_for_gpus
 from gputop.poller import Poller
-from gputop.reservations import Store, Target, reserve
+from gputop.reservations.ops import Target, reserve
 from gputop.reservations.queue import Queue, Request
+from gputop.reservations.store import Store
 from gputop.sources.demo import DemoSource
 
 
@@ -26,9 +28,10 @@ from gputop.sources.demo import DemoSource
 async def test_an_abandoned_wait_leaves_the_queue_under_an_anyio_cancel(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late: float) -> None:
     """``late``: the join's thread answers this long after its write landed (0: at once)."""
-    cfg = Config(path=None, interval=0.5, timeout=5.0, hosts=(HostConfig(name="solo"),),
-                 reservations_path=tmp_path / "res.json")
-    store = Store(cfg.reservations_path)
+    cfg = Config(path=None, hosts=(HostConfig(name="solo"),),
+                 defaults=Defaults(interval=0.5, timeout=5.0),
+                 reservations=Reservations(path=tmp_path / "res.json"))
+    store = Store(cfg.reservations.path)
     reserve(store, [Target("solo", 0), Target("solo", 1)], seconds=3600,
             max_seconds=86400, user="teammate")
     real_join = Queue.join
@@ -97,9 +100,9 @@ async def test_a_waiter_with_no_hosts_in_its_file_is_refused_before_joining(
     Refused before joining, as free --wait is."""
     from gputop.reservations.ops import Invalid
 
-    cfg = Config(path=None, interval=0.5, timeout=5.0, hosts=(),
-                 reservations_path=tmp_path / "res.json")
-    store = Store(cfg.reservations_path)
+    cfg = Config(path=None, hosts=(), defaults=Defaults(interval=0.5, timeout=5.0),
+                 reservations=Reservations(path=tmp_path / "res.json"))
+    store = Store(cfg.reservations.path)
     poller = Poller(cfg, [DemoSource("solo", "NVIDIA H100 80GB HBM3", 2, 81559, 700.0)])
     try:
         with pytest.raises(Invalid, match="each host you reserve on must be in your hosts "

@@ -14,15 +14,16 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, Host
+
+from tests.support.fleet import Fleet, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 
 @pytest.fixture
 def hang_fleet(tmp_path: Path) -> Iterator[Fleet]:
     """A healthy host between two whose nvidia-smi never returns (first, middle, last)."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path), [
         Host("hang-a", "127.0.3.2", scenario="hang"),
         Host("fast", "127.0.3.3", gpus=("l40s", "h100")),
         Host("hang-z", "127.0.3.4", scenario="hang"),
@@ -107,7 +108,7 @@ async def test_close_kills_a_refresh_still_in_flight(hang_fleet: Fleet,
     import asyncio
     import contextlib
 
-    from gputop.config import load_config
+    from gputop.config.load import load_config
     from gputop.poller import Poller
 
     monkeypatch.setenv("HOME", str(hang_fleet.home))

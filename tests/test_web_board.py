@@ -22,11 +22,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
-from hubs import Hub, get
-from web_hub import DocHub, browser, chromium_missing, churn, fleet_doc, set_size
+from gputop.reservations.terms import Target, Terms
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.hubs import Hub, get
+from tests.support.shared_fleet import need_sshd, world_readable
+from tests.support.web_hub import DocHub, browser, chromium_missing, churn, fleet_doc, set_size
 
 ROOT = Path(__file__).resolve().parents[1]
 WEB = ROOT / "gputop" / "hub" / "web"
@@ -78,8 +78,8 @@ def test_colours_are_the_gputop_themes(theme: str) -> None:
 
 @pytest.fixture(scope="module")
 def web_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp("webfleet")), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp("webfleet")), [
         Host("alpha", "127.0.24.2", gpus=("h100", "h100"), gpu_names=("", MARKUP_GPU),
              processes=[GpuProcess("gtalice", "python train.py", gpu=0, mem_mib=9000),
                         GpuProcess("gtbob", IMG_CMD, gpu=1, mem_mib=77)]),
@@ -96,12 +96,14 @@ def _history(path: Path) -> None:
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(
-        new_reservation("beta", 1, "gtalice", "m", now - timedelta(hours=3), 86400, None, ""),)))
+        new_reservation(Target("beta", 1), Terms(86400, user="gtalice", machine="m"),
+                        now - timedelta(hours=3)),)))
     for i in range(120):
         t = now - timedelta(hours=1) + timedelta(seconds=30 * i)
         rec.record(HostSnapshot(name="beta", time=t, gpus=tuple(

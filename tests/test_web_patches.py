@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_web_board import live_board, wait
-from web_hub import DocHub, fleet_doc
+from tests.support.web_hub import DocHub, fleet_doc
+from tests.test_web_board import live_board, wait
 
 
 @pytest.fixture(scope="module")

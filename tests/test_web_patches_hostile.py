@@ -10,17 +10,14 @@ import copy
 import json
 import random
 import re
-import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_web_board import live_board, wait
-from web_hub import DocHub, fleet_doc, host_doc, iso
+from tests.support.web_hub import DocHub, fleet_doc, host_doc, iso
+from tests.test_web_board import live_board, wait
 
 HOSTS, GPUS = 6, 4
 

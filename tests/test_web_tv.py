@@ -1,5 +1,5 @@
 """The wall screen (``?tv=1``) in headless Chromium at 1920x1080, against the hub's real app
-holding a written document (tests/web_hub.py): a fleet of 50 hosts x 8 GPUs fits one page
+holding a written document (tests/support/web_hub.py): a fleet of 50 hosts x 8 GPUs fits one page
 with every host's label, the summary and the panels in sight; a down host is one line;
 a far larger fleet pages; hostile names stay inside their tile."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -16,8 +15,15 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from web_hub import DocHub, browser, chromium_missing, fleet_doc, history_db, host_doc, set_size
+from tests.support.web_hub import (
+    DocHub,
+    browser,
+    chromium_missing,
+    fleet_doc,
+    history_db,
+    host_doc,
+    set_size,
+)
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 

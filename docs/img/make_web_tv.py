@@ -1,6 +1,6 @@
 """Draw docs/img/web-tv-14.png, web-tv-50.png and web-tv-200.png: the wall screen (``?tv=1``)
 at 1920x1080 over 14, 50 and 200 simulated hosts, in headless Chromium against the hub's
-real app (tests/web_hub.py), with a day of history so the waste panel shows.
+real app (tests/support/web_hub.py), with a day of history so the waste panel shows.
 
     python docs/img/make_web_tv.py            # after a change to the wall screen's looks
     python docs/img/make_web_tv.py 50 --out /tmp/shots   # one size, elsewhere
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "tests"))
+sys.path.insert(0, str(HERE.parents[1]))  # (the checkout's root: ``tests.support``)
 
-from web_hub import DocHub, browser, fleet_doc, history_db, set_size  # noqa: E402
+from tests.support.web_hub import DocHub, browser, fleet_doc, history_db, set_size  # noqa: E402
 
 #: name -> (hosts in all, of which down): a team's 14 mixed hosts; 50 of 8 GPUs (400) that
 #: answer and 2 down; 200 of 8 GPUs, which page.

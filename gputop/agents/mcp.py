@@ -21,7 +21,7 @@ from pydantic import Field
 
 from gputop import __version__
 from gputop.agents.tools import DEFAULT_WAIT_S, MAX_WAIT_S, FleetTools, ToolFailure
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.output import dumps
 from gputop.text import excerpt
 

@@ -36,13 +36,15 @@ from gputop.agents.views import (
     reservation_doc,
     waiter_doc,
 )
-from gputop.config import Config, parse_duration
+from gputop.config.load import Config
+from gputop.config.values import parse_duration
 from gputop.history.known import known_gpus
 from gputop.jobs.reap import check_jobs
 from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.poller import Poller, first_answer_s, slow_error
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
     IdleTracker,
     gpu_annotation,
@@ -50,6 +52,7 @@ from gputop.reservations.flags import (
     reservation_index,
     share_flags,
 )
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import (
     Invalid,
     Refused,
@@ -63,17 +66,17 @@ from gputop.reservations.ops import (
 )
 from gputop.reservations.queue import (
     DEFAULT_LEASE_S,
+    QueueView,
     Request,
-    offered,
     queue_claim,
     share_claim,
-    share_offered,
 )
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import reserve_share, share_gpu, share_index
-from gputop.reservations.store import Reservation, StoreError, StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import fleet_summary
-from gputop.reservations.targets import check_targets, parse_targets
-from gputop.sources.shared_file import open_store
+from gputop.reservations.targets import check_targets, parse_targets, with_held
+from gputop.reservations.terms import Terms
 from gputop.text import clean
 
 #: Above this many GPUs, ``fleet_status`` counts each host's GPUs instead of listing them
@@ -122,8 +125,8 @@ class FleetTools:
         #: The account this gputop logs in as on each host: your processes there are yours.
         self.login = logins(config)
         self.fleet = [h.name for h in config.hosts]
-        self.poller = poller or Poller(replace(config, collection="query"))
-        self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        self.poller = poller or Poller(config.with_defaults(collection="query"))
+        self.tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s)
         #: Above this many GPUs, ``fleet_status`` counts them per host.
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
@@ -221,14 +224,14 @@ class FleetTools:
 
     def _seconds(self, duration: str | None) -> float:
         if duration is None:
-            return self.config.reservation_default_s
+            return self.config.reservations.default_s
         try:
             seconds = parse_duration(duration)
         except ValueError:
             seconds = 0.0
-        if not 0 < seconds <= self.config.reservation_max_s:
+        if not 0 < seconds <= self.config.reservations.max_s:
             raise ToolFailure("invalid", f"duration {data(duration, 40)!r}: more than zero and "
-                              f"at most {format_duration(self.config.reservation_max_s)}, "
+                              f"at most {format_duration(self.config.reservations.max_s)}, "
                               "e.g. '30m', '2h', '1d'")
         return seconds
 
@@ -266,8 +269,8 @@ class FleetTools:
             state, problem = None, str(exc)
         held, inst_held = reservation_index(state, now), instance_index(state, now)
         shared = share_index(state, now)
-        free = {f.label for f in offered(state, hosts, Request(1), self.me, self.fleet,
-                                         whole=True)} if state else set()
+        free = {f.label for f in QueueView(state, hosts, now, self.fleet, self.me).offered(
+            Request(1), whole=True)} if state else set()
         ngpus = sum(len(h.gpus) for h in hosts)
         detail = ngpus <= self.max_detail or bool(names)
         counts = {"free": 0, "queued": 0, "busy": 0, "reserved": 0, "mine": 0, "shared": 0,
@@ -326,13 +329,14 @@ class FleetTools:
         now = utcnow()
         waiting = len(state.waiting(now))
         down = [{"host": h.name} | (host_error(h) or {}) for h in looked if not h.ok]
+        view = QueueView(state, looked, now, self.fleet, self.me)
         if share:
-            fits = share_offered(state, looked, req, share, self.me, self.fleet, now)
+            fits = view.share_offered(req, share)
             found: list[Any] = fits
             docs = [fit_doc(f, share) for f in fits[:1]]
             what = f"a {size_text(share)} share"
         else:
-            found = offered(state, looked, req, self.me, self.fleet, whole=whole_only)
+            found = view.offered(req, whole=whole_only)
             held = reservation_index(state, now)
             docs = [found_doc(f, r if (r := held.get((f.host, f.gpu.index or 0))) and
                               r.user == self.me else None) for f in found[:count]]
@@ -387,8 +391,9 @@ class FleetTools:
             looked = await self.look([t.host for t in targets])
             snaps = {h.name: h for h in looked}
             down = {h.name for h in looked if not h.ok}
-            known = await self._off_loop(lambda: known_gpus(self.config, down)) if down \
-                else None
+            known = with_held(await self._off_loop(lambda: known_gpus(self.config, down)),
+                              (await self._state()).reservations, self.me, down,
+                              utcnow()) if down else None
             try:
                 targets, warnings = check_targets(targets, snaps, self.me, self.login, known)
             except Invalid as exc:
@@ -398,15 +403,14 @@ class FleetTools:
             req = self._request(count, min_free_memory_gib, hosts, tag)
             looked = await self.look(req.hosts)
             snaps = {h.name: h for h in looked}
-            state = await self._state()
+            view = QueueView(await self._state(), looked, utcnow(), self.fleet, self.me)
             if share:
-                targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid) for f in
-                           share_offered(state, looked, req, share, self.me, self.fleet,
-                                         utcnow())]
+                targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid)
+                           for f in view.share_offered(req, share)]
             else:
                 targets = [Target(f.host, f.gpu.index or 0, f.gpu.uuid,
                                   f.instance.gpu_instance_id if f.instance else None)
-                           for f in offered(state, looked, req, self.me, self.fleet)][:count]
+                           for f in view.offered(req)][:count]
             if len(targets) < count:
                 raise ToolFailure("refused", f"{len(targets)} free, {count} wanted (nothing "
                                   "reserved); wait_for_gpus waits your turn in the queue")
@@ -414,10 +418,11 @@ class FleetTools:
             return await self._reserve_share(targets, share, seconds, note, snaps, warnings)
         # The queue's claim, checked again under the lock: a waiter who could use one of
         # these GPUs is served first (the agent comes after every waiter).
-        check = queue_claim(targets, snaps, self.fleet, self.me)
-        made = await self._queued(lambda: reserve_outcomes(
-            self.store, targets, seconds=seconds, max_seconds=self.config.reservation_max_s,
-            note=note, check=check, login=answered_logins(self.config, snaps)))
+        check = queue_claim(targets, snaps, self.fleet, self.me, seconds=seconds)
+        terms = Terms(seconds, self.config.reservations.max_s, note,
+                      login=answered_logins(self.config, snaps))
+        made = await self._queued(lambda: reserve_outcomes(self.store, targets, terms,
+                                                           check=check))
         now = utcnow()
         done = [reservation_doc(o.reservation, now, self.me) | {"action": o.action}
                 for o in made]
@@ -452,11 +457,11 @@ class FleetTools:
             total = g.memory_total_mib
             assert total is not None
             check = share_claim(self.fleet, list(snaps.values()), share, self.me, t)
+            terms = Terms(seconds, self.config.reservations.max_s, note,
+                          login={t.host: self.login(t.host)}.get, share_mib=share)
             try:
-                o = await self._queued(partial(
-                    reserve_share, self.store, t, share, total, seconds=seconds,
-                    max_seconds=self.config.reservation_max_s, note=note, check=check,
-                    login=self.login(t.host)))
+                o = await self._queued(partial(reserve_share, self.store, t, total, terms,
+                                               check=check))
             except ToolFailure as exc:
                 failure = exc
                 if len(targets) == 1 or exc.kind != "refused":

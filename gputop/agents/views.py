@@ -13,8 +13,8 @@ from typing import Any
 from gputop.model import GpuInfo, HostSnapshot, MigInstance, ProcessInfo, iso
 from gputop.reservations.flags import Annotation, FreeGpu, is_free, unshared_mib
 from gputop.reservations.ops import format_duration
+from gputop.reservations.records import Reservation, Waiter
 from gputop.reservations.shares import ShareFit
-from gputop.reservations.store import Reservation, Waiter
 from gputop.text import clean
 
 #: Processes listed per GPU (the rest are counted).

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from gputop.cli.options import ALL as ALL_GLOBAL_OPTIONS
 from gputop.cli.options import for_command
-from gputop.config import ConfigError, data_path, default_config_path, find_config, load_config
+from gputop.config.load import data_path, default_config_path, find_config, load_config
+from gputop.config.values import ConfigError
 
 EXIT_OK, EXIT_REFUSED, EXIT_ERROR = 0, 1, 2
 GLOBAL_OPTIONS = ALL_GLOBAL_OPTIONS
@@ -91,16 +92,17 @@ def candidates(cli_path: str | None, kind: str) -> list[str]:
         return names
     out = [f"{n}:" for n in names]
     # release: your reservations, whole (over SSH: not a connection per Tab)
-    if kind == "mine" and config.reservations_host is None:
-        out += _reserved(config.reservations_path, set(names), mine=True)
+    if kind == "mine" and config.reservations.host is None:
+        out += _reserved(config.reservations.path, set(names), mine=True)
     return out
 
 
 def _reserved(path: Path, names: set[str], *, mine: bool) -> list[str]:
     """``HOST:GPU`` of active reservations on configured hosts (the file is shared and
     hostile: only names from the config come back)."""
-    from gputop.reservations import Store, StoreError
+    from gputop.reservations.filelock import StoreError
     from gputop.reservations.ops import whoami
+    from gputop.reservations.store import Store
 
     try:
         state = Store(path).read()

@@ -21,15 +21,14 @@ from gputop.cli.targets import (
     reservation_seconds,
 )
 from gputop.cli.waiting import wait_in_queue
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import (
-    Target,
-)
 from gputop.reservations.ops import Outcome, reserve_outcomes, whoami
-from gputop.reservations.queue import offered, queue_claim
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import queue_claim
+from gputop.reservations.terms import Target, Terms
 
 
 def cmd_free(config: Config, args: argparse.Namespace) -> int:
@@ -68,8 +67,8 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
     # what delays none of them; how long you would hold it counts (backfill).
     waiters = [w for w in state.waiting() if w.user != me]
     fleet = [h.name for h in config.hosts]
-    found = offered(state, hosts, req, me, fleet, whole=args.whole,
-                    seconds=reservation_seconds(config, args.duration))
+    found = QueueView(state, hosts, utcnow(), fleet, me).offered(
+        req, whole=args.whole, seconds=reservation_seconds(config, args.duration))
     if not every:
         found = found[: args.count]
     if len(found) < args.count and (nobody := nobody_answered(hosts)):
@@ -96,8 +95,8 @@ def cmd_free(config: Config, args: argparse.Namespace) -> int:
                           f.instance.gpu_instance_id if f.instance else None) for f in found]
         # Checked again under the lock: a waiter who joined meanwhile is served first.
         made = reserve_outcomes(
-            store, targets, seconds=seconds, max_seconds=config.reservation_max_s,
-            note=args.note or "", login=logins(config),
+            store, targets, Terms(seconds, config.reservations.max_s, args.note or "",
+                                  login=logins(config)),
             check=queue_claim(targets, {h.name: h for h in hosts}, fleet, me,
                               seconds=seconds))
         print_outcomes(made, sys.stderr)  # stdout stays HOST:GPU lines for scripts

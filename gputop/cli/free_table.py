@@ -23,7 +23,8 @@ from gputop.reservations.flags import (
     reservation_index,
 )
 from gputop.reservations.ops import format_duration
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
 from gputop.text import clean
 
 HEADER = ("GPU", "MODEL", "FREE", "LOAD", "RESERVED")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gputop.config import NO_CONFIG_HINT, Config, default_config_path
+from gputop.config.load import NO_CONFIG_HINT, Config, default_config_path
 from gputop.errors import EXIT_NO_HOST, EXIT_OK
 from gputop.model import FleetSnapshot, HostSnapshot
 from gputop.pacing import set_pace
@@ -31,7 +31,7 @@ def fleet(config: Config | None) -> Iterator[tuple[Config, list[Source] | None]]
         with demo_session() as (demo_config, sources):
             yield demo_config, list(sources)
     else:
-        if config.implicit and config.hub_url is None:
+        if config.implicit and config.hub.url is None:
             print("gputop: " + NO_CONFIG_HINT.format(path=default_config_path()),
                   file=sys.stderr)
         yield config, None
@@ -43,13 +43,13 @@ class ReservationsReader:
     """The shared file, read once per document; a broken file is reported once per change."""
 
     def __init__(self, config: Config) -> None:
-        from gputop.sources.shared_file import open_store
+        from gputop.reservations.open import open_store
 
         self.store = open_store(config)
         self.reported: str | None = None
 
     def read(self) -> tuple[Any, str | None]:
-        from gputop.reservations import StoreError
+        from gputop.reservations.filelock import StoreError
 
         try:
             state, problem = self.store.read(), None
@@ -63,15 +63,17 @@ class ReservationsReader:
 async def json_output(config: Config, sources: list[Source] | None, *, watch: bool,
                 pretty: bool, record: bool = False) -> int:
     """One document, or (``watch``) one per interval, each with reservations and flags."""
+    from gputop.hubclient.poller import open_poller
     from gputop.output import write_document
-    from gputop.poller import first_answer_s, open_poller
+    from gputop.poller import first_answer_s
     from gputop.reservations.flags import IdleTracker, annotate
     from gputop.reservations.summary import fleet_summary
 
     # One document: one query per host is cheaper for the hosts than starting streams.
     poller = open_poller(config, sources, one_look=not watch, say=_say)
     reservations = ReservationsReader(config)
-    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
+    tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s,
+                          config.reservations.share_grace_s)
     reaping = _JobReaper(config, reservations.store) if sources is None else None
     observe = tracker.observe
     live = None
@@ -104,7 +106,7 @@ async def json_output(config: Config, sources: list[Source] | None, *, watch: bo
                 await reaping.once()
             emit(snap)
             return exit_code(snap)
-        await watch_latest(poller, config.interval, emit, observe)
+        await watch_latest(poller, config.defaults.interval, emit, observe)
         return EXIT_OK  # pragma: no cover - watch_latest runs until cancelled
     finally:
         if reaping is not None:
@@ -137,7 +139,7 @@ class _JobReaper:
     def kick(self) -> None:
         loop = asyncio.get_running_loop()
         if (self.task is not None and not self.task.done()) or \
-                loop.time() - self.last < max(5.0, 3 * self.config.interval):
+                loop.time() - self.last < max(5.0, 3 * self.config.defaults.interval):
             return
         self.last = loop.time()
         self.task = loop.create_task(self.once())
@@ -190,7 +192,8 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     import shutil
 
     from gputop.cli.table import render
-    from gputop.poller import first_answer_s, open_poller
+    from gputop.hubclient.poller import open_poller
+    from gputop.poller import first_answer_s
     from gputop.reservations.flags import IdleTracker
 
     poller = open_poller(config, sources, one_look=True, say=_say)  # one query
@@ -201,7 +204,8 @@ async def table_output(config: Config, sources: list[Source] | None) -> int:
     state, _ = ReservationsReader(config).read()
     # The flags that follow from time (idle reservation, idle holder) as --json says them
     # of the same look: without the tracker the table never showed them.
-    tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s, config.share_grace_s)
+    tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s,
+                          config.reservations.share_grace_s)
     for host in snap.hosts:
         tracker.observe(host)
     tty = sys.stdout.isatty()

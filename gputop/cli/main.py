@@ -23,7 +23,8 @@ from gputop.cli.options import (
     global_options,
 )
 from gputop.cli.subcommands import add_subcommands
-from gputop.config import Config, default_config_path, hub_url_problem, load_config
+from gputop.config.load import Config, default_config_path, load_config
+from gputop.config.values import hub_url_problem
 from gputop.errors import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
@@ -32,7 +33,7 @@ from gputop.errors import (
     UsageError,
     help_epilog,
 )
-from gputop.reservations import Refused
+from gputop.reservations.ops import Refused
 
 #: Subcommands that run before (and without) loading the hosts file.
 NO_CONFIG_COMMANDS = ("init-config", "completion")
@@ -92,19 +93,19 @@ def _apply_overrides(config: Config, args: argparse.Namespace) -> Config:
     if args.interval is not None:
         if args.interval < 0.1:
             raise UsageError("--interval must be at least 0.1 seconds")
-        config = replace(config, interval=args.interval)
+        config = config.with_defaults(interval=args.interval)
     if args.timeout is not None:
         if args.timeout < 0.5:
             raise UsageError("--timeout must be at least 0.5 seconds")
-        config = replace(config, timeout=args.timeout)
+        config = config.with_defaults(timeout=args.timeout)
     if getattr(args, "wait_all", False):
-        config = replace(config, wait_all=True)
+        config = config.with_defaults(wait_all=True)
     if getattr(args, "hub", None) is not None:
         problem = hub_url_problem(args.hub)
         if problem:
             raise UsageError(f"--hub {problem}")
-        config = replace(config, hub_url=args.hub)
-    if config.hub_url is not None and config.implicit:
+        config = config.with_hub(url=args.hub)
+    if config.hub.url is not None and config.implicit:
         config = replace(config, hosts=())  # no hosts file: the hub's hosts, all of them
     return config
 

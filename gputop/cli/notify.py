@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gputop.cli.targets import open_store
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_ERROR, EXIT_OK, GputopError
 from gputop.reservations.ops import local_time, whoami
 from gputop.text import clean
@@ -81,7 +81,7 @@ def _test(config: Config) -> int:
         raise GputopError("you have no route: set one with gputop notify me --email ADDR "
                           "(or --ntfy URL, --webhook URL)")
     notifier = Notifier(config.notify, lambda u: routes,
-                        status_file=status_path(config.notify, config.history_path)).start()
+                        status_file=status_path(config.notify, config.history.path)).start()
     try:
         notifier.submit(Notice("test", user, "test", f"gputop test notice for {user}",
                                ("If you read this, gputop can reach you here.",)))
@@ -111,7 +111,7 @@ def _status(config: Config) -> int:
             if config.notify.email_domain else ": gputop notify me --email ADDR sets one"))
     for r in mine:
         print(f"{r.kind:8} {clean(r.target)}  (set {local_time(r.set)})")
-    path = status_path(config.notify, config.history_path)
+    path = status_path(config.notify, config.history.path)
     last = [d for d in read_status(path) if d.get("user") == user]
     if last:
         print(f"last deliveries ({path}):")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from gputop.config import default_config_path
+from gputop.config.load import default_config_path
 from gputop.errors import UsageError
 
 #: Every global option, in the order ``--help`` lists them.

@@ -21,29 +21,27 @@ from gputop.cli.targets import (
     resolve_mig,
     validate_gpus,
 )
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_OK
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import (
-    Invalid,
-    Refused,
-    Reservation,
-    Target,
-    release,
-)
 from gputop.reservations.ops import (
+    Invalid,
     Outcome,
+    Refused,
+    Target,
     ends_with,
     format_duration,
     local_time,
+    release,
     reserve_outcomes,
     size_text,
     whoami,
 )
 from gputop.reservations.queue import queue_claim
-from gputop.reservations.store import Job
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.targets import parse_targets
+from gputop.reservations.terms import Terms, tied
 from gputop.text import clean, excerpt
 
 
@@ -89,10 +87,9 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
 
     check = queue_claim(targets, snaps, [h.name for h in config.hosts], whoami(store)[0],
                         skip=args.skip_queue, seconds=seconds)
-    made = reserve_outcomes(store, targets, seconds=seconds,
-                            max_seconds=config.reservation_max_s, note=args.note or "",
-                            job=job, check=check, event="skip-queue",
-                            login=answered_logins(config, snaps))
+    terms = Terms(seconds, config.reservations.max_s, args.note or "", job=tied(job),
+                  login=answered_logins(config, snaps))
+    made = reserve_outcomes(store, targets, terms, check=check, event="skip-queue")
     print_outcomes(made, sys.stdout)
     if job is not None:
         print(f"tied to process {job.pid} on {targets[0].host}: released once it has ended",

@@ -20,16 +20,14 @@ from gputop.cli.targets import (
     reservation_seconds,
 )
 from gputop.cli.waiting import wait_in_queue
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-)
+from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import (
     unsatisfiable,
 )
-from gputop.reservations.store import Job
+from gputop.reservations.records import Job, Reservation
+from gputop.reservations.terms import Terms
 from gputop.text import clean
 
 
@@ -46,7 +44,7 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
         return run_share(config, args, argv)
     req = queue_request(config, args, one_host=True)
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     store = open_store(config)
     reap_ended_jobs(config, store)
     from gputop.jobs.remote import local_start
@@ -72,8 +70,9 @@ def cmd_run(config: Config, args: argparse.Namespace) -> int:
             raise Invalid(f"{why}; ask for fewer GPUs or less memory (or name other hosts)")
         from gputop.jobs.remote import logins
 
-        made = reserve_now(store, req, hosts, seconds=seconds, note=args.note or "",
-                           job=lambda h: pending, fleet=fleet, login=logins(config))
+        terms = Terms(seconds, note=args.note or "", job=lambda h: pending,
+                      login=logins(config))
+        made = reserve_now(store, req, hosts, terms, fleet)
         if made is None:
             waiting = len(store.read().waiting())
             print(f"gputop: not {req.count} free GPU(s) on one host"

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gputop.cli.lifecycle import run_until_signal
-from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.config.load import HUB_MAX_CONNECTIONS, Config
+from gputop.config.values import listen_problem
 from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
 from gputop.sources import Source
@@ -37,7 +38,10 @@ def hub_command(config: Config, args: argparse.Namespace) -> list[str]:
     if args.max_connections != HUB_MAX_CONNECTIONS:
         cmd += ["--max-connections", str(args.max_connections)]
     for flag, value in (("--retain-mb", args.retain_mb), ("--write-timeout", args.write_timeout),
-                        ("--idle-timeout", args.idle_timeout)):
+                        ("--idle-timeout", args.idle_timeout),
+                        ("--first-request-timeout", args.first_request_timeout),
+                        ("--max-connections-per-client", args.max_connections_per_client),
+                        ("--max-subscribers-per-client", args.max_subscribers_per_client)):
         if value is not None:
             cmd += [flag, f"{value:g}"]
     return cmd
@@ -68,7 +72,7 @@ def cmd_serve(config: Config, args: argparse.Namespace,
         print(f"gputop: {MissingExtra('hub', exc)}", file=sys.stderr)
         return EXIT_ERROR
 
-    listen = args.listen or config.hub_listen or DEFAULT_LISTEN
+    listen = args.listen or config.hub.listen or DEFAULT_LISTEN
     problem = listen_problem(listen)
     if problem:
         print(f"gputop: --listen {problem}", file=sys.stderr)
@@ -79,11 +83,20 @@ def cmd_serve(config: Config, args: argparse.Namespace,
     if not 1 <= args.max_connections <= 100_000:
         print("gputop: --max-connections must be between 1 and 100000", file=sys.stderr)
         return EXIT_ERROR
+    for flag, value, bound, of in (
+            ("--max-connections-per-client", args.max_connections_per_client,
+             args.max_connections, "--max-connections"),
+            ("--max-subscribers-per-client", args.max_subscribers_per_client,
+             args.max_subscribers, "--max-subscribers")):
+        if value is not None and not 1 <= value <= bound:
+            print(f"gputop: {flag} must be between 1 and {of} ({bound})", file=sys.stderr)
+            return EXIT_ERROR
     if args.retain_mb is not None and not 1 <= args.retain_mb <= 65536:
         print("gputop: --retain-mb must be between 1 and 65536", file=sys.stderr)
         return EXIT_ERROR
     for flag, value in (("--write-timeout", args.write_timeout),
-                        ("--idle-timeout", args.idle_timeout)):
+                        ("--idle-timeout", args.idle_timeout),
+                        ("--first-request-timeout", args.first_request_timeout)):
         if value is not None and not 0.1 <= value <= 3600:
             print(f"gputop: {flag} must be between 0.1 and 3600 seconds", file=sys.stderr)
             return EXIT_ERROR
@@ -96,29 +109,30 @@ def cmd_serve(config: Config, args: argparse.Namespace,
         print(f"gputop: {config.path or 'the config'}: hosts: serve polls the config's "
               "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
         return EXIT_ERROR
-    if config.hub_url is not None:
+    if config.hub.url is not None:
         print("gputop: serve polls the hosts itself: it ignores [hub] url (a hub does not "
               "read another hub)", file=sys.stderr)
     token = None
-    if config.hub_token_file is not None:
+    if config.hub.token_file is not None:
         try:
-            token = read_token(config.hub_token_file)
+            token = read_token(config.hub.token_file)
         except ValueError as exc:
             print(f"gputop: {config.path}: hub.token_file: {exc}", file=sys.stderr)
             return EXIT_ERROR
-    from dataclasses import replace
 
-    cfg = replace(config, hub_url=None)
+    cfg = config.with_hub(url=None)
 
     async def main() -> int:
         extra: dict[str, Any] = {}
-        retain_mb = args.retain_mb or cfg.hub_retain_mb
+        retain_mb = args.retain_mb or cfg.hub.retain_mb
         if retain_mb is not None:
             extra["retain_bytes"] = retain_mb << 20
         if args.write_timeout is not None:
             extra["write_timeout_s"] = args.write_timeout
         if args.idle_timeout is not None:
             extra["idle_s"] = args.idle_timeout
+        if args.first_request_timeout is not None:
+            extra["first_request_s"] = args.first_request_timeout
         if sources is not None:
             from gputop.hub.collector import Collector
             from gputop.poller import Poller
@@ -126,7 +140,9 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             extra["collector"] = Collector(cfg, Poller(cfg, sources))
         try:
             await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers,
-                        max_connections=args.max_connections, **extra)
+                        max_connections=args.max_connections,
+                        max_connections_per_client=args.max_connections_per_client,
+                        max_subscribers_per_client=args.max_subscribers_per_client, **extra)
         except OSError as exc:
             print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
                   file=sys.stderr)
@@ -155,6 +171,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--max-connections", type=int, default=HUB_MAX_CONNECTIONS, metavar="N",
                    help=f"HTTP connections open at once (default {HUB_MAX_CONNECTIONS}); one "
                    "more is closed at once (each idle one closes after 30 s)")
+    p.add_argument("--max-connections-per-client", type=int, metavar="N",
+                   help="connections open at once from one address (default: a quarter of "
+                   "--max-connections, at least 16); behind a reverse proxy every client "
+                   "is the proxy: set it to --max-connections and bound clients there")
+    p.add_argument("--max-subscribers-per-client", type=int, metavar="N",
+                   help="event streams open at once from one address (default: a quarter "
+                   "of --max-subscribers, at least 4); behind a proxy, as above")
     p.add_argument("--retain-mb", type=int, metavar="MIB",
                    help="MiB of recent events kept for streams that resume (default: [hub] "
                    "retain_mb, else 64); a reader further behind gets a snapshot")
@@ -164,6 +187,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
     p.add_argument("--idle-timeout", type=float, metavar="S",
                    help="close a kept-alive connection with no request for S seconds "
                    "(default 30)")
+    p.add_argument("--first-request-timeout", type=float, metavar="S",
+                   help="close a new connection that has not sent a whole request within "
+                   "S seconds (default 10)")
     p.add_argument("--demo", dest="serve_demo", action="store_true",
                    help="serve the built-in simulated fleet instead (no hosts file, no SSH): "
                    "the web board, /metrics and the event stream to try")

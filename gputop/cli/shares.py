@@ -23,13 +23,14 @@ from gputop.cli.targets import (
     reservation_seconds,
     validate_gpus,
 )
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
 from gputop.model import HostSnapshot, iso, utcnow
 from gputop.output import write_document
-from gputop.reservations import Invalid, Refused, Reservation, ReservationStore, Target
-from gputop.reservations.ops import format_duration, local_time, whoami
-from gputop.reservations.queue import share_claim, share_offered
+from gputop.reservations.ops import Invalid, Refused, format_duration, local_time, size_text, whoami
+from gputop.reservations.order import QueueView
+from gputop.reservations.queue import share_claim
+from gputop.reservations.records import Job, Reservation
 from gputop.reservations.shares import (
     ShareFit,
     ShareOutcome,
@@ -38,10 +39,11 @@ from gputop.reservations.shares import (
     room_mib,
     share_gpu,
     shares_of,
-    size_text,
 )
-from gputop.reservations.store import Job, StoreState
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.reservations.targets import parse_targets
+from gputop.reservations.terms import Target, Terms, tied
 from gputop.text import clean
 
 
@@ -94,9 +96,8 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     me = whoami(open_store(config))[0]
     check = share_claim(_fleet(config), list(snaps.values()), share, me, t,
                         skip=bool(args.skip_queue))
-    o = reserve_share(store, t, share, g.memory_total_mib, seconds=seconds,
-                      max_seconds=config.reservation_max_s, note=args.note or "", job=job,
-                      check=check, login=login_on_host(config, t.host))
+    o = reserve_share(store, t, g.memory_total_mib, _terms(config, args, share, job, seconds),
+                      check=check)
     print_share(o, g.memory_total_mib, store.read(), sys.stdout)
     if g.memory_free_mib < share:
         print(f"gputop: warning: {clean(t.label)} has {size_text(max(0, g.memory_free_mib))}"
@@ -106,13 +107,23 @@ def reserve_share_cmd(config: Config, args: argparse.Namespace, job: Job | None)
     return EXIT_OK
 
 
+def _terms(config: Config, args: argparse.Namespace, share: int, job: Job | None,
+           seconds: float) -> Terms:
+    """The terms of a share asked for on the command line (``--note``), for ``seconds``."""
+    from gputop.jobs.remote import logins
+
+    return Terms(seconds, config.reservations.max_s, args.note or "", job=tied(job),
+                 login=logins(config), share_mib=share)
+
+
 def _fits_now(config: Config, store: ReservationStore, args: argparse.Namespace, share: int
               ) -> tuple[list[HostSnapshot], list[ShareFit]]:
     """The GPUs a share fits on now, best fit first, that no waiter could use."""
     req = queue_request(config, args, one_host=False)
     hosts = asyncio.run(poll_hosts(config, set(req.hosts) or None))
-    fits = share_offered(store.read(), hosts, req, share, whoami(open_store(config))[0],
-                         _fleet(config), utcnow())
+    view = QueueView(store.read(), hosts, utcnow(), _fleet(config),
+                     whoami(open_store(config))[0])
+    fits = view.share_offered(req, share)
     return hosts, fits
 
 
@@ -163,10 +174,9 @@ def free_share_cmd(config: Config, args: argparse.Namespace) -> int:
         assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
         t = Target(f.host, f.gpu.index, f.gpu.uuid)
         try:
-            o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                              max_seconds=config.reservation_max_s, note=args.note or "",
-                              check=share_claim(_fleet(config), hosts, share, me, t),
-                              login=login_on_host(config, t.host))
+            o = reserve_share(store, t, f.gpu.memory_total_mib,
+                              _terms(config, args, share, None, seconds),
+                              check=share_claim(_fleet(config), hosts, share, me, t))
         except Refused:
             continue
         print_share(o, f.gpu.memory_total_mib, store.read(), sys.stderr)
@@ -203,7 +213,7 @@ def wait_for_share(config: Config, store: ReservationStore, args: argparse.Names
 
     req = replace(queue_request(config, args, one_host=True), share_mib=share)
     seconds = reservation_seconds(config, args.duration) if args.duration else (
-        config.reservation_max_s if job is not None else config.reservation_default_s)
+        config.reservations.max_s if job is not None else config.reservations.default_s)
     code, got = wait_in_queue(config, store, req, args, seconds=seconds, job=job)
     if code != EXIT_OK or not got:
         return None
@@ -228,7 +238,7 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
     # (a run killed before that is released after the grace: see jobs.reap).
     pending = Job(None, session=True, runner=os.getpid(), runner_start=local_start(os.getpid()))
     seconds = (reservation_seconds(config, args.duration) if args.duration
-               else config.reservation_max_s)
+               else config.reservations.max_s)
     r: Reservation | None = None
     total: int | None = None
     if args.wait:
@@ -243,11 +253,9 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
             assert f.gpu.index is not None and f.gpu.memory_total_mib is not None
             t = Target(f.host, f.gpu.index, f.gpu.uuid)
             try:
-                o = reserve_share(store, t, share, f.gpu.memory_total_mib, seconds=seconds,
-                                  max_seconds=config.reservation_max_s,
-                                  note=args.note or "", job=pending,
-                                  check=share_claim(_fleet(config), hosts, share, me, t),
-                                  login=login_on_host(config, t.host))
+                o = reserve_share(store, t, f.gpu.memory_total_mib,
+                                  _terms(config, args, share, pending, seconds),
+                                  check=share_claim(_fleet(config), hosts, share, me, t))
             except Refused:
                 continue
             r, total = o.reservation, f.gpu.memory_total_mib
@@ -270,13 +278,6 @@ def run_share(config: Config, args: argparse.Namespace, argv: Sequence[str]) -> 
 
     return asyncio.run(run_on(config, host_config(config, r.host), store, [r], argv, say,
                               env))
-
-
-def login_on_host(config: Config, host: str) -> str | None:
-    """The account this gputop logs in as on ``host`` (``jobs.remote.login_on``)."""
-    from gputop.jobs.remote import logins
-
-    return logins(config)(host)
 
 
 def _fleet(config: Config) -> list[str]:

@@ -14,7 +14,7 @@ from gputop.cli.options import for_subcommand
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_ERROR, EXIT_OK
 from gputop.extras import MissingExtra, is_extra_module
 

@@ -28,9 +28,10 @@ from gputop.reservations.flags import (
     share_flags,
     unshared_mib,
 )
-from gputop.reservations.ops import format_duration
-from gputop.reservations.shares import holder_use_mib, share_index, size_text
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.ops import format_duration, left_text, size_text
+from gputop.reservations.records import Reservation
+from gputop.reservations.shares import holder_use_mib, share_index
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import CLASSES, INSTANCE_CLASSES, fleet_summary
 from gputop.text import clean
 
@@ -89,7 +90,7 @@ def _memory(g: GpuInfo) -> str:
 def _reserved(r: Reservation | None, now: datetime) -> str:
     if r is None:
         return "-"
-    return f"{clean(r.user)} {format_duration((r.expires - now).total_seconds())}"
+    return f"{clean(r.user)} {left_text(r, now)}"
 
 
 def _ago(host: HostSnapshot, now: datetime) -> str:
@@ -208,7 +209,7 @@ def _shared_rows(name: str, host: str, g: GpuInfo, shares: tuple[Reservation, ..
         used = holder_use_mib(g, r)
         out.append((["", "", "share", "", f"{used / 1024:.1f}/{size_text(r.share_mib or 0)}",
                      clean(r.user),
-                     f"{clean(r.user)} {format_duration((r.expires - now).total_seconds())}",
+                     f"{clean(r.user)} {left_text(r, now)}",
                      ",".join(f)], ["", "", "dim", "", "", "", "reserved", "flag"]))
     return out
 

@@ -10,24 +10,23 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gputop.config import Config, HostConfig, parse_duration, reserving_problem
-from gputop.model import HostSnapshot
-from gputop.poller import first_answer_s, open_poller
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    Target,
-)
-from gputop.reservations.ops import format_duration, whoami
+from gputop.config.load import Config, reserving_problem
+from gputop.config.tables import HostConfig
+from gputop.config.values import parse_duration
+from gputop.hubclient.poller import open_poller
+from gputop.model import HostSnapshot, utcnow
+from gputop.poller import first_answer_s
+from gputop.reservations import open as store_open
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.ops import Invalid, format_duration, whoami
 from gputop.reservations.queue import (
     Request,
 )
-from gputop.reservations.records import MAX_USER_ENTRIES
+from gputop.reservations.records import MAX_USER_ENTRIES, Reservation
 from gputop.reservations.shares import parse_size_mib
-from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids
-from gputop.sources import shared_file
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.targets import BY_UUID, check_targets, resolve_uuids, with_held
+from gputop.reservations.terms import Target
 from gputop.text import clean
 
 
@@ -81,13 +80,13 @@ async def poll_hosts(config: Config, names: set[str] | None = None) -> list[Host
 def reservation_seconds(config: Config, text: str | None) -> float:
     """``--for``: a clear message for what cannot be a reservation's length."""
     if text is None:
-        return config.reservation_default_s
+        return config.reservations.default_s
     try:
         seconds = parse_duration(text)
     except ValueError:
         seconds = 0.0
-    longest = format_duration(config.reservation_max_s)
-    if seconds > config.reservation_max_s:
+    longest = format_duration(config.reservations.max_s)
+    if seconds > config.reservations.max_s:
         raise Invalid(f"--for {text}: longer than the longest reservation here, {longest} "
                       "([reservations] max_duration): ask for that or less, and again "
                       "before it ends")
@@ -107,13 +106,15 @@ def validate_gpus(config: Config, targets: list[Target],
     from gputop.history.known import known_gpus
     from gputop.jobs.remote import logins
 
-    me = whoami(open_store(config))[0]
+    store = open_store(config)
+    me = whoami(store)[0]
     if snaps is None:
         snaps = {}
     snaps.update({h.name: h for h in asyncio.run(poll_hosts(config, {t.host for t in targets}))})
     down = {n for n, h in snaps.items() if not h.ok}
-    out, warnings = check_targets(targets, snaps, me, logins(config),
-                                  known_gpus(config, down) if down else None)
+    known = with_held(known_gpus(config, down), read_quietly(store), me, down, utcnow()) \
+        if down else None
+    out, warnings = check_targets(targets, snaps, me, logins(config), known)
     for w in warnings:
         print(f"gputop: warning: {w}", file=sys.stderr)
     return out
@@ -121,8 +122,8 @@ def validate_gpus(config: Config, targets: list[Target],
 def open_store(config: Config) -> ReservationStore:
     """The config's reservations file (a path, or ``HOST:/path`` over SSH), read with its
     ``max_duration`` (an expiry further ahead counts as created + max_duration and is
-    flagged ``beyond-max``): :func:`gputop.sources.shared_file.open_store`."""
-    return shared_file.open_store(config)
+    flagged ``beyond-max``): :func:`gputop.reservations.open.open_store`."""
+    return store_open.open_store(config)
 
 def host_config(config: Config, name: str) -> HostConfig:
     return next(h for h in config.hosts if h.name == name)

@@ -10,18 +10,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from gputop.cli.targets import max_wait_s
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.errors import EXIT_NO_HOST, EXIT_OK, EXIT_REFUSED
-from gputop.reservations import (
-    Invalid,
-    Reservation,
-    ReservationStore,
-)
+from gputop.reservations.ops import Invalid
 from gputop.reservations.queue import (
     DEFAULT_LEASE_S,
     Request,
 )
-from gputop.reservations.store import MAX_LEASE_S, Job
+from gputop.reservations.records import MAX_LEASE_S, Job, Reservation
+from gputop.reservations.store import ReservationStore
 
 
 def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: argparse.Namespace,
@@ -47,7 +44,7 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
 
         def reaper() -> None:  # in the background, at most every few intervals
             loop = asyncio.get_running_loop()
-            if loop.time() - last_reap[0] < max(5.0, 3 * config.interval) or pending:
+            if loop.time() - last_reap[0] < max(5.0, 3 * config.defaults.interval) or pending:
                 return
             last_reap[0] = loop.time()
             t = loop.create_task(check_jobs(config, store))

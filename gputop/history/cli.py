@@ -8,7 +8,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from gputop.config import Config, parse_duration
+from gputop.config.load import Config
+from gputop.config.values import parse_duration
 from gputop.errors import UsageError
 from gputop.history.db import HistoryDB
 from gputop.history.render import write_csv, write_plot, write_text
@@ -50,7 +51,7 @@ def time_range(args: argparse.Namespace, now: float) -> tuple[float, float]:
 
 def report(config: Config, args: argparse.Namespace) -> int:
     start, end = time_range(args, time.time())
-    path = Path(args.db).expanduser() if args.db else config.history_path
+    path = Path(args.db).expanduser() if args.db else config.history.path
     with HistoryDB(path) as db:
         doc = summarise(collect(db, start, end))
     if args.plot:

@@ -12,7 +12,7 @@ import json
 import sqlite3
 from collections.abc import Collection
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.history.db import HistoryDB, HistoryError
 from gputop.reservations.targets import Known
 
@@ -32,7 +32,7 @@ def known_gpus(config: Config, hosts: Collection[str]) -> dict[str, Known]:
 
 
 def _from_history(config: Config, hosts: Collection[str]) -> dict[str, Known]:
-    path = config.history_path
+    path = config.history.path
     if not hosts or not path.is_file():
         return {}
     try:

@@ -13,12 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.history.db import HistoryDB
 from gputop.history.recorder import Recorder
 from gputop.model import HostSnapshot
-from gputop.reservations.store import StoreError, StoreState
-from gputop.sources.shared_file import open_store
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.open import open_store
+from gputop.reservations.state import StoreState
 
 #: Minutes are rolled up this often, so a report reads few raw samples.
 MAINTAIN_EVERY_S = 20.0
@@ -26,14 +27,15 @@ MAINTAIN_EVERY_S = 20.0
 
 class LiveRecorder:
     def __init__(self, config: Config, path: Path | None = None) -> None:
-        self.path = path or config.history_path
+        self.path = path or config.history.path
         self.db = HistoryDB(self.path, writer=True)
-        self.recorder = Recorder(self.db, interval=config.interval, timeout=config.timeout,
-                                 raw_keep_s=config.history_raw_keep_s,
-                                 minute_keep_s=config.history_minute_keep_s,
-                                 hour_keep_s=config.history_hour_keep_s)
+        self.recorder = Recorder(self.db, interval=config.defaults.interval,
+                                 timeout=config.defaults.timeout,
+                                 raw_keep_s=config.history.keep_raw_s,
+                                 minute_keep_s=config.history.keep_minutes_s,
+                                 hour_keep_s=config.history.keep_hours_s)
         self.store = open_store(config)
-        self.interval = config.interval
+        self.interval = config.defaults.interval
         self._read_at = -1e18
         self._maintained_at = time.monotonic()
         self._problem: str | None = None
@@ -71,7 +73,7 @@ async def record_forever(config: Config, path: Path | None = None) -> None:
     from gputop.poller import Poller
 
     live = LiveRecorder(config, path)
-    print(f"gputop: recording {len(config.hosts)} host(s) every {config.interval:g} s to "
+    print(f"gputop: recording {len(config.hosts)} host(s) every {config.defaults.interval:g} s to "
           f"{live.path}", file=sys.stderr)
     poller = Poller(config)
     task = asyncio.current_task()

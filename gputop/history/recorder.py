@@ -38,7 +38,8 @@ from gputop.history.accounting import UNKNOWN_USER, account, mig_fraction
 from gputop.history.db import GPU_METRICS, USER_METRICS, HistoryDB, HistoryError
 from gputop.history.names import MAX_NAMED, OTHER_NAMES, GpuGate, NameGate, fold
 from gputop.model import GpuInfo, HostSnapshot, ProcessInfo
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.records import Reservation
+from gputop.reservations.state import StoreState
 
 RAW_KEEP_S = 2 * 86400.0
 MINUTE_KEEP_S = 30 * 86400.0

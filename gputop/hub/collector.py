@@ -18,21 +18,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.hub.patches import host_change
 from gputop.model import SCHEMA_VERSION, HostError, HostSnapshot, iso, utcnow
 from gputop.output import dumps
 from gputop.poller import Poller
-from gputop.reservations import StoreError
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
     IdleTracker,
     annotated_host,
     queue_document,
     reservations_document,
 )
-from gputop.reservations.store import StoreState
+from gputop.reservations.open import open_store
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import Tally, host_tally, indexes
-from gputop.sources.shared_file import open_store
 
 #: Top-level keys an update's ``set`` may carry (anything but version, time and hosts).
 OTHER_KEYS = ("queue", "reservations", "reservations_error", "summary")
@@ -59,11 +59,12 @@ class Collector:
         self.config = config
         self.poller = poller if poller is not None else Poller(config)
         self.names = [s.name for s in self.poller.sources]
-        self.coalesce_s = coalesce_s if coalesce_s is not None else min(0.1, config.interval / 4)
+        self.coalesce_s = (coalesce_s if coalesce_s is not None
+                           else min(0.1, config.defaults.interval / 4))
         self.store = open_store(config)
         #: How often the shared file's signature is looked at (a stat, or one round trip).
-        self.store_every_s = min(2.0, max(0.25, config.interval / 2))
-        self.tracker = IdleTracker(config.idle_holder_s, config.idle_grace_s)
+        self.store_every_s = min(2.0, max(0.25, config.defaults.interval / 2))
+        self.tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s)
         self.stats = {n: HostStats() for n in self.names}
         self.refreshes = 0  # folds that changed something
         self.folds = 0

@@ -8,7 +8,8 @@ comes back with an old run's ``Last-Event-ID`` gets a fresh snapshot). The last
 Each subscriber has a bounded backlog of framed events. A subscriber that falls
 ``backlog`` events behind (it reads slower than the hub publishes, or not at all) is
 dropped: its stream is ended, never buffered without bound. At most ``max_subscribers``
-streams run at once; one more is refused (503).
+streams run at once, and ``max_per_client`` from one peer address; one more is refused
+(503).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Subscriber:
         self.backlog = backlog
         self.ready = asyncio.Event()
         self.dropped = False
+        self.client = ""  # the peer's address (its streams are bounded together)
         self._on_drop = on_drop
 
     def offer(self, data: bytes) -> None:
@@ -66,6 +68,12 @@ class Subscriber:
         return out
 
 
+def per_client_streams(max_subscribers: int) -> int:
+    """``--max-subscribers-per-client``'s default: a quarter of the streams, at least 4,
+    never more than all of them (a small bound stays whole for one client)."""
+    return min(max_subscribers, max(4, max_subscribers // 4))
+
+
 #: The retained window's bound in bytes (both framings of each event counted).
 RETAIN_BYTES = 64 * 1024 * 1024
 
@@ -78,8 +86,8 @@ class EventLog:
     """The update stream: numbering, the retained window, and who listens."""
 
     def __init__(self, *, retain: int = 256, retain_bytes: int = RETAIN_BYTES,
-                 max_subscribers: int = 64, backlog: int = 64, epoch: str | None = None
-                 ) -> None:
+                 max_subscribers: int = 64, backlog: int = 64, epoch: str | None = None,
+                 max_per_client: int | None = None) -> None:
         # Milliseconds since 1970 in hex, and some randomness: two runs never share one.
         self.epoch = epoch or f"{int(time.time() * 1000):x}{secrets.token_hex(2)}"
         self.seq = 0
@@ -90,6 +98,10 @@ class EventLog:
         self.retain, self.retain_bytes = retain, retain_bytes
         self.retained_bytes = 0
         self.max_subscribers = max_subscribers
+        self.max_per_client = (per_client_streams(max_subscribers) if max_per_client is None
+                               else max_per_client)
+        self.clients: dict[str, int] = {}  # streams open per peer address
+        self.why_refused = ""
         self.backlog = backlog
         self.subscribers: set[Subscriber] = set()
         self.dropped = 0  # subscribers dropped for falling behind, for /metrics
@@ -140,19 +152,34 @@ class EventLog:
         """Whether a subscriber reads patches now (else no patch need be worked out)."""
         return any(s.patches for s in self.subscribers)
 
-    def subscribe(self, kill: Callable[[], None], *, patches: bool = False
-                  ) -> Subscriber | None:
-        """A new subscriber, or None when ``max_subscribers`` streams already run. ``kill``
-        ends its stream (called when it falls too far behind)."""
+    def subscribe(self, kill: Callable[[], None], *, patches: bool = False,
+                  client: str = "") -> Subscriber | None:
+        """A new subscriber, or None when ``max_subscribers`` streams already run, or
+        ``max_per_client`` of them for ``client`` (the peer's address; why is then in
+        ``why_refused``). ``kill`` ends its stream (called when it falls too far behind)."""
         if len(self.subscribers) >= self.max_subscribers:
             self.refused += 1
+            self.why_refused = f"{self.max_subscribers} already open (--max-subscribers)"
+            return None
+        if self.clients.get(client, 0) >= self.max_per_client:
+            self.refused += 1
+            self.why_refused = (f"{self.max_per_client} already open from that address "
+                                "(--max-subscribers-per-client)")
             return None
         sub = Subscriber(self.backlog, self._drop, patches)
+        sub.client = client
+        self.clients[client] = self.clients.get(client, 0) + 1
         self.subscribers.add(sub)
         self._kills[sub] = kill
         return sub
 
     def unsubscribe(self, sub: Subscriber) -> None:
+        if sub in self.subscribers:
+            left = self.clients.get(sub.client, 1) - 1
+            if left > 0:
+                self.clients[sub.client] = left
+            else:
+                self.clients.pop(sub.client, None)
         self.subscribers.discard(sub)
         self._kills.pop(sub, None)
 

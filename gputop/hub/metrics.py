@@ -25,7 +25,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gputop import __version__
-from gputop.sources.hub_schema import schema
+from gputop.hubclient.schema import schema
 
 #: Every flag a GPU or instance may carry (the schema's own list): one 0/1 series each.
 FLAGS: tuple[str, ...] = tuple(
@@ -301,7 +301,8 @@ class _Gauges:
         self.conn_refused = C("gputop_hub_connections_refused",
                               "HTTP connections closed at once: too many open.")
         self.conn_stalled = C("gputop_hub_connections_stalled",
-                              "HTTP connections closed for not reading their answers.")
+                              "HTTP connections closed for not reading their answers, or "
+                              "for sending no request in time.")
 
     def all(self) -> list[Metric]:
         return [v for v in vars(self).values() if isinstance(v, Metric)]

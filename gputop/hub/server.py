@@ -1,6 +1,6 @@
 """``gputop serve``: the hub's HTTP side (aiohttp), read-only.
 
-aiohttp serves the routes, the SSE streams and (in ``gputop.sources.hub``) the client,
+aiohttp serves the routes, the SSE streams and (in ``gputop.hubclient.client``) the client,
 all on the poller's own event loop: the hub is one process, one loop, one collection,
 and nothing to hand between threads (starlette + uvicorn would have split the server
 from the client library and brought a second loop's worth of machinery).
@@ -8,8 +8,9 @@ from the client library and brought a second loop's worth of machinery).
 Every response carries a Content-Security-Policy that allows only the hub itself (no
 inline script, no other origin) and ``X-Content-Type-Options: nosniff``. Requests are
 bounded: request line and header sizes, header count, no bodies (``client_max_size``),
-at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams; a client
-that stops reading is cut off (gputop.hub.conn). With a token file, every route but
+at most ``MAX_REQUESTS`` handled at once and ``max_subscribers`` event streams (and a
+share of those and of the connections per peer address); a client that stops reading, or
+sends no request in time, is cut off (gputop.hub.conn). With a token file, every route but
 ``/-/healthy``, ``/-/ready`` and the web page's own files needs ``Authorization: Bearer
 <token>``. No cookie authenticates: a browser sends a host's cookies to every port of it,
 so another service there could take one and replay it. The web board holds the token in
@@ -35,9 +36,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gputop.config import HUB_MAX_CONNECTIONS, Config, listen_problem
+from gputop.config.load import HUB_MAX_CONNECTIONS, Config
+from gputop.config.values import listen_problem
 from gputop.hub.collector import Collector
-from gputop.hub.conn import Throttled, abort, cut_stalled, limit_connections
+from gputop.hub.conn import Guard, Throttled, abort, cut_stalled, limit_connections, peer_of
 from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
 from gputop.hub.waste import WasteCache
@@ -54,6 +56,10 @@ KEEPALIVE_S = 15.0
 #: the machine could hold the hub's file descriptors (which its SSH connections and its
 #: history need too) with sockets that never finish a request.
 IDLE_S = 30.0
+#: A connection that has not sent one whole request (line and headers) this long after
+#: opening is closed (``--first-request-timeout``): sockets opened and left silent, or
+#: dripping their first request, cannot hold the pool for the idle limit.
+FIRST_REQUEST_S = 10.0
 #: A connection whose socket takes no bytes for this long is closed (``--write-timeout``).
 WRITE_TIMEOUT_S = 10.0
 #: Events are written in pieces this size, each awaiting the socket: a stream that stops
@@ -130,25 +136,30 @@ class Hub:
 
     def __init__(self, config: Config, *, collector: Collector | None = None,
                  token: str | None = None, max_subscribers: int = 64, backlog: int = 64,
+                 max_subscribers_per_client: int | None = None,
                  retain: int = 256, retain_bytes: int = RETAIN_BYTES,
                  keepalive_s: float = KEEPALIVE_S, write_timeout_s: float | None = None,
                  web_dir: Path = WEB_DIR) -> None:
         self.config = config
         self.collector = collector or Collector(config)
         self.events = EventLog(retain=retain, retain_bytes=retain_bytes,
-                               max_subscribers=max_subscribers, backlog=backlog)
+                               max_subscribers=max_subscribers, backlog=backlog,
+                               max_per_client=max_subscribers_per_client)
         self.collector.on_update = self._published
         self.collector.patches_wanted = self.events.patch_readers
         self.token = token
         self.keepalive_s = keepalive_s
         self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
-        self.connections_stalled = 0  # closed: stopped reading (cut_stalled)
+        self.connections_stalled = 0  # closed: stopped reading, or no request (cut_stalled)
+        #: The connection bounds (serve sets it): which connections may ask only probes.
+        self.guard: Guard | None = None
+        self.streams_log = Throttled()
         self.tickets: dict[str, float] = {}  # event-stream ticket: when it expires
         self.static = static_files(web_dir)
         self._snapshot: tuple[int, bytes, bytes] | None = None  # seq, JSON, SSE frame
         self._inflight = 0
-        self.waste = WasteCache(config.history_path)
+        self.waste = WasteCache(config.history.path)
         #: Listening on loopback only: requests must name a loopback host too, so a web
         #: page elsewhere cannot read the hub through DNS rebinding (serve sets it).
         self.loopback_names_only = False
@@ -198,6 +209,12 @@ class Hub:
                         and self._use_ticket(request.query.get("ticket", "")))):
                 raise web.HTTPUnauthorized(text="a bearer token is needed\n",
                                            headers={"WWW-Authenticate": "Bearer"})
+        if self.guard is not None and not self.guard.allows(request.protocol, request.path):
+            # (a place of the reserve kept for probes: this connection ends after)
+            raise web.HTTPServiceUnavailable(text="too many connections open; only "
+                                             "/-/healthy and /-/ready answer\n",
+                                             headers={"Connection": "close",
+                                                      "Retry-After": "10"})
         if request.path == "/api/v1/events":  # bounded by max_subscribers instead
             return await handler(request)
         if self._inflight >= MAX_REQUESTS:
@@ -268,8 +285,7 @@ class Hub:
                 await self._write(resp, body)
             await asyncio.wait_for(resp.write_eof(), self.write_timeout_s)
         except asyncio.TimeoutError:
-            self.connections_stalled += 1
-            _abort(request)
+            self._stalled(request)
         return resp
 
     async def events_route(self, request: web.Request) -> web.StreamResponse:
@@ -289,8 +305,11 @@ class Hub:
             _abort(request)
             task.cancel()
 
-        sub = self.events.subscribe(kill, patches=patches)
+        sub = self.events.subscribe(kill, patches=patches,
+                                    client=peer_of(request.transport))
         if sub is None:
+            self.streams_log.say(f"refused an event stream from "
+                                 f"{peer_of(request.transport)}: {self.events.why_refused}")
             raise web.HTTPServiceUnavailable(text="too many event streams open\n",
                                              headers={"Retry-After": "10"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -313,11 +332,17 @@ class Hub:
         except ConnectionError:
             _abort(request)  # the client went: its connection ends
         except asyncio.TimeoutError:
-            self.connections_stalled += 1  # it stopped reading: its connection ends
-            _abort(request)
+            self._stalled(request)  # it stopped reading: its connection ends
         finally:
             self.events.unsubscribe(sub)
         return resp
+
+    def _stalled(self, request: web.Request) -> None:
+        """End the connection of a client that stopped reading, counted once: cut_stalled
+        may have ended it in the same turn of a loop that was busy past both deadlines."""
+        if request.transport is not None and not request.transport.is_closing():
+            self.connections_stalled += 1
+        _abort(request)
 
     async def _write(self, resp: web.StreamResponse, *datas: bytes) -> None:
         """Each of ``datas`` in pieces (each waits for the socket only when it is full),
@@ -435,7 +460,8 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None,
                 max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
-                **hub_options: Any) -> None:
+                max_connections_per_client: int | None = None,
+                first_request_s: float = FIRST_REQUEST_S, **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
@@ -443,8 +469,10 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     hub.loopback_names_only = is_loopback(host)
     runner = make_runner(hub, idle_s=idle_s)
     await runner.setup()
-    limit_connections(hub, runner, max_connections, Throttled())
-    cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled()))
+    hub.guard = limit_connections(hub, runner, max_connections, Throttled(),
+                                  per_client=max_connections_per_client)
+    cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled(),
+                                              first_request_s=first_request_s))
     collecting = asyncio.create_task(hub.collector.run())
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)

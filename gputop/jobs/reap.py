@@ -24,17 +24,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.jobs.remote import START_SLACK_S, Alive, JobHostError, alive_on, local_start
 from gputop.model import HostSnapshot, iso
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import whoami
-from gputop.reservations.store import (
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.records import Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 
 
 def job_gone(r: Reservation, alive: Alive, now: datetime, grace_s: float,
@@ -80,7 +77,7 @@ async def gpus_on(config: Config, names: Sequence[str]) -> dict[str, HostSnapsho
     started for a single look."""
     from gputop.poller import Poller
 
-    cfg = replace(config, collection="query",
+    cfg = replace(config.with_defaults(collection="query"),
                   hosts=tuple(h for h in config.hosts if h.name in names))
     poller = Poller(cfg)
     try:
@@ -113,7 +110,7 @@ async def check_jobs(config: Config, store: ReservationStore) -> list[Reservatio
     answers, gpus = await asyncio.gather(
         asyncio.gather(*(ask(n) for n in names)), gpus_on(config, names))
     return await asyncio.to_thread(apply_checks, store, dict(zip(names, answers)),
-                                   config.job_grace_s, gpus)
+                                   config.reservations.job_grace_s, gpus)
 
 
 def apply_checks(store: ReservationStore, answers: dict[str, Alive | None],

@@ -14,9 +14,10 @@ from typing import Any
 
 import asyncssh
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import HostConfig
 from gputop.model import HostSnapshot
-from gputop.sources.transport import JumpPool, known_hosts_for, resolve_options
+from gputop.ssh.transport import JumpPool, known_hosts_for, resolve_options
 
 #: ``ps`` prints only numbers, a state and a start time here (C locale, UTC): nothing a
 #: remote user chooses can forge a row. A zombie (state Z: exited, not yet reaped by its
@@ -53,16 +54,16 @@ class JobHostError(Exception):
 async def connect(config: Config, host: HostConfig,
                   jumps: JumpPool | None = None) -> tuple[asyncssh.SSHClientConnection,
                                                          JumpPool]:
-    opts = resolve_options(host.address or host.name, ssh_config=config.ssh_config,
+    opts = resolve_options(host.address or host.name, ssh_config=config.defaults.ssh_config,
                            port=host.port, user=host.user)
-    jumps = jumps or JumpPool(config.ssh_config)
+    jumps = jumps or JumpPool(config.defaults.ssh_config)
     spec = opts.tunnel
     tunnel: Any = ()
     if isinstance(spec, str) and spec.lower() != "none":
         tunnel = await jumps.get(spec)
     conn = await asyncio.wait_for(asyncssh.connect(
         opts.host, opts.port, options=opts, tunnel=tunnel, known_hosts=known_hosts_for(opts),
-        keepalive_interval=15, keepalive_count_max=3), config.timeout)
+        keepalive_interval=15, keepalive_count_max=3), config.defaults.timeout)
     return conn, jumps
 
 
@@ -75,7 +76,7 @@ def login_on(config: Config, host: HostConfig) -> str:
     if host.local:
         return me
     try:
-        opts = resolve_options(host.address or host.name, ssh_config=config.ssh_config,
+        opts = resolve_options(host.address or host.name, ssh_config=config.defaults.ssh_config,
                                port=host.port, user=host.user)
     except (OSError, ValueError, asyncssh.Error):
         return me  # connecting would fail the same way: nothing runs there as anyone
@@ -234,7 +235,7 @@ async def alive_on(config: Config, host: HostConfig) -> Alive:
     except (OSError, asyncssh.Error, asyncio.TimeoutError, ValueError) as exc:
         raise JobHostError(f"{host.name}: {exc or type(exc).__name__}") from None
     try:
-        return await alive_via(conn, host.name, config.timeout)
+        return await alive_via(conn, host.name, config.defaults.timeout)
     finally:
         conn.close()
         await jumps.close()

@@ -34,7 +34,8 @@ from datetime import datetime
 
 import asyncssh
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import HostConfig
 from gputop.jobs.reap import check_jobs, gpus_on, release_ids, uses_gpu
 from gputop.jobs.remote import (
     Alive,
@@ -45,13 +46,10 @@ from gputop.jobs.remote import (
     local_start,
     parse_lstart,
 )
-from gputop.reservations.store import (
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.records import Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.text import clean
 
 MARKER = b"gputop-job-pid "
@@ -162,7 +160,7 @@ async def run_on(config: Config, host: HostConfig, store: ReservationStore,
     more variables for the job (``share_env``)."""
     devices = devices_of(rs)
     if host.local:
-        result = await _run_local(store, rs, argv, devices, config.job_grace_s, env)
+        result = await _run_local(store, rs, argv, devices, config.reservations.job_grace_s, env)
     else:
         result = await _run_remote(config, host, store, rs, argv, devices, say, env)
     if result.ended and result.started:
@@ -175,7 +173,7 @@ async def run_on(config: Config, host: HostConfig, store: ReservationStore,
                 say(f"the command exited ({result.code}), but processes of yours still use "
                     + ", ".join(f"{clean(r.host)}:{r.gpu}" for r in busy)
                     + ": the reservation stays until none is left for "
-                    f"{config.job_grace_s:g}s, then any gputop command of yours (e.g. "
+                    f"{config.reservations.job_grace_s:g}s, then any gputop command of yours (e.g. "
                     "gputop reservations) releases it")
                 return result.code
     if result.ended:
@@ -366,15 +364,15 @@ async def _run_remote(config: Config, host: HostConfig, store: ReservationStore,
             what = f"the job (pid {pid[0]})" if pid else "the job"
             say(f"the SSH connection to {host.name} was lost; {what} may still be running "
                 f"there. Its reservation is kept until a gputop sees the job gone for "
-                f"{config.job_grace_s:g}s (or it expires)")
+                f"{config.reservations.job_grace_s:g}s (or it expires)")
             await _recorded(recording)
             return JobResult(EXIT_SSH, False)
         code = exit_code(status, sig[0] if sig else None)
         if pid:
-            left = await _leftovers(lambda: alive_via(conn, host.name, config.timeout),
+            left = await _leftovers(lambda: alive_via(conn, host.name, config.defaults.timeout),
                                     pid[0], starts[0] if starts else None)
             if left:
-                _say_left(say, code, left, host.name, config.job_grace_s)
+                _say_left(say, code, left, host.name, config.reservations.job_grace_s)
                 return JobResult(code, False)
         return JobResult(code, True)
     except (OSError, asyncssh.Error) as exc:

@@ -17,28 +17,26 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gputop.config import Config, reserving_problem
+from gputop.config.load import Config, reserving_problem
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.ops import Invalid, Refused
 from gputop.reservations.queue import (
     LeftQueue,
     Queue,
+    QueueView,
     Request,
     capacity,
     ceiling,
-    grantable,
     removed_by,
     unsatisfiable,
 )
-from gputop.reservations.store import (
-    LAPSED_KEEP_S,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreError,
-    StoreState,
-)
+from gputop.reservations.records import LAPSED_KEEP_S, Job, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Terms
 from gputop.text import clean, excerpt
 
 #: How often a waiter looks at the file between refreshes (a stat, no lock).
@@ -180,7 +178,7 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                 doubt_since = None
             elif doubt_since is None:
                 doubt_since = time.monotonic()
-            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.interval:
+            elif time.monotonic() - doubt_since >= GIVE_UP_AFTER * config.defaults.interval:
                 # Not a one-off odd answer: the hosts changed.
                 raise Invalid(f"left the queue: the hosts changed, {why}")
             pos_now = q.position(state, now)
@@ -196,8 +194,10 @@ async def wait_for_gpus(config: Config, store: ReservationStore, req: Request, *
                     "again at the end")
                 last = await asyncio.to_thread(q.join)
                 continue
-            if grantable(state, q.id, hosts, now, fleet=fleet, seconds=seconds) is not None:
-                got = await _try_grant(q, hosts, seconds, note, job, fleet, say)
+            view = QueueView(state, hosts, now, fleet)
+            if view.grantable(q.id, seconds=seconds) is not None:
+                got = await _try_grant(q, hosts, Terms(seconds, note=note, job=job), fleet,
+                                       say)
                 if got is not None:
                     return got
             elif pos_now != last:
@@ -319,14 +319,12 @@ def _names(hosts: list[HostSnapshot]) -> str:
     return ", ".join(clean(h.name) for h in hosts[:8]) + (", ..." if len(hosts) > 8 else "")
 
 
-async def _try_grant(q: Queue, hosts: list[HostSnapshot], seconds: float, note: str,
-                     job: Callable[[str], Job | None] | None, fleet: list[str],
+async def _try_grant(q: Queue, hosts: list[HostSnapshot], terms: Terms, fleet: list[str],
                      say: Callable[[str], None]) -> list[Reservation] | None:
     """One grant attempt off the event loop; a lapsed place (joined again by the loop) or
     a lock held too long (tried again next time) is not the end of the wait."""
     try:
-        return await asyncio.to_thread(q.try_grant, hosts, seconds=seconds, note=note,
-                                       job=job, fleet=fleet)
+        return await asyncio.to_thread(q.try_grant, hosts, terms, fleet)
     except LeftQueue:
         return None
     except StoreError as exc:

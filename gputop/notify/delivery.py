@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputop.config import Config
+from gputop.config.load import Config
+from gputop.config.notify import NotifyConfig
 from gputop.model import iso, utcnow
 from gputop.notify.channels.formats import HTTP_FORMATS, email
 from gputop.notify.channels.send import DeliveryError, http_post, read_secret, smtp_send
 from gputop.notify.notice import Notice, Route
-from gputop.notify_config import NotifyConfig
 from gputop.reservations.store import ReservationStore
 from gputop.text import excerpt
 
@@ -342,4 +342,4 @@ def start_notifier(config: Config, store: ReservationStore) -> Notifier:
     from gputop.notify.routes import store_routes
 
     return Notifier(config.notify, store_routes(store, config.notify),
-                    status_file=status_path(config.notify, config.history_path)).start()
+                    status_file=status_path(config.notify, config.history.path)).start()

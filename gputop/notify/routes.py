@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 
+from gputop.config.notify import NotifyConfig
 from gputop.notify.notice import Route
-from gputop.notify_config import NotifyConfig
 from gputop.reservations.ops import Invalid, whoami
 from gputop.reservations.records import ROUTE_KINDS, RouteRecord, route_target_problem
 from gputop.reservations.store import ReservationStore, StoreState

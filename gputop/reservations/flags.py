@@ -19,6 +19,7 @@ from gputop.model import (
     iso,
     utcnow,
 )
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import (
     ShareFit,
     best_fit,
@@ -28,7 +29,7 @@ from gputop.reservations.shares import (
     share_dict,
     share_index,
 )
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.state import StoreState
 
 #: Utilisation at or below this, with memory held, counts as "idle holder".
 IDLE_UTIL_PERCENT = 2

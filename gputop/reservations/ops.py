@@ -12,15 +12,11 @@ from typing import Literal
 
 from gputop.errors import EXIT_REFUSED, GputopError
 from gputop.model import iso
-from gputop.reservations.store import (
-    MAX_NOTE,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    local_identity,
-    new_reservation,
-)
+from gputop.reservations.records import MAX_NOTE, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore, local_identity
+from gputop.reservations.terms import Target as Target
+from gputop.reservations.terms import Terms, new_reservation
 from gputop.text import clean
 
 
@@ -86,6 +82,15 @@ def ends_with(r: Reservation) -> str | None:
             + (" (gone: released soon)" if job.gone_since is not None else ""))
 
 
+def left_text(r: Reservation, now: datetime) -> str:
+    """The time a table cell gives a reservation: what is left of it, or ``job`` for one
+    that ends with its job (its expiry is only a bound: read as "7d" it looked held for a
+    week)."""
+    if r.job is not None:
+        return "job"
+    return format_duration(max(0.0, (r.expires - now).total_seconds()))
+
+
 def size_text(mib: int) -> str:
     """``30G``, ``19.6G``, ``512M``: sizes as people type them to ``--share``, rounded
     down to a tenth of a GiB (so that a room said is a room that fits: an "80 GB" H100
@@ -116,19 +121,6 @@ def check_note(note: str) -> str:
 
 
 @dataclass(frozen=True)
-class Target:
-    host: str
-    gpu: int
-    uuid: str | None = None
-    #: A MIG GPU instance id; None: the whole GPU.
-    instance: int | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.host}:{self.gpu}" + ("" if self.instance is None else f"/{self.instance}")
-
-
-@dataclass(frozen=True)
 class Outcome:
     """What ``reserve`` did to one GPU: a new reservation, or your own one extended or kept
     (it already lasted longer than asked; ``previous`` is how it was before), or your own
@@ -140,36 +132,48 @@ class Outcome:
 
 
 def reserve(store: ReservationStore, targets: Sequence[Target], *, seconds: float,
-            max_seconds: float,
-            note: str = "", user: str | None = None, machine: str | None = None
-            ) -> list[Reservation]:
+            max_seconds: float, note: str = "", user: str = "") -> list[Reservation]:
     """Reserve every target or none (see ``reserve_outcomes``)."""
     return [o.reservation for o in reserve_outcomes(
-        store, targets, seconds=seconds, max_seconds=max_seconds, note=note, user=user,
-        machine=machine)]
+        store, targets, Terms(seconds, max_seconds, note, user=user))]
 
 
-def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], *, seconds: float,
-                     max_seconds: float, note: str = "", user: str | None = None,
-                     machine: str | None = None, job: Job | None = None,
+def check_terms(terms: Terms) -> None:
+    """Refuse terms that may not be written: a duration beyond ``max_seconds``, a bad note."""
+    if terms.seconds <= 0 or terms.seconds > terms.max_seconds:
+        raise Invalid("duration must be between 1 second and "
+                      f"{format_duration(terms.max_seconds)}")
+    check_note(terms.note)
+
+
+def signed(store: ReservationStore, terms: Terms) -> Terms:
+    """``terms`` with who asks filled in where not given: who this gputop is to ``store``."""
+    me, here = whoami(store)
+    return replace(terms, user=terms.user or me, machine=terms.machine or here)
+
+
+def until(terms: Terms, now: datetime) -> datetime:
+    try:
+        return now + timedelta(seconds=terms.seconds)
+    except OverflowError:
+        raise Invalid(f"duration too long: {terms.seconds:g} seconds") from None
+
+
+def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], terms: Terms, *,
                      check: Callable[[StoreState, datetime], Collection[str] | None]
-                     | None = None,
-                     event: str | None = None,
-                     login: Callable[[str], str | None] | None = None) -> list[Outcome]:
+                     | None = None, event: str | None = None) -> list[Outcome]:
     """Reserve every target or none. Your own reservations are extended (note replaced if
     given) or kept when they already last longer; anyone else's unexpired one refuses the
-    whole request. ``job`` ties every one of them to that job (``--until-exit``).
+    whole request. ``terms.job`` ties every one of them to that job (``--until-exit``).
     ``check`` may refuse under the lock (the queue's claim); the targets (labels) it
     returns are recorded in the file's audit trail under ``event`` when newly reserved
-    (``--skip-queue``: only a GPU that actually skipped someone). ``login(host)``: the
-    account this gputop logs in as there, recorded with each new reservation."""
-    if seconds <= 0 or seconds > max_seconds:
-        raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
-    check_note(note)
+    (``--skip-queue``: only a GPU that actually skipped someone). ``terms.login(host)``:
+    the account this gputop logs in as there, recorded with each new reservation."""
+    check_terms(terms)
     if not targets:
         raise Invalid("no GPU given")
-    me, here = whoami(store)
-    user, machine = user or me, machine or here
+    terms = signed(store, terms)
+    user, machine, note = terms.user, terms.machine, terms.note
     made: list[Outcome] = []
 
     def change(state: StoreState, now: datetime) -> StoreState:
@@ -186,15 +190,13 @@ def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], *, seco
                            for h in state.aliased(t.host, t.uuid, t.instance, now)}.values())
         if conflicts:
             raise Refused("; ".join(describe(h, now) for h in conflicts), conflicts)
-        try:
-            until = now + timedelta(seconds=seconds)
-        except OverflowError:
-            raise Invalid(f"duration too long: {seconds:g} seconds") from None
+        end = until(terms, now)
         keep = list(state.reservations)
         ids = {r.id for r in keep}
         said: set[str] = set()
         for t in targets:
             own = state.holder(t.host, t.gpu, now, t.instance)
+            job = terms.job_on(t.host)
             if own is None and t.instance is not None:  # your whole GPU covers it
                 own = state.holder(t.host, t.gpu, now)
             if own is not None:
@@ -205,23 +207,17 @@ def reserve_outcomes(store: ReservationStore, targets: Sequence[Target], *, seco
                 if job is None and own.job is not None:
                     # Asked for by hand: it is now yours for the time asked, no longer
                     # released when the job (a `run`, an --until-exit pid) ends.
-                    new = replace(own, expires=until, note=note or own.note,
+                    new = replace(own, expires=end, note=note or own.note,
                                   uuid=t.uuid or own.uuid, job=None)
                     keep[at] = new
                     made.append(Outcome("untied", new, own))
                     continue
-                new = replace(own, expires=max(own.expires, until), note=note or own.note,
+                new = replace(own, expires=max(own.expires, end), note=note or own.note,
                               uuid=t.uuid or own.uuid, job=job or own.job)
                 keep[at] = new
-                made.append(Outcome("extended" if until > own.expires else "kept", new, own))
+                made.append(Outcome("extended" if end > own.expires else "kept", new, own))
             else:
-                new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note,
-                                      t.instance)
-                while new.id in ids:  # ids must stay unique: release goes by id
-                    new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
-                                          note, t.instance)
-                ids.add(new.id)
-                new = replace(new, job=job, login=login(t.host) if login else None)
+                new = new_reservation(t, terms, now, ids)
                 keep.append(new)
                 made.append(Outcome("reserved", new))
         events = state.events + tuple(

@@ -38,6 +38,9 @@ host when hosts have 2, more memory than any GPU has), or more GPUs than the kno
 its hosts (``ceiling``: a host that did not answer has none known), is refused before it
 joins (``unsatisfiable``); a waiter whose request becomes unsatisfiable later (hosts changed)
 blocks nobody (no GPU is one it could use) and leaves the queue itself.
+
+The rule's tests named above are methods of :class:`~gputop.reservations.order.QueueView`,
+built once per decision.
 """
 
 from __future__ import annotations
@@ -47,39 +50,22 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from gputop.model import GpuInfo, HostSnapshot, iso, utcnow
-from gputop.reservations.backfill import (
-    Turn,
-    candidates,
-    delays,
-    free_at,
-    held_after,
-    sized_keys,
-    turn,
-)
-from gputop.reservations.flags import FreeGpu, free_gpus, share_fits
-from gputop.reservations.ops import Invalid, Refused, Target, local_time, whoami
+from gputop.model import GpuInfo, HostSnapshot, iso
+from gputop.reservations.ops import Invalid, Refused, local_time, size_text, whoami
+from gputop.reservations.order import QueueView as QueueView
+from gputop.reservations.order import pick as pick
+from gputop.reservations.order import request_of as request_of
+from gputop.reservations.records import LAPSED_KEEP_S, Reservation, Waiter
 from gputop.reservations.requests import Request as Request
 from gputop.reservations.requests import capacity as capacity
 from gputop.reservations.requests import ceiling as ceiling
 from gputop.reservations.requests import unsatisfiable as unsatisfiable
 from gputop.reservations.shares import (
-    ShareFit,
     check_share,
-    room_mib,
-    shares_of,
-    size_text,
 )
-from gputop.reservations.store import (
-    LAPSED_KEEP_S,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    Waiter,
-    kept,
-    new_reservation,
-)
+from gputop.reservations.state import StoreState, kept
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.text import clean, excerpt
 
 #: Default lease: a waiter that stops renewing leaves the queue this long after.
@@ -87,82 +73,6 @@ DEFAULT_LEASE_S = 30.0
 #: Bounds on what one waiter may put into the shared file.
 MAX_PLACES_PER_USER = 4
 MAX_WAITER_HOSTS = 64
-
-
-def grantable_on(w: Waiter, hosts: Sequence[HostSnapshot],
-                 fleet: Collection[str] | None) -> set[str]:
-    """The hosts on which waiter ``w`` could be granted: what its own gputop sees and
-    recorded (``sees``: every reader's config and reach differ, so a waiter that cannot
-    reach a host, or does not know it, blocks nothing there), else, for an older gputop's
-    waiter, judged on the reader's hosts that answered (see :func:`capacity`)."""
-    req = request_of(w)
-    if w.sees is None:
-        return capacity(req, hosts, fleet, known_only=True)[0]
-    on = {h for h in w.sees if req.accepts(h)}
-    # What the reader knows for sure still counts: a host it saw answer with too few GPUs
-    # for a one-host request, or all of them together too few, is not where that request
-    # can be met, whatever a (forged) place says.
-    seen = {h.name: sum(1 for g in h.gpus if req.sized(g))
-            for h in hosts if h.ok and h.name in on}
-    if req.one_host:
-        return {h for h in on if seen.get(h, req.count) >= req.count}
-    if set(seen) == on and sum(seen.values()) < req.count:
-        return set()
-    return {h for h in on if seen.get(h, 1) > 0}
-
-
-def could_use(waiters: Sequence[Waiter], hosts: Sequence[HostSnapshot],
-              fleet: Collection[str] | None) -> Callable[[FreeGpu], bool]:
-    """Whether any of ``waiters`` could use a GPU (the order rule's test): it is on a host
-    the waiter can be granted on (:func:`grantable_on`) and has the memory it asks for."""
-    usable = [(request_of(w), grantable_on(w, hosts, fleet)) for w in waiters]
-    return lambda f: any(f.host in on and r.fits(f) for r, on in usable)
-
-
-def in_the_way(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostSnapshot],
-               now: datetime, fleet: Collection[str] | None
-               ) -> Callable[[FreeGpu, datetime | None], tuple[Waiter, Turn] | None]:
-    """The first of ``ahead`` that taking a GPU until a time (None: for good) could keep
-    waiting longer (the order rule, with backfill), with its turn: one that could use the
-    GPU (:func:`could_use`) and whose turn is now or cannot be told, or whose turn
-    (:func:`~gputop.reservations.backfill.turn`) takes this GPU before that time."""
-    when = free_at(state, hosts, now, free_gpus(hosts, state, 0, now, user=None))
-    gpus = candidates(hosts, when)
-    sized: dict[int, frozenset[tuple[str, int]]] = {}  # by memory asked for
-    plans = []
-    for w in ahead:
-        req, on = request_of(w), grantable_on(w, hosts, fleet)
-        if req.share_mib:
-            t = Turn(None)
-        else:
-            if req.min_free_mib not in sized:
-                sized[req.min_free_mib] = sized_keys(gpus, req.sized)
-            t = turn(req.count, req.one_host, sized[req.min_free_mib], on, gpus, when)
-        held_after(t, state, when)
-        plans.append((w, req, on, t))
-
-    def first(f: FreeGpu, end: datetime | None) -> tuple[Waiter, Turn] | None:
-        key = (f.host, f.gpu.index or 0)
-        return next(((w, t) for w, r, on, t in plans
-                     if f.host in on and r.fits(f) and delays(t, key, now, end)), None)
-
-    return first
-
-
-def claimant(state: StoreState, now: datetime, host: str, gpu: GpuInfo | None,
-             hosts: Sequence[HostSnapshot], fleet: Collection[str] | None,
-             me: str, end: datetime | None = None) -> tuple[Waiter, Turn] | None:
-    """The order rule for one GPU taken by hand (``reserve HOST:GPU``, ``free --reserve``,
-    ``run``, the board's ``r``) until ``end`` (None: for good): the first waiter (not
-    ``me``) it could keep waiting longer (:func:`in_the_way`), judged as if it were empty
-    (reserving a busy GPU still keeps it from the waiter once it frees). ``gpu`` None: its
-    host did not answer, so it is anyone's who can be granted there."""
-    others = [w for w in state.waiting(now) if w.user != me]
-    if gpu is None:
-        return next(((w, Turn(None)) for w in others if (
-            host in w.sees if w.sees is not None else request_of(w).accepts(host))), None)
-    empty = FreeGpu(host, replace(gpu, memory_used_mib=0, processes=()))
-    return in_the_way(state, others, hosts, now, fleet)(empty, end)
 
 
 def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
@@ -173,7 +83,8 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
     theirs to wait for (``reserve`` comes after every waiter; see :func:`in_the_way`), and
     is refused naming that waiter; with ``skip`` (``--skip-queue``) it is reserved anyway
     and the check returns the targets that skipped someone (each recorded). A GPU you
-    already hold is yours to extend."""
+    already hold is yours to keep until its end; holding it longer is judged as taking it
+    anew (a short reservation extended past a waiter's turn would skip the queue)."""
     hosts = list(snaps.values())
 
     def gpu_of(t: Target) -> GpuInfo | None:
@@ -182,22 +93,27 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
 
     def check(state: StoreState, now: datetime) -> list[str]:
         skipped: list[str] = []
-        if not any(w.user != me for w in state.waiting(now)):
+        view = QueueView(state, hosts, now, fleet, me)
+        if not view.others:
             return skipped
-        mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
+        end = None if seconds is None else now + timedelta(seconds=seconds)
+        held: dict[tuple[str, int], datetime] = {}
+        for r in state.active(now):
+            if r.user == me:
+                key, ends = (r.host, r.gpu), state.ends(r, now)
+                held[key] = max(held.get(key, ends), ends)
         for t in targets:
-            if (t.host, t.gpu) in mine:
-                continue
+            if end is not None and (t.host, t.gpu) in held and end <= held[(t.host, t.gpu)]:
+                continue  # no longer than you hold it now: nobody waits longer for it
             g = gpu_of(t)
-            found = claimant(state, now, t.host, g, hosts, fleet, me,
-                             None if seconds is None else now + timedelta(seconds=seconds))
+            found = view.claimant(t.host, g, end)
             if found is None:
                 continue
             w, turn_of = found
             if skip:
                 skipped.append(t.label)
                 continue
-            waiting = sum(1 for x in state.waiting(now) if x.user != me)
+            waiting = len(view.others)
             how = ("the queue hands out whole GPUs: --skip-queue reserves the instance "
                    "anyway" if t.instance is not None else
                    f"Join the queue: gputop free --wait --host {clean(t.host)} (or "
@@ -220,10 +136,6 @@ def queue_claim(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot],
     return check
 
 
-def request_of(w: Waiter) -> Request:
-    return Request(w.count, w.min_free_mib, w.hosts, w.one_host, w.want, w.share_mib)
-
-
 def share_claim(fleet: Collection[str] | None, hosts: Sequence[HostSnapshot], share_mib: int,
                 me: str, t: Target, *, skip: bool = False
                 ) -> Callable[[StoreState, datetime], list[str]]:
@@ -233,10 +145,11 @@ def share_claim(fleet: Collection[str] | None, hosts: Sequence[HostSnapshot], sh
     the check returns its target, to be recorded (empty when it skipped nobody)."""
 
     def check(state: StoreState, now: datetime) -> list[str]:
-        queue = [w for w in state.waiting(now) if w.user != me]
+        view = QueueView(state, hosts, now, fleet, me)
+        queue = view.others
         if not queue:
             return []
-        w = share_taken(state, queue, hosts, fleet, t.host, t.gpu, share_mib, now)
+        w = view.share_taken(queue, t.host, t.gpu, share_mib)
         if w is None:
             return []
         if skip:
@@ -250,129 +163,6 @@ def share_claim(fleet: Collection[str] | None, hosts: Sequence[HostSnapshot], sh
             " that is recorded in the file with your name)")
 
     return check
-
-
-def share_taken(state: StoreState, ahead: Sequence[Waiter], hosts: Sequence[HostSnapshot],
-                fleet: Collection[str] | None, host: str, gpu: int, share_mib: int,
-                now: datetime) -> Waiter | None:
-    """The first of ``ahead`` whose claim a share of ``share_mib`` of ``host:gpu`` would
-    spoil (the order rule, for shares): a whole-GPU waiter who could use the GPU if it
-    stays untouched, or a share waiter who could use it now and would no longer fit
-    after it. None: the share keeps nobody ahead waiting longer."""
-    h = next((h for h in hosts if h.name == host and h.ok), None)
-    g = next((g for g in h.gpus if g.index == gpu), None) if h is not None else None
-    if g is None or g.memory_total_mib is None:
-        # Not seen: judged as the queue judges an unchecked GPU (anyone's who waits there)
-        return next((w for w in ahead if request_of(w).accepts(host)), None)
-    shares = shares_of(state, host, gpu, now)
-    room = room_mib(g.memory_total_mib, shares)
-    empty = FreeGpu(host, replace(g, memory_used_mib=0, processes=()))
-    for w in ahead:
-        req = request_of(w)
-        if not req.accepts(host):
-            continue
-        if not req.share_mib:
-            if not shares and could_use([w], hosts, fleet)(empty):
-                return w
-            continue
-        if any(r.user == w.user for r in shares):
-            continue  # they hold one already: resized by hand, not by the queue
-        if req.sized(g) and room >= req.share_mib > room - share_mib:
-            return w
-    return None
-
-
-def share_offered(state: StoreState, hosts: Sequence[HostSnapshot], req: Request,
-                  share_mib: int, me: str, fleet: Collection[str] | None, now: datetime
-                  ) -> list[ShareFit]:
-    """The GPUs a share of ``share_mib`` fits on now for ``me``, best fit first, on hosts
-    ``req`` accepts, that no waiter could use (what ``free --share`` offers)."""
-    queue = [w for w in state.waiting(now) if w.user != me]
-    return [f for f in share_fits(hosts, state, share_mib, now, user=me)
-            if req.accepts(f.host) and f.gpu.index is not None and (
-                not queue or share_taken(state, queue, hosts, fleet, f.host, f.gpu.index,
-                                         share_mib, now) is None)]
-
-
-def pick(req: Request, free: Sequence[FreeGpu]) -> list[FreeGpu] | None:
-    """``req.count`` of ``free`` (best first), all on one host if asked; None if not enough."""
-    fit = [f for f in free if req.fits(f)]
-    if not req.one_host:
-        return fit[: req.count] if len(fit) >= req.count else None
-    for host in dict.fromkeys(f.host for f in fit):
-        on = [f for f in fit if f.host == host]
-        if len(on) >= req.count:
-            return on[: req.count]
-    return None
-
-
-def grantable(state: StoreState, waiter_id: str | None, hosts: Sequence[HostSnapshot],
-              now: datetime, req: Request | None = None,
-              fleet: Collection[str] | None = None,
-              seconds: float | None = None) -> list[FreeGpu] | None:
-    """The GPUs the order rule lets this waiter take now for ``seconds`` (None: for good),
-    or None (not its turn, or not enough). ``waiter_id`` None with ``req``: someone not in
-    the queue (``free --reserve``, ``run`` without ``--wait``), who comes after every
-    waiter. Only unreserved GPUs count: nobody's reservation is ever taken or extended.
-    ``fleet``: every host name this gputop knows (a waiter that accepts any host is judged
-    against all of them)."""
-    queue = state.waiting(now)
-    user = None
-    if waiter_id is None:
-        assert req is not None
-        at = len(queue)
-    else:
-        found = next((i for i, w in enumerate(queue) if w.id == waiter_id), None)
-        if found is None:
-            return None
-        at, req, user = found, request_of(queue[found]), queue[found].user
-    if req.share_mib:
-        fits = share_candidates(state, hosts, now, queue[:at], req, fleet, user)
-        return fits[:1] or None
-    end = None if seconds is None else now + timedelta(seconds=seconds)
-    return pick(req, usable_now(state, hosts, now, queue[:at], fleet, end))
-
-
-def share_candidates(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
-                     ahead: Sequence[Waiter], req: Request,
-                     fleet: Collection[str] | None = None, user: str | None = None
-                     ) -> list[FreeGpu]:
-    """Where a share ``req`` may go now, best fit first, spoiling nobody ahead."""
-    return [FreeGpu(f.host, f.gpu)
-            for f in share_fits(hosts, state, req.share_mib, now, user=user)
-            if req.accepts(f.host) and f.gpu.index is not None
-            and f.gpu.memory_free_mib >= req.min_free_mib
-            and share_taken(state, ahead, hosts, fleet, f.host, f.gpu.index, req.share_mib,
-                            now) is None]
-
-
-def usable_now(state: StoreState, hosts: Sequence[HostSnapshot], now: datetime,
-               ahead: Sequence[Waiter], fleet: Collection[str] | None = None,
-               end: datetime | None = None) -> list[FreeGpu]:
-    """Free, unreserved whole GPUs that taking until ``end`` (None: for good) keeps none
-    of ``ahead`` waiting longer (the order rule, with backfill). The queue hands out whole
-    GPUs: a MIG instance is reserved by name (``reserve``)."""
-    taken = in_the_way(state, ahead, hosts, now, fleet)
-    return [f for f in free_gpus(hosts, state, 0, now, user=None)
-            if f.instance is None and taken(f, end) is None]
-
-
-def offered(state: StoreState, hosts: Sequence[HostSnapshot], req: Request, me: str,
-            fleet: Collection[str] | None, *, whole: bool = False,
-            seconds: float | None = None) -> list[FreeGpu]:
-    """What ``gputop free`` offers ``me`` now for ``seconds`` (None: for good), best first
-    (``free_gpus``' ranking): free GPUs and MIG instances (``whole``: GPUs only) that fit
-    ``req`` and that taking keeps no waiter waiting longer (the order rule: without
-    waiting you come after every waiter), your own places aside, and your own
-    reservations always (they are yours, whoever waits)."""
-    now = utcnow()
-    taken = in_the_way(state, [w for w in state.waiting(now) if w.user != me], hosts, now,
-                       fleet)
-    end = None if seconds is None else now + timedelta(seconds=seconds)
-    mine = {(r.host, r.gpu) for r in state.active(now) if r.user == me}
-    return [f for f in free_gpus(hosts, state, req.min_free_mib, now, user=me)
-            if req.fits(f) and not (whole and f.instance)
-            and ((f.host, f.gpu.index) in mine or taken(f, end) is None)]
 
 
 #: The audit event of a waiter taken out of the queue by ``release --waiter``.
@@ -508,80 +298,57 @@ class Queue:
             state, queue=tuple(w for w in state.queue if w.id != self.id)))
         self.id = ""
 
-    def try_grant(self, hosts: Sequence[HostSnapshot], *, seconds: float, note: str = "",
-                  job: Callable[[str], Job | None] | None = None,
+    def try_grant(self, hosts: Sequence[HostSnapshot], terms: Terms,
                   fleet: Collection[str] | None = None) -> list[Reservation] | None:
-        """If the order rule lets this waiter have its GPUs now, reserve all of them and
-        leave the queue in one write; else None (nothing written). ``job(host)`` ties the
-        reservations to a job."""
-        def check(state: StoreState, now: datetime) -> None:
-            if self.position(state, now) is None:
-                raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
-                                "in time)")
-
-        made = _grant(self.store, self.id, self.req, hosts, seconds=seconds, note=note,
-                      job=job, user=self.user, machine=self.machine, check=check, fleet=fleet,
-                      login=self.login)
+        """If the order rule lets this waiter have its GPUs now, reserve all of them on
+        ``terms`` (for this waiter, with its logins) and leave the queue in one write;
+        else None (nothing written). ``LeftQueue`` if its place lapsed."""
+        terms = replace(terms, user=self.user, machine=self.machine,
+                        login=terms.login or self.login)
+        made = _grant(self.store, self.id, self.req, hosts, terms, fleet)
         if made is not None:
             self.id = ""
         return made
 
 
-def reserve_now(store: ReservationStore, req: Request, hosts: Sequence[HostSnapshot], *,
-                seconds: float,
-                note: str = "", job: Callable[[str], Job | None] | None = None,
-                fleet: Collection[str] | None = None,
-                login: Callable[[str], str | None] | None = None) -> list[Reservation] | None:
-    """Reserve ``req`` at once without queueing, behind every waiter (the order rule): None
-    if not enough GPUs are free that no waiter could use."""
+def reserve_now(store: ReservationStore, req: Request, hosts: Sequence[HostSnapshot],
+                terms: Terms, fleet: Collection[str] | None = None
+                ) -> list[Reservation] | None:
+    """Reserve ``req`` at once on ``terms`` without queueing, behind every waiter (the
+    order rule): None if not enough GPUs are free that no waiter could use."""
     me, here = whoami(store)
-    return _grant(store, None, req, hosts, seconds=seconds, note=note, job=job, user=me,
-                  machine=here, fleet=fleet, login=login)
+    terms = replace(terms, user=terms.user or me, machine=terms.machine or here)
+    return _grant(store, None, req, hosts, terms, fleet)
 
 
 def _grant(store: ReservationStore, waiter_id: str | None, req: Request,
-           hosts: Sequence[HostSnapshot],
-           *, seconds: float, note: str, job: Callable[[str], Job | None] | None, user: str,
-           machine: str, check: Callable[[StoreState, datetime], None] | None = None,
-           fleet: Collection[str] | None = None,
-           login: Callable[[str], str | None] | None = None) -> list[Reservation] | None:
-    """One write: every GPU reserved and the waiter out of the queue, or nothing."""
+           hosts: Sequence[HostSnapshot], terms: Terms, fleet: Collection[str] | None
+           ) -> list[Reservation] | None:
+    """One write: every GPU reserved and the waiter (``waiter_id``; None: someone not in
+    the queue) out of the queue, or nothing. A share is one GPU, checked again under the
+    lock as a share taken by hand is."""
     made: list[Reservation] = []
+    if req.share_mib:
+        terms = replace(terms, share_mib=req.share_mib)
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
-        if check is not None:
-            check(state, now)
-        got = grantable(state, waiter_id, hosts, now, req, fleet, seconds)
+        if waiter_id is not None and not any(w.id == waiter_id for w in state.waiting(now)):
+            raise LeftQueue("your place in the queue lapsed (the lease was not renewed "
+                            "in time)")
+        got = QueueView(state, hosts, now, fleet).grantable(waiter_id, req, terms.seconds)
         if got is None:
             raise _NotYet
         ids = {r.id for r in state.reservations}
-        if req.share_mib:  # a share: one GPU, checked again under the lock
-            share = req.share_mib
-            f = got[0]
-            t = Target(f.host, f.gpu.index or 0, f.gpu.uuid)
-            check_share(state, t, share, f.gpu.memory_total_mib or 0, user, now)
-            r = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note,
-                                share_mib=share)
-            while r.id in ids:
-                r = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
-                                    note, share_mib=share)
-            made.append(replace(r, job=job(f.host) if job else None,
-                                login=login(f.host) if login else None))
-            return replace(state, reservations=state.reservations + tuple(made),
-                           queue=tuple(w for w in state.queue if w.id != waiter_id))
         for f in got:
-            if state.overlapping(f.host, f.gpu.index or 0, None, now) or state.aliased(
-                    f.host, f.gpu.uuid, None, now):
+            t = Target(f.host, f.gpu.index or 0, f.gpu.uuid)
+            if req.share_mib:
+                check_share(state, t, req.share_mib, f.gpu.memory_total_mib or 0,
+                            terms.user, now)
+            elif state.overlapping(t.host, t.gpu, None, now) or state.aliased(
+                    t.host, t.uuid, None, now):
                 raise Refused(f"{f.host}:{f.gpu.index} was reserved meanwhile")
-            r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
-                                f.gpu.uuid, note)
-            while r.id in ids:
-                r = new_reservation(f.host, f.gpu.index or 0, user, machine, now, seconds,
-                                    f.gpu.uuid, note)
-            ids.add(r.id)
-            made.append(replace(r, job=job(f.host) if job else None,
-                                login=login(f.host) if login else None))
+            made.append(new_reservation(t, terms, now, ids))
         return replace(state, reservations=state.reservations + tuple(made),
                        queue=tuple(w for w in state.queue if w.id != waiter_id))
 

@@ -10,8 +10,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gputop.model import iso
-from gputop.reservations.filelock import StoreError as StoreError  # (re-exported)
-from gputop.reservations.filelock import nfs_lock_problem as nfs_lock_problem
 from gputop.text import clean
 
 #: Version 2 adds the wait queue and job-tied reservations; version 3 memory shares of a

@@ -52,12 +52,10 @@ from typing import Any, TypeVar
 import asyncssh
 
 from gputop.model import utcnow
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.records import LOCK_TIMEOUT, MAX_FILE_BYTES, MIN_BOUND_S
 from gputop.reservations.remote_scripts import ERRORS, MARK, READER_SCRIPT, WRITER_SCRIPT
-from gputop.reservations.store import (
-    LOCK_TIMEOUT,
-    MAX_FILE_BYTES,
-    MIN_BOUND_S,
-    StoreError,
+from gputop.reservations.state import (
     StoreState,
     check_route_owners,
     decode,

@@ -9,7 +9,8 @@ and ``flock`` from util-linux for writing.
 
 from __future__ import annotations
 
-from gputop.reservations.store import MAX_FILE_BYTES
+from gputop.reservations.records import MAX_FILE_BYTES
+from gputop.reservations.store import SWEEP_MAX
 
 #: Prefix of every marker line the scripts print (constant text).
 MARK = "@@gputop-store"
@@ -81,6 +82,7 @@ WRITER_SCRIPT = (
     'case $1 in d????-??-*) [ "$3" = "${12}" ] ;; *) return 1 ;; esac; }; '
     "command -v flock >/dev/null || { say err noflock; exit 0; }; "
     'd=${p%/*}; b=${p##*/}; [ -n "$d" ] || d=/; umask 002; '
+    "U=$(id -u) || U=-; case $U in *[!0-9]*|'') U=- ;; esac; "
     '[ -d "$d" ] || mkdir -p -- "$d" || { say err mkdir; exit 0; }; '
     'k="$p.flock"; F=gputop-new-file; i=0; '
     "while :; do "
@@ -101,12 +103,6 @@ WRITER_SCRIPT = (
     "( exec 0</dev/null 1>/dev/null 9>&-; sleep \"$h\" & s=$!; "
     "trap 'kill $s; exit 0' TERM; wait $s; kill -KILL 0 ) & g=$!; "
     'end() { kill "$g"; exit 0; }; '
-    # Every live writer holds this lock while its temp file exists: any left belong to a
-    # killed one. A private directory is emptied only if it is ours, of its one file.
-    'set +f; for x in "$d/.$b.tmp."*; do '
-    'if [ -d "$x" ] && [ ! -L "$x" ]; then '
-    '( cd -P -- "$x" && [ -O . ] && mine . && rm -f -- "$F" ); rmdir -- "$x"; '
-    'else rm -f -- "$x"; fi; done; set -f; '
     'if [ -L "$p" ]; then say err link; end; fi; '
     'if [ -e "$p" ]; then '
     '[ -f "$p" ] || { say err notfile; end; }; [ -r "$p" ] || { say err denied; end; }; '
@@ -117,10 +113,20 @@ WRITER_SCRIPT = (
     f'[ "$1" -le {MAX_FILE_BYTES} ] || {{ say err big "$1"; end; }}; '
     'say data "$1"; cat /dev/fd/8; printf "\\n%s %s end\\n" "$M" "$n"; '
     "else say none; fi; "
+    # Every live writer holds this lock while its temp file exists: any of ours left
+    # belong to a killed one. Swept while gputop decides (never before the first marker):
+    # only names with our uid, owned by us (builtin tests: nothing is forked for a
+    # teammate's names, however many), at most SWEEP_MAX a write. A private directory is
+    # emptied only if it is ours, of its one file.
+    f'set +f; j={SWEEP_MAX}; for x in "$d/.$b.tmp.$U."*; do '
+    '[ "$j" -gt 0 ] || break; [ ! -L "$x" ] && [ -O "$x" ] || continue; j=$((j - 1)); '
+    'if [ -d "$x" ]; then '
+    '( cd -P -- "$x" && [ -O . ] && mine . && rm -f -- "$F" ); rmdir -- "$x"; '
+    'else rm -f -- "$x"; fi; done; set -f; '
     'IFS= read -r c || end; set -- $c; [ "$1" = "$n" ] || end; '
     'case $2 in keep) say done; end ;; write) ;; *) end ;; esac; '
     "z=$3; case $z in *[!0-9]*|'') end ;; esac; "
-    'q="$d/.$b.tmp.$$.$n"; mkdir -m 700 -- "$q" || { '
+    'q="$d/.$b.tmp.$U.$$.$n"; mkdir -m 700 -- "$q" || { '
     # A name planted there first is a teammate's doing, not a permission problem.
     'if [ -e "$q" ] || [ -L "$q" ]; then say err tmpmoved; else say err tmpdenied; fi; end; }; '
     'drop() { rm -f -- "$F"; cd / && rmdir -- "$q"; end; }; '

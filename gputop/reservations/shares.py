@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Literal
 
 from gputop.model import GpuInfo, HostSnapshot, iso
@@ -28,25 +28,21 @@ from gputop.reservations.ops import (
     Invalid,
     Refused,
     Target,
-    check_note,
+    check_terms,
     describe,
-    format_duration,
+    signed,
     size_text,
-    whoami,
+    until,
 )
-from gputop.reservations.store import (
-    MAX_SHARE_MIB,
-    Job,
-    Reservation,
-    ReservationStore,
-    StoreState,
-    new_reservation,
-)
+from gputop.reservations.records import MAX_SHARE_MIB, Reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
+from gputop.reservations.terms import Terms, new_reservation
 from gputop.text import clean
 
 __all__ = ["ShareFit", "ShareOutcome", "best_fit", "check_share", "committed_mib",
            "holder_use_mib", "mig_mode", "parse_size_mib", "reserve_share", "room_mib",
-           "share_dict", "share_index", "shares_of", "size_text"]
+           "share_dict", "share_index", "shares_of"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 
@@ -146,20 +142,17 @@ def check_share(state: StoreState, t: Target, share_mib: int, total_mib: int, us
                       f"{size_text(share_mib)})", others)
 
 
-def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib: int, *,
-                  seconds: float, max_seconds: float, note: str = "",
-                  user: str | None = None, machine: str | None = None,
-                  job: Job | None = None,
+def reserve_share(store: ReservationStore, t: Target, total_mib: int, terms: Terms, *,
                   check: Callable[[StoreState, datetime], Collection[str] | None]
-                  | None = None,
-                  login: str | None = None) -> ShareOutcome:
-    """Take a share of ``share_mib`` of GPU ``t`` (whose memory is ``total_mib``), or
+                  | None = None) -> ShareOutcome:
+    """Take a share of ``terms.share_mib`` of GPU ``t`` (whose memory is ``total_mib``), or
     resize and extend your own; ``Refused`` if it does not fit (see ``check_share``).
-    ``login``: the account this gputop logs in as on ``t``'s host, recorded with the share
-    (as with a whole reservation: the holder's processes there are known by either name).
-    ``check`` may refuse under the lock (the queue's order rule); what it returns (with
-    ``--skip-queue``: the target, when it skipped someone) is recorded as a ``skip-queue``
-    event with the share taken or resized."""
+    ``terms.login``: the account this gputop logs in as on ``t``'s host, recorded with the
+    share (as with a whole reservation: the holder's processes there are known by either
+    name). ``check`` may refuse under the lock (the queue's order rule); what it returns
+    (with ``--skip-queue``: the target, when it skipped someone) is recorded as a
+    ``skip-queue`` event with the share taken or resized."""
+    share_mib = terms.share_mib or 0
     if t.instance is not None:
         raise Invalid(f"{clean(t.label)}: a MIG instance is not shared (the instances are "
                       "the shares of a MIG GPU): reserve the instance itself")
@@ -168,39 +161,31 @@ def reserve_share(store: ReservationStore, t: Target, share_mib: int, total_mib:
     if share_mib > total_mib:
         raise Invalid(f"--share {size_text(share_mib)}: {clean(t.label)} has "
                       f"{size_text(total_mib)} in all")
-    if seconds <= 0 or seconds > max_seconds:
-        raise Invalid(f"duration must be between 1 second and {format_duration(max_seconds)}")
-    check_note(note)
-    me, here = whoami(store)
-    user, machine = user or me, machine or here
+    check_terms(terms)
+    terms = signed(store, terms)
+    user, machine = terms.user, terms.machine
+    # Asked once, before the lock (a login is resolved from the SSH config).
+    job, login = terms.job_on(t.host), terms.login_on(t.host)
+    terms = replace(terms, job={t.host: job}.get, login={t.host: login}.get)
     made: list[ShareOutcome] = []
 
     def change(state: StoreState, now: datetime) -> StoreState:
         made.clear()
         skipped = bool(check(state, now)) if check is not None else False
         check_share(state, t, share_mib, total_mib, user, now)
-        try:
-            until = now + timedelta(seconds=seconds)
-        except OverflowError:
-            raise Invalid(f"duration too long: {seconds:g} seconds") from None
+        end = until(terms, now)
         own = next((r for r in shares_of(state, t.host, t.gpu, now) if r.user == user), None)
         if own is None:
-            ids = {r.id for r in state.reservations}
-            new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid, note,
-                                  share_mib=share_mib)
-            while new.id in ids:  # ids stay unique: release goes by id
-                new = new_reservation(t.host, t.gpu, user, machine, now, seconds, t.uuid,
-                                      note, share_mib=share_mib)
-            new = replace(new, job=job, login=login)
+            new = new_reservation(t, terms, now, {r.id for r in state.reservations})
             made.append(ShareOutcome("reserved", new))
             return replace(state, reservations=(*state.reservations, new),
                            events=state.events + _skipped(skipped, new, user, machine, now))
-        new = replace(own, share_mib=share_mib, expires=max(own.expires, until),
-                      note=note or own.note, uuid=t.uuid or own.uuid,
+        new = replace(own, share_mib=share_mib, expires=max(own.expires, end),
+                      note=terms.note or own.note, uuid=t.uuid or own.uuid,
                       job=job if job is not None else own.job, login=login or own.login)
         action: Literal["resized", "extended", "kept"] = (
             "resized" if share_mib != own.share_mib else
-            "extended" if until > own.expires else "kept")
+            "extended" if end > own.expires else "kept")
         made.append(ShareOutcome(action, new, own))
         grew = (new.share_mib or 0) > (own.share_mib or 0)
         return replace(state, reservations=tuple(new if r.id == own.id else r

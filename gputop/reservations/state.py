@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import utcnow
-from gputop.reservations.filelock import StoreError as StoreError  # (re-exported)
-from gputop.reservations.filelock import nfs_lock_problem as nfs_lock_problem
+from gputop.reservations.filelock import StoreError
 from gputop.reservations.records import (
     _INT_DIGITS,
     FILE_VERSION,

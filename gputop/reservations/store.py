@@ -23,120 +23,52 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from gputop.model import utcnow
 from gputop.reservations.filelock import (
     FILE_MODE,
+    StoreError,
     WriterLock,
     make_group_writable,
+    nfs_lock_problem,
     os_message,
 )
-from gputop.reservations.filelock import StoreError as StoreError  # (re-exported)
-from gputop.reservations.filelock import nfs_lock_problem as nfs_lock_problem
-
-# The records and the state live in their own modules; importers of the store get them here.
-from gputop.reservations.records import (
-    FILE_VERSION as FILE_VERSION,
-)
-from gputop.reservations.records import (
-    KEPT_APART as KEPT_APART,
-)
-from gputop.reservations.records import (
-    LAPSED_KEEP_S as LAPSED_KEEP_S,
-)
-from gputop.reservations.records import (
-    LOCK_TIMEOUT as LOCK_TIMEOUT,
-)
-from gputop.reservations.records import (
-    MAX_EVENTS as MAX_EVENTS,
-)
-from gputop.reservations.records import (
-    MAX_FILE_BYTES as MAX_FILE_BYTES,
-)
-from gputop.reservations.records import (
-    MAX_GPU_INDEX as MAX_GPU_INDEX,
-)
-from gputop.reservations.records import (
-    MAX_INSTANCE as MAX_INSTANCE,
-)
-from gputop.reservations.records import (
-    MAX_LEASE_S as MAX_LEASE_S,
-)
-from gputop.reservations.records import (
-    MAX_NAME as MAX_NAME,
-)
-from gputop.reservations.records import (
-    MAX_NOTE as MAX_NOTE,
-)
-from gputop.reservations.records import (
-    MAX_PID as MAX_PID,
-)
-from gputop.reservations.records import (
-    MAX_RESERVATIONS as MAX_RESERVATIONS,
-)
-from gputop.reservations.records import (
-    MAX_SHARE_MIB as MAX_SHARE_MIB,
-)
-from gputop.reservations.records import (
-    MAX_WAITERS as MAX_WAITERS,
-)
-from gputop.reservations.records import (
-    MIN_BOUND_S as MIN_BOUND_S,
-)
-from gputop.reservations.records import (
-    READ_VERSIONS as READ_VERSIONS,
-)
-from gputop.reservations.records import (
-    SHARES_VERSION as SHARES_VERSION,
-)
-from gputop.reservations.records import (
-    Job as Job,
-)
-from gputop.reservations.records import (
-    Reservation as Reservation,
-)
-from gputop.reservations.records import (
-    Waiter as Waiter,
-)
-from gputop.reservations.records import (
-    check_event as check_event,
-)
-from gputop.reservations.records import (
-    parse_time as parse_time,
-)
-from gputop.reservations.state import (
-    EVENT_TEXT as EVENT_TEXT,
-)
-from gputop.reservations.state import (
-    StoreState as StoreState,
-)
-from gputop.reservations.state import (
-    bounded_events as bounded_events,
-)
-from gputop.reservations.state import (
-    check_consistent as check_consistent,
-)
-from gputop.reservations.state import (
-    check_route_owners as check_route_owners,
-)
-from gputop.reservations.state import (
-    decode as decode,
-)
-from gputop.reservations.state import (
-    encode as encode,
-)
-from gputop.reservations.state import (
-    event_kind as event_kind,
-)
-from gputop.reservations.state import (
-    kept as kept,
-)
-from gputop.reservations.state import (
-    settle as settle,
-)
+from gputop.reservations.records import FILE_VERSION as FILE_VERSION
+from gputop.reservations.records import KEPT_APART as KEPT_APART
+from gputop.reservations.records import LAPSED_KEEP_S as LAPSED_KEEP_S
+from gputop.reservations.records import LOCK_TIMEOUT as LOCK_TIMEOUT
+from gputop.reservations.records import MAX_EVENTS as MAX_EVENTS
+from gputop.reservations.records import MAX_FILE_BYTES as MAX_FILE_BYTES
+from gputop.reservations.records import MAX_GPU_INDEX as MAX_GPU_INDEX
+from gputop.reservations.records import MAX_INSTANCE as MAX_INSTANCE
+from gputop.reservations.records import MAX_LEASE_S as MAX_LEASE_S
+from gputop.reservations.records import MAX_NAME as MAX_NAME
+from gputop.reservations.records import MAX_NOTE as MAX_NOTE
+from gputop.reservations.records import MAX_PID as MAX_PID
+from gputop.reservations.records import MAX_RESERVATIONS as MAX_RESERVATIONS
+from gputop.reservations.records import MAX_SHARE_MIB as MAX_SHARE_MIB
+from gputop.reservations.records import MAX_WAITERS as MAX_WAITERS
+from gputop.reservations.records import MIN_BOUND_S as MIN_BOUND_S
+from gputop.reservations.records import READ_VERSIONS as READ_VERSIONS
+from gputop.reservations.records import SHARES_VERSION as SHARES_VERSION
+from gputop.reservations.records import Job as Job
+from gputop.reservations.records import Reservation as Reservation
+from gputop.reservations.records import Waiter as Waiter
+from gputop.reservations.records import check_event as check_event
+from gputop.reservations.records import parse_time as parse_time
+from gputop.reservations.state import EVENT_TEXT as EVENT_TEXT
+from gputop.reservations.state import StoreState as StoreState
+from gputop.reservations.state import bounded_events as bounded_events
+from gputop.reservations.state import check_consistent as check_consistent
+from gputop.reservations.state import check_route_owners as check_route_owners
+from gputop.reservations.state import decode as decode
+from gputop.reservations.state import encode as encode
+from gputop.reservations.state import event_kind as event_kind
+from gputop.reservations.state import kept as kept
+from gputop.reservations.state import settle as settle
 
 
 def local_identity() -> tuple[str, str]:
@@ -293,7 +225,7 @@ class Store:
         except OSError as exc:
             raise StoreError(os_message(exc, d, "open it")) from None
         try:
-            private = f".{self.path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            private = (f"{self._own_prefix()}{os.getpid()}.{secrets.token_hex(4)}")
             try:
                 os.mkdir(private, 0o700, dir_fd=dfd)
             except OSError as exc:
@@ -337,20 +269,36 @@ class Store:
                 os.unlink(TEMP_NAME, dir_fd=pfd)
             os.close(pfd)
 
+    def _own_prefix(self) -> str:
+        """Our private directories' names start with this: the uid in it lets a sweep pass
+        over a teammate's names (however many) without touching them."""
+        return f".{self.path.name}.tmp.{os.geteuid()}."
+
     def _remove_stale_temps(self) -> None:
         """Temp files exist only while their writer holds the lock; we hold it now, so any
-        left over belong to a writer that was killed. Another user's private directory
-        cannot be emptied by us: it waits for its owner's next write."""
-        prefix = f".{self.path.name}.tmp."
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(self.path.parent):
+        of ours left over belong to a writer that was killed. Only names with our uid are
+        looked at, only those we own (``lstat``, before anything is opened) are removed,
+        and at most ``SWEEP_MAX`` a write within ``SWEEP_S``: names planted by a teammate
+        in the thousands cost a scan, never a wait that runs into the lock's timeout."""
+        prefix = self._own_prefix()
+        uid = os.geteuid()
+        stop = time.monotonic() + SWEEP_S
+        left = SWEEP_MAX
+        with contextlib.suppress(OSError), os.scandir(self.path.parent) as it:
+            for entry in it:
+                if left <= 0 or time.monotonic() > stop:
+                    return
                 if not entry.name.startswith(prefix):
                     continue
                 with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_uid != uid:
+                        continue
+                    left -= 1
+                    if stat.S_ISDIR(st.st_mode):
                         _remove_private(self.path.parent, entry.name)
                     else:
-                        os.unlink(entry.path)  # a file from an older gputop: never followed
+                        os.unlink(entry.path)  # never followed
 
     def _check_nfs_once(self) -> None:
         if self._nfs_checked:
@@ -362,6 +310,10 @@ class Store:
 
 #: The new file's name inside a writer's private directory.
 TEMP_NAME = "gputop-new-file"
+#: A write removes at most this many of its own leftovers, within this many seconds (the
+#: rest go with later writes).
+SWEEP_MAX = 64
+SWEEP_S = 2.0
 
 
 def _private(pfd: int, fd: int) -> bool:
@@ -393,11 +345,3 @@ def _remove_private(d: Path, name: str) -> None:
         os.rmdir(name, dir_fd=dfd)
     finally:
         os.close(dfd)
-
-
-def new_reservation(host: str, gpu: int, user: str, machine: str, now: datetime,
-                    seconds: float, uuid: str | None, note: str,
-                    instance: int | None = None, share_mib: int | None = None) -> Reservation:
-    return Reservation(id=secrets.token_hex(6), host=host, gpu=gpu, user=user, machine=machine,
-                       created=now, expires=now + timedelta(seconds=seconds), uuid=uuid,
-                       note=note, instance=instance, share_mib=share_mib)

@@ -20,8 +20,9 @@ from gputop.reservations.flags import (
     instance_view,
     reservation_index,
 )
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import share_index
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.state import StoreState
 
 #: The classes, in the order every reader shows them.
 CLASSES = ("free", "busy", "reserved", "shared", "down", "unknown")

@@ -7,12 +7,14 @@ tools (``gputop mcp``): both accept and refuse the same targets with the same wo
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gputop.model import HostSnapshot
 from gputop.reservations.flags import instance_view, other_users
 from gputop.reservations.ops import Invalid, Target
+from gputop.reservations.records import Reservation
 from gputop.text import clean
 
 _ITEM = r"(?:\d+(?:/\d+)?|MIG-[0-9A-Za-z/-]+)"
@@ -82,6 +84,33 @@ def resolve_uuids(targets: Sequence[Target], snaps: Mapping[str, HostSnapshot]
         g, inst = hit
         assert g.index is not None
         out.append(Target(t.host, g.index, g.uuid, inst.gpu_instance_id))
+    return out
+
+
+def with_held(known: Mapping[str, Known] | None, held: Iterable[Reservation], me: str,
+              hosts: Collection[str], now: datetime) -> dict[str, Known]:
+    """``known`` and, on ``hosts`` (those that did not answer), each GPU (and MIG instance)
+    that a live reservation of ``me``'s names in the shared file: its holder may extend
+    it there. Only the holder's own entries count: anyone in the team can write an entry
+    into the file, and someone else's (forged) entry must not prove a GPU to anyone."""
+    out = dict(known or {})
+    mine = [r for r in held if r.user == me and r.host in hosts and r.active(now)]
+    for host in sorted({r.host for r in mine}):
+        gpus = frozenset(r.gpu for r in mine if r.host == host)
+        insts = {g: frozenset(r.instance for r in mine if r.host == host and r.gpu == g
+                              and r.instance is not None) for g in gpus}
+        said = "your live reservation in the shared file"
+        k = out.get(host)
+        if k is None:
+            out[host] = Known(gpus, said, {g: i for g, i in insts.items() if i})
+            continue
+        merged = dict(k.instances)
+        for g, i in insts.items():
+            if i:
+                merged[g] = merged.get(g, frozenset()) | i
+        if gpus <= k.gpus and merged == k.instances:
+            continue  # nothing new: its source stays as it was
+        out[host] = Known(k.gpus | gpus, f"{k.source} and {said}", merged)
     return out
 
 

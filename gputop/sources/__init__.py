@@ -7,7 +7,7 @@ from typing import Literal, Protocol
 from gputop.errors import EXIT_HUB, GputopError
 from gputop.model import GpuInfo, HostError
 
-#: Why a hub could not be read (see gputop.sources.hub).
+#: Why a hub could not be read (see gputop.hubclient.client).
 HubErrorKind = Literal["unreachable", "timeout", "auth", "parse", "error"]
 
 

@@ -15,9 +15,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, History, HostConfig, Reservations
 from gputop.model import GpuInfo, HostError, ProcessInfo, utcnow
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 
 #: (host, model, GPU count, memory MiB, power limit W, tags)
 FLEET = (
@@ -110,10 +113,11 @@ class DemoSource:
 def demo_config(reservations: Path, interval: float = 1.0) -> Config:
     # (Its history beside its reservations, never yours: a hub of the demo served the
     # real database's waste, beyond loopback where told to listen there.)
-    return Config(path=None, interval=interval, timeout=5.0,
+    return Config(path=None, defaults=Defaults(interval=interval, timeout=5.0,
+                                               idle_holder_s=20.0),
                   hosts=tuple(HostConfig(name=n, tags=tags) for n, *_, tags in FLEET),
-                  reservations_path=reservations, idle_holder_s=20.0,
-                  history_path=reservations.parent / "history.sqlite3")
+                  reservations=Reservations(path=reservations),
+                  history=History(path=reservations.parent / "history.sqlite3"))
 
 
 def demo_sources(seed: int = 0) -> list[DemoSource]:
@@ -125,10 +129,12 @@ def seed_reservations(store: Store) -> None:
     def change(state: StoreState, now: object) -> StoreState:
         t = utcnow()
         return StoreState(reservations=(
-            new_reservation("atlas", 3, "chen", "laptop-chen", t, 3 * 3600, None,
-                            "ablation sweep, please ask first"),
-            new_reservation("cirrus", 0, "dana", "ws-dana", t - timedelta(hours=1), 2 * 3600,
-                            None, "demo for the review on Friday"),
+            new_reservation(Target("atlas", 3), Terms(
+                3 * 3600, note="ablation sweep, please ask first", user="chen",
+                machine="laptop-chen"), t),
+            new_reservation(Target("cirrus", 0), Terms(
+                2 * 3600, note="demo for the review on Friday", user="dana",
+                machine="ws-dana"), t - timedelta(hours=1)),
         ))
     store.update(change)
 
@@ -139,5 +145,5 @@ def demo_session(interval: float = 1.0) -> Iterator[tuple[Config, list[DemoSourc
     is removed when the session ends (however the board or ``--json`` ended)."""
     with tempfile.TemporaryDirectory(prefix="gputop-demo-") as tmp:
         config = demo_config(Path(tmp) / "reservations.json", interval)
-        seed_reservations(Store(config.reservations_path))
+        seed_reservations(Store(config.reservations.path))
         yield config, demo_sources()

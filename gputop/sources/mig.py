@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from xml.parsers import expat
 
 from gputop.model import GpuInfo, MigInstance
-from gputop.sources.protocol import ParseError
+from gputop.ssh.transport import ParseError
 from gputop.text import clean, excerpt
 
 _GPU_LINE = re.compile(r"GPU (\d{1,4}): (.{0,200}) \(UUID: (GPU-[0-9A-Za-z-]{1,64})\)")

@@ -22,11 +22,11 @@ from typing import Any
 from gputop.model import GpuInfo, HostError, ProcessInfo
 from gputop.sources.protocol import (
     OWNER_HEADER,
-    ParseError,
     Section,
     remote_script,
     split_frame,
 )
+from gputop.ssh.transport import ParseError
 from gputop.text import clean, excerpt
 
 # (nvidia-smi field, GpuInfo attribute, converter)

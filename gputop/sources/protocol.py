@@ -24,6 +24,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from gputop.ssh.transport import ParseError
 from gputop.text import excerpt
 
 #: Prefix of every marker line. Constant text: nothing from the config or from other hosts
@@ -36,10 +37,6 @@ SECTIONS = ("gpu", "apps", "owners", "args")
 #: Largest output accepted for one refresh (a host with thousands of processes stays far
 #: below this; anything larger is not nvidia-smi talking). Enforced while reading.
 MAX_OUTPUT = 4 * 1024 * 1024
-
-
-class ParseError(ValueError):
-    """Output that is not what was asked for; the message carries a sanitised excerpt."""
 
 
 class FramingError(ParseError):

@@ -25,8 +25,8 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
-from gputop.sources.stream import kill_group
-from gputop.sources.transport import ChannelClosed, HostLink
+from gputop.sources.stream_session import kill_group
+from gputop.ssh.transport import ChannelClosed, HostLink
 from gputop.text import excerpt
 
 

@@ -1,7 +1,7 @@
 """Read a remote host's GPUs over one persistent SSH connection (asyncssh).
 
-Per host: one connection, kept open (:mod:`gputop.sources.transport`), and one of two
-collection modes on it. Streaming (the default, :mod:`gputop.sources.streaming`): one exec
+Per host: one connection, kept open (:mod:`gputop.ssh.transport`), and one of two
+collection modes on it. Streaming (the default, :mod:`gputop.sources.stream_collector`): one exec
 channel whose session runs both ``nvidia-smi -lms`` loops and answers ``ps`` for new pids
 on its stdin; a refresh reads the next sample and starts nothing on the host. Per-refresh
 query (``collection = "query"``, one-shot ``--json``, or a host that cannot stream, for
@@ -22,15 +22,15 @@ from typing import Literal
 
 import asyncssh
 
-from gputop.config import HostConfig
+from gputop.config.tables import HostConfig
 from gputop.model import GpuInfo, HostError
 from gputop.sources import mig
 from gputop.sources.nvidia_smi import RemoteResult, parse_sections
 from gputop.sources.protocol import MARK, FramingError, LineReader, new_nonce, start_pid
 from gputop.sources.query import QueryCollector
-from gputop.sources.stream import kill_group
-from gputop.sources.streaming import CannotStream, StreamCollector
-from gputop.sources.transport import ChannelClosed, HostLink, JumpPool, classify_exception
+from gputop.sources.stream_collector import CannotStream, StreamCollector
+from gputop.sources.stream_session import kill_group
+from gputop.ssh.transport import ChannelClosed, HostLink, JumpPool, classify_exception
 from gputop.text import excerpt
 
 #: The MIG inventory (``nvidia-smi -L`` and ``-q -x``, see :mod:`gputop.sources.mig`) is

@@ -26,12 +26,13 @@ from textual.color import Color, ColorParseError
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Input
 
-from gputop.config import Config
+from gputop.config.load import Config
+from gputop.hubclient.poller import HubPoller, open_poller
 from gputop.model import HostSnapshot, utcnow
-from gputop.poller import HubPoller, Poller, open_poller
+from gputop.poller import Poller
+from gputop.reservations.open import open_store
 from gputop.reservations.ops import whoami
 from gputop.sources import Source
-from gputop.sources.shared_file import open_store
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, HostRow
@@ -40,8 +41,9 @@ from gputop.ui.feed import FeedThread
 from gputop.ui.intake import RENDER_PERIOD, Intake, tune_gc
 from gputop.ui.screens import HelpScreen, UsersScreen
 from gputop.ui.store_actions import StoreActions
+from gputop.ui.table import BoardTable
 from gputop.ui.themes import BUILTIN, FALLBACK, load_themes
-from gputop.ui.widgets import BoardTable, DetailPane, SummaryBar
+from gputop.ui.widgets import DetailPane, SummaryBar
 
 if TYPE_CHECKING:
     from gputop.history.live import LiveRecorder
@@ -111,10 +113,12 @@ class GputopApp(App[int]):
         # first answer (until then, and if it never answers, this machine's account).
         me = user or whoami(None if store.remote else store)[0]
         self.model = BoardModel(host_order=[h.name for h in config.hosts],
-                                interval=config.interval, idle_holder_s=config.idle_holder_s,
-                                idle_grace_s=config.idle_grace_s,
-                                share_grace_s=config.share_grace_s, clock=clock, me=me)
-        self.intake = Intake(self.model, interval=config.interval, long_running=long_running,
+                                interval=config.defaults.interval,
+                                idle_holder_s=config.defaults.idle_holder_s,
+                                idle_grace_s=config.reservations.idle_grace_s,
+                                share_grace_s=config.reservations.share_grace_s, clock=clock, me=me)
+        self.intake = Intake(self.model, interval=config.defaults.interval,
+                             long_running=long_running,
                              table=lambda: self.query_one(BoardTable),
                              render=lambda: self.render_board(), notify_error=self._error,
                              recorder=recorder)
@@ -123,7 +127,7 @@ class GputopApp(App[int]):
             me_given=user is not None, selected=self._selected, redraw=lambda: self.render_board(),
             changed=self._changed,
             given_hosts=None if sources is None else [s.name for s in sources])
-        self._wanted_theme = theme or config.theme or FALLBACK
+        self._wanted_theme = theme or config.defaults.theme or FALLBACK
         self._theme_names: list[str] = []
         self.palette = Palette()
         self.poller: Poller | HubPoller | None = None
@@ -165,12 +169,12 @@ class GputopApp(App[int]):
             if name not in loaded.themes:
                 self.unregister_theme(name)
         self._update_palette()
-        self.query_one(DetailPane).history_path = self.config.history_path
-        self.query_one(DetailPane).via_hub = self.config.hub_url is not None
+        self.query_one(DetailPane).history_path = self.config.history.path
+        self.query_one(DetailPane).via_hub = self.config.hub.url is not None
         self.reservations.reload()
         self.set_focus(self.query_one(BoardTable))  # now, not after a refresh
-        if self.config.implicit and self.config.hub_url is None:  # (a hub names the hosts)
-            from gputop.config import NO_CONFIG_HINT, default_config_path
+        if self.config.implicit and self.config.hub.url is None:  # (a hub names the hosts)
+            from gputop.config.load import NO_CONFIG_HINT, default_config_path
 
             self.notify(NO_CONFIG_HINT.format(path=default_config_path()), markup=False,
                         timeout=8)
@@ -178,7 +182,8 @@ class GputopApp(App[int]):
         # Intake.deliver), so a board whose hosts are quiet wakes twice a second, not 25.
         self.intake.start(asyncio.get_running_loop())
         self.set_interval(RENDER_PERIOD, self.intake.tick)
-        self.set_interval(max(0.5, self.config.interval), self.reservations.reload_if_changed)
+        self.set_interval(max(0.5, self.config.defaults.interval),
+                          self.reservations.reload_if_changed)
         self.render_board()
         if self._feed:  # after the first frame: a thousand hosts connecting do not delay it
             self.call_after_refresh(self._run_feed)
@@ -353,7 +358,7 @@ class GputopApp(App[int]):
     def action_history(self) -> None:
         from gputop.ui.history_screen import FleetHistoryScreen
 
-        self.push_screen(FleetHistoryScreen(self.config.history_path))
+        self.push_screen(FleetHistoryScreen(self.config.history.path))
 
     def action_reconnect(self) -> None:
         row = self._selected()

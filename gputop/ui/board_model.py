@@ -32,8 +32,9 @@ from gputop.reservations.flags import (
     share_flags,
 )
 from gputop.reservations.ops import format_duration
+from gputop.reservations.records import Reservation
 from gputop.reservations.shares import share_index
-from gputop.reservations.store import Reservation, StoreState
+from gputop.reservations.state import StoreState
 from gputop.reservations.summary import CLASSES
 from gputop.reservations.summary import classes as gpu_classes
 from gputop.ui.board_history import BoardHistory
@@ -510,7 +511,8 @@ class BoardModel:
                 continue
             if grouped:
                 insts = sum(1 for r in gpus if r.instance is not None)
-                add((HostRow(host, snap, len(gpus) - insts, collapsed, cached.stale,
+                shares = sum(1 for r in gpus if r.share is not None)  # (rows under a GPU)
+                add((HostRow(host, snap, len(gpus) - insts - shares, collapsed, cached.stale,
                              snap.time, insts),))
                 if not collapsed:
                     add(gpus)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from gputop.model import GpuInfo, HostSnapshot, MigInstance
-from gputop.reservations.store import Reservation
+from gputop.reservations.records import Reservation
 from gputop.text import clean
 
 

@@ -13,8 +13,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from gputop.model import GpuInfo
-from gputop.reservations.ops import format_duration
-from gputop.reservations.shares import holder_use_mib, room_mib, size_text
+from gputop.reservations.ops import format_duration, left_text, size_text
+from gputop.reservations.shares import holder_use_mib, room_mib
 from gputop.text import clean, excerpt
 from gputop.ui.board_rows import GpuRow, HostRow, Row, short_model
 
@@ -159,7 +159,7 @@ def share_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     labels = SHORT_FLAG_LABELS if narrow else FLAG_LABELS
     flags = Text(" ".join(labels.get(f, f) for f in row.flags),
                  style=p.error if row.flags else "")
-    left = time_left(r.expires, now)  # the user gives way, not the time
+    left = left_text(r, now)  # the user gives way, not the time
     room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
     cells: tuple[Text, ...] = (label, Text(""), mem, Text(clean(r.user)),
                                Text(f"{fit(clean(r.user), room)} {left}", style=p.reserved))
@@ -204,7 +204,7 @@ def gpu_cells(row: GpuRow, now: datetime, p: Palette, narrow: bool = False
     users = ",".join(row.users) or "—"
     resv = Text("—", style=p.muted)
     if row.reservation is not None:
-        left = time_left(row.reservation.expires, now)  # the user gives way, not the time
+        left = left_text(row.reservation, now)  # the user gives way, not the time
         room = ((NARROW if narrow else COLUMNS)[4][2] or 0) - len(left) - 1
         resv = Text(f"{fit(clean(row.reservation.user), room)} {left}", style=p.reserved)
     elif row.shares:  # the rows under it say who holds what; here: the unshared rest

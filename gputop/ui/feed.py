@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from gputop.hubclient.poller import HubPoller
 from gputop.model import GpuInfo, HostError, HostSnapshot
-from gputop.poller import HubPoller, Poller
+from gputop.poller import Poller
 
 #: The longest the feed waits for the board in one go, and how long it then runs at least.
 MAX_HOLD_S = 0.25

@@ -106,7 +106,9 @@ class HostRows:
                 block = self._block = [*rows]
             else:
                 insts = self.counts.instances
-                block = self._block = [HostRow(snap.name, snap, len(self.keys) - 1 - insts,
+                shares = sum(1 for r in rows if r.share is not None)
+                block = self._block = [HostRow(snap.name, snap,
+                                               len(self.keys) - 1 - insts - shares,
                                                False, self.stale, snap.time, insts), *rows]
         return block
 

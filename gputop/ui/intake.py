@@ -20,7 +20,7 @@ from textual.css.query import NoMatches
 from gputop.model import HostSnapshot
 from gputop.ui.board_model import BoardModel
 from gputop.ui.feed import FeedThread
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
 
 if TYPE_CHECKING:
     from gputop.history.live import LiveRecorder

@@ -14,10 +14,10 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from gputop.config import parse_duration
+from gputop.config.values import parse_duration
 from gputop.reservations.ops import Invalid, check_note, format_duration
+from gputop.reservations.records import Waiter
 from gputop.reservations.shares import parse_size_mib
-from gputop.reservations.store import Waiter
 from gputop.text import clean, excerpt
 from gputop.ui.board_rows import UserLoad
 from gputop.ui.cells import gib

@@ -16,11 +16,13 @@ from rich.text import Text
 from textual.app import App
 from textual.worker import Worker
 
-from gputop.config import Config
+from gputop.config.load import Config
 from gputop.poller import Poller
-from gputop.reservations import Invalid, Refused, StoreError, Target, release
-from gputop.reservations.shares import mig_mode, reserve_share, room_mib, size_text
-from gputop.reservations.store import ReservationStore, StoreState
+from gputop.reservations.filelock import StoreError
+from gputop.reservations.ops import Invalid, Refused, Target, release, size_text
+from gputop.reservations.shares import mig_mode, reserve_share, room_mib
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import ReservationStore
 from gputop.text import clean, excerpt
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import (
@@ -183,11 +185,11 @@ class StoreActions:
 
         poller = None
         if self._given_hosts is not None:  # the demo (or given sources): what the board shows,
-            poller = Poller(dataclasses.replace(self.config, collection="query"), [
+            poller = Poller(self.config.with_defaults(collection="query"), [
                 BoardSource(name, self.model.snapshots.get) for name in self._given_hosts])
         try:  # (else the waiter's own queries: a GPU is free the moment its job ends)
             got = await wait_for_gpus(self.config, self.store, Request(count), note="",
-                                      seconds=self.config.reservation_default_s,
+                                      seconds=self.config.reservations.default_s,
                                       lease_s=DEFAULT_LEASE_S, max_wait=None, say=say,
                                       poller=poller)
         except (Invalid, Refused, StoreError, WaitedTooLong) as exc:
@@ -228,8 +230,8 @@ class StoreActions:
         shareable = row.instance is None and not mig_mode(row.gpu) and holder is None
 
         def ask() -> None:
-            self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                           self.config.reservation_max_s, about,
+            self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                           self.config.reservations.max_s, about,
                                            "optional" if shareable else None), done)
 
         from gputop.jobs.remote import login_on
@@ -265,8 +267,8 @@ class StoreActions:
             if req is not None:
                 self._reserve_checked(key, label, req)
 
-        self.app.push_screen(ReserveScreen(label, self.config.reservation_default_s,
-                                       self.config.reservation_max_s, about, "required",
+        self.app.push_screen(ReserveScreen(label, self.config.reservations.default_s,
+                                       self.config.reservations.max_s, about, "required",
                                        rest), done)
 
     def _reserve_checked(self, key: str, label: str, req: ReserveRequest) -> None:
@@ -300,7 +302,11 @@ class StoreActions:
         from gputop.jobs.remote import answered_logins
         from gputop.reservations.ops import reserve_outcomes
         from gputop.reservations.queue import queue_claim
+        from gputop.reservations.terms import Terms
 
+        logins = answered_logins(self.config, self.model.snapshots)
+        terms = Terms(req.seconds, self.config.reservations.max_s, req.note, user=self.me,
+                      login=logins, share_mib=req.share_mib)
         try:
             if req.share_mib is not None:
                 # The queue's order rule for shares, as for `gputop reserve --share`.
@@ -309,21 +315,19 @@ class StoreActions:
                 claim = share_claim([h.name for h in self.config.hosts],
                                     [h for _, h in self.model.snapshots.items()],
                                     req.share_mib, self.me, target)
+                # The login asked here, as the board knows it now.
                 await asyncio.to_thread(
-                    reserve_share, self.store, target, req.share_mib, total_mib or 0,
-                    seconds=req.seconds, max_seconds=self.config.reservation_max_s,
-                    note=req.note, user=self.me, check=claim,
-                    login=answered_logins(self.config, self.model.snapshots)(target.host))
+                    reserve_share, self.store, target, total_mib or 0,
+                    dataclasses.replace(terms, login={target.host: logins(target.host)}.get),
+                    check=claim)
             else:
                 # The queue's order rule, as for `gputop reserve`: a GPU whose taking for
                 # this long could delay a waiter is theirs (refused, naming them).
                 check = queue_claim([target], dict(self.model.snapshots),
                                     [h.name for h in self.config.hosts], self.me,
                                     seconds=req.seconds)
-                await asyncio.to_thread(
-                    reserve_outcomes, self.store, [target], seconds=req.seconds,
-                    max_seconds=self.config.reservation_max_s, note=req.note, user=self.me,
-                    check=check, login=answered_logins(self.config, self.model.snapshots))
+                await asyncio.to_thread(reserve_outcomes, self.store, [target], terms,
+                                        check=check)
         except Refused as exc:
             self.app.notify(f"refused: {exc}", severity="error", markup=False, timeout=6)
             return

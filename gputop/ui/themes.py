@@ -19,7 +19,8 @@ import platformdirs
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
 
-from gputop.config import APP, data_path
+from gputop.config.load import data_path
+from gputop.config.values import APP
 
 FALLBACK = "gputop-dark"
 STATE_VARIABLES = ("gpu-free", "gpu-busy", "gpu-reserved", "gpu-error", "gpu-muted")

@@ -14,15 +14,14 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from gputop.model import GpuInfo
-from gputop.reservations.ops import ends_with, format_duration, local_time
-from gputop.reservations.shares import holder_use_mib, room_mib, size_text
+from gputop.reservations.ops import ends_with, format_duration, local_time, size_text
+from gputop.reservations.shares import holder_use_mib, room_mib
 from gputop.text import clean
 from gputop.ui.board_model import BoardModel
 from gputop.ui.board_rows import GpuRow, HostRow, Row, Summary, short_model
 from gputop.ui.cells import FLAG_LABELS, Palette, gib, gpu_count_text, power_text
-from gputop.ui.table import BoardTable
 
-__all__ = ["BoardTable", "DetailPane", "SummaryBar", "spark"]
+__all__ = ["DetailPane", "SummaryBar", "spark"]
 
 
 class SummaryBar(Static):

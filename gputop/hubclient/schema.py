@@ -9,7 +9,7 @@ subset the schema uses: ``$ref`` to ``$defs``, ``type``, ``const``, ``enum``,
 and ``items``. On top of the schema: strings are cleaned (``gputop.text.clean``) and
 bounded, numbers must be finite and integers fit 64 bits, arrays are bounded, and a
 value of an unchecked part (an open object's extra key) must be plain JSON of bounded
-depth. A failure is ``Invalid`` naming where (``$.hosts[3].gpus[0].index``).
+depth. A failure is ``SchemaError`` naming where (``$.hosts[3].gpus[0].index``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ MAX_INT = 2**63
 Check = Callable[[Any], Any]
 
 
-class Invalid(ValueError):
+class SchemaError(ValueError):
     """What a hub sent does not check out; ``str`` says where and why."""
 
     def __init__(self, why: str, where: str = "") -> None:
         super().__init__(f"{where}: {why}" if where else why)
         self.why, self.where = why, where
 
-    def under(self, step: str) -> Invalid:
-        return Invalid(self.why, step + self.where)
+    def under(self, step: str) -> SchemaError:
+        return SchemaError(self.why, step + self.where)
 
 
 @cache
@@ -51,17 +51,17 @@ def schema() -> dict[str, Any]:
 
 def _string(v: Any) -> str:
     if type(v) is not str:
-        raise Invalid("expected a string")
+        raise SchemaError("expected a string")
     if len(v) > MAX_STRING:
-        raise Invalid(f"longer than {MAX_STRING} characters")
+        raise SchemaError(f"longer than {MAX_STRING} characters")
     return v if v.isprintable() else clean(v)
 
 
 def _integer(v: Any) -> int:
     if type(v) is not int:
-        raise Invalid("expected an integer")
+        raise SchemaError("expected an integer")
     if not -MAX_INT < v < MAX_INT:
-        raise Invalid("an integer out of range")
+        raise SchemaError("an integer out of range")
     return v
 
 
@@ -70,25 +70,25 @@ def _number(v: Any) -> float | int:
     if t is int:
         return _integer(v)
     if t is not float or not math.isfinite(v):
-        raise Invalid("expected a finite number")
+        raise SchemaError("expected a finite number")
     return cast(float, v)
 
 
 def _boolean(v: Any) -> bool:
     if type(v) is not bool:
-        raise Invalid("expected true or false")
+        raise SchemaError("expected true or false")
     return v
 
 
 def _null(v: Any) -> None:
     if v is not None:
-        raise Invalid("expected null")
+        raise SchemaError("expected null")
 
 
 def _plain(v: Any, depth: int = 0) -> Any:
     """Any JSON value, strings cleaned, bounded in depth and size."""
     if depth > MAX_DEPTH:
-        raise Invalid("nested too deep")
+        raise SchemaError("nested too deep")
     t = type(v)
     if t is str:
         return _string(v)
@@ -100,11 +100,11 @@ def _plain(v: Any, depth: int = 0) -> Any:
         return v
     if t is list:
         if len(v) > MAX_ITEMS:
-            raise Invalid(f"more than {MAX_ITEMS} items")
+            raise SchemaError(f"more than {MAX_ITEMS} items")
         return [_plain(x, depth + 1) for x in v]
     if t is dict:
         return {_string(k): _plain(x, depth + 1) for k, x in v.items()}
-    raise Invalid("not JSON")
+    raise SchemaError("not JSON")
 
 
 _SCALARS: dict[str, Check] = {"string": _string, "integer": _integer, "number": _number,
@@ -139,7 +139,7 @@ class _Compiler:
 
             def is_const(v: Any) -> Any:
                 if v != const or type(v) is not type(const):
-                    raise Invalid(f"expected {const!r}")
+                    raise SchemaError(f"expected {const!r}")
                 return base(v)
             return is_const
         if "enum" in s:
@@ -147,7 +147,7 @@ class _Compiler:
 
             def in_enum(v: Any) -> Any:
                 if type(v) not in (str, int, type(None)) or v not in allowed:
-                    raise Invalid("not one of the known values")
+                    raise SchemaError("not one of the known values")
                 return v
             return in_enum
         return self.typed(s)
@@ -157,9 +157,9 @@ class _Compiler:
             for option in options:
                 try:
                     return option(v)
-                except Invalid:
+                except SchemaError:
                     continue
-            raise Invalid("matches none of the allowed forms")
+            raise SchemaError("matches none of the allowed forms")
         return first
 
     def typed(self, s: Mapping[str, Any]) -> Check:
@@ -177,7 +177,7 @@ class _Compiler:
             def matched(v: Any) -> str:
                 text = _string(v)
                 if not pattern.search(text):
-                    raise Invalid("not in the expected form")
+                    raise SchemaError("not in the expected form")
                 return text
             return matched
         if len(types) == 1:
@@ -192,21 +192,21 @@ class _Compiler:
         def any_of(v: Any) -> Any:
             check = by_type.get(type(v))
             if check is None:
-                raise Invalid(f"expected {names}")
+                raise SchemaError(f"expected {names}")
             return check(v)
         return any_of
 
     def array(self, item: Check) -> Check:
         def items(v: Any) -> list[Any]:
             if type(v) is not list:
-                raise Invalid("expected an array")
+                raise SchemaError("expected an array")
             if len(v) > MAX_ITEMS:
-                raise Invalid(f"more than {MAX_ITEMS} items")
+                raise SchemaError(f"more than {MAX_ITEMS} items")
             out = []
             for i, x in enumerate(v):
                 try:
                     out.append(item(x))
-                except Invalid as exc:
+                except SchemaError as exc:
                     raise exc.under(f"[{i}]") from None
             return out
         return items
@@ -218,20 +218,20 @@ class _Compiler:
 
         def fields(v: Any) -> dict[str, Any]:
             if type(v) is not dict:
-                raise Invalid("expected an object")
+                raise SchemaError("expected an object")
             for k in required:
                 if k not in v:
-                    raise Invalid(f"missing {k!r}")
+                    raise SchemaError(f"missing {k!r}")
             out = {}
             for k, x in v.items():
                 check = props.get(k)
                 if check is None:
                     if closed:
-                        raise Invalid(f"unknown key {excerpt(str(k), 40)!r}")
+                        raise SchemaError(f"unknown key {excerpt(str(k), 40)!r}")
                     check = _plain
                 try:
                     out[k] = check(x)
-                except Invalid as exc:
+                except SchemaError as exc:
                     raise exc.under(f".{k}") from None
             return out
         return fields
@@ -252,7 +252,7 @@ def checker(part: str = "") -> Check:
 def check(value: Any, part: str = "", where: str = "$") -> Any:
     try:
         return checker(part)(value)
-    except Invalid as exc:
+    except SchemaError as exc:
         raise exc.under(where) from None
     except RecursionError:
-        raise Invalid("nested too deep", where) from None
+        raise SchemaError("nested too deep", where) from None

@@ -2,7 +2,7 @@
 
 Every user of the shared file (the CLI, the queue, ``run``, the board, history's recorder)
 gets it from :func:`open_store`, so where the file lives is decided in one place. A remote
-store connects with the poller's transport (:mod:`gputop.sources.transport`):
+store connects with the poller's transport (:mod:`gputop.ssh.transport`):
 ``~/.ssh/config`` resolution, known_hosts always enforced, ProxyJump through a jump
 connection, classified errors.
 """
@@ -18,10 +18,11 @@ from typing import Any
 
 import asyncssh
 
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import HostConfig
 from gputop.reservations.remote import ConnectFailed, RemoteStore
 from gputop.reservations.store import ReservationStore, Store
-from gputop.sources.transport import HostLink, JumpPool
+from gputop.ssh.transport import HostLink, JumpPool
 
 #: One RemoteStore (one kept connection) per file per process: commands that open the
 #: store several times share it.
@@ -33,33 +34,33 @@ def open_store(config: Config, *, warn: Callable[[str], None] | None = None
                ) -> ReservationStore:
     """The config's reservations store: :class:`Store` or :class:`RemoteStore`, read with
     its ``max_duration`` (an expiry further ahead counts as created + max_duration)."""
-    if config.reservations_host is None:
-        return Store(config.reservations_path, warn=warn, max_s=config.reservation_max_s)
-    name = config.reservations_host
+    if config.reservations.host is None:
+        return Store(config.reservations.path, warn=warn, max_s=config.reservations.max_s)
+    name = config.reservations.host
     # A configured host's address, port and user apply; otherwise an SSH destination.
     known = config.host(name)
     host = known if known is not None and not known.local else HostConfig(name=name)
-    key = (os.getpid(), name, str(config.reservations_path), host.address, host.port, host.user,
-           str(config.ssh_config), config.timeout, config.reservation_max_s)
+    key = (os.getpid(), name, str(config.reservations.path), host.address, host.port, host.user,
+           str(config.defaults.ssh_config), config.defaults.timeout, config.reservations.max_s)
     with _GUARD:
         store = _REMOTES.get(key)
         if store is None:
-            store = RemoteStore(name, PurePosixPath(str(config.reservations_path)),
-                                _connector(config, host), timeout=config.timeout,
-                                warn=warn, max_s=config.reservation_max_s)
+            store = RemoteStore(name, PurePosixPath(str(config.reservations.path)),
+                                _connector(config, host), timeout=config.defaults.timeout,
+                                warn=warn, max_s=config.reservations.max_s)
             _REMOTES[key] = store
         return store
 
 
 def _connector(config: Config, host: HostConfig) -> Callable[[], Any]:
     """The store host's kept connection, opened as the poller opens a host's
-    (:class:`~gputop.sources.transport.HostLink`: TCP first, a handshake slot, ProxyJump
+    (:class:`~gputop.ssh.transport.HostLink`: TCP first, a handshake slot, ProxyJump
     through a shared jump connection), with keepalives: the connection idles between
     reads, and a dead one must be noticed (the script's watchdog covers the writes)."""
     def new_link() -> HostLink:
-        return HostLink(host, timeout=config.timeout, interval=config.interval,
-                        ssh_config=config.ssh_config, handshakes=asyncio.Semaphore(1),
-                        jumps=JumpPool(config.ssh_config), keepalive_s=15.0)
+        return HostLink(host, timeout=config.defaults.timeout, interval=config.defaults.interval,
+                        ssh_config=config.defaults.ssh_config, handshakes=asyncio.Semaphore(1),
+                        jumps=JumpPool(config.defaults.ssh_config), keepalive_s=15.0)
 
     links: dict[int, HostLink] = {}
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port(address: str = "127.0.0.1") -> int:
@@ -96,16 +96,16 @@ class Hub:
 
 
 class DemoHub:
-    """tests/demo_hub.py as a process; its stderr kept."""
+    """tests/support/demo_hub.py as a process; its stderr kept."""
 
     def __init__(self, tmp: Path, address: str, *args: str) -> None:
         self.port = free_port(address)
         self.url = f"http://{address}:{self.port}/"
         self.err = tmp / f"hub-{self.port}.stderr"
         with open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "demo_hub.py"),
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.demo_hub",
                                           "--listen", f"{address}:{self.port}", *args],
-                                         stdout=subprocess.DEVNULL, stderr=err)
+                                         stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.stderr()

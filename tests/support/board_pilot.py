@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from board_data import fixed_snapshots
 from textual.pilot import Pilot
 
 from gputop.ui.app import GputopApp
-from gputop.ui.widgets import BoardTable
+from gputop.ui.table import BoardTable
+from tests.support.board_data import fixed_snapshots
 
 #: The row of the fixed fleet's gpu-h100 GPU 2 (an idle GPU).
 H100_GPU2 = f"gpu-h100\x00GPU-{2:08d}-test"

@@ -10,7 +10,7 @@ Host keys are always checked against known_hosts: even a config that says
 ``UserKnownHostsFile none`` does not switch checking off here.
 
 Nothing here knows how a host is read: the collection modes (:mod:`gputop.sources.query`,
-:mod:`gputop.sources.streaming`) open their channels on :attr:`HostLink.conn`.
+:mod:`gputop.sources.stream_collector`) open their channels on :attr:`HostLink.conn`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from typing import Any
 
 import asyncssh
 
-from gputop.config import HostConfig
+from gputop.config.tables import HostConfig
 from gputop.model import HostError
 from gputop.pacing import unpaced
-from gputop.sources.protocol import ParseError
 from gputop.text import excerpt
 
 #: What runs on a new connection while it still holds its handshake slot.
@@ -56,6 +55,10 @@ PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com",
 
 #: Appended to a failed host's last error while it waits for its next try.
 WAITING_TO_RETRY = "(waiting to retry)"
+
+
+class ParseError(ValueError):
+    """Output that is not what was asked for; the message carries a sanitised excerpt."""
 
 
 class ChannelClosed(Exception):

@@ -1,8 +1,8 @@
 """The ``[notify]`` table of hosts.toml: where notices go and how hard delivery tries.
 
-Its own module (on the config's floor) so that the data layer can parse it without the
-senders. Secrets (the team channel's URL, the SMTP password) are never in the shared
-config: only the paths of files that the sender's account alone reads.
+Read from the raw table (not ``values.Table``) so that each key's check stays with it.
+Secrets (the team channel's URL, the SMTP password) are never in the shared config: only
+the paths of files that the sender's account alone reads.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputop.errors import GputopError
+from gputop.config.values import ConfigError
 
 TEAM_FORMATS = ("slack", "mattermost", "teams", "json", "ntfy")
 OVERFLOW = ("drop-oldest", "refuse")
@@ -23,13 +23,11 @@ _DOMAIN = re.compile(r"[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 _ADDRESS = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
 
 
-class NotifyConfigError(GputopError):
+class NotifyConfigError(ConfigError):
     """A bad ``[notify]`` key: the message names the file and the key (exit 2)."""
 
-    reason = "config"
-
     def __init__(self, path: Path, key: str, message: str) -> None:
-        super().__init__(f"{path}: notify.{key}: {message}")
+        super().__init__(path, f"notify.{key}" if key else "notify", message)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Framing: every line on the channel starts with the tag our own awk gave it at it
 The streamed fields are numbers, uuids and driver-given names; nothing a remote user
 chooses (no ``process_name``) is in either loop, and ps's lines are tagged ``p`` however
 they look. Markers (a loop's exit, a ps answer's sections) carry a nonce sent on stdin.
-Each loop's lines, tag removed, become samples in :mod:`gputop.sources.stream_samples`;
+Each loop's lines, tag removed, become samples in :mod:`gputop.sources.stream_parse`;
 the host's liveness is judged from the GPU loop only.
 """
 
@@ -32,7 +32,6 @@ from gputop.sources.protocol import (
     OWNER_SECTIONS,
     FramingError,
     LineReader,
-    ParseError,
     Section,
     end_line,
     new_nonce,
@@ -40,7 +39,8 @@ from gputop.sources.protocol import (
     split_frame,
     start_pid,
 )
-from gputop.sources.stream_samples import AppsBatches, GpuSampler
+from gputop.sources.stream_parse import AppsBatches, GpuSampler
+from gputop.ssh.transport import ParseError
 from gputop.text import excerpt
 
 #: How much of a failing loop's output is kept to classify its failure.

@@ -8,7 +8,7 @@ way ``--format=csv,noheader,nounits`` prints them) and real failure texts and ex
 GPU processes are real processes owned by real test users, so the remote ``ps`` tells the
 truth about them.
 
-Used by the tests (``conftest.py``) and by the benchmark (``bench/``).
+Used by the tests (``conftest.py``'s fixtures) and by the benchmark (``bench/``).
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATA = Path(__file__).parent / "data" / "nvidia-smi"
+from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 TEST_USERS = ("gtalice", "gtbob")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gputop.sources.nvidia_smi import APPS_QUERY, GPU_QUERY  # noqa: E402
 
 GPU_ARGS = f"--query-gpu={GPU_QUERY} --format=csv,noheader,nounits"
 #: The fields after the timestamp, which the stand-in prints itself, as it prints the row.

@@ -4,8 +4,8 @@ A hub is another machine's process: everything it sends is checked like any host
 output. A body or an event line larger than ``MAX_DOCUMENT_BYTES`` is cut off while it is
 read; the JSON must parse (no ``NaN``, bounded nesting) and match the shipped snapshot
 schema (``gputop/schema/snapshot.schema.json``: its host objects, most of every
-document, by a hand-written check, ``gputop.sources.hub_hosts``; the rest by a small
-validator of the subset it uses, ``gputop.sources.hub_schema``), and every string is
+document, by a hand-written check, ``gputop.hubclient.hosts``; the rest by a small
+validator of the subset it uses, ``gputop.hubclient.schema``), and every string is
 cleaned again, as if it came straight from a host.
 What fails is one :class:`HubError` with a classified kind (``unreachable``, ``timeout``,
 ``auth``, ``parse``, ``error``) and the hub's URL, never a hang: every read has a timeout.
@@ -25,6 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, cast
 
+from gputop.hubclient.hosts import check_hosts
+from gputop.hubclient.patch import Touched, apply_changes, check_changes, check_places
+from gputop.hubclient.schema import MAX_ITEMS, check, schema
+from gputop.hubclient.schema import SchemaError as _Invalid
 from gputop.model import (
     SCHEMA_VERSION,
     FleetSnapshot,
@@ -35,10 +39,6 @@ from gputop.model import (
     ProcessInfo,
 )
 from gputop.sources import HubError
-from gputop.sources.hub_hosts import check_hosts
-from gputop.sources.hub_patch import Touched, apply_changes, check_changes, check_places
-from gputop.sources.hub_schema import MAX_ITEMS, check, schema
-from gputop.sources.hub_schema import Invalid as _Invalid
 from gputop.text import clean, excerpt
 
 #: The largest document or event this reader takes (a 1,000 x 8 fleet is about 6 MB).

@@ -1,6 +1,6 @@
 """Streaming mode: the one nvidia-smi session per host, and what it takes to keep it.
 
-The session (:class:`~gputop.sources.stream.HostSession`, which frames and parses what it
+The session (:class:`~gputop.sources.stream_session.HostSession`, which frames and parses what it
 sends) runs both ``nvidia-smi -lms`` loops on one exec channel and answers ``ps`` for new
 pids on its stdin; a refresh reads the next sample and starts nothing on the host. Here:
 opening it in the background (the host is ``starting`` meanwhile), restarting it when it
@@ -29,8 +29,8 @@ from gputop.sources.nvidia_smi import (
     parse_owner_rows,
 )
 from gputop.sources.protocol import MAX_OUTPUT
-from gputop.sources.stream import HostSession, NoAwk, SessionClosed
-from gputop.sources.transport import ChannelClosed, HostLink, PhaseTimeout
+from gputop.sources.stream_session import HostSession, NoAwk, SessionClosed
+from gputop.ssh.transport import ChannelClosed, HostLink, PhaseTimeout
 
 #: A streaming host's first sample waits this long (at most one interval) for the apps
 #: loop's first rows: it prints nothing while no process runs.

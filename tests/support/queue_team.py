@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from as_user import need_test_users, run_as, shared_tmp, start_as, team_dir, user_home
-from conftest import _need_sshd, _world_readable
-from fleet import Fleet, GpuProcess, Host
 
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
+from tests.support.as_user import need_test_users, run_as, shared_tmp, start_as, team_dir, user_home
+from tests.support.fleet import Fleet, GpuProcess, Host
+from tests.support.shared_fleet import need_sshd, world_readable
 
 INTERVAL = 0.5
 GRACE = 1.0
@@ -31,8 +33,8 @@ def two_host_fleet(tmp_path_factory: pytest.TempPathFactory, label: str,
                    q1: str, q2: str) -> Iterator[Fleet]:
     """A module fixture's body: q1 at ``q1`` with two idle RTX 2080s, q2 at ``q2`` with
     one (the names the Team's config uses), stopped when the module is done."""
-    _need_sshd()
-    f = Fleet(_world_readable(tmp_path_factory.mktemp(label)), [
+    need_sshd()
+    f = Fleet(world_readable(tmp_path_factory.mktemp(label)), [
         Host("q1", q1, gpus=("rtx2080", "rtx2080")),
         Host("q2", q2, gpus=("rtx2080",)),
     ]).start()
@@ -60,7 +62,7 @@ class Team:
         self.path = team_dir(tmp) / "reservations.json"
         self.config = tmp / "hosts.toml"
         self.config.write_text(
-            # (wait_all: as tests/fleet.py's write_config, see there)
+            # (wait_all: as tests/support/fleet.py's write_config, see there)
             f"[defaults]\ntimeout = 20.0\ninterval = {INTERVAL}\nwait_all = true\n\n"
             f'[reservations]\npath = "{self.path}"\njob_grace = "{GRACE:g}s"\n\n'
             '[[hosts]]\nname = "q1"\ntags = ["big"]\n\n'
@@ -104,7 +106,8 @@ class Team:
             rs = list(state.reservations)
             for g in gpus:
                 host, i = g.split(":")
-                rs.append(new_reservation(host, int(i), user, "m", now, 3600, None, ""))
+                rs.append(new_reservation(
+                    Target(host, int(i)), Terms(3600, user=user, machine="m"), now))
             return replace(state, reservations=tuple(rs))
         self.store.update(change)
 

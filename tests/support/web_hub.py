@@ -16,8 +16,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from gputop.hubclient.client import fleet_from_document
 from gputop.reservations.summary import fleet_summary
-from gputop.sources.hub import fleet_from_document
+from gputop.reservations.terms import Target, Terms
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -175,12 +176,13 @@ def history_db(path: Path) -> None:
     from gputop.history.db import HistoryDB
     from gputop.history.recorder import Recorder
     from gputop.model import GpuInfo, HostSnapshot
-    from gputop.reservations.store import StoreState, new_reservation
+    from gputop.reservations.state import StoreState
+    from gputop.reservations.store import new_reservation
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
     rec = Recorder(HistoryDB(path, writer=True), interval=30.0, timeout=5.0)
     rec.set_reservations(StoreState(reservations=(new_reservation(
-        "gpu-000", 1, "alice", "m", now - timedelta(hours=3), 86400, None, ""),)))
+        Target("gpu-000", 1), Terms(86400, user="alice", machine="m"), now - timedelta(hours=3)),)))
     for i in range(120):
         t = now - timedelta(hours=1) + timedelta(seconds=30 * i)
         rec.record(HostSnapshot(name="gpu-000", time=t, gpus=tuple(
@@ -216,7 +218,7 @@ class DocHub:
     def __init__(self, doc: dict[str, Any], config_dir: Path, address: str = "127.0.0.1",
                  token: str | None = None, history: bool = False) -> None:
         """``history``: the hub reads ``config_dir/history.sqlite3`` (see ``history_db``)."""
-        from gputop.config import load_config
+        from gputop.config.load import load_config
         from gputop.hub.server import Hub
 
         cfg = config_dir / "hosts.toml"

@@ -4,7 +4,7 @@ and changed keys.
 
 A patch is checked as strictly as a complete host: every key must be one the schema
 knows for a host (not ``name`` or ``gpus``) or a GPU, and every value passes that key's own
-check from ``gputop.sources.hub_hosts``; what a check cleans is the cleaned value. It is
+check from ``gputop.hubclient.hosts``; what a check cleans is the cleaned value. It is
 applied whole or not at all: a patch for a host the reader does not have, or for a GPU
 position it does not have, is a broken stream found before anything is applied (the
 reader then starts again from a snapshot). Only the changed GPUs are checked and become
@@ -17,8 +17,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from gputop.sources.hub_hosts import GPU_FIELDS, GPU_PLAIN_NUMBERS, HOST_FIELDS
-from gputop.sources.hub_schema import MAX_INT, MAX_ITEMS, Invalid
+from gputop.hubclient.hosts import GPU_FIELDS, GPU_PLAIN_NUMBERS, HOST_FIELDS
+from gputop.hubclient.schema import MAX_INT, MAX_ITEMS, SchemaError
 from gputop.text import excerpt
 
 #: (host dict, its GPUs' changed keys by position; None: the host came complete)
@@ -33,18 +33,18 @@ def _fields(value: Any, checks: dict[str, Any]) -> dict[str, Any]:
     parsed patch is the reader's own: at 200 x 8 a copy of each was 900 dicts a refresh).
     A failure names where from the object down (the caller adds where the object is)."""
     if type(value) is not dict:
-        raise Invalid("expected an object")
+        raise SchemaError("expected an object")
     out = value
     for k, v in value.items():
         check = checks.get(k)
         if check is None:
-            raise Invalid(f"unknown key {excerpt(str(k), 40)!r}")
+            raise SchemaError(f"unknown key {excerpt(str(k), 40)!r}")
         try:
             w = check(v)
-        except Invalid as exc:
+        except SchemaError as exc:
             raise exc.under(f".{k}") from None
         except RecursionError:
-            raise Invalid("nested too deep", f".{k}") from None
+            raise SchemaError("nested too deep", f".{k}") from None
         if w is not v:
             if out is value:
                 out = dict(value)
@@ -58,7 +58,7 @@ def _gpu_fields(value: Any) -> dict[str, Any]:
     other key, or a number that fails inline, gets the key's own check (which names the
     failure)."""
     if type(value) is not dict:
-        raise Invalid("expected an object")
+        raise SchemaError("expected an object")
     plain = GPU_PLAIN_NUMBERS
     for k, v in value.items():
         floats = plain.get(k)
@@ -71,27 +71,27 @@ def _gpu_fields(value: Any) -> dict[str, Any]:
 
 def _change(value: Any, where: str) -> dict[str, Any]:
     if type(value) is not dict or value.keys() != _CHANGE_KEYS:
-        raise Invalid("expected the keys gpus, name, set", where)
+        raise SchemaError("expected the keys gpus, name, set", where)
     name = value["name"]
     if type(name) is not str:
-        raise Invalid("expected a string", f"{where}.name")
+        raise SchemaError("expected a string", f"{where}.name")
     gpus = value["gpus"]
     if type(gpus) is not list or len(gpus) > MAX_ITEMS:
-        raise Invalid(f"expected an array of at most {MAX_ITEMS} items", f"{where}.gpus")
+        raise SchemaError(f"expected an array of at most {MAX_ITEMS} items", f"{where}.gpus")
     out_gpus = []
     for i, item in enumerate(gpus):  # (where it is is spelt out only for a failure)
         if type(item) is not list or len(item) != 2:
-            raise Invalid("expected [position, object]", f"{where}.gpus[{i}]")
+            raise SchemaError("expected [position, object]", f"{where}.gpus[{i}]")
         pos = item[0]
         if type(pos) is not int or not 0 <= pos < MAX_ITEMS:
-            raise Invalid("expected a position", f"{where}.gpus[{i}]")
+            raise SchemaError("expected a position", f"{where}.gpus[{i}]")
         try:
             out_gpus.append((pos, _gpu_fields(item[1])))
-        except Invalid as exc:
+        except SchemaError as exc:
             raise exc.under(f"{where}.gpus[{i}]") from None
     try:
         host_set = _fields(value["set"], _HOST_SET)
-    except Invalid as exc:
+    except SchemaError as exc:
         raise exc.under(f"{where}.set") from None
     return {"name": name, "set": host_set, "gpus": out_gpus}
 
@@ -99,7 +99,7 @@ def _change(value: Any, where: str) -> dict[str, Any]:
 def check_changes(changes: Any) -> list[dict[str, Any]]:
     """A ``patch`` event's ``changes``, checked (the rest of it is an ``update``'s)."""
     if type(changes) is not list or len(changes) > MAX_ITEMS:
-        raise Invalid(f"expected an array of at most {MAX_ITEMS} items", "patch.changes")
+        raise SchemaError(f"expected an array of at most {MAX_ITEMS} items", "patch.changes")
     return [_change(c, f"patch.changes[{i}]") for i, c in enumerate(changes)]
 
 
@@ -112,11 +112,11 @@ def check_places(host: Callable[[str], dict[str, Any] | None],
         name = c["name"]
         was = host(name)
         if was is None:
-            raise Invalid(f"a patch for a host not in the document: {excerpt(name, 40)!r}")
+            raise SchemaError(f"a patch for a host not in the document: {excerpt(name, 40)!r}")
         n = len(was["gpus"])
         for pos, _fields in c["gpus"]:
             if pos >= n:
-                raise Invalid(f"a patch for GPU position {pos} of {excerpt(name, 40)!r}, "
+                raise SchemaError(f"a patch for GPU position {pos} of {excerpt(name, 40)!r}, "
                               f"which lists {n}")
 
 

@@ -2,22 +2,20 @@
 2-core machine can serve hundreds of GPUs' worth of events), with the hub's bounds set
 small so tests and bench/hub_load.py need not wait long.
 
-    python tests/demo_hub.py --hosts 100 --gpus 8 --listen 127.0.0.1:9850 [--token-file F]
+    python -m tests.support.demo_hub --hosts 100 --gpus 8 --listen 127.0.0.1:9850 [--token-file F]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
     from gputop.cli.lifecycle import run_until_signal
-    from gputop.config import Config, HostConfig
+    from gputop.config.load import Config
+    from gputop.config.tables import HostConfig
     from gputop.hub.collector import Collector
     from gputop.hub.server import read_token, serve
     from gputop.poller import Poller
@@ -33,6 +31,9 @@ def main() -> None:
     ap.add_argument("--write-timeout", type=float, default=10.0)
     ap.add_argument("--idle-timeout", type=float, default=30.0)
     ap.add_argument("--retain-mb", type=int, default=64)
+    ap.add_argument("--max-connections-per-client", type=int)
+    ap.add_argument("--max-subscribers-per-client", type=int)
+    ap.add_argument("--first-request-timeout", type=float, default=10.0)
     ap.add_argument("--token-file")
     args = ap.parse_args()
     names = [f"node{i:04d}" for i in range(args.hosts)]
@@ -47,6 +48,9 @@ def main() -> None:
         await serve(cfg, args.listen, token=token, collector=collector,
                     max_subscribers=args.max_subscribers,
                     max_connections=args.max_connections, idle_s=args.idle_timeout,
+                    max_connections_per_client=args.max_connections_per_client,
+                    max_subscribers_per_client=args.max_subscribers_per_client,
+                    first_request_s=args.first_request_timeout,
                     write_timeout_s=args.write_timeout, retain_bytes=args.retain_mb << 20)
         return 0
 

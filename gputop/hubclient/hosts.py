@@ -1,7 +1,7 @@
 """The hot path of reading a hub: its host objects, checked by hand (cleaned, bounded).
 
 Every update of a 200-host fleet carries every host that changed (all of them when every
-GPU's load moves): the generic compiled check (``gputop.sources.hub_schema``) spent about
+GPU's load moves): the generic compiled check (``gputop.hubclient.schema``) spent about
 12 ms of a 2 s interval on one, a board's largest cost of reading a hub. This is the same
 check of the schema's ``host`` (and its ``gpu``, ``process``, ``instance``,
 ``reservation``, ``share``) written out per object: key sets compared as sets, fields
@@ -12,7 +12,7 @@ bounded and cleaned, integers within 64 bits, numbers finite, open objects' extr
 plain JSON of bounded depth (their keys short printable text); and times must be ASCII
 ``YYYY-MM-DDTHH:MM:SSZ`` exactly (the schema's ``\\d`` and ``$`` also let other digits
 and a trailing newline through).
-A failure is ``Invalid`` naming where, as the compiled check's do.
+A failure is ``SchemaError`` naming where, as the compiled check's do.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import re
 from typing import Any
 
 # The primitives are the document check's own (one definition of a string, an integer, ...)
-from gputop.sources.hub_schema import (
+from gputop.hubclient.schema import (
     MAX_INT,
     MAX_ITEMS,
     MAX_STRING,
-    Invalid,
+    SchemaError,
     _boolean,
     _integer,
     _null,
@@ -43,9 +43,9 @@ def _time(v: Any) -> str:
     if type(v) is str and v in _TIMES:
         return v
     if type(v) is not str:
-        raise Invalid("expected a string")
+        raise SchemaError("expected a string")
     if not _TIME.fullmatch(v):
-        raise Invalid("not in the expected form")
+        raise SchemaError("not in the expected form")
     if len(_TIMES) > 4096:
         _TIMES.clear()
     _TIMES.add(v)
@@ -56,7 +56,7 @@ def _at_least(low: int) -> Any:
     def check(v: Any) -> int:
         n = _integer(v)
         if n < low:
-            raise Invalid(f"less than {low}")
+            raise SchemaError(f"less than {low}")
         return n
     return check
 
@@ -71,7 +71,7 @@ def _num_or_null(v: Any) -> float | int | None:
     if type(v) is int:
         return _integer(v)
     if type(v) is not float or not math.isfinite(v):
-        raise Invalid("expected number or null")
+        raise SchemaError("expected number or null")
     return v
 
 
@@ -84,7 +84,7 @@ def _enum(*values: str) -> Any:
 
     def check(v: Any) -> str:
         if type(v) is not str or v not in allowed:
-            raise Invalid("not one of the known values")
+            raise SchemaError("not one of the known values")
         return v
     return check
 
@@ -92,16 +92,16 @@ def _enum(*values: str) -> Any:
 def _array(item: Any) -> Any:
     def check(v: Any) -> list[Any]:
         if type(v) is not list:
-            raise Invalid("expected an array")
+            raise SchemaError("expected an array")
         if not v:
             return v
         if len(v) > MAX_ITEMS:
-            raise Invalid(f"more than {MAX_ITEMS} items")
+            raise SchemaError(f"more than {MAX_ITEMS} items")
         out = v
         for i, x in enumerate(v):
             try:
                 y = item(x)
-            except Invalid as exc:
+            except SchemaError as exc:
                 raise exc.under(f"[{i}]") from None
             if y is not x:
                 if out is v:
@@ -113,9 +113,9 @@ def _array(item: Any) -> Any:
 
 def _strings(v: Any) -> list[str]:
     if type(v) is not list:
-        raise Invalid("expected an array")
+        raise SchemaError("expected an array")
     if len(v) > MAX_ITEMS:
-        raise Invalid(f"more than {MAX_ITEMS} items")
+        raise SchemaError(f"more than {MAX_ITEMS} items")
     for x in v:
         if type(x) is not str or len(x) > MAX_STRING or not x.isprintable():
             return _array(_string)(v)  # type: ignore[no-any-return]
@@ -148,7 +148,7 @@ def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool =
                 x = v[k]
                 try:
                     y = each[k](x)
-                except Invalid as exc:
+                except SchemaError as exc:
                     raise exc.under(f".{k}") from None
                 if y is not x:
                     if out is v:
@@ -158,14 +158,14 @@ def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool =
 
     def check(v: Any) -> dict[str, Any]:
         if type(v) is not dict:
-            raise Invalid("expected an object")
+            raise SchemaError("expected an object")
         keys = v.keys()
         if not need <= keys:
             k = next(k for k in required if k not in v)
-            raise Invalid(f"missing {k!r}")
+            raise SchemaError(f"missing {k!r}")
         if closed and not keys <= known:
             k = next(k for k in v if k not in known)
-            raise Invalid(f"unknown key {excerpt(str(k), 40)!r}")
+            raise SchemaError(f"unknown key {excerpt(str(k), 40)!r}")
         out = v
         get = v.get
         for k in ints:
@@ -186,7 +186,7 @@ def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool =
                 x = v[k]
                 try:
                     y = c(x)
-                except Invalid as exc:
+                except SchemaError as exc:
                     raise exc.under(f".{k}") from None
                 if y is not x:
                     if out is v:
@@ -196,11 +196,11 @@ def _object(fields: dict[str, Any], required: tuple[str, ...], *, closed: bool =
             for k in v:
                 if k not in known:
                     if len(k) > 64 or not k.isprintable():  # (cleaned, it could name
-                        raise Invalid("a key that is not a short line of text")  # a field)
+                        raise SchemaError("a key that is not a short line of text")  # a field)
                     try:
                         x = v[k]
                         y = _plain(x)
-                    except Invalid as exc:
+                    except SchemaError as exc:
                         raise exc.under(f".{k}") from None
                     if y is not x:
                         if out is v:
@@ -284,7 +284,7 @@ def check_hosts(value: Any, where: str) -> list[dict[str, Any]]:
     """A document's (or an update's) ``hosts``, checked and cleaned."""
     try:
         return _hosts(value)  # type: ignore[no-any-return]
-    except Invalid as exc:
+    except SchemaError as exc:
         raise exc.under(where) from None
     except RecursionError:
-        raise Invalid("nested too deep", where) from None
+        raise SchemaError("nested too deep", where) from None

@@ -10,13 +10,15 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from fleet import CAPTURES, project_capture
-
-from gputop.config import Config, HostConfig
+from gputop.config.load import Config
+from gputop.config.tables import Defaults, History, HostConfig, Reservations
 from gputop.model import GpuInfo, HostError, HostSnapshot, ProcessInfo
-from gputop.reservations.store import Store, StoreState, new_reservation
+from gputop.reservations.state import StoreState
+from gputop.reservations.store import Store
+from gputop.reservations.terms import Target, Terms, new_reservation
 from gputop.sources.nvidia_smi import GPU_QUERY, parse_remote_output
 from gputop.sources.protocol import frame
+from tests.support.fleet import CAPTURES, project_capture
 
 # In the future, so the store (which prunes by the wall clock) keeps the seeded reservations.
 NOW = datetime(2030, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -74,17 +76,21 @@ def fixed_snapshots(now: datetime = NOW) -> list[HostSnapshot]:
 def board_config(tmp: Path) -> Config:
     return Config(path=None, hosts=tuple(HostConfig(name=n) for n in
                                          ("gpu-h100", "gpu-mixed", "gpu-down", "gpu-stale")),
-                  interval=2.0, timeout=3.0, reservations_path=tmp / "reservations.json",
-                  history_path=tmp / "history.sqlite3")
+                  defaults=Defaults(interval=2.0, timeout=3.0),
+                  reservations=Reservations(path=tmp / "reservations.json"),
+                  history=History(path=tmp / "history.sqlite3"))
 
 
 def seed(store: Store, now: datetime = NOW) -> None:
     def change(state: StoreState, _now: datetime) -> StoreState:
         return StoreState(reservations=(
-            new_reservation("gpu-h100", 1, "bob", "ws-bob", now - timedelta(hours=1),
-                            4 * 3600, None, "ablation [i]sweep[/i]"),
+            new_reservation(
+                Target("gpu-h100", 1),
+                Terms(4 * 3600, note="ablation [i]sweep[/i]", user="bob", machine="ws-bob"),
+                now - timedelta(hours=1)),
             # Made 30 min ago, unused: past the idle-reservation grace period (15 min).
-            new_reservation("gpu-mixed", 1, "erin", "ws-erin", now - timedelta(minutes=30),
-                            120 * 60, None, ""),
+            new_reservation(
+                Target("gpu-mixed", 1), Terms(120 * 60, user="erin", machine="ws-erin"),
+                now - timedelta(minutes=30)),
         ))
     store.update(change)

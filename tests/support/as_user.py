@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from fleet import Fleet, ensure_test_users
+from tests.support.fleet import Fleet, ensure_test_users
 
 
 @contextlib.contextmanager

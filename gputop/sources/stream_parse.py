@@ -1,5 +1,5 @@
 """Reading the two ``nvidia-smi -lms`` loops' lines into samples, for a streaming session
-(:class:`~gputop.sources.stream.HostSession` frames the channel and hands each loop's
+(:class:`~gputop.sources.stream_session.HostSession` frames the channel and hands each loop's
 lines here, tag removed).
 
 The GPU loop: ``timestamp`` starts every row and ``count`` says how many rows (GPUs) one
@@ -27,7 +27,7 @@ from gputop.sources.nvidia_smi import (
     to_int,
     to_str,
 )
-from gputop.sources.protocol import ParseError
+from gputop.ssh.transport import ParseError
 from gputop.text import excerpt
 
 #: What every lost GPU's line holds (looked for before the regex that reads one).

@@ -1,0 +1,1 @@
+"""What tests and bench scripts share: the real sshd fleet, hubs, users, boards."""
