@@ -24,7 +24,7 @@ MAX_FIELDS = 40
 _MENTION = re.compile(r"@(?=\w)")
 _WORD_JOINER = "\u2060"
 #: Markdown that would make a link, an image, a heading or emphasis (Mattermost, Teams).
-_MARKDOWN = re.compile(r"([\\`*_{}\[\]()#+!|~>-])")
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]()#+!|~-])")
 
 
 def _bound(text: str, limit: int) -> str:
