@@ -489,6 +489,25 @@ def _under(pid: int, needle: bytes) -> bool:
             return False
     return False
 
+def test_routes_over_ssh_are_the_store_logins_and_only_theirs(clean: World) -> None:
+    """A route set through ``HOST:/path`` is the account the store's host authenticated
+    (not the local login); another login cannot change or remove it through its store."""
+    from gputop.notify.routes import clear_routes, set_route
+
+    carol, dave = clean.store("gtcarol"), clean.store("gtdave")
+    try:
+        assert set_route(carol, "email", "carol@lab.example").user == "gtcarol"
+        set_route(dave, "ntfy", "https://ntfy.sh/dave")
+        assert clear_routes(dave) == 1  # only dave's own
+        with pytest.raises(StoreError, match="gtdave may not set or remove"):
+            dave.update(lambda st, now: replace(st, routes=()))
+        assert [(r.user, r.target) for r in carol.read().routes] == [
+            ("gtcarol", "carol@lab.example")]
+    finally:
+        carol.close()
+        dave.close()
+
+
 
 @pytest.mark.parametrize("point", ["locked", "partial", "all-but-commit", "committed"])
 def test_kill9_of_a_writer_leaves_no_broken_file_and_no_lock(clean: World,

@@ -19,6 +19,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 import platformdirs
 
+from gputop.config.notify import NotifyConfig, parse_notify
 from gputop.config.tables import ENV_RESERVATIONS, Defaults, History, HostConfig, Hub, Reservations
 from gputop.config.values import APP, ConfigError, Table
 
@@ -35,6 +36,8 @@ class Config:
     reservations: Reservations = field(default_factory=Reservations)
     history: History = field(default_factory=History)
     hub: Hub = field(default_factory=Hub)
+    #: ``[notify]``: channels, secrets' files and delivery bounds (docs/notifications.md).
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
     #: True when no config file was found: only the local machine is monitored.
     implicit: bool = False
 
@@ -122,6 +125,7 @@ def parse_config(data: dict[str, Any], path: Path, env_reservations: str | None 
     reservations = Reservations.parse(table("reservations"), env_reservations)
     history = History.parse(table("history"))
     hub = Hub.parse(table("hub"))
+    notify = parse_notify(top.get("notify", dict, {}), path)
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -135,7 +139,7 @@ def parse_config(data: dict[str, Any], path: Path, env_reservations: str | None 
         raise ConfigError(path, "hosts", "no hosts configured (add [[hosts]] tables)"
                           + (" for hub.fallback = \"direct\"" if hub.url else ""))
     return Config(path=path, hosts=tuple(hosts), defaults=defaults,
-                  reservations=reservations, history=history, hub=hub)
+                  reservations=reservations, history=history, hub=hub, notify=notify)
 
 
 #: The hub's bound on open HTTP connections (``serve --max-connections``): without one, a

@@ -55,7 +55,13 @@ from gputop.model import utcnow
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.records import LOCK_TIMEOUT, MAX_FILE_BYTES, MIN_BOUND_S
 from gputop.reservations.remote_scripts import ERRORS, MARK, READER_SCRIPT, WRITER_SCRIPT
-from gputop.reservations.state import StoreState, decode, encode, settle
+from gputop.reservations.state import (
+    StoreState,
+    check_route_owners,
+    decode,
+    encode,
+    settle,
+)
 
 T = TypeVar("T")
 
@@ -246,6 +252,8 @@ class RemoteStore:
             try:
                 now = utcnow()
                 new = settle(change(state, now), now, state)
+                if new.routes != state.routes:
+                    check_route_owners(state, new, self.whoami()[0])
                 data = None if new == state else encode(new, self._named)
                 if self._call(self._finish(ch, nonce, data), self.timeout + 1):
                     return new

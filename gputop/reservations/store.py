@@ -43,6 +43,7 @@ from gputop.reservations.records import (
 )
 from gputop.reservations.state import (
     StoreState,
+    check_route_owners,
     decode,
     encode,
     settle,
@@ -160,6 +161,8 @@ class Store:
                 state = self.read()
                 now = utcnow()
                 new = settle(change(state, now), now, state)
+                if new.routes != state.routes:
+                    check_route_owners(state, new, self.whoami()[0])
                 if new == state:
                     return new
                 data = encode(new, self.path)
