@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gputop.model import iso
+from gputop.notify.bell import desktop
 from gputop.notify.events import Seen, digest, ended, expiring, flag_conditions, store_notices
 from gputop.notify.notice import Notice
 from gputop.notify.watcher import Watcher
@@ -198,3 +199,10 @@ def test_a_host_down_past_its_grace_is_told_to_the_team_once_and_its_return_too(
     w.observe(None, down, T0 + 9 * MIN)
     w.observe(None, up, T0 + 10 * MIN)
     assert len(rec.got) == 2
+
+
+def test_hostile_text_cannot_end_the_sequence_early() -> None:
+    seq = desktop("t", "gpu\x07\x1b]0;owned\x07; rm -rf")
+    body = seq.split("\x1b]777;notify;t;", 1)[1]
+    assert body.count("\x07") == 1 and body.endswith("\x07")
+    assert "\x1b" not in body and ";" not in body[:-1]
