@@ -206,3 +206,16 @@ def test_hostile_text_cannot_end_the_sequence_early() -> None:
     body = seq.split("\x1b]777;notify;t;", 1)[1]
     assert body.count("\x07") == 1 and body.endswith("\x07")
     assert "\x1b" not in body and ";" not in body[:-1]
+
+
+def test_the_senders_unit_runs_this_gputop_notify_run(tmp_path: Path, capsys: Any) -> None:
+    from gputop.cli.notify_run import print_unit
+    from gputop.config import load_config
+
+    cfg = tmp_path / "my hosts.toml"
+    cfg.write_text('[[hosts]]\nname = "h1"\n')
+    assert print_unit(load_config(str(cfg))) == 0
+    unit = capsys.readouterr().out
+    start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert " notify run --config " in start and f'"{cfg}"' in start
+    assert "# Written by `gputop notify run --print-unit`" in unit

@@ -40,7 +40,9 @@ from gputop.hub.collector import Collector
 from gputop.hub.conn import Throttled, abort, cut_stalled, limit_connections
 from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
+from gputop.hub.notifying import watch
 from gputop.hub.waste import WasteCache
+from gputop.notify.watcher import Watcher
 from gputop.output import dumps
 from gputop.text import excerpt
 
@@ -435,8 +437,9 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None,
                 max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
-                **hub_options: Any) -> None:
-    """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
+                watcher: Watcher | None = None, **hub_options: Any) -> None:
+    """Run the hub until cancelled. ``ready(url)`` is called once it listens; ``watcher``
+    (when [notify] is configured) is handed the collection once per interval."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
@@ -446,6 +449,9 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     limit_connections(hub, runner, max_connections, Throttled())
     cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled()))
     collecting = asyncio.create_task(hub.collector.run())
+    # Notices (with [notify] configured: the caller's Watcher), looked at once per interval.
+    watching = None if watcher is None else asyncio.create_task(
+        watch(hub.collector, watcher, max(1.0, config.interval)))
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
         await site.start()
@@ -462,6 +468,8 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
         hub.events.close_all()
         collecting.cancel()
         cutting.cancel()
+        if watching is not None:
+            watching.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collecting
         await runner.cleanup()

@@ -120,6 +120,14 @@ def granted(old: Seen, new: Seen) -> list[Notice]:
     return out
 
 
+def grant_notice(user: str, key: str, got: Sequence[Reservation]) -> Notice:
+    """``granted`` for reservations a wait just made (an agent's ``wait_for_gpus``)."""
+    targets = ", ".join(_short(r.target) for r in got)
+    return Notice("granted", user, key, f"Your GPUs are granted: {targets}",
+                  (*use_lines(got), f"until {iso(got[0].expires)}" if got else ""),
+                  {**(_fields(got[0]) if got else {}), "targets": targets})
+
+
 def _extend_line(r: Reservation) -> str:
     share = f" --share {r.share_mib}M" if r.share_mib is not None else ""
     return f"extend it: gputop reserve {_short(r.target)} --for 1h{share}"
