@@ -22,6 +22,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 import platformdirs
 
 from gputop.errors import GputopError
+from gputop.notify_config import NotifyConfig, parse_notify
 
 APP = "gputop"
 ENV_CONFIG = "GPUTOP_CONFIG"
@@ -161,6 +162,8 @@ class Config:
     hub_listen: str | None = None
     #: The hub's retained window of events, in MiB (``[hub] retain_mb``; ``--retain-mb``).
     hub_retain_mb: int | None = None
+    #: ``[notify]``: channels, secrets' files and delivery bounds (docs/notifications.md).
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -458,6 +461,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         raise ConfigError(path, "hub.retain_mb", "must be between 1 and 65536 (MiB)")
     hub.done()
 
+    notify = parse_notify(top.get("notify", dict, {}), path)
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -506,6 +510,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         hub_token_file=token_file,
         hub_listen=hub_listen,
         hub_retain_mb=hub_retain_mb,
+        notify=notify,
     )
 
 

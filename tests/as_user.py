@@ -73,7 +73,8 @@ _PRELOAD = ["gputop.cli", "gputop.cli.subcommands", "gputop.cli.targets", "gputo
             "gputop.sources.nvidia_smi", "asyncssh", "concurrent.futures.thread",
             "encodings.idna", "queue", "gputop.jobs.run", "gputop.jobs.reap",
             "gputop.jobs.wait", "gputop.jobs.remote", "gputop.reservations.queue", "termios",
-            "tty", "shlex", "subprocess", "gputop.history.known", "sqlite3"]
+            "tty", "shlex", "subprocess", "gputop.history.known", "sqlite3",
+            "gputop.notify.delivery", "gputop.notify.routes"]
 
 
 def preload() -> None:

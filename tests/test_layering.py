@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: sits above ``reservations`` because the demo seeds the demo's reservations file.
 FLOORS = {
     "gputop": 0, "model": 0, "text": 0, "config": 0, "pacing": 0, "output": 0, "extras": 0,
-    "errors": 0,
+    "errors": 0, "notify_config": 0,
     "reservations": 1, "sources": 2, "poller": 3, "jobs": 4, "history": 4,
     "hub": 5, "agents": 5, "notify": 4, "ui": 6, "cli": 7, "__main__": 8,
 }

@@ -755,3 +755,22 @@ async def test_an_agent_over_mcp_is_the_store_hosts_login(clean: World) -> None:
         assert [x["gpu"] for x in mine["reservations"]] == ["gpu:0"]
         assert (await call("release", all_mine=True))["released"] == ["gpu:0"]
     assert Store(clean.path).read().reservations == ()
+
+
+def test_routes_over_ssh_are_the_store_logins_and_only_theirs(clean: World) -> None:
+    """A route set through ``HOST:/path`` is the account the store's host authenticated
+    (not the local login); another login cannot change or remove it through its store."""
+    from gputop.notify.routes import clear_routes, set_route
+
+    carol, dave = clean.store("gtcarol"), clean.store("gtdave")
+    try:
+        assert set_route(carol, "email", "carol@lab.example").user == "gtcarol"
+        set_route(dave, "ntfy", "https://ntfy.sh/dave")
+        assert clear_routes(dave) == 1  # only dave's own
+        with pytest.raises(StoreError, match="gtdave may not set or remove"):
+            dave.update(lambda st, now: replace(st, routes=()))
+        assert [(r.user, r.target) for r in carol.read().routes] == [
+            ("gtcarol", "carol@lab.example")]
+    finally:
+        carol.close()
+        dave.close()

@@ -108,7 +108,7 @@ def test_duration_and_note_limits(tmp_path: Path) -> None:
 
 BROKEN = {
     "not-json": b'{"version": 1, "reservations": [',
-    "wrong-version": b'{"version": 4, "reservations": []}',
+    "wrong-version": b'{"version": 5, "reservations": []}',
     "not-object": b"[1, 2, 3]",
     "missing-field": b'{"version": 1, "reservations": [{"id": "x", "host": "h", "gpu": 0}]}',
     "bad-type": (b'{"version": 1, "reservations": [{"id": "x", "host": "h", "gpu": "0", '
@@ -146,7 +146,7 @@ def test_cli_on_broken_file_exits_2_and_keeps_it(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "gputop", "--config", str(cfg), *args],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 2, r.stderr
-        assert "unknown version 4" in r.stderr and str(path) in r.stderr
+        assert "unknown version 5" in r.stderr and str(path) in r.stderr
         assert "Traceback" not in r.stderr
     assert path.read_bytes() == BROKEN["wrong-version"]
 

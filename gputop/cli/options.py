@@ -35,6 +35,7 @@ BY_COMMAND: dict[str, tuple[str, ...]] = {
     "serve": ("--config", "--interval", "--timeout"),
     "record": ("--config", "--interval", "--timeout"),
     "report": ("--config",),
+    "notify": ("--config", "--interval", "--timeout"),
     "mcp": ("--config", "--interval", "--timeout", "--wait-all"),
     "init-config": ("--config",),
     "completion": ("--config",),

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from gputop.cli.free import cmd_free
+from gputop.cli.notify import add_notify, cmd_notify
 from gputop.cli.options import for_subcommand
 from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
@@ -74,7 +75,7 @@ def cmd_report(config: Config, args: argparse.Namespace) -> int:
 
 COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
             "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report,
-            "mcp": cmd_mcp, "serve": cmd_serve}
+            "mcp": cmd_mcp, "serve": cmd_serve, "notify": cmd_notify}
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -208,6 +209,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
         "find_gpus, reserve, release, my_reservations, queue_status, wait_for_gpus. The "
         "agent acts as you (this process's login) under the team's rules. Register it "
         "with your MCP client, e.g. claude mcp add gputop -- gputop mcp (docs/mcp.md).")
+    add_notify(sub, add)
     add_serve(sub)
     return sub
 

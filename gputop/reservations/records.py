@@ -21,10 +21,18 @@ from gputop.text import clean
 #: or takes a share), else 2, else 3 (an older gputop then refuses the file with "upgrade
 #: gputop" and leaves it untouched: a gputop that knows nothing of shares would read two
 #: shares of one GPU as a broken file, or a share as a whole reservation).
-FILE_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+#: Version 4 adds people's notification routes (``routes``): an older gputop refuses such a
+#: file with "upgrade gputop" and leaves it untouched, so nobody's route is ever dropped.
+FILE_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 #: The version a file with shares needs.
 SHARES_VERSION = 3
+#: The version a file with routes needs.
+ROUTES_VERSION = 4
+#: Each person keeps at most one route of each kind; the file at most this many in all.
+MAX_ROUTES = 3_000
+ROUTE_KINDS = ("email", "ntfy", "webhook")
+MAX_ROUTE_TARGET = 512
 #: The largest share (MiB): 1 PiB, far beyond any GPU; a bigger number is hostile.
 MAX_SHARE_MIB = 2**30
 MAX_WAITERS = 1_000
@@ -375,3 +383,52 @@ def check_event(e: Any, where: str) -> dict[str, Any]:
     return e
 
 
+
+
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+")
+_URL = re.compile(r"https?://[A-Za-z0-9.-]+(?::[0-9]{1,5})?(?:/[A-Za-z0-9._~%!$&'()*+,;=:@/?-]*)?")
+
+
+def route_target_problem(kind: str, target: str) -> str | None:
+    """Why ``target`` is no route of ``kind`` (None: it is one): an address, or an http(s)
+    URL without spaces, control characters or credentials, bounded."""
+    if kind not in ROUTE_KINDS:
+        return f"unknown route kind {kind[:20]!r} (one of {', '.join(ROUTE_KINDS)})"
+    if len(target) > MAX_ROUTE_TARGET:
+        return f"longer than {MAX_ROUTE_TARGET} characters"
+    if kind == "email":
+        if len(target) > 254 or not _EMAIL.fullmatch(target):
+            return f"not an e-mail address: {target[:60]!r}"
+        return None
+    if not _URL.fullmatch(target):
+        return f"not an http(s) URL: {target[:60]!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class RouteRecord:
+    """One person's own route for their notices (``gputop notify me``), kept under the
+    identity that wrote it: only that person's gputop changes or removes it."""
+
+    user: str
+    kind: str
+    target: str
+    set: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"user": self.user, "kind": self.kind, "target": self.target,
+                "set": iso(self.set)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> RouteRecord:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected an object, not {_jtype(d)}")
+        if set(d) != {"user", "kind", "target", "set"}:
+            raise ValueError(f"{where}: expected the fields kind, set, target, user")
+        kind = _text(d["kind"], f"{where}.kind", limit=20)
+        target = _text(d["target"], f"{where}.target", limit=MAX_ROUTE_TARGET, name=False)
+        problem = route_target_problem(kind, target)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        return cls(_text(d["user"], f"{where}.user"), kind, target,
+                   parse_time(d["set"], f"{where}.set"))

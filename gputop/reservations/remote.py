@@ -59,6 +59,7 @@ from gputop.reservations.store import (
     MIN_BOUND_S,
     StoreError,
     StoreState,
+    check_route_owners,
     decode,
     encode,
     settle,
@@ -253,6 +254,8 @@ class RemoteStore:
             try:
                 now = utcnow()
                 new = settle(change(state, now), now, state)
+                if new.routes != state.routes:
+                    check_route_owners(state, new, self.whoami()[0])
                 data = None if new == state else encode(new, self._named)
                 if self._call(self._finish(ch, nonce, data), self.timeout + 1):
                     return new

@@ -22,12 +22,15 @@ from gputop.reservations.records import (
     MAX_FILE_BYTES,
     MAX_LEASE_S,
     MAX_RESERVATIONS,
+    MAX_ROUTES,
     MAX_USER_BYTES,
     MAX_USER_ENTRIES,
     MAX_WAITERS,
     READ_VERSIONS,
+    ROUTES_VERSION,
     SHARES_VERSION,
     Reservation,
+    RouteRecord,
     Waiter,
     _jtype,
     check_event,
@@ -42,6 +45,8 @@ class StoreState:
     events: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     #: The wait queue, first come first served (version 2).
     queue: tuple[Waiter, ...] = ()
+    #: People's own notification routes (version 4), one per person and kind.
+    routes: tuple[RouteRecord, ...] = ()
     #: The reader's ``max_duration``: an expiry further ahead than that is bounded when
     #: read (None: as written). Not in the file.
     max_s: float | None = field(default=None, compare=False)
@@ -119,11 +124,16 @@ class StoreState:
             r.job is not None and r.job.runner is not None for r in self.reservations)
         new = (shares or bool(self.queue) or any(r.job is not None for r in self.reservations)
                or any("waiter" in e or "job" in e["reservation"] for e in self.events))
-        doc: dict[str, Any] = {"version": SHARES_VERSION if shares else 2 if new else 1,
+        new = new or bool(self.routes)
+        version = (ROUTES_VERSION if self.routes else SHARES_VERSION if shares else 2 if new
+                   else 1)
+        doc: dict[str, Any] = {"version": version,
                                "reservations": [r.to_dict() for r in self.reservations],
                                "events": list(self.events)}
         if new:
             doc["queue"] = [w.to_dict() for w in self.queue]
+        if self.routes:
+            doc["routes"] = [r.to_dict() for r in self.routes]
         return json.dumps(doc, indent=1, ensure_ascii=True) + "\n"
 
 
@@ -196,15 +206,19 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
                          f"versions 1-{FILE_VERSION}); the file was left untouched: upgrade "
                          "gputop?")
     extra = set(doc) - {"version", "reservations", "events"} - (
-        {"queue"} if version >= 2 else set())
+        {"queue"} if version >= 2 else set()) - (
+        {"routes"} if version >= ROUTES_VERSION else set())
     if extra:  # writing back would drop it: refuse instead of losing it
         raise _untouched(path, f"unknown top-level field {sorted(extra)[0][:40]!r}")
     items = doc.get("reservations")
     events = doc.get("events", [])
     queue = doc.get("queue", [])
-    if not isinstance(items, list) or not isinstance(events, list) or not isinstance(queue,
-                                                                                     list):
-        raise _untouched(path, "'reservations', 'events' and 'queue' must be arrays")
+    routes = doc.get("routes", [])
+    if not (isinstance(items, list) and isinstance(events, list)
+            and isinstance(queue, list) and isinstance(routes, list)):
+        raise _untouched(path, "'reservations', 'events', 'queue' and 'routes' must be arrays")
+    if len(routes) > MAX_ROUTES:
+        raise _untouched(path, f"{len(routes)} routes, more than the {MAX_ROUTES} allowed")
     if len(queue) > MAX_WAITERS:
         raise _untouched(path, f"{len(queue)} waiters, more than the {MAX_WAITERS} allowed")
     if len(items) > MAX_RESERVATIONS:
@@ -227,14 +241,20 @@ def decode(raw: bytes, path: Path, size: int | None = None) -> StoreState:
             raise ValueError(f"reservations: 'share_mib' needs version {SHARES_VERSION}")
         if len({w.id for w in ws}) != len(ws):
             raise ValueError("queue: duplicate waiter id")
+        rts = tuple(RouteRecord.from_dict(r, f"routes[{i}]") for i, r in enumerate(routes))
+        if len({(r.user, r.kind) for r in rts}) != len(rts):
+            raise ValueError("routes: a second route of one kind for one person")
     except ValueError as exc:
         raise _untouched(path, f"invalid record {exc}") from None
-    return StoreState(rs, evs, ws)
+    return StoreState(rs, evs, ws, rts)
 
 
 def encode(state: StoreState, path: Path) -> bytes:
     """The file's bytes, refused (StoreError) if gputop would refuse to read them back."""
     n = len(state.reservations)
+    if len(state.routes) > MAX_ROUTES:
+        raise StoreError(f"{path}: refusing to write {len(state.routes)} routes, more than "
+                         f"the {MAX_ROUTES} a reader accepts; nothing was changed")
     if len(state.queue) > MAX_WAITERS:
         raise StoreError(f"{path}: refusing to write {len(state.queue)} waiters, more than "
                          f"the {MAX_WAITERS} a reader accepts; nothing was changed")
@@ -320,7 +340,7 @@ class OverBudget(StoreError):
     ``MAX_USER_BYTES``); nothing was written."""
 
 
-def entry_bytes(record: Reservation | Waiter) -> int:
+def entry_bytes(record: Reservation | Waiter | RouteRecord) -> int:
     """The bytes a reservation or queue place takes in the file (as ``to_json`` writes
     it: two more spaces a line, and the comma and newline after it)."""
     text = json.dumps(record.to_dict(), indent=1, ensure_ascii=True)
@@ -328,9 +348,12 @@ def entry_bytes(record: Reservation | Waiter) -> int:
 
 
 def usage(state: StoreState, user: str) -> tuple[int, int]:
-    """``user``'s reservations and queue places in the file, and the bytes they take."""
-    mine = [r for r in state.reservations if r.user == user] + [
-        w for w in state.queue if w.user == user]
+    """``user``'s reservations, queue places and routes in the file, and the bytes they
+    take."""
+    mine: list[Reservation | Waiter | RouteRecord] = [
+        r for r in state.reservations if r.user == user]
+    mine += [w for w in state.queue if w.user == user]
+    mine += [r for r in state.routes if r.user == user]
     return len(mine), sum(entry_bytes(e) for e in mine)
 
 
@@ -338,8 +361,10 @@ def check_budgets(before: StoreState, after: StoreState) -> None:
     """Refuse (OverBudget) a write that grows a user's part of the file past their budget.
     Only users whose entries changed are measured; one already past it may still shrink."""
     old_rs, old_ws = set(before.reservations), set(before.queue)
+    old_routes = set(before.routes)
     users = {r.user for r in after.reservations if r not in old_rs} | {
-        w.user for w in after.queue if w not in old_ws}
+        w.user for w in after.queue if w not in old_ws} | {
+        r.user for r in after.routes if r not in old_routes}
     for user in sorted(users):
         n, size = usage(after, user)
         if n <= MAX_USER_ENTRIES and size <= MAX_USER_BYTES:
@@ -351,6 +376,21 @@ def check_budgets(before: StoreState, after: StoreState) -> None:
                 f"bytes in the shared file; each user may hold at most {MAX_USER_ENTRIES} "
                 f"taking {MAX_USER_BYTES // 1024} kB (now {n0}, {size0} bytes): release "
                 "some, or shorten notes; nothing was changed")
+
+
+class NotYours(StoreError):
+    """A write would set, change or remove someone else's route; nothing was written."""
+
+
+def check_route_owners(before: StoreState, after: StoreState, writer: str) -> None:
+    """Refuse (NotYours) a write that touches a route of anyone but ``writer`` (the
+    identity the store knows the writer by): nobody redirects or silences another's
+    notices."""
+    changed = set(before.routes) ^ set(after.routes)
+    others = sorted({r.user for r in changed if r.user != writer})
+    if others:
+        raise NotYours(f"{clean(writer[:64])} may not set or remove the notification routes "
+                       f"of {clean(others[0][:64])}: only its owner can; nothing was changed")
 
 
 def settle(new: StoreState, now: datetime, before: StoreState | None = None) -> StoreState:

@@ -120,6 +120,9 @@ from gputop.reservations.state import (
     check_consistent as check_consistent,
 )
 from gputop.reservations.state import (
+    check_route_owners as check_route_owners,
+)
+from gputop.reservations.state import (
     decode as decode,
 )
 from gputop.reservations.state import (
@@ -247,6 +250,8 @@ class Store:
                 state = self.read()
                 now = utcnow()
                 new = settle(change(state, now), now, state)
+                if new.routes != state.routes:
+                    check_route_owners(state, new, self.whoami()[0])
                 if new == state:
                     return new
                 data = encode(new, self.path)
