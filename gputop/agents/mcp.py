@@ -214,6 +214,10 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
 async def serve(config: Config) -> int:
     """Serve on stdin/stdout until the client closes them (or a signal cancels this)."""
     tools = FleetTools(config)
+    from gputop.notify.sender import configured, make_notifier
+
+    notifier = make_notifier(config) if configured(config) else None
+    tools.notifier = notifier  # (wait_for_gpus with notify=true sends through it)
     try:
         try:
             await tools.identity()
@@ -222,4 +226,6 @@ async def serve(config: Config) -> int:
         await build_server(tools).run_stdio_async()
     finally:
         await tools.aclose()
+        if notifier is not None:
+            notifier.close()
     return 0

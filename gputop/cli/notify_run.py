@@ -12,7 +12,6 @@ from pathlib import Path
 
 from gputop.config import Config
 from gputop.errors import EXIT_ERROR, EXIT_OK
-from gputop.notify.notice import Notifier
 
 NOTIFY_UNIT = "gputop-notify.service"
 
@@ -35,13 +34,11 @@ def print_unit(config: Config) -> int:
     return EXIT_OK
 
 
-def notify_run(config: Config, args: argparse.Namespace, notifier: Notifier,
-               warn_s: float | None = None) -> int:
-    """Send until SIGTERM or Ctrl-C. ``notifier``: the configured delivery."""
+def notify_run(config: Config, args: argparse.Namespace) -> int:
+    """Send until SIGTERM or Ctrl-C, through the ``[notify]`` delivery."""
     from gputop.cli.lifecycle import run_until_signal
     from gputop.hub.notifying import serve_notices
-    from gputop.notify.events import EXPIRY_WARNING_S
-    from gputop.notify.watcher import Watcher, default_path
+    from gputop.notify.sender import configured, make_notifier, make_watcher
 
     if getattr(args, "print_unit", False):
         return print_unit(config)
@@ -49,10 +46,14 @@ def notify_run(config: Config, args: argparse.Namespace, notifier: Notifier,
         print(f"gputop: {config.path or 'the config'}: hosts: notify run polls the config's "
               "hosts, and there are none (add [[hosts]] tables)", file=sys.stderr)
         return EXIT_ERROR
-    memory = default_path()
-    watcher = Watcher(notifier, memory, warn_s=EXPIRY_WARNING_S if warn_s is None else warn_s)
+    if not configured(config):
+        print(f"gputop: {config.path or 'the config'}: notify run sends through the [notify] "
+              "table, and there is none (docs/notifications.md)", file=sys.stderr)
+        return EXIT_ERROR
+    notifier = make_notifier(config)
+    watcher = make_watcher(config, notifier)
     print(f"gputop: sending notices for {len(config.hosts)} host(s); remembering what was "
-          f"sent in {memory}", file=sys.stderr, flush=True)
+          f"sent in {watcher.path}", file=sys.stderr, flush=True)
 
     async def main() -> int:
         await serve_notices(config, watcher)
@@ -62,3 +63,5 @@ def notify_run(config: Config, args: argparse.Namespace, notifier: Notifier,
         return run_until_signal(main)
     except asyncio.CancelledError:
         return EXIT_OK
+    finally:
+        notifier.close()

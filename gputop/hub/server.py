@@ -144,6 +144,8 @@ class Hub:
         self.token = token
         self.keepalive_s = keepalive_s
         self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
+        #: ``gputop_notifications_total`` in the text format, when this hub sends notices.
+        self.notify_metrics: Callable[[], str] | None = None
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
         self.connections_stalled = 0  # closed: stopped reading (cut_stalled)
         self.tickets: dict[str, float] = {}  # event-stream ticket: when it expires
@@ -224,6 +226,8 @@ class Hub:
                         connections_stalled=self.connections_stalled)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
+        if self.notify_metrics is not None:
+            body += self.notify_metrics().encode()
         return await self._send(request, body, CONTENT_TYPE_LATEST)
 
     async def snapshot_route(self, request: web.Request) -> web.StreamResponse:
@@ -437,12 +441,15 @@ def make_runner(hub: Hub, *, idle_s: float = IDLE_S) -> web.AppRunner:
 async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                 ready: Callable[[str], None] | None = None,
                 max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
-                watcher: Watcher | None = None, **hub_options: Any) -> None:
+                watcher: Watcher | None = None,
+                notify_metrics: Callable[[], str] | None = None, **hub_options: Any) -> None:
     """Run the hub until cancelled. ``ready(url)`` is called once it listens; ``watcher``
-    (when [notify] is configured) is handed the collection once per interval."""
+    (when [notify] is configured) is handed the collection once per interval, and
+    ``notify_metrics()`` (its delivery's counters) ends /metrics."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
+    hub.notify_metrics = notify_metrics
     hub.loopback_names_only = is_loopback(host)
     runner = make_runner(hub, idle_s=idle_s)
     await runner.setup()
