@@ -164,6 +164,9 @@ class Config:
     hub_retain_mb: int | None = None
     #: ``[notify]``: channels, secrets' files and delivery bounds (docs/notifications.md).
     notify: NotifyConfig = field(default_factory=NotifyConfig)
+    #: Whether the config has a ``[notify]`` table: then the hub (or ``gputop notify
+    #: run``) is the team's sender (docs/notification-events.md).
+    notify_sends: bool = False
 
     def host(self, name: str) -> HostConfig | None:
         return next((h for h in self.hosts if h.name == name), None)
@@ -461,7 +464,8 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         raise ConfigError(path, "hub.retain_mb", "must be between 1 and 65536 (MiB)")
     hub.done()
 
-    notify = parse_notify(top.get("notify", dict, {}), path)
+    notify_table = top.get("notify", dict)
+    notify = parse_notify(notify_table or {}, path)
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -511,6 +515,7 @@ def parse_config(data: dict[str, Any], path: Path) -> Config:
         hub_listen=hub_listen,
         hub_retain_mb=hub_retain_mb,
         notify=notify,
+        notify_sends=notify_table is not None,
     )
 
 

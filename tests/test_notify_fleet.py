@@ -160,3 +160,47 @@ def test_a_grant_rings_a_terminal_and_not_a_pipe(team: Team) -> None:
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert b"\a" not in r.stderr + r.stdout and b"\x1b]" not in r.stderr + r.stdout
+
+
+def test_the_hub_sends_once_and_a_restarted_hub_sends_no_duplicates(
+        team: Team, tmp_path: Path) -> None:
+    """A real ``gputop serve`` with a [notify] table: an expiry warning reaches the
+    holder's own webhook (a real aiohttp receiver) once, /metrics counts it; restarted,
+    the hub sends it not again, and a new occurrence once."""
+    from dataclasses import replace as dc_replace
+
+    from hubs import Hub, get
+    from notify_servers import receiver
+
+    from gputop.notify.routes import set_route
+    from gputop.reservations.store import StoreState, new_reservation
+
+    cfg = tmp_path / "hosts.toml"
+    cfg.write_text(team.config.read_text() + '\n[notify]\nexpiry_warning = "15m"\n')
+    env = team.fleet.env() | {"TZ": "UTC", "XDG_STATE_HOME": str(tmp_path / "state")}
+
+    def ending(host: str, minutes: float) -> None:
+        def change(s: StoreState, now: object) -> StoreState:
+            r = new_reservation(host, 0, "root", "m", now, minutes * 60, None, "")
+            return dc_replace(s, reservations=(*s.reservations, r))
+        team.store.update(change)  # type: ignore[arg-type]
+
+    with receiver() as rec:
+        set_route(team.store, "webhook", rec.url + "/ok/root")
+        ending("q1", 10)
+        hub = Hub(cfg, env).start()
+        try:
+            first = rec.wait_for("/ok/root", 1, 30)
+            assert len(first) == 1 and b"q1:0" in first[0].body
+            until(lambda: b'gputop_notifications_total{channel="webhook",result="sent"} 1'
+                  in get(hub.url + "metrics")[2], 20, "the counter")
+            hub.stop()
+            hub = Hub(cfg, env).start()
+            ending("q2", 10)  # a new occurrence: told once, and only it
+            got = rec.wait_for("/ok/root", 2, 30)
+            time.sleep(3)  # several more looks
+            got = [g for g in rec.got if g.path == "/ok/root"]
+            assert len(got) == 2, [g.body[:80] for g in got]
+            assert b"q2:0" in got[1].body and b"q1:0" not in got[1].body
+        finally:
+            hub.stop()

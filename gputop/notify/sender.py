@@ -9,13 +9,13 @@ from gputop.config import Config
 from gputop.notify.delivery import Notifier, status_path
 from gputop.notify.routes import store_routes
 from gputop.notify.watcher import Watcher, default_path
-from gputop.notify_config import NotifyConfig
 from gputop.sources.shared_file import open_store
 
 
 def configured(config: Config) -> bool:
-    """Whether the config has a ``[notify]`` table with any key set."""
-    return config.notify != NotifyConfig()
+    """Whether the config has a ``[notify]`` table (even an empty one: each person's own
+    routes need no team key)."""
+    return config.notify_sends
 
 
 def make_notifier(config: Config) -> Notifier:
