@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 
 from gputop.config import Config
 from gputop.hub.collector import Collector
@@ -28,7 +29,8 @@ async def watch(collector: Collector, watcher: Watcher, every_s: float) -> None:
         try:
             await asyncio.to_thread(watcher.observe, state, doc["hosts"], utcnow())
         except Exception as exc:  # a bug here must not stop the hub's collection
-            print(f"gputop: notices: {type(exc).__name__}: {exc}", flush=True)
+            print(f"gputop: notices: {type(exc).__name__}: {exc}", file=sys.stderr,
+                  flush=True)
 
 
 async def serve_notices(config: Config, watcher: Watcher,
