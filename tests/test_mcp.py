@@ -388,3 +388,39 @@ async def test_long_fleets_are_counted_and_remote_text_is_bounded() -> None:
     cut = data(hostile, 50)
     assert cut is not None and len(cut) == 50 and cut == clean(cut) and "\x1b" not in cut
     assert cut.startswith("[b]x[/b]") and cut.endswith("…")
+
+
+async def test_wait_for_gpus_with_notify_sends_the_agents_user_one_grant(
+        mcp_fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (the server's own sender is a recording Notifier): notify=true hands
+    one ``granted`` notice for the agent's user, with the command to use the GPU; without
+    notify, none; with notify and no sender configured, refused before any wait."""
+    from gputop.agents.tools import FleetTools, ToolFailure
+    from gputop.config.load import load_config
+    from gputop.notify.notice import Notice
+
+    monkeypatch.setenv("HOME", str(mcp_fleet.home))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    cfg, _res = config_for(mcp_fleet, tmp_path)
+    got: list[Notice] = []
+
+    class Recorder:
+        def submit(self, notice: Notice) -> None:
+            got.append(notice)
+
+    tools = FleetTools(load_config(str(cfg)))
+    try:
+        await tools.identity()
+        with pytest.raises(ToolFailure, match="no \\[notify\\] sender"):
+            await tools.wait_for_gpus(count=1, hosts=["mcp-free"], notify=True)
+        tools.notifier = Recorder()
+        first = await tools.wait_for_gpus(count=1, hosts=["mcp-free"], max_wait_s=60)
+        assert first["granted"] is True and got == []
+        done = await tools.wait_for_gpus(count=1, hosts=["mcp-free"], max_wait_s=60,
+                                         notify=True)
+        assert done["granted"] is True
+        assert [(n.kind, n.user) for n in got] == [("granted", ME)]
+        gpu = done["reserved"][0]["gpu"].split(":")[1]
+        assert f"CUDA_VISIBLE_DEVICES={gpu} on mcp-free" in got[0].lines
+    finally:
+        await tools.aclose()

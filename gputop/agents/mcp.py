@@ -197,13 +197,16 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
                             = DEFAULT_WAIT_S,
                             one_host: Annotated[bool, Field(
                                 description="all GPUs on one host (one job)")] = False,
-                            share_gib: Share = None) -> CallToolResult:
+                            share_gib: Share = None,
+                            notify: Annotated[bool, Field(
+                                description="also send your user a 'granted' notice (mail, "
+                                "chat) when granted")] = False) -> CallToolResult:
         """Wait your turn in the team's queue for count GPUs, then reserve them for you (in
         one write: all of them or none). Gives up after max_wait_s, leaving the queue,
         with where it stood (granted false); call again to keep waiting."""
         return await _call(tools, lambda: tools.wait_for_gpus(count, min_free_memory_gib, hosts,
                                                        tag, duration, note, max_wait_s,
-                                                       one_host, share_gib))
+                                                       one_host, share_gib, notify))
 
     return server
 
@@ -211,6 +214,10 @@ def build_server(tools: FleetTools) -> MCPServer[Any]:
 async def serve(config: Config) -> int:
     """Serve on stdin/stdout until the client closes them (or a signal cancels this)."""
     tools = FleetTools(config)
+    from gputop.notify.sender import configured, make_notifier
+
+    notifier = make_notifier(config) if configured(config) else None
+    tools.notifier = notifier  # (wait_for_gpus with notify=true sends through it)
     try:
         try:
             await tools.identity()
@@ -219,4 +226,6 @@ async def serve(config: Config) -> int:
         await build_server(tools).run_stdio_async()
     finally:
         await tools.aclose()
+        if notifier is not None:
+            notifier.close()
     return 0

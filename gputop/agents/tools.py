@@ -43,6 +43,8 @@ from gputop.jobs.reap import check_jobs
 from gputop.jobs.remote import answered_logins, logins
 from gputop.jobs.wait import WaitedTooLong, describe_request, wait_for_gpus
 from gputop.model import HostSnapshot, iso, utcnow
+from gputop.notify.events import grant_notice
+from gputop.notify.notice import Notifier
 from gputop.poller import Poller, first_answer_s, slow_error
 from gputop.reservations.filelock import StoreError
 from gputop.reservations.flags import (
@@ -122,6 +124,8 @@ class FleetTools:
         self.fleet = [h.name for h in config.hosts]
         self.poller = poller or Poller(config.with_defaults(collection="query"))
         self.tracker = IdleTracker(config.defaults.idle_holder_s, config.reservations.idle_grace_s)
+        #: Where ``wait_for_gpus(notify=True)`` hands its grant (None: no [notify] sender).
+        self.notifier: Notifier | None = None
         #: Above this many GPUs, ``fleet_status`` counts them per host.
         self.max_detail = MAX_DETAIL_GPUS
         #: One query at a time per host (two tools asking at once share nothing else).
@@ -537,8 +541,10 @@ class FleetTools:
                             hosts: Sequence[str] | None = None, tag: str | None = None,
                             duration: str | None = None, note: str = "",
                             max_wait_s: float = DEFAULT_WAIT_S,
-                            one_host: bool = False, share_gib: float | None = None
-                            ) -> dict[str, Any]:
+                            one_host: bool = False, share_gib: float | None = None,
+                            notify: bool = False) -> dict[str, Any]:
+        if notify and self.notifier is None:
+            raise ToolFailure("invalid", "notify: this server has no [notify] sender")
         if not 1 <= max_wait_s <= MAX_WAIT_S:  # (NaN fails too)
             raise ToolFailure("invalid", f"max_wait_s must be between 1 and {MAX_WAIT_S:g}")
         share = self._share(share_gib, count)
@@ -571,6 +577,8 @@ class FleetTools:
                                f"reserved): {status['summary']}; call again to wait longer",
                     "granted": False, "messages": said, "queue": status["queue"]}
         now = utcnow()
+        if notify and self.notifier is not None and got:  # (in-process: never blocks)
+            self.notifier.submit(grant_notice(self.me, f"granted:mcp:{got[0].id}", got))
         done = [reservation_doc(r, now, self.me) for r in got]
         return {"summary": f"granted {describe_request(req)}: reserved "
                            f"{', '.join(d['gpu'] for d in done[:10])} for you until "

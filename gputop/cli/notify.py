@@ -16,7 +16,7 @@ from gputop.text import clean
 
 
 def add_notify(sub: Any, add: Any) -> None:
-    p = add("notify", "your own notification routes: me, test, status",
+    p = add("notify", "your own notification routes: me, test, status; the sender: run",
             "Say where your notices go (gputop notify me --email ADDR | --ntfy URL | "
             "--webhook URL | --off), send yourself a test (notify test), list your routes "
             "and the last deliveries (notify status). Routes live in the shared "
@@ -35,6 +35,13 @@ def add_notify(sub: Any, add: Any) -> None:
     nsub.add_parser("test", help="send one test notice to yourself through your routes",
                     description="Send one test notice through your routes, here and now, "
                     "and say what happened to each.")
+    run = nsub.add_parser("run", help="the team's sender, for a team without a hub",
+                          description="Poll the fleet and the reservations file and send "
+                          "the team's notices (grants, expiry warnings, endings, idle and "
+                          "misuse flags, hosts down) until stopped. One sender per team: "
+                          "a team whose hub (gputop serve) has [notify] already has one.")
+    run.add_argument("--print-unit", action="store_true",
+                     help="print a systemd user unit that runs it, and exit")
     nsub.add_parser("status", help="your routes and the last deliveries",
                     description="List your routes and the last deliveries this machine's "
                     "sender recorded.")
@@ -48,7 +55,11 @@ def cmd_notify(config: Config, args: argparse.Namespace) -> int:
         return _test(config)
     if action == "status":
         return _status(config)
-    print("gputop: notify: give an action: me, test or status", file=sys.stderr)
+    if action == "run":
+        from gputop.cli.notify_run import notify_run
+
+        return notify_run(config, args)
+    print("gputop: notify: give an action: me, test, status or run", file=sys.stderr)
     return EXIT_ERROR
 
 

@@ -136,6 +136,12 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             from gputop.poller import Poller
 
             extra["collector"] = Collector(cfg, Poller(cfg, sources))
+        from gputop.notify.sender import configured, make_notifier, make_watcher
+
+        notifier = make_notifier(cfg) if configured(cfg) else None
+        if notifier is not None:  # [notify]: this hub is the team's sender
+            extra["watcher"] = make_watcher(cfg, notifier)
+            extra["notify_metrics"] = notifier.counters.prometheus
         try:
             await serve(cfg, listen, token=token, max_subscribers=args.max_subscribers,
                         max_connections=args.max_connections,
@@ -145,6 +151,9 @@ def cmd_serve(config: Config, args: argparse.Namespace,
             print(f"gputop: cannot listen on {listen}: {exc.strerror or exc}",
                   file=sys.stderr)
             return EXIT_ERROR
+        finally:
+            if notifier is not None:
+                notifier.close()
         return EXIT_OK
 
     return run_until_signal(main)

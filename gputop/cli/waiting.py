@@ -72,12 +72,18 @@ def wait_in_queue(config: Config, store: ReservationStore, req: Request, args: a
     return EXIT_OK, got
 
 def notify(args: argparse.Namespace, result: str, got: Sequence[Reservation]) -> None:
-    """The terminal bell, and ``--notify CMD`` (your own shell command) with the result in
-    its environment: GPUTOP_RESULT, GPUTOP_GPUS (HOST:GPU,...), GPUTOP_UUIDS."""
+    """The terminal bell (on a grant with a desktop notification too: ``notify.bell``),
+    and ``--notify CMD`` (your own shell command) with the result in its environment:
+    GPUTOP_RESULT, GPUTOP_GPUS (HOST:GPU,...), GPUTOP_UUIDS."""
     import os
     import subprocess
 
-    if sys.stderr.isatty():
+    from gputop.notify.bell import ring
+
+    if result == "granted":
+        gpus = ", ".join(r.target for r in got)
+        ring(sys.stderr, "gputop: GPUs granted", gpus)
+    elif sys.stderr.isatty():
         sys.stderr.write("\a")
         sys.stderr.flush()
     if not getattr(args, "notify", None):

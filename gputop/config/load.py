@@ -38,6 +38,9 @@ class Config:
     hub: Hub = field(default_factory=Hub)
     #: ``[notify]``: channels, secrets' files and delivery bounds (docs/notifications.md).
     notify: NotifyConfig = field(default_factory=NotifyConfig)
+    #: Whether the config has a ``[notify]`` table: then the hub (or ``gputop notify
+    #: run``) is the team's sender (docs/notification-events.md).
+    notify_sends: bool = False
     #: True when no config file was found: only the local machine is monitored.
     implicit: bool = False
 
@@ -125,7 +128,8 @@ def parse_config(data: dict[str, Any], path: Path, env_reservations: str | None 
     reservations = Reservations.parse(table("reservations"), env_reservations)
     history = History.parse(table("history"))
     hub = Hub.parse(table("hub"))
-    notify = parse_notify(top.get("notify", dict, {}), path)
+    notify_table = top.get("notify", dict)
+    notify = parse_notify(notify_table or {}, path)
     raw_hosts = top.get("hosts", list, [])
     top.done()
     hosts: list[HostConfig] = []
@@ -139,7 +143,8 @@ def parse_config(data: dict[str, Any], path: Path, env_reservations: str | None 
         raise ConfigError(path, "hosts", "no hosts configured (add [[hosts]] tables)"
                           + (" for hub.fallback = \"direct\"" if hub.url else ""))
     return Config(path=path, hosts=tuple(hosts), defaults=defaults,
-                  reservations=reservations, history=history, hub=hub, notify=notify)
+                  reservations=reservations, history=history, hub=hub, notify=notify,
+                  notify_sends=notify_table is not None)
 
 
 #: The hub's bound on open HTTP connections (``serve --max-connections``): without one, a

@@ -51,7 +51,8 @@ def this_gputop(subcommand: str) -> list[str]:
 def unit_text(command: Sequence[str], template: Traversable = UNIT) -> str:
     """The shipped unit ``template`` with ``ExecStart=`` running ``command`` (absolute
     paths); ``command``'s subcommand names the ``--print-unit`` that wrote it."""
-    sub = next((w for w in command[1:] if w in ("record", "serve")), "record")
+    sub = next((w for w in command[1:] if w in ("record", "serve", "notify")), "record")
+    sub = "notify run" if sub == "notify" else sub
     out = []
     for line in template.read_text(encoding="utf-8").splitlines():
         if line.startswith("ExecStart="):

@@ -42,7 +42,9 @@ from gputop.hub.collector import Collector
 from gputop.hub.conn import Guard, Throttled, abort, cut_stalled, limit_connections, peer_of
 from gputop.hub.events import KEEPALIVE, RETAIN_BYTES, EventLog, frame
 from gputop.hub.metrics import HostCounts, HubCounts, families, render
+from gputop.hub.notifying import watch
 from gputop.hub.waste import WasteCache
+from gputop.notify.watcher import Watcher
 from gputop.output import dumps
 from gputop.text import excerpt
 
@@ -150,6 +152,8 @@ class Hub:
         self.token = token
         self.keepalive_s = keepalive_s
         self.write_timeout_s = WRITE_TIMEOUT_S if write_timeout_s is None else write_timeout_s
+        #: ``gputop_notifications_total`` in the text format, when this hub sends notices.
+        self.notify_metrics: Callable[[], str] | None = None
         self.connections_refused = 0  # closed at once: too many open (limit_connections)
         self.connections_stalled = 0  # closed: stopped reading, or no request (cut_stalled)
         #: The connection bounds (serve sets it): which connections may ask only probes.
@@ -239,6 +243,8 @@ class Hub:
                         connections_stalled=self.connections_stalled)
         doc = c.document()
         body = render(lambda: families(doc, hosts, hub))
+        if self.notify_metrics is not None:
+            body += self.notify_metrics().encode()
         return await self._send(request, body, CONTENT_TYPE_LATEST)
 
     async def snapshot_route(self, request: web.Request) -> web.StreamResponse:
@@ -461,11 +467,16 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
                 ready: Callable[[str], None] | None = None,
                 max_connections: int = HUB_MAX_CONNECTIONS, idle_s: float = IDLE_S,
                 max_connections_per_client: int | None = None,
-                first_request_s: float = FIRST_REQUEST_S, **hub_options: Any) -> None:
-    """Run the hub until cancelled. ``ready(url)`` is called once it listens."""
+                first_request_s: float = FIRST_REQUEST_S,
+                watcher: Watcher | None = None,
+                notify_metrics: Callable[[], str] | None = None, **hub_options: Any) -> None:
+    """Run the hub until cancelled. ``ready(url)`` is called once it listens; ``watcher``
+    (when [notify] is configured) is handed the collection once per interval, and
+    ``notify_metrics()`` (its delivery's counters) ends /metrics."""
     host, port = parse_listen(listen)
     _quiet_request_errors()
     hub = Hub(config, token=token, **hub_options)
+    hub.notify_metrics = notify_metrics
     hub.loopback_names_only = is_loopback(host)
     runner = make_runner(hub, idle_s=idle_s)
     await runner.setup()
@@ -474,6 +485,9 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
     cutting = asyncio.create_task(cut_stalled(hub, runner, hub.write_timeout_s, Throttled(),
                                               first_request_s=first_request_s))
     collecting = asyncio.create_task(hub.collector.run())
+    # Notices (with [notify] configured: the caller's Watcher), looked at once per interval.
+    watching = None if watcher is None else asyncio.create_task(
+        watch(hub.collector, watcher, max(1.0, config.defaults.interval)))
     try:
         site = web.TCPSite(runner, host, port, backlog=128, shutdown_timeout=2.0)
         await site.start()
@@ -490,6 +504,8 @@ async def serve(config: Config, listen: str = DEFAULT_LISTEN, *, token: str | No
         hub.events.close_all()
         collecting.cancel()
         cutting.cancel()
+        if watching is not None:
+            watching.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await collecting
         await runner.cleanup()

@@ -1,0 +1,171 @@
+"""The one stateful part of deciding: remembers what was sent, so that each occurrence is
+told once, and a restarted sender (hub or ``gputop notify run``) sends no duplicates.
+
+Its memory is a small JSON file (``sent.json`` beside the history database by default:
+``default_path``), rewritten atomically after each pass that sent something, bounded to
+the last ``MAX_KEYS`` keys. A hostile or broken file is read as empty: the worst case is a
+repeat, never a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gputop.notify.events import (
+    DIGEST_OVER,
+    EXPIRY_WARNING_S,
+    Seen,
+    digest,
+    flag_conditions,
+    host_notice,
+    iso,
+    store_notices,
+)
+from gputop.notify.notice import Notice, Notifier
+from gputop.reservations.records import parse_time
+from gputop.reservations.state import StoreState
+
+#: Sent keys remembered (oldest forgotten first); each is one occurrence, most of them
+#: about a reservation that has long ended.
+MAX_KEYS = 5000
+#: A host is told down only after it failed this long (a restart of sshd is not news).
+HOST_GRACE_S = 5 * 60.0
+#: The file is refused beyond this size (a planted huge file is not read).
+MAX_FILE_BYTES = 1024 * 1024
+
+
+def default_path() -> Path:
+    """``$XDG_STATE_HOME/gputop/notify-sent.json`` (the history database's directory)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "gputop" / "notify-sent.json"
+
+
+class Watcher:
+    """Feed it each look at the team (``observe``); it hands new notices to ``notifier``."""
+
+    def __init__(self, notifier: Notifier, path: Path | None = None, *,
+                 warn_s: float = EXPIRY_WARNING_S, host_grace_s: float = HOST_GRACE_S,
+                 digest_over: int = DIGEST_OVER) -> None:
+        self.notifier = notifier
+        self.path = path
+        self.warn_s = warn_s
+        self.host_grace_s = host_grace_s
+        self.digest_over = digest_over
+        #: Keys sent, oldest first (a dict as an ordered set).
+        self.sent: dict[str, None] = {}
+        #: Flag conditions standing now, each with the key of its occurrence.
+        self.open: dict[str, str] = {}
+        #: Hosts seen down, since when.
+        self.down: dict[str, datetime] = {}
+        self.last: Seen | None = None
+        self._load()
+
+    def _load(self) -> None:
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            doc = json.loads(raw) if len(raw) <= MAX_FILE_BYTES else {}
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict):
+            return
+        sent, opened, down = doc.get("sent"), doc.get("open"), doc.get("down")
+        if isinstance(sent, list):
+            self.sent = dict.fromkeys(k for k in sent[-MAX_KEYS:] if isinstance(k, str))
+        if isinstance(opened, dict):
+            self.open = {k: v for k, v in opened.items() if isinstance(v, str)}
+        if isinstance(down, dict):
+            for host, t in down.items():
+                try:
+                    self.down[host] = parse_time(t, "down")
+                except ValueError:
+                    continue
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        doc = {"sent": list(self.sent), "open": self.open,
+               "down": {h: iso(t) for h, t in self.down.items()}}
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".notify-sent.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _fresh(self, notices: Iterable[Notice]) -> list[Notice]:
+        return [n for n in notices if n.key not in self.sent]
+
+    def _flags(self, hosts: Iterable[Mapping[str, Any]], now: datetime) -> list[Notice]:
+        standing = flag_conditions(hosts)
+        out = []
+        for cond, n in standing.items():
+            key = self.open.get(cond)
+            if key is None:
+                key = self.open[cond] = f"{cond}:{iso(now)}"
+            out.append(replace(n, key=key))
+        for cond in [c for c in self.open if c not in standing]:
+            del self.open[cond]  # cleared: its next appearance is a new occurrence
+        return out
+
+    def _hosts(self, hosts: Iterable[Mapping[str, Any]], now: datetime) -> list[Notice]:
+        out = []
+        for h in hosts:
+            name, err = str(h.get("name")), h.get("error")
+            if isinstance(err, dict) and err.get("kind") == "starting":
+                continue
+            if h.get("status") == "ok":
+                since = self.down.pop(name, None)
+                if since is not None and f"host-down:{name}:{iso(since)}" in self.sent:
+                    out.append(host_notice("host-up", name, since))
+                continue
+            since = self.down.setdefault(name, now)
+            if (now - since).total_seconds() >= self.host_grace_s:
+                out.append(host_notice("host-down", name, since))
+        return out
+
+    def derive(self, state: StoreState | None, hosts: Iterable[Mapping[str, Any]],
+               now: datetime) -> list[Notice]:
+        """What this look adds (not yet marked sent). ``state`` None: the file could not
+        be read now; the store's part waits for the next good read."""
+        hosts = list(hosts)
+        out: list[Notice] = []
+        if state is not None:
+            new = Seen(state, now)
+            out += store_notices(self.last, new, self.warn_s)
+            self.last = new
+        out += self._flags(hosts, now) + self._hosts(hosts, now)
+        return self._fresh(out)
+
+    def observe(self, state: StoreState | None, hosts: Iterable[Mapping[str, Any]],
+                now: datetime) -> list[Notice]:
+        """Derive, digest per person, submit, remember. Returns what was submitted."""
+        before = (dict(self.open), dict(self.down))
+        fresh = self.derive(state, hosts, now)
+        sending = digest(fresh, self.digest_over)
+        for n in fresh:
+            self.sent[n.key] = None
+        for n in sending:
+            self.sent[n.key] = None
+            self.notifier.submit(n)
+        while len(self.sent) > MAX_KEYS:
+            del self.sent[next(iter(self.sent))]
+        if fresh or before != (self.open, self.down):
+            self._save()
+        return sending
+
