@@ -60,7 +60,7 @@ def test_expiring_exactly_at_the_warning_is_warned_and_a_second_later_is_not() -
     assert [n.key for n in got] == [f"expiring:a:{iso(at.expires)}"]
     n = got[0]
     assert n.user == "alice" and "15 min" in n.title
-    assert "gputop reserve h1:0 --for 1h" in "\n".join(n.lines)
+    assert "gputop extend h1:0 --for 1h" in "\n".join(n.lines)
 
 
 def test_one_extended_after_its_warning_is_warned_again_before_its_new_end() -> None:

@@ -143,6 +143,23 @@ def test_reserving_your_own_again_says_extended_or_kept(gputop: Any) -> None:
     assert rec["note"] == "eval"
 
 
+def test_extend_gives_your_own_more_time_and_takes_nothing_new(gputop: Any) -> None:
+    """What an "ends in 15 min" notice says to run: more time for what you hold, the note
+    kept; a GPU you do not hold (free, or someone else's) is never reserved by it."""
+    r = gputop("reserve", "gpu-mixed:1", "--for", "30m", "--note", "eval")
+    assert r.returncode == 0, r.stderr
+    r = gputop("extend", "gpu-mixed:1", "--for", "2h")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("extended your reservation of gpu-mixed:1 until "), r.stdout
+    (rec,) = json.loads(gputop.path.read_text())["reservations"]
+    assert rec["note"] == "eval"
+    r = gputop("extend", "gpu-mixed:2", "--for", "2h")  # free: not yours
+    assert r.returncode == 2 and "not yours now" in r.stderr, r.stderr
+    r = gputop("extend", "gpu-mixed:1", "--for", "2h", user="gtbob")  # gtalice's
+    assert r.returncode == 2 and "not yours now" in r.stderr, r.stderr
+    assert len(json.loads(gputop.path.read_text())["reservations"]) == 1
+
+
 def test_human_output_is_local_time_and_json_utc(gputop: Any) -> None:
     tz = {"TZ": "XYZ-5:30"}  # POSIX TZ: UTC+5:30, named XYZ (no tzdata needed)
     r = gputop("reserve", "gpu-mixed:1", "--for", "2h", **tz)

@@ -14,6 +14,7 @@ from gputop.cli.main import _parser
 #: The global options each subcommand takes (written out here, not read from the code).
 GLOBALS = {
     "reserve": {"--config", "--timeout"},
+    "extend": {"--config", "--timeout"},
     "release": {"--config", "--timeout"},
     "reservations": {"--config", "--timeout"},
     "free": {"--config", "--interval", "--timeout"},
@@ -88,12 +89,13 @@ def test_completion_offers_each_subcommands_own_options() -> None:
         assert set(offered[name]) == shown_options(p), name
     script = bootstrap.script("bash")
     assert "record) opts=\"--config --interval --timeout --db --print-unit\"" in script
-    assert "report) opts=\"--config --db --since" in script and "reserve|release|" in script
+    assert "report) opts=\"--config --db --since" in script and "reserve|extend|release|" in script
 
 
 #: Each subcommand with one word too many (what a newcomer types).
 EXTRA_WORD = {
     "reserve": ["gpu-01:0", "--for", "2", "hours"],
+    "extend": ["gpu-01:0", "--for", "2", "hours"],
     "release": ["gpu-01:0", "--mine", "please"],
     "reservations": ["all"],
     "free": ["--count", "2", "gpus"],

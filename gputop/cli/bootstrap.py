@@ -183,7 +183,7 @@ _gputop() {
     else
         case "$cmd" in
             reserve) words="$(_gputop_candidates targets "${cfg[@]}")" ;;
-            release) words="$(_gputop_candidates mine "${cfg[@]}")" ;;
+            release|extend) words="$(_gputop_candidates mine "${cfg[@]}")" ;;
             completion) words="bash zsh fish" ;;
             *) words="" ;;
         esac
@@ -220,7 +220,7 @@ complete -c gputop -f
 complete -c gputop -n '__fish_use_subcommand' -a '@COMMANDS@'
 complete -c gputop -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish'
 complete -c gputop -n '__fish_seen_subcommand_from reserve' -a '(__gputop_candidates targets)'
-complete -c gputop -n '__fish_seen_subcommand_from release' -a '(__gputop_candidates mine)'
+complete -c gputop -n '__fish_seen_subcommand_from release extend' -a '(__gputop_candidates mine)'
 complete -c gputop -l config -r -F
 complete -c gputop -n '__fish_use_subcommand' -l theme -x -a '@THEMES@'
 @FISH_OPTIONS@

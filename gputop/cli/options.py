@@ -28,6 +28,7 @@ DEFAULT = ("--config", "--interval", "--timeout")
 #: ``--wait-all`` where a command answers from one look at the hosts.
 BY_COMMAND: dict[str, tuple[str, ...]] = {
     "reserve": ("--config", "--timeout", "--wait-all", "--hub"),
+    "extend": ("--config", "--timeout", "--wait-all", "--hub"),
     "release": ("--config", "--timeout", "--hub"),
     "reservations": ("--config", "--timeout"),
     "free": ("--config", "--interval", "--timeout", "--wait-all", "--hub"),

@@ -95,6 +95,31 @@ def cmd_reserve(config: Config, args: argparse.Namespace) -> int:
               file=sys.stdout)
     return EXIT_OK
 
+def cmd_extend(config: Config, args: argparse.Namespace) -> int:
+    """``gputop extend HOST:GPU --for D``: more time for what you hold, never a new
+    reservation (what an "ends in 15 min" notice says to run); by the same rules as
+    ``reserve`` (``max_duration``, and the queue: holding longer than you do now is taking
+    the GPU anew)."""
+    targets = parse_targets(args.targets)
+    store = open_store(config)
+    me, now = whoami(store)[0], utcnow()
+    held = [r for r in store.read().active(now) if r.user == me]
+    whole = {(r.host, r.gpu, r.instance) for r in held if r.share_mib is None}
+    for t in targets:
+        if t.uuid is not None:
+            raise Invalid(f"{clean(t.label)}: name it as HOST:GPU or HOST:GPU/INSTANCE")
+        if (t.host, t.gpu, t.instance) in whole:
+            continue
+        if any((r.host, r.gpu) == (t.host, t.gpu) for r in held):
+            raise Invalid(f"you hold a share of {clean(t.label)}: gputop reserve "
+                          f"{clean(t.label)} --share SIZE --for {args.duration} renews it")
+        raise Invalid(f"{clean(t.label)} is not yours now: extend gives more time to what "
+                      "you hold (gputop reserve reserves it)")
+    args.note = args.until_exit = args.share = None
+    args.skip_queue = False
+    return cmd_reserve(config, args)
+
+
 def _until_exit(config: Config, targets: Sequence[Target], pid: int) -> Job:
     """``--until-exit PID``: the process must exist now, on the one host reserved on."""
     from gputop.jobs.remote import JobHostError, alive_on

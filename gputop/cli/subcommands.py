@@ -11,7 +11,7 @@ from typing import Any
 from gputop.cli.free import cmd_free
 from gputop.cli.notify import add_notify, cmd_notify
 from gputop.cli.options import for_subcommand
-from gputop.cli.reserve import cmd_release, cmd_reservations, cmd_reserve
+from gputop.cli.reserve import cmd_extend, cmd_release, cmd_reservations, cmd_reserve
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config.load import Config
@@ -73,9 +73,10 @@ def cmd_report(config: Config, args: argparse.Namespace) -> int:
 
     return report(config, args)
 
-COMMANDS = {"reserve": cmd_reserve, "release": cmd_release, "reservations": cmd_reservations,
-            "free": cmd_free, "run": cmd_run, "record": cmd_record, "report": cmd_report,
-            "mcp": cmd_mcp, "serve": cmd_serve, "notify": cmd_notify}
+COMMANDS = {"reserve": cmd_reserve, "extend": cmd_extend, "release": cmd_release,
+            "reservations": cmd_reservations, "free": cmd_free, "run": cmd_run,
+            "record": cmd_record, "report": cmd_report, "mcp": cmd_mcp, "serve": cmd_serve,
+            "notify": cmd_notify}
 
 def _queue_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, default=1, metavar="N", help="how many (default 1)")
@@ -122,6 +123,14 @@ def add_subcommands(parser: argparse.ArgumentParser) -> Any:
     p.add_argument("--skip-queue", action="store_true",
                    help="reserve even a GPU that people in the queue wait for (recorded in "
                    "the file with your name)")
+    p = add("extend", "give your own reservations more time: HOST:GPU[,GPU...] --for D",
+            "Give GPUs you hold more time, by the same rules as reserve (at most the team's "
+            "max_duration; and while people wait, holding a GPU longer than you do now is "
+            "judged as taking it anew): gputop extend gpu-01:0 --for 1h. Never reserves a GPU "
+            "you do not hold (exit 2).")
+    p.add_argument("targets", nargs="+", metavar="HOST:GPU[,GPU...]")
+    p.add_argument("--for", dest="duration", metavar="DURATION", required=True,
+                   help="how long from now, e.g. 1h")
     p = add("release", "release GPUs you reserved, or a place in the queue (--waiter)",
             "Release your reservations (gputop release gpu-01:0,1, or --mine for all), "
             "someone else's with --force (recorded in the file with your name), or take a "

@@ -129,8 +129,9 @@ def grant_notice(user: str, key: str, got: Sequence[Reservation]) -> Notice:
 
 
 def _extend_line(r: Reservation) -> str:
-    share = f" --share {r.share_mib}M" if r.share_mib is not None else ""
-    return f"extend it: gputop reserve {_short(r.target)} --for 1h{share}"
+    if r.share_mib is not None:  # (extend takes whole GPUs; a share is renewed as made)
+        return f"extend it: gputop reserve {_short(r.target)} --for 1h --share {r.share_mib}M"
+    return f"extend it: gputop extend {_short(r.target)} --for 1h"
 
 
 def expiring(new: Seen, warn_s: float = EXPIRY_WARNING_S) -> list[Notice]:
