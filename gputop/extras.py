@@ -32,7 +32,13 @@ class MissingExtra(GputopError):
         self.extra = extra
 
 
-def is_extra_module(extra: str, exc: ImportError) -> bool:
-    """Whether ``exc`` is one of ``extra``'s own modules missing (not a bug's ImportError)."""
-    name = (exc.name or "").split(".")[0]
-    return name in EXTRAS[extra][1]
+def require(extra: str) -> None:
+    """Raise MissingExtra (one line, exit 2) unless ``extra``'s modules import: called
+    before a command that needs them loads anything of them."""
+    import importlib
+
+    for module in EXTRAS[extra][1]:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise MissingExtra(extra, exc) from None

@@ -11,7 +11,7 @@ from gputop.cli.lifecycle import run_until_signal
 from gputop.config.load import HUB_MAX_CONNECTIONS, Config
 from gputop.config.values import listen_problem
 from gputop.errors import EXIT_ERROR, EXIT_OK
-from gputop.extras import MissingExtra, is_extra_module
+from gputop.extras import require
 from gputop.sources import Source
 
 if TYPE_CHECKING:
@@ -64,13 +64,8 @@ def serve_demo(args: argparse.Namespace, overrides: Callable[[Config], Config]) 
 
 def cmd_serve(config: Config, args: argparse.Namespace,
               sources: list[Source] | None = None) -> int:
-    try:
-        from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
-    except ImportError as exc:
-        if not is_extra_module("hub", exc):
-            raise
-        print(f"gputop: {MissingExtra('hub', exc)}", file=sys.stderr)
-        return EXIT_ERROR
+    require("hub")
+    from gputop.hub.server import DEFAULT_LISTEN, read_token, serve
 
     listen = args.listen or config.hub.listen or DEFAULT_LISTEN
     problem = listen_problem(listen)

@@ -15,8 +15,8 @@ from gputop.cli.reserve import cmd_extend, cmd_release, cmd_reservations, cmd_re
 from gputop.cli.run import cmd_run
 from gputop.cli.serve import add_serve, cmd_serve
 from gputop.config.load import Config
-from gputop.errors import EXIT_ERROR, EXIT_OK
-from gputop.extras import MissingExtra, is_extra_module
+from gputop.errors import EXIT_OK
+from gputop.extras import require
 
 
 def recorder_command(config: Config, args: argparse.Namespace) -> list[str]:
@@ -56,13 +56,8 @@ def cmd_record(config: Config, args: argparse.Namespace) -> int:
 def cmd_mcp(config: Config, args: argparse.Namespace) -> int:
     from gputop.cli.lifecycle import run_until_signal
 
-    try:
-        from gputop.agents.mcp import serve
-    except ImportError as exc:
-        if not is_extra_module("mcp", exc):
-            raise
-        print(f"gputop: {MissingExtra('mcp', exc)}", file=sys.stderr)
-        return EXIT_ERROR
+    require("mcp")
+    from gputop.agents.mcp import serve
     if config.implicit:
         print(f"gputop: no hosts file ({config.path}): the server has no hosts; run gputop "
               "init-config, or give --config", file=sys.stderr)
