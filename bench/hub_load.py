@@ -1,7 +1,7 @@
 """The hub under load: 1,000 simulated hosts x 8 GPUs and 50 event streams, some of
 which never read.
 
-    python bench/hub_load.py [--hosts 1000 --gpus 8 --seconds 60 --out bench/results/hub-load.md]
+    python -m bench.hub_load [--hosts 1000 --gpus 8 --seconds 60 --out bench/results/hub-load.md]
 
 One real hub process (tests/support/demo_hub.py: ``gputop.hub.server.serve`` over
 ``DemoSource`` hosts, 2 s interval, the default 64 MiB window and 10 s write deadline).

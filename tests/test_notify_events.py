@@ -175,6 +175,19 @@ def test_a_restarted_watcher_sends_no_duplicates(tmp_path: Path) -> None:
     assert again.got[0].key != first.got[[n.kind for n in first.got].index("idle")].key
 
 
+def test_a_standing_flag_is_told_once_through_its_hosts_failed_looks() -> None:
+    """A host that fails a look reports no GPUs: that is not the flag cleared, so the
+    flag standing before and after is one occurrence, told once."""
+    r = res("a", expires=T0 + 600 * MIN)
+    idle = [host_doc(gpu_doc(["idle-reservation"], [], rid="a"))]
+    failed = [host_doc(name="h1", ok=False)]
+    rec = Recorder()
+    w = Watcher(rec)
+    for i, hosts in enumerate((idle, failed, idle, failed, idle)):
+        w.observe(look(r).state, hosts, T0 + i * MIN)
+    assert [n.kind for n in rec.got] == ["idle"]
+
+
 def test_a_broken_memory_file_is_read_as_empty(tmp_path: Path) -> None:
     path = tmp_path / "sent.json"
     path.write_text('{"sent": [1, {"x": 2}], "open": [], "down": {"h": "nonsense"}}')

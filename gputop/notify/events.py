@@ -7,7 +7,7 @@ anything: the watcher (``gputop.notify.watcher``) remembers what was sent, so th
 occurrence is told once, and across restarts too.
 
 Every name and note here is a teammate's or a host's: it goes into notices as plain text
-(each channel escapes it) and is bounded (``_short``).
+(each channel escapes it) and is bounded (``short_text``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class Seen:
     time: datetime
 
 
-def _short(text: Any) -> str:
+def short_text(text: Any) -> str:
+    """Text bounded for a notice (a host, a target, an id): the fields compare equal."""
     s = str(text)
     return s if len(s) <= MAX_TEXT else s[:MAX_TEXT - 1] + "\u2026"
 
@@ -62,16 +63,16 @@ def use_lines(rs: Sequence[Reservation]) -> tuple[str, ...]:
     out = []
     for host, mine in by_host.items():
         gpus = ",".join(str(g) for g in sorted({r.gpu for r in mine}))
-        out.append(f"ssh {_short(host)}")
-        out.append(f"CUDA_VISIBLE_DEVICES={gpus} on {_short(host)}")
+        out.append(f"ssh {short_text(host)}")
+        out.append(f"CUDA_VISIBLE_DEVICES={gpus} on {short_text(host)}")
     return tuple(out)
 
 
 def _fields(r: Reservation) -> dict[str, str]:
-    f = {"host": _short(r.host), "gpu": str(r.gpu), "target": _short(r.target),
-         "until": iso(r.expires), "reservation": _short(r.id)}
+    f = {"host": short_text(r.host), "gpu": str(r.gpu), "target": short_text(r.target),
+         "until": iso(r.expires), "reservation": short_text(r.id)}
     if r.note:
-        f["note"] = _short(r.note)
+        f["note"] = short_text(r.note)
     if r.share_mib is not None:
         f["share_mib"] = str(r.share_mib)
     return f
@@ -110,19 +111,19 @@ def granted(old: Seen, new: Seen) -> list[Notice]:
             continue
         for r in got:
             pool.remove(r)
-        targets = ", ".join(_short(r.target) for r in got)
+        targets = ", ".join(short_text(r.target) for r in got)
         share = f" (a {got[0].share_mib} MiB share)" if w.share_mib else ""
         out.append(Notice(
             "granted", w.user, f"granted:{w.id}",
             f"Your GPUs are granted: {targets}{share}",
             (*use_lines(got), f"until {iso(got[0].expires)}"),
-            {**_fields(got[0]), "targets": targets, "waiter": _short(w.id)}))
+            {**_fields(got[0]), "targets": targets, "waiter": short_text(w.id)}))
     return out
 
 
 def grant_notice(user: str, key: str, got: Sequence[Reservation]) -> Notice:
     """``granted`` for reservations a wait just made (an agent's ``wait_for_gpus``)."""
-    targets = ", ".join(_short(r.target) for r in got)
+    targets = ", ".join(short_text(r.target) for r in got)
     return Notice("granted", user, key, f"Your GPUs are granted: {targets}",
                   (*use_lines(got), f"until {iso(got[0].expires)}" if got else ""),
                   {**(_fields(got[0]) if got else {}), "targets": targets})
@@ -130,8 +131,8 @@ def grant_notice(user: str, key: str, got: Sequence[Reservation]) -> Notice:
 
 def _extend_line(r: Reservation) -> str:
     if r.share_mib is not None:  # (extend takes whole GPUs; a share is renewed as made)
-        return f"extend it: gputop reserve {_short(r.target)} --for 1h --share {r.share_mib}M"
-    return f"extend it: gputop extend {_short(r.target)} --for 1h"
+        return f"extend it: gputop reserve {short_text(r.target)} --for 1h --share {r.share_mib}M"
+    return f"extend it: gputop extend {short_text(r.target)} --for 1h"
 
 
 def expiring(new: Seen, warn_s: float = EXPIRY_WARNING_S) -> list[Notice]:
@@ -143,7 +144,7 @@ def expiring(new: Seen, warn_s: float = EXPIRY_WARNING_S) -> list[Notice]:
         if 0 < left <= warn_s:
             out.append(Notice(
                 "expiring", r.user, f"expiring:{r.id}:{iso(r.expires)}",
-                f"Your reservation of {_short(r.target)} ends in {_duration(left)}",
+                f"Your reservation of {short_text(r.target)} ends in {_duration(left)}",
                 (_extend_line(r), f"ends {iso(r.expires)}"), _fields(r)))
     return out
 
@@ -173,7 +174,7 @@ def ended(old: Seen, new: Seen) -> list[Notice]:
         fields = _fields(r)
         lines: tuple[str, ...]
         if e is not None and e.get("action") == "force-release":
-            by = _short(e.get("by", "?"))
+            by = short_text(e.get("by", "?"))
             why, lines = f"was released by {by} (--force)", (f"released by {by}",)
             fields["by"] = by
         elif e is not None and e.get("action") == "job-ended":
@@ -184,7 +185,7 @@ def ended(old: Seen, new: Seen) -> list[Notice]:
             continue  # released by its holder
         fields["why"] = why
         out.append(Notice("ended", r.user, f"ended:{r.id}",
-                          f"Your reservation of {_short(r.target)} {why}", lines, fields))
+                          f"Your reservation of {short_text(r.target)} {why}", lines, fields))
     return out
 
 
@@ -208,16 +209,16 @@ def _holder(rdoc: Mapping[str, Any]) -> set[str]:
 def _flagged(host: str, where: str, gdoc: Mapping[str, Any], rdoc: Mapping[str, Any],
              flags: Iterable[str]) -> Iterable[tuple[str, Notice]]:
     rid, user = str(rdoc.get("id")), str(rdoc.get("user"))
-    base = {"host": _short(host), "target": _short(where), "reservation": _short(rid)}
+    base = {"host": short_text(host), "target": short_text(where), "reservation": short_text(rid)}
     for flag in flags:
         if flag == "idle-reservation":
             yield f"idle:{rid}", Notice(
-                "idle", user, "", f"Your reservation of {_short(where)} has been idle",
+                "idle", user, "", f"Your reservation of {short_text(where)} has been idle",
                 ("none of your processes ran on it for the idle grace; release it if "
-                 f"you are done: gputop release {_short(where)}",), base)
+                 f"you are done: gputop release {short_text(where)}",), base)
         elif flag == "over-share":
             yield f"over-share:{rid}", Notice(
-                "over-share", user, "", f"You use more than your share of {_short(where)}",
+                "over-share", user, "", f"You use more than your share of {short_text(where)}",
                 (f"your share: {rdoc.get('share_mib')} MiB, used: {rdoc.get('used_mib')} MiB",),
                 base)
         elif flag == "unreserved-use":
@@ -226,13 +227,13 @@ def _flagged(host: str, where: str, gdoc: Mapping[str, Any], rdoc: Mapping[str, 
             for other in others:
                 yield f"unreserved-use:{rid}:{other}:holder", Notice(
                     "unreserved-use", user, "",
-                    f"{_short(other)} runs on your reserved GPU {_short(where)}",
-                    (), base | {"by": _short(other)})
+                    f"{short_text(other)} runs on your reserved GPU {short_text(where)}",
+                    (), base | {"by": short_text(other)})
                 yield f"unreserved-use:{rid}:{other}:user", Notice(
-                    "unreserved-use", _short(other), "",
-                    f"You run on {_short(where)}, reserved by {_short(user)}",
-                    (f"it is {_short(user)}'s until {rdoc.get('expires')}",),
-                    base | {"holder": _short(user)})
+                    "unreserved-use", short_text(other), "",
+                    f"You run on {short_text(where)}, reserved by {short_text(user)}",
+                    (f"it is {short_text(user)}'s until {rdoc.get('expires')}",),
+                    base | {"holder": short_text(user)})
 
 
 def flag_conditions(hosts: Iterable[Mapping[str, Any]]) -> dict[str, Notice]:
@@ -273,8 +274,8 @@ def _shared_intruders(host: str, where: str, gdoc: Mapping[str, Any],
 def host_notice(kind: NoticeKind, host: str, since: datetime) -> Notice:
     """``host-down`` / ``host-up``, for the team channel."""
     what = "is down" if kind == "host-down" else "is back up"
-    return Notice(kind, None, f"{kind}:{host}:{iso(since)}", f"Host {_short(host)} {what}",
-                  (f"since {iso(since)}",), {"host": _short(host), "since": iso(since)})
+    return Notice(kind, None, f"{kind}:{host}:{iso(since)}", f"Host {short_text(host)} {what}",
+                  (f"since {iso(since)}",), {"host": short_text(host), "since": iso(since)})
 
 
 def digest(notices: Sequence[Notice], over: int = DIGEST_OVER) -> list[Notice]:

@@ -27,6 +27,7 @@ from gputop.notify.events import (
     flag_conditions,
     host_notice,
     iso,
+    short_text,
     store_notices,
 )
 from gputop.notify.notice import Notice, Notifier
@@ -64,6 +65,9 @@ class Watcher:
         self.sent: dict[str, None] = {}
         #: Flag conditions standing now, each with the key of its occurrence.
         self.open: dict[str, str] = {}
+        #: Each open condition's host (not kept across restarts: a host failing its
+        #: first look after one clears it, as before).
+        self.where: dict[str, str] = {}
         #: Hosts seen down, since when.
         self.down: dict[str, datetime] = {}
         self.last: Seen | None = None
@@ -112,15 +116,23 @@ class Watcher:
         return [n for n in notices if n.key not in self.sent]
 
     def _flags(self, hosts: Iterable[Mapping[str, Any]], now: datetime) -> list[Notice]:
+        hosts = list(hosts)
         standing = flag_conditions(hosts)
+        # Only a host that answered can clear its flags: one that failed this look shows
+        # no GPUs, which is not a flag gone (each failed poll was a new occurrence).
+        failed = {short_text(str(h.get("name"))) for h in hosts if h.get("status") != "ok"}
         out = []
         for cond, n in standing.items():
             key = self.open.get(cond)
             if key is None:
                 key = self.open[cond] = f"{cond}:{iso(now)}"
+            self.where[cond] = n.fields.get("host", "")
             out.append(replace(n, key=key))
         for cond in [c for c in self.open if c not in standing]:
+            if self.where.get(cond) in failed:
+                continue
             del self.open[cond]  # cleared: its next appearance is a new occurrence
+            self.where.pop(cond, None)
         return out
 
     def _hosts(self, hosts: Iterable[Mapping[str, Any]], now: datetime) -> list[Notice]:
