@@ -18,6 +18,7 @@ from gputop.reservations.state import StoreState
 
 T0 = datetime(2026, 12, 5, 12, 0, tzinfo=timezone.utc)
 MIN = timedelta(minutes=1)
+SEC = timedelta(seconds=1)
 
 
 class Recorder:
@@ -168,11 +169,13 @@ def test_a_restarted_watcher_sends_no_duplicates(tmp_path: Path) -> None:
     w = Watcher(again, path)  # restarted: the same flag still stands, the same warning
     w.observe(look(r).state, hosts, T0 + MIN)
     assert again.got == []
-    # the holder came back (flag cleared), then left again: a new occurrence
+    # the holder came back (flag cleared), then left again past the cool-down: a new
+    # occurrence
     w.observe(look(r).state, [host_doc(gpu_doc([], ["alice"], rid="a"))], T0 + 2 * MIN)
-    w.observe(look(r).state, hosts, T0 + 9 * MIN)
-    assert [n.kind for n in again.got] == ["idle"]
-    assert again.got[0].key != first.got[[n.kind for n in first.got].index("idle")].key
+    w.observe(look(r).state, hosts, T0 + 40 * MIN)
+    idle = [n for n in again.got if n.kind == "idle"]  # (and its end, by then)
+    assert len(idle) == 1
+    assert idle[0].key != first.got[[n.kind for n in first.got].index("idle")].key
 
 
 def test_a_standing_flag_is_told_once_through_its_hosts_failed_looks() -> None:
@@ -185,6 +188,36 @@ def test_a_standing_flag_is_told_once_through_its_hosts_failed_looks() -> None:
     w = Watcher(rec)
     for i, hosts in enumerate((idle, failed, idle, failed, idle)):
         w.observe(look(r).state, hosts, T0 + i * MIN)
+    assert [n.kind for n in rec.got] == ["idle"]
+
+
+def test_a_flag_that_flaps_is_one_occurrence_until_it_stays_away() -> None:
+    """A job started and stopped on someone's reserved GPU, again and again: one notice
+    to each of them, not one per start; back after the cool-down, a new one."""
+    r = res("a", expires=T0 + 600 * MIN)
+    used = [host_doc(gpu_doc(["unreserved-use"], ["bob"], rid="a"))]
+    quiet = [host_doc(gpu_doc([], [], rid="a"))]
+    rec = Recorder()
+    w = Watcher(rec)
+    for i in range(12):
+        w.observe(look(r).state, used if i % 2 == 0 else quiet, T0 + i * 2 * SEC)
+    assert sorted((n.kind, n.user) for n in rec.got) == [
+        ("unreserved-use", "alice"), ("unreserved-use", "bob")]
+    w.observe(look(r).state, used, T0 + 40 * MIN)  # after the cool-down
+    assert len(rec.got) == 4
+
+
+def test_a_standing_flags_key_is_never_forgotten_to_make_room() -> None:
+    """The memory is bounded; a flood of other keys does not push out one whose flag
+    still stands (it would be sent again)."""
+    r = res("a", expires=T0 + 6000 * MIN)
+    idle = [host_doc(gpu_doc(["idle-reservation"], [], rid="a"))]
+    rec = Recorder()
+    w = Watcher(rec)
+    w.observe(look(r).state, idle, T0)
+    w.sent.update(dict.fromkeys(f"other:{i}" for i in range(6000)))
+    w.observe(look(r).state, idle, T0 + MIN)  # trims the memory
+    w.observe(look(r).state, idle, T0 + 2 * MIN)
     assert [n.kind for n in rec.got] == ["idle"]
 
 

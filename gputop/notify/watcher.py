@@ -37,6 +37,9 @@ from gputop.reservations.state import StoreState
 #: Sent keys remembered (oldest forgotten first); each is one occurrence, most of them
 #: about a reservation that has long ended.
 MAX_KEYS = 5000
+#: A flag that comes back within this long of clearing is the same occurrence (a job that
+#: starts and stops on someone's GPU is one notice, not one per start).
+COOLDOWN_S = 1800.0
 #: A host is told down only after it failed this long (a restart of sshd is not news).
 HOST_GRACE_S = 5 * 60.0
 #: The file is refused beyond this size (a planted huge file is not read).
@@ -68,6 +71,8 @@ class Watcher:
         #: Each open condition's host (not kept across restarts: a host failing its
         #: first look after one clears it, as before).
         self.where: dict[str, str] = {}
+        #: Conditions cleared lately: their key and when (see COOLDOWN_S).
+        self.closed: dict[str, tuple[str, datetime]] = {}
         #: Hosts seen down, since when.
         self.down: dict[str, datetime] = {}
         self.last: Seen | None = None
@@ -125,14 +130,21 @@ class Watcher:
         for cond, n in standing.items():
             key = self.open.get(cond)
             if key is None:
-                key = self.open[cond] = f"{cond}:{iso(now)}"
+                was = self.closed.pop(cond, None)
+                back = was is not None and (now - was[1]).total_seconds() < COOLDOWN_S
+                key = self.open[cond] = was[0] if was is not None and back \
+                    else f"{cond}:{iso(now)}"
             self.where[cond] = n.fields.get("host", "")
             out.append(replace(n, key=key))
         for cond in [c for c in self.open if c not in standing]:
             if self.where.get(cond) in failed:
                 continue
-            del self.open[cond]  # cleared: its next appearance is a new occurrence
+            # cleared: its next appearance, past the cool-down, is a new occurrence
+            self.closed[cond] = (self.open.pop(cond), now)
             self.where.pop(cond, None)
+        for cond, (_, at) in list(self.closed.items()):
+            if (now - at).total_seconds() >= COOLDOWN_S:
+                del self.closed[cond]
         return out
 
     def _hosts(self, hosts: Iterable[Mapping[str, Any]], now: datetime) -> list[Notice]:
@@ -175,8 +187,16 @@ class Watcher:
         for n in sending:
             self.sent[n.key] = None
             self.notifier.submit(n)
-        while len(self.sent) > MAX_KEYS:
-            del self.sent[next(iter(self.sent))]
+        # Oldest first, but never a key whose condition still stands (forgotten, it
+        # would be sent again): those go to the back.
+        standing = set(self.open.values())
+        for _ in range(len(self.sent)):
+            if len(self.sent) <= MAX_KEYS:
+                break
+            oldest = next(iter(self.sent))
+            del self.sent[oldest]
+            if oldest in standing:
+                self.sent[oldest] = None
         if fresh or before != (self.open, self.down):
             self._save()
         return sending
