@@ -120,8 +120,8 @@ def test_the_examples_values_are_the_defaults(tmp_path: Path,
     monkeypatch.delenv("GPUTOP_RESERVATIONS", raising=False)
     lines, table, shown = [], "", 0
     for line in (ROOT / "hosts.example.toml").read_text(encoding="utf-8").splitlines():
-        if line.startswith("["):
-            table = line.strip("[]")
+        if line.startswith("[") or line.startswith("# ["):
+            table = line.removeprefix("# ").strip("[]")
         m = _COMMENTED_KEY.match(line)
         if m and table in ("defaults", "reservations", "history", "hub") \
                 and m.group(1) not in ILLUSTRATIONS:

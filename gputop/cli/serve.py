@@ -135,6 +135,9 @@ def cmd_serve(config: Config, args: argparse.Namespace,
 
         notifier = make_notifier(cfg) if configured(cfg) else None
         if notifier is not None:  # [notify]: this hub is the team's sender
+            # (said once: a team that also runs `gputop notify run` would send twice)
+            print(f"gputop: hub: sending notices ([notify] in {cfg.path}; one sender per "
+                  "team: stop any gputop notify run)", file=sys.stderr, flush=True)
             extra["watcher"] = make_watcher(cfg, notifier)
             extra["notify_metrics"] = notifier.counters.prometheus
         try:
