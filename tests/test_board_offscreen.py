@@ -210,6 +210,10 @@ async def test_rows_of_hosts_off_screen_are_made_when_they_come_on_screen(
         await pilot.pause()
         assert app.model._row_cache[last].built
         key = table.row_keys[table.get_row_index(last) + 1]
+        for _ in range(20):  # (its cells are drawn at the table's next paint)
+            if "37%" in on_screen(app, table, key):
+                break
+            await pilot.pause(0.1)
         assert "37%" in on_screen(app, table, key)
 
 
