@@ -207,13 +207,12 @@ async def test_rows_of_hosts_off_screen_are_made_when_they_come_on_screen(
         assert app.model.summary().gpus == 30 * 4  # (counted without their rows)
         last = fleet[-1].name
         table.action_scroll_bottom()
-        await pilot.pause()
-        assert app.model._row_cache[last].built
         key = table.row_keys[table.get_row_index(last) + 1]
-        for _ in range(20):  # (its cells are drawn at the table's next paint)
-            if "37%" in on_screen(app, table, key):
-                break
+        for _ in range(30):  # (made, and drawn, at the table's next paint after the scroll)
             await pilot.pause(0.1)
+            if app.model._row_cache[last].built and "37%" in on_screen(app, table, key):
+                break
+        assert app.model._row_cache[last].built
         assert "37%" in on_screen(app, table, key)
 
 
