@@ -411,7 +411,10 @@ def test_a_fifo_swapped_in_while_reading_over_ssh_never_holds_the_reader(
             try:
                 answers.add(str(sorted(r.gpu for r in st.read().reservations)))
             except StoreError as exc:
-                assert re.search("not a regular file|was replaced while", str(exc)), exc
+                # (on a loaded machine a read may also outlast the 2 s timeout: that
+                # reader is replaced; none may be left waiting, checked below)
+                assert re.search("not a regular file|was replaced while|connection dropped",
+                                 str(exc)), exc
                 answers.add("refused")
     finally:
         stop.set()
