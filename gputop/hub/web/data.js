@@ -4,6 +4,15 @@
 
 export const SORTS = ["host", "utilization", "free-memory"];
 export const FREE_MEMORY_SLACK_MIB = 512; // gputop.reservations.flags.FREE_MEMORY_SLACK_MIB
+/** What each flag means, in words (the board's and the wall's tooltips). */
+export const FLAG_WORDS = {
+  "unreserved-use": "used without a reservation",
+  "idle-reservation": "reserved, unused",
+  "idle-holder": "memory held at 0 %",
+  lost: "lost",
+  renumbered: "renumbered",
+};
+
 export const MAX_TEXT = 300; // longer strings are cut: a 1 MiB command line is not a row
 
 /** A finite number, or null (the document says null where a GPU reported nothing). */

@@ -6,7 +6,7 @@
 
 import {
   anyFree, clock, duration, gpuKey, gpuWords, hostWords, list, matches, num, obj, parseTime,
-  shares, str, terms, users,
+  shares, str, terms, users, FLAG_WORDS,
 } from "./data.js";
 import { el } from "./view.js";
 
@@ -20,14 +20,6 @@ const GAP = 4; // between tiles (px)
 const ROW_GAP = 6; // between host rows
 const COL_GAP = 14; // between columns of hosts
 const PER_LINE = 8; // tiles per line a host's width is worked out for (more wrap)
-
-const FLAG_WORDS = {
-  "unreserved-use": "used without a reservation",
-  "idle-reservation": "reserved, unused",
-  "idle-holder": "memory held at 0 %",
-  lost: "lost",
-  renumbered: "renumbered",
-};
 
 /** Text set as text; an element holding one text node has that node's data changed (no
  * node made or dropped: the cheap path, taken by most numbers of most updates). */

@@ -4,7 +4,7 @@
 
 import {
   anyFree, clock, duration, freeMib, gib, gpuKey, gpuWords, hostName, hostWords, instanceFree,
-  list, matches, num, obj, parseTime, processes, shares, str,
+  FLAG_WORDS, list, matches, num, obj, parseTime, processes, shares, str,
 } from "./data.js";
 
 /** An element with a class and, optionally, text (as text). */
@@ -53,14 +53,6 @@ const sight = new IntersectionObserver((entries) => {
   }
   performance.measure("gputop-draw", { start: t0 });
 }, { rootMargin: "50% 0px" });
-
-const FLAG_WORDS = {
-  "unreserved-use": "used without a reservation",
-  "idle-reservation": "reserved, unused",
-  "idle-holder": "memory held at 0 %",
-  lost: "lost",
-  renumbered: "renumbered",
-};
 
 /** A bar: a fill scaled to a fraction (a transform: no layout) and its value as text. */
 class Bar {
